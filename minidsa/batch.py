@@ -1,0 +1,114 @@
+"""What one model call sees: `ForwardMode` and `ForwardBatch`.
+
+Layout conventions (all tensors on the model's device):
+- Tokens of all requests are flattened: `T` query tokens, request b owns
+  the contiguous run `[extend_start[b], extend_start[b] + extend_lens[b])`.
+- A request's KV lives at `req_to_token[req_pool_indices[b], 0:seq_lens[b]]`
+  (row positions -> physical slots). The tokens of this step are written to
+  `out_cache_loc` *before* attention reads the cache.
+- Visibility: query token t sees the row positions `[0, kv_lens[t])` of its
+  request, plus, for a tree verify, the positions `kv_lens[t] + j` where
+  `tree_mask[t, j]` is set (its own ancestors and itself among the draft
+  tokens). Without a tree, `kv_lens[t] = position-in-row + 1` (causal).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = 0  # prefill / chunked prefill
+    DECODE = 1  # one token per request (also the draft model's steps)
+    TARGET_VERIFY = 2  # the target model scores all draft tokens at once
+    DRAFT_EXTEND = 3  # the draft model catches up on accepted tokens
+    IDLE = 4
+
+    def is_decode_like(self) -> bool:
+        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, RoPE positions
+    out_cache_loc: torch.Tensor  # [T] int64, slots this step writes
+    req_pool_indices: torch.Tensor  # [B] int64, rows of req_to_token
+    seq_lens: torch.Tensor  # [B] int64, filled row positions after this step
+    extend_lens: torch.Tensor  # [B] int64, query tokens per request
+    token_req: torch.Tensor  # [T] int64, request (batch index) of each token
+    kv_lens: torch.Tensor  # [T] int64, causal visible prefix of each token
+    logits_indices: torch.Tensor  # [N] int64, tokens whose logits are wanted
+    max_kv_len: int  # host-side bound on seq_lens (sizes the reference ops' buffers)
+    tree_mask: torch.Tensor | None = None  # [T, W] bool, extra visible positions after kv_lens
+
+    @property
+    def batch_size(self) -> int:
+        return self.req_pool_indices.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def token_rows(self) -> torch.Tensor:
+        """req_to_token row of each token."""
+        return self.req_pool_indices[self.token_req]
+
+    @classmethod
+    def build(
+        cls,
+        mode: ForwardMode,
+        input_ids: list[int] | torch.Tensor,
+        req_pool_indices: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        out_cache_loc: torch.Tensor,
+        device: torch.device | str,
+        logits: str = "last",
+        positions: list[int] | torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+        kv_lens: list[int] | torch.Tensor | None = None,
+    ) -> "ForwardBatch":
+        """Batch of requests each appending `extend_lens[b]` tokens after `prefix_lens[b]` cached ones.
+
+        `logits`: "last" (one row per request), "all" (every token) or "none".
+        Default positions and kv_lens are causal: token i of request b sits at
+        row position prefix_lens[b] + i and sees everything before it.
+        """
+        assert len(req_pool_indices) == len(prefix_lens) == len(extend_lens)
+        token_req, pos, kv = [], [], []
+        for b, (p, n) in enumerate(zip(prefix_lens, extend_lens)):
+            token_req += [b] * n
+            pos += range(p, p + n)
+            kv += range(p + 1, p + n + 1)
+        num_tokens = len(token_req)
+        ids = torch.as_tensor(input_ids, dtype=torch.int64)
+        assert ids.numel() == num_tokens, (ids.numel(), num_tokens)
+        assert out_cache_loc.numel() == num_tokens, (out_cache_loc.numel(), num_tokens)
+        if logits == "last":
+            ends = torch.tensor(extend_lens, dtype=torch.int64).cumsum(0) - 1
+            logits_idx = ends
+        elif logits == "all":
+            logits_idx = torch.arange(num_tokens, dtype=torch.int64)
+        else:
+            logits_idx = torch.zeros(0, dtype=torch.int64)
+        seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+        return cls(
+            mode=mode,
+            input_ids=ids.to(device),
+            positions=torch.as_tensor(pos if positions is None else positions, dtype=torch.int64).to(device),
+            out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
+            req_pool_indices=torch.tensor(req_pool_indices, dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            extend_lens=torch.tensor(extend_lens, dtype=torch.int64, device=device),
+            token_req=torch.tensor(token_req, dtype=torch.int64, device=device),
+            kv_lens=torch.as_tensor(kv if kv_lens is None else kv_lens, dtype=torch.int64).to(device),
+            logits_indices=logits_idx.to(device),
+            max_kv_len=max(seq_lens, default=0),
+            tree_mask=None if tree_mask is None else tree_mask.to(device),
+        )

@@ -1,0 +1,453 @@
+"""Model and engine configuration.
+
+`ModelConfig` is read from the raw `config.json` on purpose: transformers
+config objects for these models have, across releases, dropped or rewritten
+fields we depend on (`qk_rope_head_dim`, the indexer sharing schedule, ...).
+Every rejected config raises `ConfigError` naming the field and the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+ARCHITECTURES = {
+    "DeepseekV32ForCausalLM": "deepseek_v32",
+    "GlmMoeDsaForCausalLM": "glm_moe_dsa",
+}
+
+
+class ConfigError(ValueError):
+    """A config.json or engine argument that minidsa cannot serve."""
+
+    def __init__(self, field_name: str, reason: str):
+        super().__init__(f"config field '{field_name}': {reason}")
+        self.field_name = field_name
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"  # "default" | "yarn"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def inv_freq(self, dim: int) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies for `dim` rotary dims and the factor applied to cos/sin."""
+        pos_freqs = self.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        if self.rope_type == "default":
+            return 1.0 / pos_freqs, 1.0
+        factor = self.factor
+        if self.attention_factor is not None:
+            attention_factor = self.attention_factor
+        elif self.mscale and self.mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, self.mscale) / _yarn_mscale(factor, self.mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+        orig = self.original_max_position_embeddings
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(self.theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp
+        inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+        return inv_freq, float(attention_factor)
+
+    def softmax_mscale(self) -> float:
+        """YaRN's mscale², folded into the MLA softmax scale."""
+        if self.rope_type == "default" or not self.mscale_all_dim:
+            return 1.0
+        m = _yarn_mscale(self.factor, self.mscale_all_dim)
+        return m * m
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # "deepseek_v32" | "glm_moe_dsa"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    dense_layers: tuple[bool, ...]  # per main layer: dense MLP (True) or MoE
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    indexer_full: tuple[bool, ...]  # per main layer: computes its own top-k (True) or reuses the previous layer's
+    indexer_rope_interleave: bool
+    num_nextn_predict_layers: int
+    mtp_indexer_full: bool  # the nextn layer computes its own top-k even when handed indices
+    index_share_for_mtp_iteration: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str
+    hidden_act: str = "silu"
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Per-token MLA cache width: latent + rope key (576 on the real models)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim**-0.5 * self.rope.softmax_mscale()
+
+    @property
+    def num_layers_with_mtp(self) -> int:
+        return self.num_hidden_layers + self.num_nextn_predict_layers
+
+    @property
+    def num_full_indexer_layers(self) -> int:
+        return sum(self.indexer_full)
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "ModelConfig":
+        cfg_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        if not os.path.exists(cfg_path):
+            raise ConfigError("config.json", f"not found at {cfg_path}")
+        with open(cfg_path) as f:
+            try:
+                raw = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError("config.json", f"is not valid JSON: {e}") from e
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        arch = _architecture(raw)
+        g = _Getter(raw)
+        num_layers = g.int("num_hidden_layers", minimum=1)
+        num_heads = g.int("num_attention_heads", minimum=1)
+        q_lora = g.get("q_lora_rank")
+        if q_lora is None:
+            raise ConfigError("q_lora_rank", "is null; DSA models need the low-rank query path (the indexer reads it)")
+        rope_dim = g.int("qk_rope_head_dim", minimum=2)
+        if rope_dim % 2:
+            raise ConfigError("qk_rope_head_dim", f"must be even, got {rope_dim}")
+        index_head_dim = g.int("index_head_dim", minimum=1)
+        if rope_dim > index_head_dim:
+            raise ConfigError("index_head_dim", f"({index_head_dim}) is smaller than qk_rope_head_dim ({rope_dim})")
+        n_experts = g.int("n_routed_experts", minimum=1)
+        n_group = g.int("n_group", default=1, minimum=1)
+        if n_experts % n_group:
+            raise ConfigError("n_group", f"{n_group} does not divide n_routed_experts {n_experts}")
+        topk_group = g.int("topk_group", default=1, minimum=1)
+        if topk_group > n_group:
+            raise ConfigError("topk_group", f"{topk_group} exceeds n_group {n_group}")
+        top_k = g.int("num_experts_per_tok", minimum=1)
+        if top_k > n_experts * topk_group // n_group:
+            raise ConfigError("num_experts_per_tok", f"{top_k} exceeds the experts reachable in topk_group groups")
+        if n_experts // n_group < 2:
+            raise ConfigError("n_group", "each group needs at least 2 experts (group score = sum of its top 2)")
+        nextn = g.int("num_nextn_predict_layers", default=0, minimum=0)
+        if nextn > 1:
+            raise ConfigError("num_nextn_predict_layers", f"{nextn}: minidsa serves at most one MTP layer")
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError("hidden_act", f"'{act}' is not supported (only silu)")
+        default_interleave = arch == "glm_moe_dsa"
+        indexer_full = _indexer_schedule(raw, num_layers)
+        return cls(
+            architecture=arch,
+            vocab_size=g.int("vocab_size", minimum=1),
+            hidden_size=g.int("hidden_size", minimum=1),
+            intermediate_size=g.int("intermediate_size", minimum=1),
+            moe_intermediate_size=g.int("moe_intermediate_size", minimum=1),
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            q_lora_rank=int(q_lora),
+            kv_lora_rank=g.int("kv_lora_rank", minimum=1),
+            qk_nope_head_dim=g.int("qk_nope_head_dim", minimum=1),
+            qk_rope_head_dim=rope_dim,
+            v_head_dim=g.int("v_head_dim", minimum=1),
+            n_routed_experts=n_experts,
+            n_shared_experts=g.int("n_shared_experts", default=1, minimum=0),
+            num_experts_per_tok=top_k,
+            n_group=n_group,
+            topk_group=topk_group,
+            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            dense_layers=_dense_layers(raw, num_layers),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope=_rope(raw),
+            max_position_embeddings=g.int("max_position_embeddings", minimum=1),
+            index_n_heads=g.int("index_n_heads", minimum=1),
+            index_head_dim=index_head_dim,
+            index_topk=g.int("index_topk", minimum=1),
+            indexer_full=indexer_full,
+            indexer_rope_interleave=bool(raw.get("indexer_rope_interleave", default_interleave)),
+            num_nextn_predict_layers=nextn,
+            mtp_indexer_full=_mtp_indexer_full(raw, num_layers),
+            index_share_for_mtp_iteration=bool(raw.get("index_share_for_mtp_iteration", False)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["rope"] = {f.name: getattr(self.rope, f.name) for f in fields(self.rope)}
+        return out
+
+
+class _Getter:
+    def __init__(self, raw: dict[str, Any]):
+        self.raw = raw
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.raw.get(name, default)
+
+    def int(self, name: str, default: int | None = None, minimum: int | None = None) -> int:
+        value = self.raw.get(name, default)
+        if value is None:
+            raise ConfigError(name, "is missing")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(name, f"must be an integer, got {value!r}")
+        if minimum is not None and value < minimum:
+            raise ConfigError(name, f"must be >= {minimum}, got {value}")
+        return value
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    archs = raw.get("architectures") or []
+    for a in archs:
+        if a in ARCHITECTURES:
+            return ARCHITECTURES[a]
+    model_type = raw.get("model_type")
+    if model_type in ARCHITECTURES.values() and not archs:
+        return model_type
+    raise ConfigError(
+        "architectures",
+        f"{archs or model_type!r} is not a DSA model minidsa serves (expected one of {sorted(ARCHITECTURES)})",
+    )
+
+
+def _rope(raw: dict[str, Any]) -> RopeConfig:
+    params = raw.get("rope_parameters")
+    if params is None:
+        params = dict(raw.get("rope_scaling") or {})
+        if "rope_theta" not in params:
+            if "rope_theta" not in raw:
+                raise ConfigError("rope_theta", "is missing (neither rope_parameters nor rope_theta given)")
+            params["rope_theta"] = raw["rope_theta"]
+    if not isinstance(params, dict):
+        raise ConfigError("rope_parameters", f"must be an object, got {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", raw.get("rope_theta"))
+    if theta is None:
+        raise ConfigError("rope_parameters.rope_theta", "is missing")
+    if rope_type not in ("default", "yarn"):
+        raise ConfigError("rope_parameters.rope_type", f"'{rope_type}' is not supported (default or yarn)")
+    if rope_type == "default":
+        return RopeConfig(theta=float(theta))
+    orig = params.get("original_max_position_embeddings")
+    if orig is None:
+        raise ConfigError("rope_parameters.original_max_position_embeddings", "is required for yarn")
+    factor = params.get("factor")
+    if factor is None:
+        factor = raw["max_position_embeddings"] / orig
+    return RopeConfig(
+        theta=float(theta),
+        rope_type="yarn",
+        factor=float(factor),
+        original_max_position_embeddings=int(orig),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        attention_factor=params.get("attention_factor"),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+def _dense_layers(raw: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
+    types = raw.get("mlp_layer_types")
+    if types is not None:
+        if len(types) != num_layers or any(t not in ("dense", "sparse") for t in types):
+            raise ConfigError("mlp_layer_types", f"must list 'dense'/'sparse' for each of {num_layers} layers")
+        return tuple(t == "dense" for t in types)
+    k = raw.get("first_k_dense_replace", 0)
+    if not isinstance(k, int) or k < 0:
+        raise ConfigError("first_k_dense_replace", f"must be a non-negative integer, got {k!r}")
+    return tuple(i < k for i in range(num_layers))
+
+
+def indexer_schedule_from_freq(num_layers: int, freq: int, offset: int | None) -> tuple[bool, ...]:
+    """Layer i is full iff max(i - offset + 1, 0) % freq == 0 (historic rule without offset: max(i-1, 0))."""
+    if freq < 1:
+        raise ConfigError("index_topk_freq", f"must be >= 1, got {freq}")
+    if offset is None:
+        return tuple(max(i - 1, 0) % freq == 0 for i in range(num_layers))
+    if offset <= 0:
+        raise ConfigError(
+            "index_skip_topk_offset",
+            f"must be > 0, got {offset}: layer 0 would reuse the top-k of a layer that does not exist",
+        )
+    return tuple(max(i - offset + 1, 0) % freq == 0 for i in range(num_layers))
+
+
+def _indexer_schedule(raw: dict[str, Any], num_layers: int, *, extra_layers: int = 0) -> tuple[bool, ...]:
+    n = num_layers + extra_layers
+    types = raw.get("indexer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) < num_layers or any(t not in ("full", "shared") for t in types):
+            raise ConfigError("indexer_types", f"must list 'full'/'shared' for each of {num_layers} layers")
+        sched = tuple(t == "full" for t in types)
+        sched = sched + (True,) * max(0, n - len(sched))
+    elif (pattern := raw.get("index_topk_pattern")) is not None:
+        if isinstance(pattern, str):
+            if any(c not in "FS" for c in pattern):
+                raise ConfigError("index_topk_pattern", f"string must contain only 'F' and 'S', got {pattern!r}")
+            sched = tuple(c == "F" for c in pattern)
+        elif isinstance(pattern, list) and all(p in ("full", "shared", "F", "S") for p in pattern):
+            sched = tuple(p in ("full", "F") for p in pattern)
+        else:
+            raise ConfigError("index_topk_pattern", f"must be an F/S string or a list, got {pattern!r}")
+        if len(sched) < num_layers:
+            raise ConfigError("index_topk_pattern", f"has {len(sched)} entries for {num_layers} layers")
+        sched = sched + (True,) * max(0, n - len(sched))
+    elif (freq := raw.get("index_topk_freq")) is not None:
+        if isinstance(freq, bool) or not isinstance(freq, int):
+            raise ConfigError("index_topk_freq", f"must be an integer, got {freq!r}")
+        offset = raw.get("index_skip_topk_offset")
+        if offset is not None and (isinstance(offset, bool) or not isinstance(offset, int)):
+            raise ConfigError("index_skip_topk_offset", f"must be an integer, got {offset!r}")
+        sched = indexer_schedule_from_freq(n, freq, offset)
+    else:
+        sched = (True,) * n
+    sched = sched[:n]
+    if not sched[0]:
+        raise ConfigError("indexer_types", "layer 0 must compute its own top-k ('full'): it has no layer to reuse")
+    return sched
+
+
+def _mtp_indexer_full(raw: dict[str, Any], num_layers: int) -> bool:
+    """Whether the nextn layer (index num_hidden_layers) runs its own indexer even when handed top-k.
+
+    By default it reuses the indices handed to it; a schedule that covers
+    index num_hidden_layers (indexer_types / pattern entry, or the freq rule)
+    decides otherwise.
+    """
+    types = raw.get("indexer_types") or raw.get("index_topk_pattern")
+    if types is not None and len(types) <= num_layers:
+        return False
+    if types is None and raw.get("index_topk_freq") is None:
+        return False
+    return _indexer_schedule(raw, num_layers, extra_layers=1)[num_layers]
+
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ConfigError("dtype", f"'{name}' is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass
+class EngineConfig:
+    """Engine arguments. The same names are the CLI flags (`--max-total-tokens`, ...)."""
+
+    model: str | None = None  # path to a checkpoint dir or a preset name; None = embedded tiny preset
+    dtype: str = "auto"  # "auto" = bfloat16 on GPU, float32 on CPU
+    device: str = "auto"  # "auto" = cuda when available
+    page_size: int = 0  # 0 = 64 on GPU, 1 on CPU
+    max_running_requests: int = 64
+    max_total_tokens: int = 0  # KV capacity in tokens; 0 = sized from free memory (GPU) or 65536 (CPU)
+    max_model_len: int = 0  # longest prompt + output; 0 = min(max_position_embeddings, max_total_tokens)
+    chunked_prefill_size: int = 2048
+    max_prefill_tokens: int = 8192  # token budget of one step
+    seed: int = 0
+    indexer_cache_dtype: str = "auto"  # "fp8" (Hadamard + e4m3) or "model" (full precision); auto = fp8 on GPU
+    kernel_backend: str = "auto"  # "auto" | "torch" | "triton"; auto = triton on GPU, torch on CPU
+    use_deep_gemm: bool = True  # use DeepGEMM's indexer kernels when importable on SM90/SM100
+    speculative_num_steps: int = 0
+    speculative_topk: int = 1
+    speculative_num_draft_tokens: int = 0
+    index_share_for_mtp_iteration: bool | None = None
+    enable_prefix_caching: bool = True
+    enable_cuda_graph: bool = True
+    enable_compile: bool = True
+    cuda_graph_max_bs: int = 64
+    max_queued_requests: int = 4096
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> "EngineConfig":
+        def positive(name: str, allow_zero: bool = False) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if allow_zero else 1):
+                raise ConfigError(name, f"must be a {'non-negative' if allow_zero else 'positive'} integer, got {v!r}")
+
+        for name in ("max_running_requests", "chunked_prefill_size", "max_prefill_tokens", "cuda_graph_max_bs",
+                     "max_queued_requests", "speculative_topk"):
+            positive(name)
+        for name in ("page_size", "max_total_tokens", "max_model_len", "speculative_num_steps",
+                     "speculative_num_draft_tokens", "seed"):
+            positive(name, allow_zero=True)
+        if self.page_size not in (0, 1) and (self.page_size & (self.page_size - 1)):
+            raise ConfigError("page_size", f"must be 1 or a power of two (64 matches DeepGEMM), got {self.page_size}")
+        if self.dtype != "auto":
+            resolve_dtype(self.dtype)
+        if self.indexer_cache_dtype not in ("auto", "fp8", "model"):
+            raise ConfigError("indexer_cache_dtype", f"'{self.indexer_cache_dtype}' is not auto, fp8 or model")
+        if self.kernel_backend not in ("auto", "torch", "triton"):
+            raise ConfigError("kernel_backend", f"'{self.kernel_backend}' is not auto, torch or triton")
+        return self

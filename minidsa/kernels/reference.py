@@ -1,0 +1,209 @@
+"""Pure-torch reference implementations of every DSA kernel.
+
+These are the CPU path and the oracle the Triton / DeepGEMM kernels are
+tested against. They favour clarity over speed, but bound their temporary
+memory by processing query tokens in blocks.
+
+Shared conventions:
+- `index_k` is one layer's indexer key cache: either full precision
+  `[num_slots, D]`, or (dtype uint8) DeepGEMM's paged fp8 layout
+  `[num_pages, page_size * (D + 4)]` (page's e4m3 bytes, then its fp32 scales).
+- Visibility of row positions to query token t: `pos < kv_lens[t]`, or
+  `tree_mask[t, pos - kv_lens[t]]` for the positions right after it.
+- Top-k results are physical slots (via `req_to_token`), -1 padded.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_QUERY_BLOCK = 256
+
+
+@functools.lru_cache(maxsize=8)
+def _hadamard_cpu(d: int) -> torch.Tensor:
+    if d & (d - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two dim, got {d}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h * d**-0.5
+
+
+def hadamard_matrix(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Orthonormal Sylvester-Hadamard matrix (symmetric, scale d^-0.5): rotating q and k keeps q.k."""
+    return _hadamard_cpu(d).to(device)
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """x @ H over the last dim, in fp32."""
+    return x.float() @ hadamard_matrix(x.shape[-1], x.device)
+
+
+def quant_fp8_ue8m0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 with one power-of-two fp32 scale per row of the last dim: x ~= x8 * scale."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1).clamp(min=1e-10)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    x8 = (x / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return x8, scale
+
+
+def fp8_views(index_k: torch.Tensor, page_size: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys [P, page_size, D] e4m3, scales [P, page_size] fp32) views of a paged fp8 buffer."""
+    num_pages = index_k.shape[0]
+    keys = index_k[:, : page_size * head_dim].view(torch.float8_e4m3fn).view(num_pages, page_size, head_dim)
+    scales = index_k[:, page_size * head_dim :].view(torch.float32)
+    return keys, scales
+
+
+def store_index_k(index_k: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
+    """Write indexer keys `k [T, D]` at slots `loc`: as is, or Hadamard + fp8 into the paged layout."""
+    if index_k.dtype != torch.uint8:
+        index_k[loc] = k.to(index_k.dtype)
+        return
+    keys, scales = fp8_views(index_k, page_size, k.shape[-1])
+    k8, s = quant_fp8_ue8m0(hadamard_rotate(k))
+    page, off = loc // page_size, loc % page_size
+    keys[page, off] = k8
+    scales[page, off] = s
+
+
+def load_index_k(index_k: torch.Tensor, slots: torch.Tensor, page_size: int, head_dim: int) -> torch.Tensor:
+    """fp32 keys at `slots` (any shape); fp8 keys come back dequantised (still Hadamard-rotated)."""
+    if index_k.dtype != torch.uint8:
+        return index_k[slots].float()
+    keys, scales = fp8_views(index_k, page_size, head_dim)
+    page, off = slots // page_size, slots % page_size
+    return keys[page, off].float() * scales[page, off].unsqueeze(-1)
+
+
+def quant_index_q(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prepare indexer queries for the fp8 cache: Hadamard, e4m3 per (token, head), scale folded into weights.
+
+    Valid because ReLU commutes with positive scales: w * relu(s * a) = (w * s) * relu(a).
+    """
+    q8, qs = quant_fp8_ue8m0(hadamard_rotate(q))
+    return q8, weights * qs
+
+
+def visible_mask(kv_lens: torch.Tensor, width: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
+    """[T, width] bool: which row positions each query token may see."""
+    pos = torch.arange(width, device=kv_lens.device)
+    vis = pos.unsqueeze(0) < kv_lens.unsqueeze(1)
+    if tree_mask is not None:
+        rel = pos.unsqueeze(0) - kv_lens.unsqueeze(1)  # [T, width]
+        w = tree_mask.shape[1]
+        in_tree = (rel >= 0) & (rel < w)
+        tree_bits = torch.gather(tree_mask, 1, rel.clamp(0, w - 1))
+        vis = vis | (in_tree & tree_bits)
+    return vis
+
+
+def index_logits(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    index_k: torch.Tensor,
+    page_size: int,
+    req_to_token: torch.Tensor,
+    token_rows: torch.Tensor,
+    kv_lens: torch.Tensor,
+    max_kv_len: int,
+    tree_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Paged indexer scores: logits[t, p] = sum_h weights[t, h] * relu(q[t, h] . k[slot(t, p)]).
+
+    q: [T, H, D] (fp8 or float); weights: [T, H] fp32 with every scale folded
+    in. Returns [T, max_kv_len] fp32, -inf where position p is not visible.
+    """
+    num_tokens, _, head_dim = q.shape
+    out = torch.empty(num_tokens, max_kv_len, dtype=torch.float32, device=q.device)
+    for s in range(0, num_tokens, _QUERY_BLOCK):
+        e = min(s + _QUERY_BLOCK, num_tokens)
+        slots = req_to_token[token_rows[s:e], :max_kv_len].long()  # [t, L]
+        keys = load_index_k(index_k, slots, page_size, head_dim)  # [t, L, D]
+        scores = torch.einsum("thd,tld->thl", q[s:e].float(), keys).relu_()
+        logits = torch.einsum("th,thl->tl", weights[s:e].float(), scores)
+        vis = visible_mask(kv_lens[s:e], max_kv_len, None if tree_mask is None else tree_mask[s:e])
+        out[s:e] = logits.masked_fill(~vis, float("-inf"))
+    return out
+
+
+def topk_slots(
+    logits: torch.Tensor, topk: int, req_to_token: torch.Tensor, token_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k visible positions per row -> (slots [T, topk] int32, positions [T, topk] int32), -1 padded."""
+    num_tokens, width = logits.shape
+    k = min(topk, width)
+    vals, pos = logits.topk(k, dim=-1) if k > 0 else (logits[:, :0], logits[:, :0].long())
+    valid = vals > float("-inf")
+    pos = torch.where(valid, pos, -1)
+    slots = torch.gather(req_to_token[token_rows].long(), 1, pos.clamp(min=0))
+    slots = torch.where(valid, slots, -1)
+    if k < topk:
+        pad = torch.full((num_tokens, topk - k), -1, dtype=pos.dtype, device=pos.device)
+        pos, slots = torch.cat([pos, pad], 1), torch.cat([slots, pad], 1)
+    return slots.to(torch.int32), pos.to(torch.int32)
+
+
+def ragged_index_logits(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor
+) -> torch.Tensor:
+    """Prefill (ragged) form: row i scores keys [ks[i], ke[i]) of a contiguous key tensor [S_kv, D].
+
+    Returns [S, S_kv] fp32, -inf outside each row's range (DeepGEMM's fp8_mqa_logits contract).
+    """
+    scores = torch.einsum("thd,ld->thl", q.float(), keys.float()).relu_()
+    logits = torch.einsum("th,thl->tl", weights.float(), scores)
+    cols = torch.arange(keys.shape[0], device=q.device)
+    inside = (cols.unsqueeze(0) >= ks.unsqueeze(1)) & (cols.unsqueeze(0) < ke.unsqueeze(1))
+    return logits.masked_fill(~inside, float("-inf"))
+
+
+def sparse_mla(
+    q: torch.Tensor, kv_cache: torch.Tensor, topk: torch.Tensor, sm_scale: float, v_dim: int
+) -> torch.Tensor:
+    """MQA over selected latent slots: q [T, H, Dk] x cache [S, Dk] at topk [T, K] (-1 = none) -> [T, H, v_dim].
+
+    fp32 softmax; rows with no valid index give zeros.
+    """
+    num_tokens, heads, _ = q.shape
+    out = torch.zeros(num_tokens, heads, v_dim, dtype=q.dtype, device=q.device)
+    for s in range(0, num_tokens, _QUERY_BLOCK):
+        e = min(s + _QUERY_BLOCK, num_tokens)
+        idx = topk[s:e].long()
+        valid = idx >= 0
+        kv = kv_cache[idx.clamp(min=0)].float()  # [t, K, Dk]
+        scores = torch.einsum("thd,tkd->thk", q[s:e].float(), kv) * sm_scale
+        scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        out[s:e] = torch.einsum("thk,tkd->thd", probs, kv[..., :v_dim]).to(q.dtype)
+    return out
+
+
+def kv_move(
+    mla_caches: list[torch.Tensor],
+    index_caches: list[torch.Tensor | None],
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    page_size: int,
+    index_head_dim: int,
+) -> None:
+    """Copy the rows at slots `src` to slots `dst` in every layer's MLA and indexer cache."""
+    src, dst = src.long(), dst.long()
+    for cache in mla_caches:
+        cache[dst] = cache[src]
+    for cache in index_caches:
+        if cache is None:
+            continue
+        if cache.dtype != torch.uint8:
+            cache[dst] = cache[src]
+            continue
+        keys, scales = fp8_views(cache, page_size, index_head_dim)
+        sp, so = src // page_size, src % page_size
+        dp, do = dst // page_size, dst % page_size
+        keys[dp, do] = keys[sp, so]
+        scales[dp, do] = scales[sp, so]

