@@ -136,19 +136,20 @@ class KVCache:
         self.dtype = dtype
         self.indexer_fp8 = indexer_fp8
         self.device = torch.device(device)
-        self.mla = [torch.zeros(self.num_slots, kv_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        # Shared layers never write indexer keys: no buffer for them.
+        # One buffer per cache kind for all layers, so one kernel launch can move rows of every layer.
+        self.mla_buffer = torch.zeros(num_layers, self.num_slots, kv_dim, dtype=dtype, device=device)
+        self.mla = list(self.mla_buffer.unbind(0))
+        # Shared layers never write indexer keys: they get no buffer.
         has_index = indexer_layers if indexer_layers is not None else [True] * num_layers
+        self.index_layer_ids = [i for i, h in enumerate(has_index) if h]
         if indexer_fp8:
-            page_bytes = page_size * (index_head_dim + 4)
-            self.index_k = [
-                torch.zeros(num_pages, page_bytes, dtype=torch.uint8, device=device) if h else None for h in has_index
-            ]
+            shape = (len(self.index_layer_ids), num_pages, page_size * (index_head_dim + 4))
+            self.index_buffer = torch.zeros(shape, dtype=torch.uint8, device=device)
         else:
-            self.index_k = [
-                torch.zeros(self.num_slots, index_head_dim, dtype=dtype, device=device) if h else None
-                for h in has_index
-            ]
+            shape = (len(self.index_layer_ids), self.num_slots, index_head_dim)
+            self.index_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        views = iter(self.index_buffer.unbind(0))
+        self.index_k: list[torch.Tensor | None] = [next(views) if h else None for h in has_index]
 
     @staticmethod
     def bytes_per_token(num_layers: int, kv_dim: int, index_head_dim: int, dtype: torch.dtype, indexer_fp8: bool,

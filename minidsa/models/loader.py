@@ -173,6 +173,7 @@ def load_checkpoint(model: DeepseekV32ForCausalLM, path: str, dtype: torch.dtype
         elif name not in loaded:
             missing.append(name)
     if missing or unexpected:
+        missing = _summarise_missing_layers(missing, plan)
         parts = []
         if missing:
             parts.append(f"missing {len(missing)} tensors: {', '.join(missing[:30])}" + (" ..." if len(missing) > 30 else ""))
@@ -181,6 +182,24 @@ def load_checkpoint(model: DeepseekV32ForCausalLM, path: str, dtype: torch.dtype
                          + (" ..." if len(unexpected) > 30 else ""))
         raise CheckpointError(f"checkpoint {path} does not match its config: " + "; ".join(parts))
     _finish(model, dtype)
+
+
+def _summarise_missing_layers(missing: list[str], plan: _Plan) -> list[str]:
+    """Collapse a layer that is absent as a whole into one entry (clearer than 40 names)."""
+    per_layer: dict[int, list[str]] = defaultdict(list)
+    for name in missing:
+        m = _LAYER_RE.match(name)
+        if m:
+            per_layer[int(m.group(1))].append(name)
+    out = [n for n in missing if not _LAYER_RE.match(n)]
+    for layer, names in sorted(per_layer.items()):
+        total = sum(1 for n in plan.params if n.startswith(f"model.layers.{layer}."))
+        if len(names) >= total:
+            what = " (the MTP / nextn layer)" if layer == plan.mtp_index else ""
+            out.append(f"model.layers.{layer}.* (the whole layer{what})")
+        else:
+            out.extend(names)
+    return out
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -1,0 +1,87 @@
+"""A minimal paged-cache driver for model-level tests (no scheduler, no sampling).
+
+It owns the pools for one model and runs prefill (optionally chunked) and
+greedy decode steps for several requests at once, the way the engine does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minidsa.attention.dsa import DSABackend
+from minidsa.batch import ForwardBatch, ForwardMode
+from minidsa.config import ModelConfig
+from minidsa.kv_cache import KVCache, PageAllocator, ReqToTokenPool, pages_needed, slots_of
+
+
+class PagedDriver:
+    def __init__(self, model, config: ModelConfig, page_size: int = 1, num_pages: int = 0,
+                 max_reqs: int = 8, max_len: int = 256, indexer_fp8: bool = False, dtype=torch.float32):
+        self.model, self.config, self.page_size = model, config, page_size
+        num_pages = num_pages or (max_reqs * pages_needed(max_len, page_size) + 1)
+        self.alloc = PageAllocator(num_pages, page_size)
+        self.pool = ReqToTokenPool(max_reqs, max_len, "cpu")
+        layers = list(config.indexer_full) + [True] * config.num_nextn_predict_layers
+        self.kv = KVCache(config.num_layers_with_mtp, num_pages, page_size, config.kv_cache_dim,
+                          config.index_head_dim, dtype, indexer_fp8, "cpu", layers)
+        self.attn = DSABackend(self.kv, self.pool.req_to_token, config.index_topk)
+        self.reqs: list[dict] = []
+        self.last_topk: dict[int, torch.Tensor] = {}  # layer -> positions of the last step, when recording
+
+    def add(self, tokens: list[int], reserve: int) -> int:
+        row = self.pool.alloc()
+        pages = self.alloc.alloc(pages_needed(len(tokens) + reserve, self.page_size))
+        self.pool.write(row, 0, slots_of(pages, 0, len(tokens) + reserve, self.page_size))
+        self.reqs.append(dict(row=row, pages=pages, tokens=list(tokens), done=0))
+        return len(self.reqs) - 1
+
+    def _step(self, mode, ids, idx, prefix, extend, logits="last"):
+        loc = torch.cat([self.pool.req_to_token[self.reqs[i]["row"], p:p + n].long()
+                         for i, p, n in zip(idx, prefix, extend)])
+        batch = ForwardBatch.build(mode, ids, [self.reqs[i]["row"] for i in idx], prefix, extend, loc, "cpu",
+                                   logits=logits)
+        if self.attn.topk_recorder is not None:
+            self.attn.topk_recorder = []
+        with torch.no_grad():
+            out = self.model(batch, self.attn)
+        self.last_topk = dict(self.attn.topk_recorder or [])
+        return out, batch
+
+    def prefill(self, idx: list[int], chunk: int = 0, logits: str = "last"):
+        """Prefill the pending tokens of requests `idx` together; with `chunk`, at most that many per request per call."""
+        outs = []
+        while True:
+            ids, prefix, extend, which = [], [], [], []
+            for i in idx:
+                r = self.reqs[i]
+                n = len(r["tokens"]) - r["done"]
+                if chunk:
+                    n = min(n, chunk)
+                if n > 0:
+                    ids += r["tokens"][r["done"]:r["done"] + n]
+                    prefix.append(r["done"])
+                    extend.append(n)
+                    which.append(i)
+            if not which:
+                return outs
+            out, batch = self._step(ForwardMode.EXTEND, ids, which, prefix, extend, logits)
+            for i, n in zip(which, extend):
+                self.reqs[i]["done"] += n
+            outs.append((which, out, batch, self.last_topk))
+
+    def decode(self, idx: list[int], next_tokens: list[int]):
+        for i, t in zip(idx, next_tokens):
+            self.reqs[i]["tokens"].append(t)
+        prefix = [self.reqs[i]["done"] for i in idx]
+        out, batch = self._step(ForwardMode.DECODE, next_tokens, idx, prefix, [1] * len(idx))
+        for i in idx:
+            self.reqs[i]["done"] += 1
+        return out
+
+    def release_all(self):
+        for r in self.reqs:
+            self.alloc.free(r["pages"])
+            self.pool.free(r["row"])
+        self.reqs = []
+        self.alloc.check_all_free()
+        self.pool.check_all_free()
