@@ -73,12 +73,15 @@ class ForwardBatch:
         positions: list[int] | torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         kv_lens: list[int] | torch.Tensor | None = None,
+        max_kv_len: int | None = None,
     ) -> "ForwardBatch":
         """Batch of requests each appending `extend_lens[b]` tokens after `prefix_lens[b]` cached ones.
 
         `logits`: "last" (one row per request), "all" (every token) or "none".
         Default positions and kv_lens are causal: token i of request b sits at
-        row position prefix_lens[b] + i and sees everything before it.
+        row position prefix_lens[b] + i and sees everything before it. Tree
+        steps pass their own positions / kv_lens / tree_mask, and `max_kv_len`
+        when their tokens see row positions beyond prefix + extend.
         """
         assert len(req_pool_indices) == len(prefix_lens) == len(extend_lens)
         token_req, pos, kv = [], [], []
@@ -109,6 +112,6 @@ class ForwardBatch:
             token_req=torch.tensor(token_req, dtype=torch.int64, device=device),
             kv_lens=torch.as_tensor(kv if kv_lens is None else kv_lens, dtype=torch.int64).to(device),
             logits_indices=logits_idx.to(device),
-            max_kv_len=max(seq_lens, default=0),
+            max_kv_len=max(seq_lens, default=0) if max_kv_len is None else max_kv_len,
             tree_mask=None if tree_mask is None else tree_mask.to(device),
         )
