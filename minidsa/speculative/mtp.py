@@ -1,0 +1,327 @@
+"""MTP speculative decoding: draft with the nextn layer, verify with the target, accept, catch up.
+
+One round for a batch of decoding requests (n = tokens in the target cache,
+the root = the last committed token, at row position n, not yet cached):
+
+1. draft: the root's children are the draft's top-k at the last committed
+   position (kept from the previous draft extend); `num_steps - 1` DECODE
+   forwards of the MTP layer grow them into beams, each step's tokens seeing
+   the MTP cache `[0, n)` plus their own ancestors (tree mask);
+2. build a tree of `num_draft_tokens` nodes (best cumulative draft scores);
+3. TARGET_VERIFY: all nodes in one forward, node k at row position n + k,
+   RoPE position n + depth, seeing `[0, n)` plus its ancestors and itself, in
+   the indexer's top-k as well as in attention;
+4. accept: greedy longest match, or rejection sampling (tree.py);
+5. compaction (trees): the accepted path's KV, MLA and indexer caches of
+   every layer, moves to row positions n, n+1, ... with one KV-move; hidden
+   states are gathered the same way;
+6. DRAFT_EXTEND: the MTP layer runs over the accepted positions (pairing the
+   target's hidden state at position i with the token at i + 1), refreshing
+   its cache and producing the next round's root children.
+
+The scheduler decides which requests run; this module decides which tokens
+they run; the runner runs the forwards. Every out_cache_loc layout comes
+from `layout.SpecLayout`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from minidsa.batch import ForwardBatch, ForwardMode
+from minidsa.config import ConfigError, EngineConfig, ModelConfig
+from minidsa.models.deepseek_v32 import ModelOutput
+from minidsa.request import Request
+from minidsa.sampling import Sampler, probabilities, row_key
+from minidsa.speculative.layout import SpecLayout
+from minidsa.speculative.tree import DraftTree, accept_greedy, accept_sampled, grow_tree
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecOptions:
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+    share_topk_across_steps: bool  # the draft reuses its indexer top-k across draft steps (topk == 1 only)
+
+
+def resolve_spec_options(engine: EngineConfig, model: ModelConfig, page_size: int) -> SpecOptions | None:
+    """Validate the speculative engine arguments at start-up; None when speculation is off."""
+    steps, topk, ndt = engine.speculative_num_steps, engine.speculative_topk, engine.speculative_num_draft_tokens
+    if steps == 0:
+        if ndt or topk != 1:
+            raise ConfigError("speculative_num_steps", "is 0 but speculative_topk / speculative_num_draft_tokens "
+                              "are set; set speculative_num_steps >= 1 to enable MTP speculation")
+        return None
+    if model.num_nextn_predict_layers == 0:
+        raise ConfigError("speculative_num_steps", "needs a checkpoint with an MTP (nextn) layer; this one has "
+                          "num_nextn_predict_layers = 0 — drop the speculative_* arguments")
+    if topk == 1:
+        if ndt == 0:
+            ndt = steps + 1
+        if ndt != steps + 1:
+            raise ConfigError("speculative_num_draft_tokens", f"a chain (speculative_topk = 1) of {steps} steps "
+                              f"verifies exactly {steps + 1} tokens; set it to {steps + 1} or leave it 0")
+    else:
+        if page_size != 1:
+            raise ConfigError("speculative_topk", f"tree drafts (topk {topk} > 1) need page_size 1 (got {page_size}):"
+                              " compaction moves single slots; use --page-size 1 or speculative_topk 1")
+        max_nodes = topk + (steps - 1) * topk * topk
+        if ndt == 0:
+            raise ConfigError("speculative_num_draft_tokens", "must be set for tree drafts (speculative_topk > 1)")
+        if not 2 <= ndt <= max_nodes + 1:
+            raise ConfigError("speculative_num_draft_tokens", f"{ndt} is outside [2, {max_nodes + 1}] for "
+                              f"{steps} steps x topk {topk}")
+    share = engine.index_share_for_mtp_iteration
+    if share is None:
+        share = model.index_share_for_mtp_iteration and topk == 1
+    if share and topk > 1:
+        raise ConfigError("index_share_for_mtp_iteration", "reusing the draft's top-k across draft steps is only "
+                          "valid for chains (speculative_topk = 1): tree rows are reordered between steps")
+    return SpecOptions(steps, topk, ndt, bool(share))
+
+
+@dataclass
+class DraftState:
+    """Per request, what the next round starts from (stored on Request.spec_state)."""
+
+    logits: torch.Tensor  # [V] draft logits for the token after the root
+    hidden: torch.Tensor  # [H] MTP hidden state at the last committed cached position
+
+
+@dataclass
+class SpecStats:
+    verify_steps: int = 0
+    draft_tokens: int = 0  # draft tokens proposed (nodes other than the root)
+    accepted_tokens: int = 0  # draft tokens accepted
+    per_request: dict[str, list[int]] = field(default_factory=dict)  # request id -> accepted length per round
+
+    @property
+    def mean_accept_length(self) -> float:
+        """Tokens emitted per verify (accepted drafts + the bonus token)."""
+        return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+class MTPSpeculator:
+    def __init__(self, runner, options: SpecOptions, sampler: Sampler):
+        self.runner = runner
+        self.opts = options
+        self.sampler = sampler
+        self.layout = SpecLayout(options.num_steps, options.topk, options.num_draft_tokens)
+        self.stats = SpecStats()
+        # Test-only draft mode: when set, replaces the draft's proposals at each depth (e.g. with
+        # the target's own continuation, or a wrong token) so tests can force every accepted
+        # length and tree paths off the front. Signature: (request, depth >= 1, proposed tokens:
+        # the k root children at depth 1, k*k beam-major candidates deeper) -> tokens.
+        self.draft_override = None
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Row positions past the cached ones each decoding request must hold slots for."""
+        return self.layout.reserved_tokens
+
+    # ------------------------------------------------------------------ prefill
+    def on_extend(self, reqs: list[Request], batch: ForwardBatch, out: ModelOutput,
+                  next_tokens: list[int | None]) -> None:
+        """Run the MTP layer over the positions an EXTEND forward just cached.
+
+        Call it before the sampled tokens are appended. The MTP input at position
+        i pairs the target's hidden state at i with the token at i + 1: a known
+        token, or, for the last position of a request's known tokens,
+        `next_tokens[b]` (just sampled). Such a request gets its draft state.
+        """
+        ids, prefix, extend, hidden_rows, finals = [], [], [], [], []
+        start = 0
+        for b, req in enumerate(reqs):
+            n = int(batch.extend_lens[b])
+            p = int(batch.seq_lens[b]) - n
+            shifted = req.token_slice(p + 1, min(p + n + 1, req.num_tokens))
+            final = p + n >= req.num_tokens and next_tokens[b] is not None
+            if final:
+                shifted = shifted + [int(next_tokens[b])]
+            if shifted:
+                ids += shifted
+                prefix.append(p)
+                extend.append(len(shifted))
+                hidden_rows.append(torch.arange(start, start + len(shifted)))
+                finals.append((b, final))
+            start += n
+        if not extend:
+            return
+        rows = [reqs[b].row for b, _ in finals]
+        loc = SpecLayout.draft_extend_cache_loc(self.runner.req_to_token, rows, prefix, extend)
+        mtp_batch = ForwardBatch.build(ForwardMode.DRAFT_EXTEND, ids, rows, prefix, extend, loc,
+                                       self.runner.device, logits="last")
+        sel = torch.cat(hidden_rows).to(out.hidden.device)
+        reuse = out.topk[sel] if out.topk is not None else None  # same positions, same visibility
+        mout = self.runner.forward_mtp(mtp_batch, out.hidden[sel], reuse)
+        last = mtp_batch.logits_indices
+        for i, (b, final) in enumerate(finals):
+            if final:
+                reqs[b].spec_state = DraftState(logits=mout.logits[i], hidden=mout.hidden[last[i]])
+
+    # ------------------------------------------------------------------ decode
+    @torch.no_grad()
+    def decode(self, reqs: list[Request]) -> list[list[int]]:
+        """One speculative round for `reqs`; returns the new tokens of each (accepted drafts + 1)."""
+        runner, lay, opts = self.runner, self.layout, self.opts
+        dev = runner.device
+        bs = len(reqs)
+        for r in reqs:
+            assert r.seq_len == r.num_tokens - 1, "speculation starts from a cached context + one root token"
+            assert isinstance(r.spec_state, DraftState), f"request {r.request_id} has no draft state"
+        rows = torch.tensor([r.row for r in reqs], device=dev)
+        seq = torch.tensor([r.seq_len for r in reqs], device=dev)
+        trees = self._draft(reqs, rows, seq)
+        target = self._verify(reqs, rows, seq, trees)
+        return target
+
+    def _topk_children(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        vals, toks = logp.topk(self.opts.topk, dim=-1)
+        return vals, toks
+
+    def _draft(self, reqs: list[Request], rows: torch.Tensor, seq: torch.Tensor) -> list[DraftTree]:
+        runner, lay, opts = self.runner, self.layout, self.opts
+        bs, k, dev = len(reqs), opts.topk, runner.device
+        root_logits = torch.stack([r.spec_state.logits for r in reqs])
+        vals, toks = self._topk_children(root_logits)  # [bs, k]
+        toks, vals = self._override(reqs, 1, toks, vals)
+        step_lp = [[vals[b:b + 1]] for b in range(bs)]
+        step_tok = [[toks[b:b + 1]] for b in range(bs)]
+        # beams feeding each depth, as flat candidate ids of the depth before (depth 1: all k)
+        step_par: list[list] = [[None, torch.arange(k)] for _ in range(bs)]
+        if opts.num_steps > 1:
+            flat = lay.draft_cache_loc(runner.req_to_token, rows, seq)
+            steps_loc = lay.draft_steps_view(flat, bs)
+            hidden = torch.stack([r.spec_state.hidden for r in reqs]).repeat_interleave(k, 0)  # [bs*k, H]
+            beam_tok, beam_score = toks.reshape(-1), vals.reshape(-1)  # [bs*k]
+            # scratch ancestry of each beam: [bs*k, steps*k] bits over the draft region
+            ancestry = torch.zeros(bs * k, lay.draft_width, dtype=torch.bool, device=dev)
+            prev_topk = None
+            n_max = int(seq.max())
+            for f in range(opts.num_steps - 1):
+                own = lay.draft_step_positions(f, seq) - seq.repeat_interleave(k)  # = f*k + j
+                ancestry[torch.arange(bs * k, device=dev), own] = True
+                batch = ForwardBatch.build(
+                    ForwardMode.DECODE, beam_tok, rows.tolist(), seq.tolist(), [k] * bs, steps_loc[f], dev,
+                    logits="all", positions=(seq + f).repeat_interleave(k), kv_lens=seq.repeat_interleave(k),
+                    tree_mask=ancestry, max_kv_len=n_max + lay.draft_width)
+                out = runner.forward_mtp(batch, hidden, prev_topk if opts.share_topk_across_steps else None)
+                if opts.share_topk_across_steps:
+                    prev_topk = out.topk
+                lp, ch = self._topk_children(out.logits)  # [bs*k, k]
+                ch, lp = self._override(reqs, f + 2, ch.view(bs, k * k), lp.view(bs, k * k))
+                cum = beam_score.unsqueeze(1) + lp.view(bs * k, k)
+                cum_b, ch_b = cum.view(bs, k, k), ch.view(bs, k, k)
+                for b in range(bs):
+                    step_lp[b].append(cum_b[b])
+                    step_tok[b].append(ch_b[b])
+                # next beams: the k best of the k*k expanded candidates of each request
+                best = cum_b.view(bs, k * k).topk(k, dim=-1).indices  # [bs, k] flat candidate ids
+                for b in range(bs):
+                    step_par[b].append(best[b])
+                parent_beam = best // k  # which beam each new beam extends
+                gather = (torch.arange(bs, device=dev).unsqueeze(1) * k + parent_beam).reshape(-1)
+                beam_tok = ch_b.view(bs, k * k).gather(1, best).reshape(-1)
+                beam_score = cum_b.view(bs, k * k).gather(1, best).reshape(-1)
+                hidden = out.hidden[gather]
+                ancestry = ancestry[gather].clone()
+        trees = []
+        for b, r in enumerate(reqs):
+            tree = grow_tree(r.last_token, step_lp[b], step_par[b], step_tok[b], opts.num_draft_tokens)
+            trees.append(tree.padded(opts.num_draft_tokens, pad_token=0) if tree.size < opts.num_draft_tokens else tree)
+        return trees
+
+    def _override(self, reqs: list[Request], depth: int, toks: torch.Tensor,
+                  logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Apply the test-only draft override to [bs, m] proposals; replaced tokens get log-prob 0 (ranked first)."""
+        if self.draft_override is None:
+            return toks, logp
+        new = torch.tensor([list(self.draft_override(r, depth, toks[b].tolist())) for b, r in enumerate(reqs)],
+                           dtype=toks.dtype, device=toks.device)
+        assert new.shape == toks.shape, "draft_override must return as many tokens as proposed"
+        return new, torch.where(new != toks, torch.zeros_like(logp), logp)
+
+    def _verify(self, reqs: list[Request], rows: torch.Tensor, seq: torch.Tensor,
+                trees: list[DraftTree]) -> list[list[int]]:
+        runner, lay = self.runner, self.layout
+        dev, bs, nd = runner.device, len(reqs), self.opts.num_draft_tokens
+        ids = torch.tensor([t for tr in trees for t in tr.tokens], device=dev)
+        depth = torch.tensor([d for tr in trees for d in tr.depths()], device=dev)
+        mask = torch.cat([tr.ancestor_mask() for tr in trees]).to(dev)  # [bs*nd, nd]
+        loc = lay.verify_cache_loc(runner.req_to_token, rows, seq)
+        n_rep = seq.repeat_interleave(nd)
+        batch = ForwardBatch.build(
+            ForwardMode.TARGET_VERIFY, ids, rows.tolist(), seq.tolist(), [nd] * bs, loc, dev, logits="all",
+            positions=n_rep + depth, kv_lens=n_rep, tree_mask=mask, max_kv_len=int(seq.max()) + nd)
+        out = runner.forward(batch)
+        logits = out.logits.view(bs, nd, -1)
+
+        paths, new_tokens = self._accept(reqs, trees, logits)
+
+        # Compaction: accepted nodes to the front (chains are already there).
+        src, dst = lay.compaction_moves(runner.req_to_token, rows.tolist(), seq.tolist(), paths)
+        if src.numel():
+            runner.attn.kv_move(src, dst)
+        hid_rows = torch.cat([torch.tensor(p, device=dev) + b * nd for b, p in enumerate(paths)])
+        hidden = out.hidden[hid_rows]
+        for r, p in zip(reqs, paths):
+            r.seq_len += len(p)  # the root and the accepted drafts are now cached
+            self.stats.verify_steps += 1
+            self.stats.draft_tokens += nd - 1
+            self.stats.accepted_tokens += len(p) - 1
+            self.stats.per_request.setdefault(r.request_id, []).append(len(p) - 1)
+
+        # Draft extend: pair target hidden at n + m with the token at n + m + 1.
+        ext_ids = [t for toks in new_tokens for t in toks]
+        ext_len = [len(p) for p in paths]
+        prefix = seq.tolist()
+        ext_loc = SpecLayout.draft_extend_cache_loc(runner.req_to_token, rows.tolist(), prefix, ext_len)
+        ext_batch = ForwardBatch.build(ForwardMode.DRAFT_EXTEND, ext_ids, rows.tolist(), prefix, ext_len, ext_loc,
+                                       dev, logits="last")
+        reuse = None
+        if self.opts.topk == 1 and out.topk is not None:
+            reuse = out.topk[hid_rows]  # chain: verify rows sit at their final positions already
+        mout = runner.forward_mtp(ext_batch, hidden, reuse)
+        last = ext_batch.logits_indices
+        for i, r in enumerate(reqs):
+            r.spec_state = DraftState(logits=mout.logits[i], hidden=mout.hidden[last[i]])
+        return new_tokens
+
+    def _accept(self, reqs: list[Request], trees: list[DraftTree],
+                logits: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+        paths, new_tokens = [], []
+        greedy_rows = [b for b, r in enumerate(reqs) if r.params.greedy]
+        argmax = logits[greedy_rows].argmax(-1).tolist() if greedy_rows else []
+        sampled_rows = [b for b, r in enumerate(reqs) if not r.params.greedy]
+        probs = {}
+        if sampled_rows:
+            nd = logits.shape[1]
+            params = [reqs[b].params for b in sampled_rows for _ in range(nd)]
+            positions = [len(reqs[b].output_ids) for b in sampled_rows for _ in range(nd)]
+            sb = self.sampler.batch(params, positions)
+            p = probabilities(logits[sampled_rows].reshape(len(sampled_rows) * nd, -1), sb)
+            for i, b in enumerate(sampled_rows):
+                probs[b] = p[i * nd:(i + 1) * nd].cpu()
+        g = iter(argmax)
+        for b, (r, tree) in enumerate(zip(reqs, trees)):
+            if r.params.greedy:
+                path, nxt = accept_greedy(tree, next(g))
+            else:
+                key = row_key(r.params.seed, len(r.output_ids)) if r.params.seed is not None \
+                    else self.sampler.rng.getrandbits(63)
+                gen = torch.Generator().manual_seed(key & ((1 << 63) - 1))
+                path, nxt = accept_sampled(tree, probs[b], gen)
+            paths.append(path)
+            new_tokens.append([tree.tokens[k] for k in path[1:]] + [nxt])
+        return paths, new_tokens
