@@ -1,0 +1,157 @@
+"""CUDA graphs for the decode-like steps: DECODE, TARGET_VERIFY and the draft's DECODE steps.
+
+One graph per (step kind, batch-size bucket), captured at start-up largest
+first into one shared memory pool. Each graph reads static input buffers
+and writes static outputs; `replay` copies a real batch into the first rows,
+points padding rows at the dummy slot 0 (row 0 of req_to_token, one visible
+position), replays, and returns copies of the real rows' outputs. Per-step
+metadata lives in those static tensors and is refreshed before each replay;
+the graph itself never reads host state.
+
+Static shapes: a bucket of `bs` requests has `bs * tokens_per_req` tokens;
+`max_kv_len` is the req_to_token width (max context + draft tokens + 1).
+Batches larger than the largest bucket, or of another shape, run eagerly.
+
+Without a GPU the same static-buffer path can run eagerly (`capture=False`),
+which is how CPU tests check the padding logic.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from minidsa.batch import ForwardBatch, ForwardMode
+from minidsa.models.deepseek_v32 import ModelOutput
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 256)
+
+
+@dataclass(frozen=True)
+class StepKind:
+    """What a captured step looks like."""
+
+    name: str  # "decode" | "verify" | "draft"
+    mode: ForwardMode
+    tokens_per_req: int
+    tree_width: int  # 0 = causal (no tree mask)
+    mtp: bool  # runs the MTP layer (with a hidden-state input) instead of the main model
+
+
+@dataclass
+class _Static:
+    batch: ForwardBatch
+    hidden_in: torch.Tensor | None
+    graph: object | None = None
+    out: ModelOutput | None = None
+
+
+class StepGraphs:
+    def __init__(self, run_main: Callable[[ForwardBatch], ModelOutput],
+                 run_mtp: Callable[[ForwardBatch, torch.Tensor], ModelOutput],
+                 kinds: list[StepKind], buckets: list[int], max_kv_len: int, hidden_size: int,
+                 dtype: torch.dtype, device: torch.device, capture: bool = True):
+        self.run_main, self.run_mtp = run_main, run_mtp
+        self.kinds = {k.name: k for k in kinds}
+        self.buckets = sorted(set(buckets))
+        self.max_kv_len = max_kv_len
+        self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
+        self.capture = capture
+        self.static: dict[tuple[str, int], _Static] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        for kind in kinds:
+            for bs in sorted(self.buckets, reverse=True):  # largest first: later graphs reuse its pool memory
+                self.static[(kind.name, bs)] = self._capture(kind, bs)
+        if capture:
+            logger.info("captured CUDA graphs: %s x buckets %s", [k.name for k in kinds], self.buckets)
+
+    # -- shapes -----------------------------------------------------------------
+    def bucket_for(self, kind: str, bs: int) -> int | None:
+        if kind not in self.kinds:
+            return None
+        return next((b for b in self.buckets if b >= bs), None)
+
+    def _static_batch(self, kind: StepKind, bs: int) -> ForwardBatch:
+        t = bs * kind.tokens_per_req
+        dev = self.device
+        zeros = lambda n: torch.zeros(n, dtype=torch.int64, device=dev)  # noqa: E731
+        return ForwardBatch(
+            mode=kind.mode,
+            input_ids=zeros(t),
+            positions=zeros(t),
+            out_cache_loc=zeros(t),  # slot 0: the dummy slot
+            req_pool_indices=zeros(bs),
+            seq_lens=torch.ones(bs, dtype=torch.int64, device=dev),
+            extend_lens=torch.full((bs,), kind.tokens_per_req, dtype=torch.int64, device=dev),
+            token_req=torch.arange(bs, device=dev).repeat_interleave(kind.tokens_per_req),
+            kv_lens=torch.ones(t, dtype=torch.int64, device=dev),
+            logits_indices=torch.arange(t, device=dev),
+            max_kv_len=self.max_kv_len,
+            tree_mask=(torch.zeros(t, kind.tree_width, dtype=torch.bool, device=dev) if kind.tree_width else None),
+        )
+
+    def _run(self, kind: StepKind, st: _Static) -> ModelOutput:
+        if kind.mtp:
+            return self.run_mtp(st.batch, st.hidden_in)
+        return self.run_main(st.batch)
+
+    def _capture(self, kind: StepKind, bs: int) -> _Static:
+        batch = self._static_batch(kind, bs)
+        hidden = (torch.zeros(batch.num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
+                  if kind.mtp else None)
+        st = _Static(batch=batch, hidden_in=hidden)
+        if not self.capture:
+            return st
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm up: allocator, autotuning, lazy init stay out of the graph
+                self._run(kind, st)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            st.out = self._run(kind, st)
+        st.graph = graph
+        return st
+
+    # -- replay -----------------------------------------------------------------
+    def replay(self, kind_name: str, batch: ForwardBatch, hidden_in: torch.Tensor | None = None) -> ModelOutput:
+        kind = self.kinds[kind_name]
+        bs = batch.batch_size
+        bucket = self.bucket_for(kind_name, bs)
+        assert bucket is not None, f"no {kind_name} graph for batch size {bs}"
+        assert batch.num_tokens == bs * kind.tokens_per_req, (
+            f"{kind_name} graph expects {kind.tokens_per_req} tokens per request, got {batch.num_tokens} for {bs}")
+        assert batch.max_kv_len <= self.max_kv_len
+        st = self.static[(kind_name, bucket)]
+        s, t = st.batch, batch.num_tokens
+        # Refresh every per-step tensor: real rows, then padding rows at the dummy slot / row 0.
+        for name in ("input_ids", "positions", "out_cache_loc", "kv_lens"):
+            dst, src = getattr(s, name), getattr(batch, name)
+            dst[:t].copy_(src)
+            dst[t:].fill_(1 if name == "kv_lens" else 0)
+        s.req_pool_indices[:bs].copy_(batch.req_pool_indices)
+        s.req_pool_indices[bs:].fill_(0)
+        s.seq_lens[:bs].copy_(batch.seq_lens)
+        s.seq_lens[bs:].fill_(1)
+        if kind.tree_width:
+            assert batch.tree_mask is not None and batch.tree_mask.shape[1] == kind.tree_width
+            s.tree_mask[:t].copy_(batch.tree_mask)
+            s.tree_mask[t:].fill_(False)
+        if kind.mtp:
+            st.hidden_in[:t].copy_(hidden_in)
+            st.hidden_in[t:].zero_()
+        out = st.out if st.graph is not None else None
+        if st.graph is not None:
+            st.graph.replay()
+        else:
+            out = self._run(kind, st)
+        idx = batch.logits_indices
+        # Copies: the static outputs are overwritten by the next replay.
+        return ModelOutput(hidden=out.hidden[:t].clone(), logits=out.logits[idx].clone(),
+                           topk=None if out.topk is None else out.topk[:t].clone())
