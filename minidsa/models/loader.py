@@ -236,14 +236,17 @@ def build_model(config: ModelConfig, path: str | None, dtype: torch.dtype, devic
 
 @torch.no_grad()
 def init_random_weights(model: DeepseekV32ForCausalLM, seed: int, std: float) -> None:
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Deterministic random weights: the same seed gives the same model on the same device type."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight") or ".k_norm." in name and name.endswith("weight"):
+        if name.endswith("norm.weight"):
             p.fill_(1.0)
         elif name.endswith(".bias"):
             p.zero_()
         else:
-            p.copy_(torch.randn(p.shape, generator=gen) * std)
+            p.normal_(0.0, std, generator=gen)
     for mod in model.modules():
         if hasattr(mod, "e_score_correction_bias"):
-            mod.e_score_correction_bias.copy_(torch.rand(mod.e_score_correction_bias.shape, generator=gen) * 0.1)
+            bias = mod.e_score_correction_bias
+            bias.copy_(torch.rand(bias.shape, generator=gen, device=device) * 0.1)

@@ -173,9 +173,7 @@ class MTPSpeculator:
     @torch.no_grad()
     def decode(self, reqs: list[Request]) -> list[list[int]]:
         """One speculative round for `reqs`; returns the new tokens of each (accepted drafts + 1)."""
-        runner, lay, opts = self.runner, self.layout, self.opts
-        dev = runner.device
-        bs = len(reqs)
+        dev = self.runner.device
         for r in reqs:
             assert r.seq_len == r.num_tokens - 1, "speculation starts from a cached context + one root token"
             assert isinstance(r.spec_state, DraftState), f"request {r.request_id} has no draft state"

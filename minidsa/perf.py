@@ -1,0 +1,462 @@
+"""GPU decode performance suite: `minidsa bench --suite decode` (or `python -m minidsa.perf`).
+
+Measures, in one run on one GPU, on a benchmark preset with random bf16 weights:
+ (a) decode step latency and tokens/s at several batch sizes and contexts (CUDA graphs);
+ (b) MBU: bytes a step must read (weights actually used + indexer keys of the whole
+     context + the selected MLA entries) over the device-to-device copy bandwidth
+     measured in the same run;
+ (c) CUDA-graph replay vs eager at batch 1;
+ (d) DSA vs dense attention (index_topk >= context) at 8k / 32k / 128k;
+ (e) target-verify step vs decode step (MTP chain), and end-to-end tokens/s with
+     speculation at the acceptance this run measured;
+ (f) transformers on the same weights and GPU: decode tokens/s at batch 1 and 4.
+
+Contexts are synthetic: KV pages are allocated and filled with random (valid fp8)
+data instead of running long prefills; a decode step's cost does not depend on
+what the cache holds. Writes a JSON file and a markdown report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import statistics
+import subprocess
+import time
+
+import torch
+
+from minidsa.batch import ForwardBatch, ForwardMode
+from minidsa.config import EngineConfig, ModelConfig
+from minidsa.graphs import StepGraphs, StepKind
+from minidsa.kv_cache import pages_needed
+from minidsa.models.presets import preset_config
+
+logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- ceilings
+def measure_ceilings(device: torch.device) -> dict[str, float]:
+    n = 1 << 30  # 1 GiB each way
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    a.random_(0, 255)
+    t = time_cuda(lambda: b.copy_(a), iters=20)
+    copy_gbps = 2 * n / t / 1e9
+    m = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    k = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    t = time_cuda(lambda: m @ k, iters=10)
+    tflops = 2 * 8192**3 / t / 1e12
+    return {"copy_GBps": copy_gbps, "bf16_TFLOPs": tflops}
+
+
+def time_cuda(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median seconds per call, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------- byte model
+def decode_bytes(cfg: ModelConfig, bs: int, ctx: int, dtype_bytes: int = 2, with_mtp: bool = False) -> dict[str, float]:
+    """Bytes one decode step must read: weights actually used, indexer keys, selected MLA entries."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    attn = (h * cfg.q_lora_rank + cfg.q_lora_rank * heads * cfg.qk_head_dim + h * cfg.kv_cache_dim
+            + cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) + heads * cfg.v_head_dim * h)
+    indexer = cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim + h * cfg.index_head_dim + h * cfg.index_n_heads
+    expert = 3 * h * cfg.moe_intermediate_size
+    # expected distinct experts hit by bs tokens choosing k of E uniformly
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    hit = e * (1 - (1 - k / e) ** bs)
+    layers = range(cfg.num_hidden_layers)
+    weights = 0
+    for i in layers:
+        weights += attn + (indexer if cfg.indexer_full[i] else 0)
+        if cfg.dense_layers[i]:
+            weights += 3 * h * cfg.intermediate_size
+        else:
+            weights += hit * expert + cfg.n_shared_experts * expert + e * h
+    weights += cfg.vocab_size * h  # lm_head (embedding: bs rows, negligible)
+    weights *= dtype_bytes
+    full = sum(cfg.indexer_full)
+    index_keys = full * bs * ctx * (cfg.index_head_dim + 4)
+    mla = cfg.num_hidden_layers * bs * min(cfg.index_topk, ctx) * cfg.kv_cache_dim * dtype_bytes
+    return {"weights": weights, "index_keys": index_keys, "mla": mla, "total": weights + index_keys + mla}
+
+
+# ----------------------------------------------------------------------------- synthetic contexts
+class Bench:
+    def __init__(self, preset: str, max_context: int, max_batch_tokens: int, max_bs: int, index_topk: int | None = None,
+                 spec_steps: int = 0):
+        from minidsa.runner import ModelRunner
+
+        raw = preset_config(preset)
+        init_std = raw.pop("initializer_range", 0.02)
+        if index_topk is not None:
+            raw["index_topk"] = index_topk
+        self.model_config = ModelConfig.from_dict(raw)
+        self.spec_nd = spec_steps + 1 if spec_steps else 0
+        cfg = EngineConfig(model=None, dtype="bfloat16", device="cuda", page_size=64,
+                           max_running_requests=max_bs, max_total_tokens=max_batch_tokens + 64 * (max_bs + 2),
+                           max_model_len=max_context + 64, indexer_cache_dtype="fp8", kernel_backend="auto",
+                           enable_cuda_graph=False, enable_compile=False)
+        self.runner = ModelRunner(cfg, self.model_config, None, init_std=init_std, decode_reserve=64, progress=False)
+        self.device = self.runner.device
+        self._fill_cache()
+
+    def _fill_cache(self):
+        kv = self.runner.kv_cache
+        kv.mla_buffer.normal_(0, 1)
+        ps, d = kv.page_size, kv.index_head_dim
+        for layer_buf in kv.index_buffer:
+            keys = layer_buf[:, : ps * d]
+            keys.copy_(torch.randn(keys.shape, device=keys.device, dtype=torch.bfloat16)
+                       .to(torch.float8_e4m3fn).view(torch.uint8))
+            layer_buf[:, ps * d:].view(torch.float32).fill_(0.05)
+
+    def contexts(self, bs: int, ctx: int):
+        """Rows of `bs` requests holding `ctx` cached tokens each (+ room for one decode/verify step)."""
+        r = self.runner
+        ps = r.page_size
+        rows, pages = [], []
+        for _ in range(bs):
+            row = r.req_to_token_pool.alloc()
+            pg = r.allocator.alloc(pages_needed(ctx + 16, ps))
+            slots = torch.tensor([p * ps + o for p in pg for o in range(ps)][: ctx + 16], dtype=torch.int64)
+            r.req_to_token_pool.write(row, 0, slots)
+            rows.append(row)
+            pages.append(pg)
+        return rows, pages
+
+    def release(self, rows, pages):
+        for row, pg in zip(rows, pages):
+            self.runner.allocator.free(pg)
+            self.runner.req_to_token_pool.free(row)
+
+    def decode_batch(self, rows, ctx) -> ForwardBatch:
+        r2t = self.runner.req_to_token_pool.req_to_token
+        loc = r2t[torch.tensor(rows, device=self.device), ctx].long()
+        ids = torch.randint(2, 1000, (len(rows),)).tolist()
+        return ForwardBatch.build(ForwardMode.DECODE, ids, rows, [ctx] * len(rows), [1] * len(rows), loc, self.device)
+
+    def verify_batch(self, rows, ctx, nd) -> ForwardBatch:
+        r2t = self.runner.req_to_token_pool.req_to_token
+        bs = len(rows)
+        loc = torch.cat([r2t[r, ctx:ctx + nd].long() for r in rows])
+        mask = torch.tril(torch.ones(nd, nd, dtype=torch.bool)).repeat(bs, 1)
+        pos = torch.tensor([ctx + j for _ in rows for j in range(nd)])
+        kv = torch.full((bs * nd,), ctx)
+        ids = torch.randint(2, 1000, (bs * nd,)).tolist()
+        return ForwardBatch.build(ForwardMode.TARGET_VERIFY, ids, rows, [ctx] * bs, [nd] * bs, loc, self.device,
+                                  logits="all", positions=pos, kv_lens=kv, tree_mask=mask, max_kv_len=ctx + nd)
+
+    def graphs(self, kinds: list[StepKind], buckets: list[int], max_kv_len: int) -> StepGraphs:
+        r = self.runner
+        return StepGraphs(r.forward_eager, lambda b, h: r.forward_mtp(b, h, None), kinds, buckets, max_kv_len,
+                          self.model_config.hidden_size, r.dtype, r.device, capture=True)
+
+
+DECODE = StepKind("decode", ForwardMode.DECODE, 1, 0, False)
+
+
+def run_suite(args) -> dict:
+    dev = torch.device("cuda")
+    result: dict = {"device": torch.cuda.get_device_name(dev), "date": dt.date.today().isoformat(),
+                    "commit": _commit(), "torch": torch.__version__, "preset": args.preset}
+    result["ceilings"] = ceil = measure_ceilings(dev)
+    logger.info("ceilings: %s", ceil)
+    bench = Bench(args.preset, max_context=max(args.contexts + args.dense_contexts), max_batch_tokens=args.kv_tokens,
+                  max_bs=max(args.batches + [8]))
+    cfg = bench.model_config
+    result["kernels"] = bench.runner.kernels.describe()
+
+    # (a) + (b): graph decode over batch x context
+    rows_a = []
+    for ctx in args.contexts:
+        graphs = bench.graphs([DECODE], sorted(set(args.batches)), max_kv_len=ctx + 64)
+        for bs in args.batches:
+            if bs * (ctx + 64) > args.kv_tokens:
+                rows_a.append({"bs": bs, "ctx": ctx, "skipped": "KV capacity"})
+                continue
+            rows, pages = bench.contexts(bs, ctx)
+            batch = bench.decode_batch(rows, ctx)
+            t = time_cuda(lambda: graphs.replay("decode", batch), iters=args.iters)
+            by = decode_bytes(cfg, bs, ctx)
+            rows_a.append({"bs": bs, "ctx": ctx, "step_ms": t * 1e3, "tok_s": bs / t,
+                           "bytes_GB": by["total"] / 1e9, "MBU": by["total"] / t / 1e9 / ceil["copy_GBps"]})
+            bench.release(rows, pages)
+        graphs = None
+        torch.cuda.empty_cache()
+    result["decode"] = rows_a
+
+    # (c) graphs vs eager, batch 1
+    ctx = args.contexts[0]
+    rows, pages = bench.contexts(1, ctx)
+    batch = bench.decode_batch(rows, ctx)
+    graphs = bench.graphs([DECODE], [1], max_kv_len=ctx + 64)
+    t_graph = time_cuda(lambda: graphs.replay("decode", batch), iters=args.iters)
+    t_eager = time_cuda(lambda: bench.runner.forward_eager(batch), iters=max(5, args.iters // 4))
+    result["graph_vs_eager"] = {"ctx": ctx, "graph_ms": t_graph * 1e3, "eager_ms": t_eager * 1e3,
+                                "speedup": t_eager / t_graph}
+    bench.release(rows, pages)
+    graphs = None
+
+    # (e) verify vs decode (chain of nd tokens per request)
+    nd = args.spec_steps + 1
+    rows_e = []
+    for bs in (1, 8):
+        rows, pages = bench.contexts(bs, ctx)
+        verify_kind = StepKind("verify", ForwardMode.TARGET_VERIFY, nd, nd, False)
+        graphs = bench.graphs([DECODE, verify_kind], [bs], max_kv_len=ctx + 64)
+        t_dec = time_cuda(lambda: graphs.replay("decode", bench.decode_batch(rows, ctx)), iters=args.iters)
+        vb = bench.verify_batch(rows, ctx, nd)
+        t_ver = time_cuda(lambda: graphs.replay("verify", vb), iters=args.iters)
+        rows_e.append({"bs": bs, "ctx": ctx, "tokens_verified": nd, "decode_ms": t_dec * 1e3,
+                       "verify_ms": t_ver * 1e3, "ratio": t_ver / t_dec})
+        bench.release(rows, pages)
+        graphs = None
+    result["verify_vs_decode"] = rows_e
+    bench = None
+    torch.cuda.empty_cache()
+
+    # (d) DSA vs dense: same shapes with index_topk >= context
+    rows_d = []
+    for bs in args.dense_batches:
+        for ctx in args.dense_contexts:
+            if bs * (ctx + 64) > args.kv_tokens:
+                continue
+            entry = {"bs": bs, "ctx": ctx}
+            for name, topk in (("dsa", None), ("dense", ctx + 64)):
+                b = Bench(args.preset, max_context=ctx, max_batch_tokens=bs * (ctx + 64), max_bs=bs, index_topk=topk)
+                rows, pages = b.contexts(bs, ctx)
+                g = b.graphs([DECODE], [bs], max_kv_len=ctx + 64)
+                batch = b.decode_batch(rows, ctx)
+                entry[f"{name}_ms"] = time_cuda(lambda: g.replay("decode", batch), iters=args.iters) * 1e3
+                g = b = None
+                torch.cuda.empty_cache()
+            entry["dense_over_dsa"] = entry["dense_ms"] / entry["dsa_ms"]
+            rows_d.append(entry)
+    result["dsa_vs_dense"] = rows_d
+
+    # (e, end to end) speculative decoding through the engine, acceptance as measured
+    result["speculative_e2e"] = _spec_e2e(args)
+
+    # (f) transformers on the same weights
+    result["transformers"] = _transformers(args, result)
+    return result
+
+
+def _spec_e2e(args) -> dict:
+    from minidsa import LLM, SamplingParams
+
+    out = {}
+    prompts = [list(range(100 + i, 100 + i + 512)) for i in range(args.e2e_requests)]
+    params = SamplingParams(max_tokens=args.e2e_tokens, ignore_eos=True, detokenize=False)
+    for name, extra in (("plain", {}), ("mtp", {"speculative_num_steps": args.spec_steps})):
+        try:
+            llm = LLM(model=args.preset, max_running_requests=args.e2e_requests, max_total_tokens=65536,
+                      max_model_len=4096, progress=False, **extra)
+            llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            torch.cuda.synchronize()
+            elapsed = time.perf_counter() - t0
+            toks = sum(len(o.token_ids) for o in outs)
+            m = llm.engine.metrics()
+            entry = {"tok_s": toks / elapsed, "tokens": toks, "seconds": elapsed}
+            if extra:
+                entry["accepted_per_verify"] = ((m.spec_accepted_tokens_total + m.spec_verify_steps_total)
+                                                / max(1, m.spec_verify_steps_total))
+                entry["acceptance_rate"] = m.spec_accepted_tokens_total / max(1, m.spec_draft_tokens_total)
+            out[name] = entry
+            out.setdefault("outputs", {})[name] = [o.token_ids for o in outs]
+            del llm
+            torch.cuda.empty_cache()
+        except Exception as e:  # recorded, not hidden: the table says what failed
+            logger.exception("speculative e2e (%s) failed", name)
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+    outs = out.pop("outputs", {})
+    if "plain" in outs and "mtp" in outs:
+        out["lossless"] = outs["plain"] == outs["mtp"]
+    return out
+
+
+def _transformers(args, result) -> dict:
+    """HF transformers decode tokens/s with our weights copied in, batch 1 and 4."""
+    out: dict = {}
+    try:
+        import transformers
+        from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+    except Exception as e:
+        return {"error": f"transformers import: {e}"}
+    out["version"] = transformers.__version__
+    raw = preset_config(args.preset)
+    if raw["architectures"][0] != "DeepseekV32ForCausalLM":
+        return {"error": "transformers comparison implemented for bench-dsv32"}
+    raw.pop("initializer_range", None)
+    keep = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    hf_cfg = DeepseekV32Config(**keep)
+    from minidsa.models.loader import build_model
+
+    ours_cfg = ModelConfig.from_dict(preset_config(args.preset))
+    ours = build_model(ours_cfg, None, torch.bfloat16, torch.device("cuda"), seed=0, init_std=0.02, progress=False)
+    state = {k: v for k, v in ours.state_dict().items()
+             if not k.startswith(f"model.layers.{ours_cfg.num_hidden_layers}.")}
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        hf = DeepseekV32ForCausalLM(hf_cfg)
+    torch.set_default_dtype(torch.float32)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    del ours, state
+    torch.cuda.empty_cache()
+    out["unloaded"] = {"missing": list(missing)[:5], "unexpected": list(unexpected)[:5]}
+    hf.eval()
+    rows = []
+    for ctx in args.hf_contexts:
+        for bs in (1, 4):
+            entry = {"bs": bs, "ctx": ctx}
+            try:
+                ids = torch.randint(2, 1000, (bs, ctx), device="cuda")
+                with torch.no_grad():
+                    def gen(n):
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+                        torch.cuda.synchronize()
+                        return time.perf_counter() - t0
+                    gen(2)
+                    t1, tn = gen(1), gen(1 + args.hf_tokens)
+                per_token = (tn - t1) / args.hf_tokens
+                entry.update(decode_ms=per_token * 1e3, tok_s=bs / per_token)
+                ours = [r for r in result.get("decode", []) if r.get("bs") == bs and r.get("ctx") == ctx]
+                if ours and "tok_s" in ours[0]:
+                    entry["minidsa_tok_s"] = ours[0]["tok_s"]
+                    entry["minidsa_over_hf"] = ours[0]["tok_s"] / entry["tok_s"]
+            except torch.cuda.OutOfMemoryError as e:
+                entry["error"] = f"OOM: {str(e).splitlines()[0][:120]}"
+            except Exception as e:
+                entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            torch.cuda.empty_cache()
+            rows.append(entry)
+    out["rows"] = rows
+    hf = None
+    torch.cuda.empty_cache()
+    return out
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def to_markdown(r: dict) -> str:
+    c = r["ceilings"]
+    lines = [f"# minidsa decode benchmarks ({r['preset']})", "",
+             f"Device: {r['device']} — date {r['date']} — commit {r['commit']} — torch {r['torch']}",
+             f"Kernels: {r.get('kernels', '?')}",
+             f"Ceilings measured in this run: device-to-device copy {c['copy_GBps']:.0f} GB/s "
+             f"(read + write), bf16 matmul {c['bf16_TFLOPs']:.0f} TFLOP/s", "",
+             "## (a, b) Decode step with CUDA graphs; MBU = bytes that must be read / time / copy bandwidth", "",
+             "| batch | context | step ms | tokens/s | GB read | MBU |", "|---|---|---|---|---|---|"]
+    for x in r.get("decode", []):
+        if "skipped" in x:
+            lines.append(f"| {x['bs']} | {x['ctx']} | skipped ({x['skipped']}) | | | |")
+        else:
+            lines.append(f"| {x['bs']} | {x['ctx']} | {x['step_ms']:.3f} | {x['tok_s']:.0f} | {x['bytes_GB']:.2f} "
+                         f"| {x['MBU']:.1%} |")
+    g = r.get("graph_vs_eager")
+    if g:
+        lines += ["", "## (c) CUDA graph replay vs eager, batch 1", "",
+                  f"context {g['ctx']}: graph {g['graph_ms']:.3f} ms, eager {g['eager_ms']:.3f} ms — "
+                  f"**{g['speedup']:.1f}x**"]
+    lines += ["", "## (d) DSA vs dense attention (same model, index_topk >= context)", "",
+              "| batch | context | DSA ms | dense ms | dense / DSA |", "|---|---|---|---|---|"]
+    for x in r.get("dsa_vs_dense", []):
+        lines.append(f"| {x['bs']} | {x['ctx']} | {x['dsa_ms']:.3f} | {x['dense_ms']:.3f} | {x['dense_over_dsa']:.2f}x |")
+    lines += ["", "## (e) Target verify vs decode step (MTP chain), graphs", "",
+              "| batch | context | tokens verified | decode ms | verify ms | verify / decode |",
+              "|---|---|---|---|---|---|"]
+    for x in r.get("verify_vs_decode", []):
+        lines.append(f"| {x['bs']} | {x['ctx']} | {x['tokens_verified']} | {x['decode_ms']:.3f} | "
+                     f"{x['verify_ms']:.3f} | {x['ratio']:.2f} |")
+    s = r.get("speculative_e2e", {})
+    if s:
+        lines += ["", "End to end through the engine (random weights, so the MTP draft rarely agrees):", ""]
+        for k, v in s.items():
+            lines.append(f"- {k}: {json.dumps(v) if not isinstance(v, dict) else ', '.join(f'{a}={_fmt(b)}' for a, b in v.items())}")
+    t = r.get("transformers", {})
+    lines += ["", f"## (f) transformers {t.get('version', '')} on the same weights (bf16, same GPU)", ""]
+    if "error" in t:
+        lines.append(f"error: {t['error']}")
+    else:
+        lines += ["| batch | context | HF decode ms/token | HF tokens/s | minidsa tokens/s | ratio |",
+                  "|---|---|---|---|---|---|"]
+        for x in t.get("rows", []):
+            if "error" in x:
+                lines.append(f"| {x['bs']} | {x['ctx']} | {x['error']} | | | |")
+            else:
+                lines.append(f"| {x['bs']} | {x['ctx']} | {x['decode_ms']:.2f} | {x['tok_s']:.1f} | "
+                             f"{_fmt(x.get('minidsa_tok_s'))} | {_fmt(x.get('minidsa_over_hf'))}x |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="bench-dsv32")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
+    p.add_argument("--dense-contexts", type=int, nargs="+", default=[8192, 32768, 131072])
+    p.add_argument("--dense-batches", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--kv-tokens", type=int, default=4_300_000, help="KV capacity for the sweep (tokens)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--spec-steps", type=int, default=3)
+    p.add_argument("--e2e-requests", type=int, default=4)
+    p.add_argument("--e2e-tokens", type=int, default=64)
+    p.add_argument("--hf-contexts", type=int, nargs="+", default=[4096, 8192, 16384])
+    p.add_argument("--hf-tokens", type=int, default=16)
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_args(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not torch.cuda.is_available():
+        print("the decode suite needs a CUDA GPU; nothing measured")
+        return 2
+    r = run_suite(args)
+    md = to_markdown(r)
+    print(md)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
