@@ -1,0 +1,538 @@
+"""The aiohttp application: OpenAI-compatible completions and chat, models, health and metrics.
+
+Every handler decodes its body with the strict msgspec structs in
+`protocol.py`, turns it into engine requests, and reads their outputs from
+the `RequestStream` the bridge (`async_engine.py`) fills. Whatever way a
+handler ends (finished, client gone, cancelled, error), `release` aborts
+what is still running, so no request outlives its HTTP connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+import signal
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from aiohttp import web
+
+from minidsa.request import InvalidRequest, SamplingParams
+from minidsa.server import protocol as P
+from minidsa.server.async_engine import AsyncEngine, ChatPrompt, EngineRequest, Histogram, RequestStream, StreamEnd
+
+logger = logging.getLogger(__name__)
+
+ENGINE_KEY = web.AppKey("async_engine", AsyncEngine)
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DISCONNECT_POLL_S = 0.25  # how often a handler waiting for tokens checks that its client is still there
+RETRY_AFTER_S = "1"
+CLIENT_CLOSED = 499  # nginx's status for "client closed the connection before the response"
+
+
+# ---------------------------------------------------------------- engine requests from API requests
+
+
+def _sampling_params(req: P.CompletionRequest | P.ChatCompletionRequest, max_tokens: int | None, seed_offset: int,
+                     logprobs: bool) -> Any:
+    return SamplingParams(
+        max_tokens=max_tokens or 1,  # None: replaced by the context room on the engine thread
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        seed=None if req.seed is None else (req.seed + seed_offset) % 2**63,
+        stop=P.stop_list(req.stop),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+    )
+
+
+def _check_model(ae: AsyncEngine, model: str | None) -> None:
+    if model is not None and model != ae.model_name:
+        raise P.RequestError(f"The model `{model}` does not exist; this server serves `{ae.model_name}`",
+                             status=404, param="model", code="model_not_found")
+
+
+async def _start(ae: AsyncEngine, requests: list[EngineRequest]) -> RequestStream:
+    """Hand requests to the engine; engine refusals become 400 (bad request) or 503 (queue full)."""
+    if not ae.accepting:
+        raise P.RequestError("the server is shutting down", status=503, type="server_error",
+                             code="unavailable", headers={"Retry-After": RETRY_AFTER_S})
+    try:
+        return await ae.generate(requests)
+    except RuntimeError as e:  # the engine thread is not running
+        raise P.RequestError(f"the engine is not available: {e}", status=503, type="server_error",
+                             code="unavailable") from None
+    except InvalidRequest as e:
+        if type(e).__name__ == "QueueFull":
+            raise P.RequestError(f"the request queue is full: {e}", status=503, type="server_error",
+                                 code="queue_full", headers={"Retry-After": RETRY_AFTER_S}) from None
+        raise P.RequestError(str(e), param=_engine_error_param(str(e))) from None
+
+
+def _engine_error_param(message: str) -> str | None:
+    """The request field an engine InvalidRequest is about ("SamplingParams.top_p ...", "prompt is empty")."""
+    m = re.match(r"(?:SamplingParams\.)?(\w+)", message)
+    name = m.group(1) if m else None
+    return name if name in _PARAM_NAMES else None
+
+
+_PARAM_NAMES = {"prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                "stop_token_ids", "ignore_eos", "logprobs"}
+
+
+def _disconnected(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+# ---------------------------------------------------------------- accumulating outputs per choice
+
+
+@dataclass
+class _Choice:
+    index: int
+    count_prompt: bool  # only the first of n choices of a prompt counts its prompt tokens
+    text: str = ""
+    num_tokens: int = 0
+    prompt_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    logprob_tokens: list[str] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    # deltas since the last emitted chunk
+    pending_text: str = ""
+    pending_logprobs: int = 0
+
+
+class _Choices:
+    def __init__(self, request_ids: list[str], n: int, tokenizer: Any, want_logprobs: bool):
+        self.by_id = {rid: _Choice(i, i % n == 0) for i, rid in enumerate(request_ids)}
+        self.tokenizer = tokenizer
+        self.want_logprobs = want_logprobs
+
+    def update(self, item: Any) -> _Choice:
+        c = self.by_id[item.request_id]
+        if isinstance(item, StreamEnd):
+            c.finish_reason = item.finish_reason
+            c.error = item.error
+            return c
+        # cumulative fields are the source of truth: a dropped or merged delta cannot lose a token
+        if item.text.startswith(c.text):
+            delta = item.text[len(c.text):]
+        else:
+            delta = item.new_text
+        c.text += delta
+        c.pending_text += delta
+        new_ids = list(item.token_ids[c.num_tokens:])
+        if self.want_logprobs and item.logprobs is not None:
+            lps = list(item.logprobs)
+            cumulative = len(lps) == len(item.token_ids)  # the engine may send all logprobs so far, or a delta
+            new_lps = lps[c.num_tokens:] if cumulative else lps[len(lps) - len(new_ids):]
+            c.logprob_tokens += [self.tokenizer.decode([t]) for t in new_ids]
+            c.logprobs += [float(x) for x in new_lps]
+            c.pending_logprobs += len(new_ids)
+        c.num_tokens = len(item.token_ids)
+        c.prompt_tokens = len(item.prompt_token_ids)
+        if item.finished:
+            c.finish_reason = item.finish_reason or "stop"
+        return c
+
+    def usage(self) -> P.UsageInfo:
+        prompt = sum(c.prompt_tokens for c in self.by_id.values() if c.count_prompt)
+        completion = sum(c.num_tokens for c in self.by_id.values())
+        return P.UsageInfo(prompt, completion, prompt + completion)
+
+    def ordered(self) -> list[_Choice]:
+        return sorted(self.by_id.values(), key=lambda c: c.index)
+
+
+def _completion_logprobs(c: _Choice, start: int) -> P.CompletionLogprobs:
+    tokens = c.logprob_tokens[start:]
+    offset0 = sum(len(t) for t in c.logprob_tokens[:start])
+    offsets, pos = [], offset0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return P.CompletionLogprobs(tokens, c.logprobs[start:], None, offsets)
+
+
+def _chat_logprobs(c: _Choice, start: int) -> P.ChatLogprobs:
+    return P.ChatLogprobs([P.ChatTokenLogprob(t, lp, list(t.encode("utf-8", "replace")))
+                           for t, lp in zip(c.logprob_tokens[start:], c.logprobs[start:])])
+
+
+async def _collect(request: web.Request, stream: RequestStream, choices: _Choices) -> bool:
+    """Wait for every choice to finish; False if the client went away first."""
+    while not stream.finished:
+        items = await stream.get_batch(DISCONNECT_POLL_S)
+        if _disconnected(request):  # checked every batch: tokens may keep arriving for a client long gone
+            return False
+        for item in items:
+            choices.update(item)
+    errors = [c.error for c in choices.by_id.values() if c.error]
+    if errors:
+        raise P.RequestError(errors[0], status=500, type="server_error", code="engine_error")
+    return True
+
+
+async def _stream(request: web.Request, stream: RequestStream, choices: _Choices,
+                  make_chunk: Callable[[_Choice, bool], bytes], first_chunks: list[bytes],
+                  usage_chunk: Callable[[], bytes] | None) -> web.StreamResponse:
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    await resp.prepare(request)
+    try:
+        if first_chunks:
+            await resp.write(b"".join(first_chunks))
+        while not stream.finished:
+            items = await stream.get_batch(DISCONNECT_POLL_S)
+            if not items:
+                if _disconnected(request):
+                    return resp
+                continue
+            changed: dict[int, _Choice] = {}
+            for item in items:
+                c = choices.update(item)
+                changed[c.index] = c
+            out = []
+            for index in sorted(changed):
+                c = changed[index]
+                if c.pending_text or c.pending_logprobs or c.finish_reason:
+                    out.append(make_chunk(c, c.finish_reason is not None))
+                    c.pending_text, c.pending_logprobs = "", 0
+            if out:
+                await resp.write(b"".join(out))
+        tail = [usage_chunk()] if usage_chunk is not None else []
+        errors = [c.error for c in choices.by_id.values() if c.error]
+        if errors:  # the engine failed mid-stream: say so the way OpenAI streams errors
+            tail.append(_sse(P.ErrorResponse(P.ErrorBody(errors[0], "server_error", None, "engine_error"))))
+        await resp.write(b"".join(tail) + b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except ConnectionError:  # client went away mid-write; `release` aborts the requests
+        pass
+    return resp
+
+
+def _include_usage(req: P.CompletionRequest | P.ChatCompletionRequest) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + P.encode(obj) + b"\n\n"
+
+
+# ---------------------------------------------------------------- handlers
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    ae = request.app[ENGINE_KEY]
+    req = P.decode_completion_request(await request.read())
+    _check_model(ae, req.model)
+    want_logprobs = req.logprobs is not None
+    base_id = f"cmpl-{uuid.uuid4().hex}"
+    engine_requests = [
+        EngineRequest(f"{base_id}-{i * req.n + j}", prompt, _sampling_params(req, req.max_tokens, j, want_logprobs),
+                      max_tokens_to_context=req.max_tokens is None)
+        for i, prompt in enumerate(P.prompt_list(req.prompt)) for j in range(req.n)
+    ]
+    stream = await _start(ae, engine_requests)
+    try:
+        choices = _Choices(stream.request_ids, req.n, ae.engine.tokenizer, want_logprobs)
+        created = P.now()
+        if req.stream:
+            def chunk(c: _Choice, final: bool) -> bytes:
+                start = len(c.logprobs) - c.pending_logprobs
+                lp = _completion_logprobs(c, start) if want_logprobs else None
+                choice = P.CompletionChoice(c.index, c.pending_text, lp, c.finish_reason if final else None)
+                return _sse(P.CompletionResponse(base_id, created, ae.model_name, [choice]))
+
+            def usage() -> bytes:  # OpenAI's stream_options.include_usage: one last chunk with no choices
+                return _sse(P.CompletionResponse(base_id, created, ae.model_name, [], choices.usage()))
+
+            return await _stream(request, stream, choices, chunk, [], usage if _include_usage(req) else None)
+        if not await _collect(request, stream, choices):
+            return web.Response(status=CLIENT_CLOSED)  # nobody reads it; counted in /metrics
+        body = P.CompletionResponse(
+            base_id, created, ae.model_name,
+            [P.CompletionChoice(c.index, c.text, _completion_logprobs(c, 0) if want_logprobs else None,
+                                c.finish_reason) for c in choices.ordered()],
+            choices.usage())
+        return web.Response(body=P.encode(body), content_type="application/json")
+    finally:
+        ae.release(stream)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    ae = request.app[ENGINE_KEY]
+    req = P.decode_chat_request(await request.read())
+    _check_model(ae, req.model)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    prompt = ChatPrompt(P.chat_messages(req))
+    base_id = f"chatcmpl-{uuid.uuid4().hex}"
+    engine_requests = [
+        EngineRequest(f"{base_id}-{j}", prompt, _sampling_params(req, max_tokens, j, req.logprobs),
+                      max_tokens_to_context=max_tokens is None)
+        for j in range(req.n)
+    ]
+    stream = await _start(ae, engine_requests)
+    try:
+        choices = _Choices(stream.request_ids, req.n, ae.engine.tokenizer, req.logprobs)
+        created = P.now()
+        if req.stream:
+            def chunk(c: _Choice, final: bool) -> bytes:
+                start = len(c.logprobs) - c.pending_logprobs
+                lp = _chat_logprobs(c, start) if req.logprobs else None
+                delta = P.ChatDelta(content=c.pending_text) if c.pending_text else P.ChatDelta()
+                choice = P.ChatChunkChoice(c.index, delta, lp, c.finish_reason if final else None)
+                return _sse(P.ChatCompletionChunk(base_id, created, ae.model_name, [choice]))
+
+            first = [_sse(P.ChatCompletionChunk(base_id, created, ae.model_name,
+                                                [P.ChatChunkChoice(j, P.ChatDelta(role="assistant", content=""))]))
+                     for j in range(req.n)]
+            def usage() -> bytes:
+                return _sse(P.ChatCompletionChunk(base_id, created, ae.model_name, [], choices.usage()))
+
+            return await _stream(request, stream, choices, chunk, first, usage if _include_usage(req) else None)
+        if not await _collect(request, stream, choices):
+            return web.Response(status=CLIENT_CLOSED)  # nobody reads it; counted in /metrics
+        body = P.ChatCompletionResponse(
+            base_id, created, ae.model_name,
+            [P.ChatChoice(c.index, P.ChatResponseMessage("assistant", c.text),
+                          _chat_logprobs(c, 0) if req.logprobs else None, c.finish_reason)
+             for c in choices.ordered()],
+            choices.usage())
+        return web.Response(body=P.encode(body), content_type="application/json")
+    finally:
+        ae.release(stream)
+
+
+async def models(request: web.Request) -> web.Response:
+    ae = request.app[ENGINE_KEY]
+    card = P.ModelCard(ae.model_name, request.app[_STARTED_KEY], ae.max_model_len)
+    return web.Response(body=P.encode(P.ModelList([card])), content_type="application/json")
+
+
+async def model(request: web.Request) -> web.Response:
+    ae = request.app[ENGINE_KEY]
+    _check_model(ae, request.match_info["model"])
+    card = P.ModelCard(ae.model_name, request.app[_STARTED_KEY], ae.max_model_len)
+    return web.Response(body=P.encode(card), content_type="application/json")
+
+
+async def health(request: web.Request) -> web.Response:
+    ae = request.app[ENGINE_KEY]
+    if not ae.is_alive:
+        return web.json_response({"status": "error", "reason": "engine thread is not running"}, status=503)
+    if not ae.accepting:
+        return web.json_response({"status": "draining"}, status=503, headers={"Retry-After": RETRY_AFTER_S})
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(text=render_metrics(request.app[ENGINE_KEY]), content_type="text/plain",
+                        charset="utf-8", headers={"X-Prometheus-Format": "0.0.4"})
+
+
+# ---------------------------------------------------------------- Prometheus exposition
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _num(x: float) -> str:
+    return repr(float(x)) if isinstance(x, float) else str(x)
+
+
+def render_metrics(ae: AsyncEngine) -> str:
+    """Prometheus text format 0.0.4, written by hand (no prometheus_client at runtime)."""
+    model = f'model_name="{_label(ae.model_name)}"'
+    m = ae.metrics_snapshot
+    get = (lambda name: getattr(m, name, 0) or 0) if m is not None else (lambda name: 0)
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            lines.append(f"{name}{{{model}{labels}}} {_num(value)}")
+
+    def simple(name: str, kind: str, help_text: str, value: float) -> None:
+        metric(name, kind, help_text, [("", value)])
+
+    def histogram(name: str, help_text: str, h: Histogram) -> None:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} histogram")
+        cumulative = 0
+        for bound, count in zip(list(h.buckets) + [float("inf")], h.counts):
+            cumulative += count
+            le = "+Inf" if bound == float("inf") else _num(float(bound))
+            lines.append(f'{name}_bucket{{{model},le="{le}"}} {cumulative}')
+        lines.append(f"{name}_sum{{{model}}} {_num(float(h.sum))}")
+        lines.append(f"{name}_count{{{model}}} {h.count}")
+
+    simple("minidsa_num_requests_running", "gauge", "Requests in the running batch.", get("num_running"))
+    simple("minidsa_num_requests_waiting", "gauge", "Requests waiting to be scheduled.", get("num_waiting"))
+    simple("minidsa_kv_cache_usage_ratio", "gauge", "Fraction of KV cache token slots in use (0..1).",
+           float(get("kv_usage")))
+    simple("minidsa_kv_cache_used_tokens", "gauge", "KV cache token slots in use.", get("kv_used_tokens"))
+    simple("minidsa_kv_cache_total_tokens", "gauge", "KV cache token slots in all.", get("kv_total_tokens"))
+    simple("minidsa_prompt_tokens_total", "counter", "Prompt tokens prefilled.", get("prompt_tokens_total"))
+    simple("minidsa_generation_tokens_total", "counter", "Tokens generated.", get("generation_tokens_total"))
+    simple("minidsa_generation_tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.",
+           float(ae.generation_tokens_per_second()))
+    simple("minidsa_requests_finished_total", "counter", "Requests the engine finished.",
+           get("requests_finished_total"))
+    simple("minidsa_preemptions_total", "counter", "Requests preempted for KV space.", get("preemptions_total"))
+    simple("minidsa_requests_aborted_total", "counter", "Requests aborted because their client went away.",
+           ae.stats.requests_aborted)
+    simple("minidsa_engine_errors_total", "counter", "Requests failed by an engine error.", ae.stats.engine_errors)
+    metric("minidsa_request_finish_total", "counter", "Finished requests by finish reason.",
+           [(f',finish_reason="{_label(k)}"', v) for k, v in sorted(ae.stats.finish_reasons.items())])
+    metric("minidsa_http_responses_total", "counter", "HTTP responses by route and status.",
+           [(f',route="{_label(r)}",status="{s}"', v) for (r, s), v in sorted(ae.stats.http_responses.items())])
+    draft, accepted = get("spec_draft_tokens_total"), get("spec_accepted_tokens_total")
+    simple("minidsa_spec_decode_draft_tokens_total", "counter", "Speculative draft tokens proposed.", draft)
+    simple("minidsa_spec_decode_accepted_tokens_total", "counter", "Speculative draft tokens accepted.", accepted)
+    simple("minidsa_spec_decode_verify_steps_total", "counter", "Speculative verify steps.",
+           get("spec_verify_steps_total"))
+    simple("minidsa_spec_decode_acceptance_ratio", "gauge", "Accepted over proposed draft tokens (0 when off).",
+           accepted / draft if draft else 0.0)
+    histogram("minidsa_time_to_first_token_seconds", "Time from request arrival to its first token.", ae.stats.ttft)
+    histogram("minidsa_inter_token_latency_seconds", "Time between successive tokens of a request.", ae.stats.itl)
+    histogram("minidsa_e2e_request_latency_seconds", "Time from request arrival to its last token.", ae.stats.e2e)
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- middlewares and the app
+
+_STARTED_KEY = web.AppKey("started", int)
+_DRAIN_KEY = web.AppKey("drain_timeout", float)
+
+
+def _error_response(err: P.RequestError) -> web.Response:
+    return web.Response(body=P.error_body(err), status=err.status, content_type="application/json",
+                        headers=err.headers)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every failure becomes an OpenAI-style JSON error; responses are counted for /metrics."""
+    route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+    try:
+        resp = await handler(request)
+    except P.RequestError as e:
+        resp = _error_response(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        keep = {k: v for k, v in e.headers.items() if k in ("Allow", "Retry-After")}
+        resp = _error_response(P.RequestError(e.reason or "error", status=e.status, type=kind, headers=keep))
+    except (ConnectionError, asyncio.CancelledError):
+        raise
+    except Exception as e:  # noqa: BLE001 - a bug; say so in JSON and keep serving
+        logger.exception("unhandled error in %s", request.path)
+        resp = _error_response(P.RequestError(f"internal error: {type(e).__name__}: {e}", status=500,
+                                              type="server_error"))
+    request.app[ENGINE_KEY].stats.http_responses[(route, resp.status)] += 1
+    return resp
+
+
+def _auth(api_key: str | None) -> Any:
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
+        # /health and /metrics stay open for load balancers and scrapers; the API needs the key
+        if expected is not None and request.path.startswith("/v1"):
+            got = request.headers.get("Authorization", "").encode("utf-8", "replace")
+            if not hmac.compare_digest(got, expected):
+                raise P.RequestError("invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                     status=401, code="invalid_api_key")
+        return await handler(request)
+
+    return auth
+
+
+async def _on_startup(app: web.Application) -> None:
+    ae = app[ENGINE_KEY]
+    if not ae.is_alive:
+        ae.start()
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    await app[ENGINE_KEY].drain(app[_DRAIN_KEY])
+
+
+async def _on_cleanup(app: web.Application) -> None:
+    await app[ENGINE_KEY].stop()
+
+
+def build_app(async_engine: AsyncEngine, api_key: str | None = None, *, drain_timeout: float = 30.0
+              ) -> web.Application:
+    """The aiohttp app serving `async_engine`. Starting the app starts the engine thread; shutting it down
+    drains open requests for up to `drain_timeout` s (then aborts them, each stream getting a final event)
+    and stops the thread."""
+    app = web.Application(middlewares=[_errors, _auth(api_key)], client_max_size=32 * 1024 * 1024)
+    app[ENGINE_KEY] = async_engine
+    app[_STARTED_KEY] = P.now()
+    app[_DRAIN_KEY] = float(drain_timeout)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.on_startup.append(_on_startup)
+    app.on_shutdown.append(_on_shutdown)
+    app.on_cleanup.append(_on_cleanup)
+    return app
+
+
+async def start_server(app: web.Application, host: str, port: int, *, handler_cancellation: bool = True
+                       ) -> tuple[web.AppRunner, str]:
+    """Start `app` on host:port (port 0 picks a free one); returns the runner and the base URL.
+
+    With handler_cancellation aiohttp cancels a handler as soon as its client disconnects; without it the
+    handlers notice on their own (a failed write, or the transport found closed within DISCONNECT_POLL_S)."""
+    runner = web.AppRunner(app, handler_cancellation=handler_cancellation, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound_host, bound_port = runner.addresses[0][:2]
+    return runner, f"http://{bound_host}:{bound_port}"
+
+
+def serve(engine_config: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, *,
+          drain_timeout: float = 30.0) -> None:
+    """Load an Engine from `engine_config` (an EngineConfig; None = the embedded tiny preset) and serve it
+    until SIGTERM / SIGINT, then drain open requests for up to `drain_timeout` s and abort the rest."""
+    from minidsa.config import EngineConfig
+    from minidsa.engine import Engine
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = Engine(engine_config if engine_config is not None else EngineConfig())
+    asyncio.run(_serve(AsyncEngine(engine), host, port, api_key, drain_timeout))
+
+
+async def _serve(ae: AsyncEngine, host: str, port: int, api_key: str | None, drain_timeout: float) -> None:
+    runner, url = await start_server(build_app(ae, api_key, drain_timeout=drain_timeout), host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    logger.info("minidsa serving %s on %s (max_model_len %d)", ae.model_name, url, ae.max_model_len)
+    print(f"minidsa: serving {ae.model_name} on {url}", flush=True)
+    await stop.wait()
+    logger.info("shutting down: draining open requests for up to %.1f s", drain_timeout)
+    started = time.monotonic()
+    await runner.cleanup()
+    logger.info("stopped after %.1f s", time.monotonic() - started)
