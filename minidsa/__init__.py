@@ -1,0 +1,20 @@
+"""minidsa: a small PyTorch-native inference engine for DeepSeek Sparse Attention models.
+
+    from minidsa import LLM, SamplingParams
+    llm = LLM()  # embedded tiny preset; LLM(model="path/to/checkpoint") for a real one
+    print(llm.generate("Hello", SamplingParams(max_tokens=16))[0].text)
+"""
+
+from minidsa.config import EngineConfig
+from minidsa.request import SamplingParams
+
+__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    # The engine pulls in the model code; import it only when asked for.
+    if name in ("LLM", "Engine"):
+        from minidsa import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'minidsa' has no attribute {name!r}")

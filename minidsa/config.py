@@ -413,6 +413,7 @@ class EngineConfig:
     max_model_len: int = 0  # longest prompt + output; 0 = min(max_position_embeddings, max_total_tokens)
     chunked_prefill_size: int = 2048
     max_prefill_tokens: int = 8192  # token budget of one step
+    kv_cache_mem_fraction: float = 0.85  # GPU, max_total_tokens 0: share of the memory free after loading weights
     seed: int = 0
     indexer_cache_dtype: str = "auto"  # "fp8" (Hadamard + e4m3) or "model" (full precision); auto = fp8 on GPU
     kernel_backend: str = "auto"  # "auto" | "torch" | "triton"; auto = triton on GPU, torch on CPU
@@ -442,6 +443,9 @@ class EngineConfig:
         for name in ("page_size", "max_total_tokens", "max_model_len", "speculative_num_steps",
                      "speculative_num_draft_tokens", "seed"):
             positive(name, allow_zero=True)
+        mf = self.kv_cache_mem_fraction
+        if isinstance(mf, bool) or not isinstance(mf, (int, float)) or not 0.0 < mf <= 1.0:
+            raise ConfigError("kv_cache_mem_fraction", f"must be in (0, 1], got {mf!r}")
         if self.page_size not in (0, 1) and (self.page_size & (self.page_size - 1)):
             raise ConfigError("page_size", f"must be 1 or a power of two (64 matches DeepGEMM), got {self.page_size}")
         if self.dtype != "auto":

@@ -1,0 +1,204 @@
+"""Request state and the structs that cross module lines: SamplingParams, Request, RequestOutput.
+
+They are msgspec Structs (cheap to build, encode straight to JSON in the
+server). Where msgspec is not installed (the GPU machine), `Struct` falls
+back to a dataclass with the same constructor and mutable-default semantics.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import math
+import time
+from typing import Any
+
+try:
+    import msgspec
+
+    Struct = msgspec.Struct
+    HAVE_MSGSPEC = True
+except ImportError:  # pragma: no cover - exercised only on machines without msgspec
+    HAVE_MSGSPEC = False
+
+    class Struct:  # type: ignore[no-redef]
+        """Dataclass stand-in for msgspec.Struct: `x: list = []` gives each instance its own list."""
+
+        def __init_subclass__(cls, **kwargs: Any) -> None:
+            super().__init_subclass__()
+            for name in cls.__dict__.get("__annotations__", {}):
+                value = cls.__dict__.get(name, dataclasses.MISSING)
+                if isinstance(value, (list, dict, set)):
+                    setattr(cls, name, dataclasses.field(default_factory=lambda v=value: copy.copy(v)))
+            dataclasses.dataclass(cls)
+
+
+def struct_to_dict(obj: Any) -> dict[str, Any]:
+    """A Struct's fields as a plain dict (works with and without msgspec)."""
+    if HAVE_MSGSPEC and isinstance(obj, msgspec.Struct):
+        return {f: getattr(obj, f) for f in obj.__struct_fields__}
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses; the message names the problem. Nothing in the engine changed."""
+
+
+class QueueFull(InvalidRequest):
+    """More than max_queued_requests are waiting."""
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+class SamplingParams(Struct):
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy (exact argmax)
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) = off
+    min_p: float = 0.0
+    seed: int | None = None  # same seed -> same output, whatever else is in the batch
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: bool = False  # log-probability of each generated token under the model (before temperature)
+    detokenize: bool = True  # False: skip text (benchmarks); stop strings then cannot be used
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> "SamplingParams":
+        """Check every field; raise InvalidRequest naming the first bad one. Normalises `stop` and top_k=-1."""
+
+        def bad(name: str, why: str) -> InvalidRequest:
+            return InvalidRequest(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be a finite number >= 0")
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", "must be in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", "must be an integer >= 0 (0 or -1 = off)")
+        if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", "must be an integer or None")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is None:
+            self.stop = []
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be a list of non-empty strings")
+        self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise bad("stop_token_ids", "must be a list of non-negative token ids")
+        self.stop_token_ids = list(self.stop_token_ids)
+        for name in ("ignore_eos", "logprobs", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a bool")
+        if self.stop and not self.detokenize:
+            raise bad("stop", "needs detokenize=True (stop strings are matched on text)")
+        if self.top_k == -1:
+            self.top_k = 0
+        self.temperature = float(self.temperature)
+        self.top_p = float(self.top_p)
+        self.min_p = float(self.min_p)
+        return self
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0  # queued, or preempted (holds no KV)
+    RUNNING = 1  # holds a req_to_token row and KV pages
+    FINISHED = 2
+
+
+class Request(Struct):
+    """One request's state. The scheduler owns row/pages/seq_len; the engine appends tokens."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    arrival_time: float = 0.0
+    output_ids: list[int] = []
+    output_logprobs: list[float] = []
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    # KV: row of req_to_token, pages held, and how many of the request's tokens are cached.
+    row: int = -1
+    pages: list[int] = []
+    seq_len: int = 0  # row positions [0, seq_len) hold KV of tokens [0, seq_len)
+    prefill_len: int = 0  # tokens to cache before sampling again (set at admission: prompt + outputs so far)
+    admit_seq: int = -1  # admission order; preemption picks the most recent
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    # Incremental detokenizer: `text` is all output text (stop string cut off); `emitted` chars were handed out.
+    text: str = ""
+    emitted: int = 0
+    prefix_offset: int = 0
+    read_offset: int = 0
+    # Private state of the speculator (draft hidden states, ...); reset when the request is preempted.
+    spec_state: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + generated tokens."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.seq_len < self.prefill_len
+
+    @property
+    def finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole list."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+
+class RequestOutput(Struct):
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all generated ids so far
+    text: str  # generated text so far (stop string excluded, held-back text not included until safe)
+    new_token_ids: list[int]  # ids produced in this step
+    new_text: str  # text delta of this step
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    logprobs: list[float] | None = None
+    ttft_s: float | None = None
+    prompt: str | None = None
+    num_preemptions: int = 0
+
+    def __repr__(self) -> str:  # short enough for a notebook cell
+        text = self.text if len(self.text) <= 80 else self.text[:77] + "..."
+        return (f"RequestOutput(id={self.request_id!r}, tokens={len(self.token_ids)}, "
+                f"finish_reason={self.finish_reason!r}, text={text!r})")
+
+
+def now() -> float:
+    return time.perf_counter()

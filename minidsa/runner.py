@@ -1,0 +1,131 @@
+"""ModelRunner: decides HOW a batch runs. Owns the model, the KV pools and the DSA backend.
+
+The scheduler hands it requests with their KV already allocated; the runner
+turns them into a `ForwardBatch` and runs the model. Today every batch runs
+eagerly through `forward`; compiled and CUDA-graph paths will dispatch from
+there, keeping `forward_eager` the plain reference.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from minidsa.attention.dsa import DSABackend, choose_kernels
+from minidsa.batch import ForwardBatch, ForwardMode
+from minidsa.config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
+from minidsa.kv_cache import KVCache, PageAllocator, ReqToTokenPool, pages_needed
+from minidsa.models.deepseek_v32 import ModelOutput
+from minidsa.models.loader import build_model
+from minidsa.request import Request
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: str | None,
+                 init_std: float = 0.02, decode_reserve: int = 1, progress: bool = True):
+        """`config` must be resolved (no "auto" left); its max_total_tokens / max_model_len are filled in here."""
+        self.config = config
+        self.model_config = model_config
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype)
+        self.page_size = config.page_size
+        self.model = build_model(model_config, model_path, self.dtype, self.device, seed=config.seed,
+                                 init_std=init_std, progress=progress)
+
+        indexer_fp8 = config.indexer_cache_dtype == "fp8"
+        num_layers = model_config.num_layers_with_mtp
+        indexer_layers = list(model_config.indexer_full) + [True] * model_config.num_nextn_predict_layers
+        if config.max_total_tokens == 0:
+            config.max_total_tokens = self._auto_kv_tokens(num_layers, indexer_fp8, sum(indexer_layers))
+        num_pages = pages_needed(config.max_total_tokens, self.page_size) + 1  # + the reserved dummy page
+        self.allocator = PageAllocator(num_pages, self.page_size)
+        capacity = self.allocator.num_usable_pages * self.page_size
+
+        # Longest request: fits alone in the cache with room for one decode step's new positions.
+        limit = min(model_config.max_position_embeddings, capacity - decode_reserve)
+        if limit < 2:
+            raise ConfigError("max_total_tokens", f"{config.max_total_tokens} leaves no room for a request")
+        if config.max_model_len == 0:
+            config.max_model_len = limit
+        elif config.max_model_len > limit:
+            raise ConfigError("max_model_len", f"{config.max_model_len} exceeds what fits: {limit} "
+                              f"(max_position_embeddings {model_config.max_position_embeddings}, "
+                              f"KV capacity {capacity} tokens minus {decode_reserve} decode positions)")
+        self.max_model_len = config.max_model_len
+        table_width = pages_needed(self.max_model_len + decode_reserve, self.page_size) * self.page_size
+        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, table_width, self.device)
+        self.kv_cache = KVCache(num_layers, num_pages, self.page_size, model_config.kv_cache_dim,
+                                model_config.index_head_dim, self.dtype, indexer_fp8, self.device, indexer_layers)
+        self.kernels = choose_kernels(self.device, config.kernel_backend, config.use_deep_gemm)
+        self.attn = DSABackend(self.kv_cache, self.req_to_token_pool.req_to_token, model_config.index_topk,
+                               self.kernels)
+        logger.info("KV cache: %d tokens in %d pages of %d; max_model_len %d; eager forward",
+                    capacity, num_pages - 1, self.page_size, self.max_model_len)
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        """[max_running_requests, width] int32: row position -> KV slot, one row per running request."""
+        return self.req_to_token_pool.req_to_token
+
+    def _auto_kv_tokens(self, num_layers: int, indexer_fp8: bool, num_indexer_layers: int) -> int:
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_MAX_TOTAL_TOKENS
+        per_token = KVCache.bytes_per_token(num_layers, self.model_config.kv_cache_dim,
+                                            self.model_config.index_head_dim, self.dtype, indexer_fp8,
+                                            num_indexer_layers)
+        # Share of what is free once the weights are in, so other tenants of the GPU are respected;
+        # the rest is left to activations (and CUDA graphs).
+        free, _ = torch.cuda.mem_get_info(self.device)
+        budget = int(free * self.config.kv_cache_mem_fraction)
+        # Never more than every request slot filled to the longest context could use.
+        longest = self.config.max_model_len or self.model_config.max_position_embeddings
+        tokens = min(budget // per_token, self.config.max_running_requests * (longest + 2 * self.page_size))
+        if tokens < 4 * self.page_size:
+            raise ConfigError("kv_cache_mem_fraction", f"{self.config.kv_cache_mem_fraction} of the "
+                              f"{free / 2**30:.2f} GiB free after loading the weights is too little for a KV cache")
+        return tokens
+
+    # -- batches --------------------------------------------------------------
+    def _slots(self, req: Request, start: int, end: int) -> list[int]:
+        ps = self.page_size
+        return [req.pages[p // ps] * ps + p % ps for p in range(start, end)]
+
+    def extend_batch(self, reqs: list[Request], extend_lens: list[int]) -> ForwardBatch:
+        """Prefill (or chunk) of `extend_lens[b]` tokens after the `seq_len` already cached tokens."""
+        ids: list[int] = []
+        slots: list[int] = []
+        for req, n in zip(reqs, extend_lens):
+            ids += req.token_slice(req.seq_len, req.seq_len + n)
+            slots += self._slots(req, req.seq_len, req.seq_len + n)
+        return ForwardBatch.build(ForwardMode.EXTEND, ids, [r.row for r in reqs], [r.seq_len for r in reqs],
+                                  list(extend_lens), torch.tensor(slots, dtype=torch.int64), self.device)
+
+    def decode_batch(self, reqs: list[Request]) -> ForwardBatch:
+        """One token per request: its last token, written at row position seq_len."""
+        ids = [r.last_token for r in reqs]
+        slots = [self._slots(r, r.seq_len, r.seq_len + 1)[0] for r in reqs]
+        return ForwardBatch.build(ForwardMode.DECODE, ids, [r.row for r in reqs], [r.seq_len for r in reqs],
+                                  [1] * len(reqs), torch.tensor(slots, dtype=torch.int64), self.device)
+
+    # -- execution --------------------------------------------------------------
+    def forward(self, batch: ForwardBatch) -> ModelOutput:
+        """Run the main model on a batch (the one entry point; compiled / graph paths will dispatch here)."""
+        return self.forward_eager(batch)
+
+    @torch.no_grad()
+    def forward_eager(self, batch: ForwardBatch) -> ModelOutput:
+        return self.model(batch, self.attn)
+
+    @torch.no_grad()
+    def forward_mtp(self, batch: ForwardBatch, hidden_prev: torch.Tensor,
+                    prev_topk: torch.Tensor | None = None) -> ModelOutput:
+        return self.model.forward_mtp(batch, self.attn, hidden_prev, prev_topk)
+
+    def check_all_free(self) -> None:
+        self.allocator.check_all_free()
+        self.req_to_token_pool.check_all_free()

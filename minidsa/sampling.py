@@ -1,0 +1,212 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+Everything runs batched on the device; the engine reads the chosen ids back
+once per step (one host sync per step, not per token or per request).
+
+Sampling uses the exponential race: with E_v ~ Exp(1) i.i.d.,
+`argmax_v(p_v / E_v)` is a sample from p. The noise is not drawn from a
+stateful generator but computed by hashing (row key, vocab id), where the
+row key is derived from (request seed, output position). So a seeded
+request sees the same noise for its n-th token whatever else is in the
+batch and after a preemption (CPU and GPU hash the same bits; only the
+final log may differ in the last ulp); it also keeps sampling free of
+generator state (CUDA-graph friendly). Unseeded rows take a fresh
+key from the engine's host RNG (itself seeded by EngineConfig.seed).
+
+Greedy rows (temperature 0) take the exact argmax of the raw logits.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+from minidsa.request import SamplingParams
+
+_M32 = 0xFFFFFFFF
+_M64 = 0xFFFFFFFFFFFFFFFF
+_GOLDEN32 = 0x9E3779B1
+_GOLDEN64 = 0x9E3779B97F4A7C15
+
+
+def splitmix64(x: int) -> int:
+    x = (x + _GOLDEN64) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def row_key(seed: int, position: int) -> int:
+    """64-bit noise key of output position `position` of a request seeded with `seed`."""
+    return splitmix64(splitmix64(seed & _M64) ^ ((position * _GOLDEN64) & _M64))
+
+
+def as_int64(key: int) -> int:
+    """An unsigned 64-bit key as the int64 (two's complement) a tensor holds."""
+    return key - (1 << 64) if key >= (1 << 63) else key
+
+
+def _i32(c: int) -> int:
+    """A 32-bit constant as the signed int32 value with the same bits."""
+    return c - (1 << 32) if c >= (1 << 31) else c
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int32 tensors (wrapping multiply; masks make the shifts logical).
+
+    A bijection that mixes every input bit into every output bit; the same bits on CPU and GPU.
+    """
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = h * _i32(0x85EBCA6B)
+    h = h ^ ((h >> 13) & 0x7FFFF)
+    h = h * _i32(0xC2B2AE35)
+    return h ^ ((h >> 16) & 0xFFFF)
+
+
+def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise [B, V] fp32, a pure function of (keys [B] int64 64-bit key, vocab id).
+
+    h = fmix32((v * golden + key_lo) ^ key_hi): distinct vocab ids of a row hash distinct inputs, and two
+    rows share inputs only if both key halves line up (odds ~2^-32).
+    """
+    key_lo = (keys & _M32).to(torch.int32).unsqueeze(1)  # int64 -> int32 keeps the low 32 bits
+    key_hi = ((keys >> 32) & _M32).to(torch.int32).unsqueeze(1)
+    cols = torch.arange(vocab_size, dtype=torch.int32, device=keys.device) * _i32(_GOLDEN32)
+    h = _fmix32((cols.unsqueeze(0) + key_lo) ^ key_hi)
+    u = ((h >> 8) & 0xFFFFFF).to(torch.float32) * (2.0**-24) + 2.0**-25  # (0, 1), exactly representable
+    return -torch.log(u)
+
+
+def exponential_noise_reference(key: int, vocab_id: int) -> float:
+    """Pure-Python value of exponential_noise for one entry (pins the bit-exact definition in tests)."""
+    def mul(a: int, b: int) -> int:
+        return (a * b) & _M32
+
+    h = ((mul(vocab_id, _GOLDEN32) + (key & _M32)) & _M32) ^ ((key >> 32) & _M32)
+    h ^= h >> 16
+    h = mul(h, 0x85EBCA6B)
+    h ^= h >> 13
+    h = mul(h, 0xC2B2AE35)
+    h ^= h >> 16
+    u = float(h >> 8) * 2.0**-24 + 2.0**-25
+    return -math.log(u)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as device tensors, plus host flags that skip unused stages."""
+
+    temperature: torch.Tensor  # [B] fp32, 1 on greedy rows (unused there)
+    greedy: torch.Tensor  # [B] bool
+    top_k: torch.Tensor  # [B] int64, vocab size where off
+    top_p: torch.Tensor  # [B] fp32
+    min_p: torch.Tensor  # [B] fp32
+    keys: torch.Tensor  # [B] int64 noise keys (64-bit, two's complement)
+    all_greedy: bool
+    any_greedy: bool
+    use_top_k: bool
+    max_top_k: int  # largest enabled top-k (sizes torch.topk without a device sync)
+    use_top_p: bool
+    use_min_p: bool
+    want_logprobs: bool
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], positions: list[int], rng: random.Random, vocab_size: int,
+              device: torch.device | str) -> "SamplingBatch":
+        """One row per (params, output position). Unseeded sampling rows draw their key from `rng`."""
+        assert len(params) == len(positions)
+        keys = []
+        for p, pos in zip(params, positions):
+            if p.greedy:
+                keys.append(0)
+            elif p.seed is not None:
+                keys.append(row_key(p.seed, pos))
+            else:
+                keys.append(rng.getrandbits(64))
+        keys = [as_int64(k) for k in keys]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        sampling = [p for p in params if not p.greedy]
+        return cls(
+            temperature=torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32,
+                                     device=device),
+            greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            keys=torch.tensor(keys, dtype=torch.int64, device=device),
+            all_greedy=not sampling,
+            any_greedy=len(sampling) < len(params),
+            use_top_k=any(0 < p.top_k < vocab_size for p in sampling),
+            max_top_k=max([p.top_k for p in sampling if 0 < p.top_k < vocab_size], default=0),
+            use_top_p=any(p.top_p < 1.0 for p in sampling),
+            use_min_p=any(p.min_p > 0.0 for p in sampling),
+            want_logprobs=any(p.logprobs for p in params),
+        )
+
+
+def filtered_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Logits / temperature with tokens outside top-k, top-p and min-p set to -inf (rows keep >= 1 token)."""
+    x = logits.float() / sb.temperature.unsqueeze(1)
+    if sb.use_top_p:
+        # One descending sort serves top-k and top-p: rank < k, and the mass before a token < p.
+        vocab = x.shape[1]
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=x.device).unsqueeze(0)
+        keep = ranks < sb.top_k.unsqueeze(1)
+        sorted_x = sorted_x.masked_fill(~keep, float("-inf"))
+        probs = sorted_x.softmax(dim=-1)
+        keep &= (probs.cumsum(dim=-1) - probs) < sb.top_p.unsqueeze(1)
+        mask = torch.zeros_like(keep).scatter_(1, order, keep)
+        x = x.masked_fill(~mask, float("-inf"))
+    elif sb.use_top_k:
+        vocab = x.shape[1]
+        kth = x.topk(sb.max_top_k, dim=-1).values.gather(1, (sb.top_k - 1).clamp(max=sb.max_top_k - 1).unsqueeze(1))
+        kth = kth.masked_fill(sb.top_k.unsqueeze(1) >= vocab, float("-inf"))  # rows without top-k keep all
+        x = x.masked_fill(x < kth, float("-inf"))
+    if sb.use_min_p:
+        probs = x.softmax(dim=-1)
+        floor = probs.amax(dim=-1, keepdim=True) * sb.min_p.unsqueeze(1)
+        x = x.masked_fill(probs < floor, float("-inf"))
+    return x
+
+
+def probabilities(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """The distribution each sampling row draws from (after temperature and filters), [B, V] fp32."""
+    return filtered_logits(logits, sb).softmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token ids [B] int64 (on device) and, if any row asked, log-probs [B] of the chosen ids under the model."""
+    greedy_ids = logits.argmax(dim=-1)
+    if sb.all_greedy:
+        ids = greedy_ids
+    else:
+        probs = probabilities(logits, sb)
+        noise = exponential_noise(sb.keys, logits.shape[1])
+        sampled = (probs / noise).argmax(dim=-1)
+        ids = torch.where(sb.greedy, greedy_ids, sampled) if sb.any_greedy else sampled
+    logprobs = None
+    if sb.want_logprobs:
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
+    return ids, logprobs
+
+
+class Sampler:
+    """Holds the host RNG for unseeded rows; the engine and the speculator sample through it."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str, seed: int = 0):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.rng = random.Random(seed)
+
+    def batch(self, params: list[SamplingParams], positions: list[int]) -> SamplingBatch:
+        return SamplingBatch.build(params, positions, self.rng, self.vocab_size, self.device)
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 positions: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if all(p.greedy and not p.logprobs for p in params):  # the common case needs no parameter tensors
+            return logits.argmax(dim=-1), None
+        return sample(logits, self.batch(params, positions))

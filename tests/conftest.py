@@ -1,0 +1,60 @@
+"""Shared test fixtures.
+
+- An autouse KV-leak check: after every test, every Engine created during
+  the test (and every shared fixture engine) must hold exactly the KV pages
+  and req_to_token rows of its running requests, and none once it has no
+  unfinished request. A leak fails the test that caused it.
+- `tiny_llm`: one LLM on the embedded tiny preset (fp32, CPU) for the
+  whole session, so tests do not pay for building a model each.
+- torch uses one intra-op thread (MINIDSA_TEST_THREADS overrides).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# CI runs `pytest -n 2` on 2 cores: one intra-op thread per worker. More threads than free cores make
+# OpenMP spin-wait against each other (10x slower small ops on a busy machine).
+torch.set_num_threads(int(os.environ.get("MINIDSA_TEST_THREADS", "1")))
+
+pytest_plugins = ["pytester"]  # test_engine.py runs a leaking test file to see the leak check fail it
+
+_SHARED_ENGINES: list = []  # fixture engines that outlive a test: checked after every test too
+
+
+@pytest.fixture(autouse=True)
+def _check_kv_leaks():
+    try:
+        from minidsa.engine import track_engines
+    except ImportError:  # the engine is not importable: nothing to check
+        yield
+        return
+    with track_engines() as created:  # holds them, so engines local to the test are checked too
+        yield
+    for engine in created + [e for e in _SHARED_ENGINES if all(e is not c for c in created)]:
+        engine.check_no_leaks()
+
+
+@pytest.fixture(scope="session")
+def tiny_llm():
+    """The embedded tiny preset, fp32 on CPU, ample KV memory."""
+    from minidsa import LLM
+
+    llm = LLM(device="cpu", dtype="float32", progress=False)
+    _SHARED_ENGINES.append(llm.engine)
+    yield llm
+    _SHARED_ENGINES.remove(llm.engine)
+
+
+@pytest.fixture(scope="session")
+def long_prompts(tiny_llm):
+    """Token-id prompts of different lengths, all longer than the preset's index_topk (sparse attention)."""
+    import random
+
+    topk = tiny_llm.engine.model_config.index_topk
+    rng = random.Random(1234)
+    lengths = [topk + 9, 2 * topk + 5, 3 * topk - 3, 4 * topk + 1]
+    return [[rng.randint(1000, 100000) for _ in range(n)] for n in lengths]
