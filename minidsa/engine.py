@@ -148,6 +148,7 @@ class Engine:
                                    decode_reserve=self.decode_reserve)
         self.sampler = Sampler(self.vocab_size, self.runner.device, cfg.seed)
         self.speculator = self._build_speculator()
+        self.runner.prepare_fast_paths(self.speculator.layout if self.speculator is not None else None)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self._pending: list[RequestOutput] = []  # abort outputs handed out by the next step()
         self._ids = itertools.count()

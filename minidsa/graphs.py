@@ -63,6 +63,7 @@ class StepGraphs:
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
         self.capture = capture
         self.static: dict[tuple[str, int], _Static] = {}
+        self.replays: dict[str, int] = {k.name: 0 for k in kinds}  # per kind, for stats and tests
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         for kind in kinds:
             for bs in sorted(self.buckets, reverse=True):  # largest first: later graphs reuse its pool memory
@@ -129,6 +130,7 @@ class StepGraphs:
             f"{kind_name} graph expects {kind.tokens_per_req} tokens per request, got {batch.num_tokens} for {bs}")
         assert batch.max_kv_len <= self.max_kv_len
         st = self.static[(kind_name, bucket)]
+        self.replays[kind_name] += 1
         s, t = st.batch, batch.num_tokens
         # Refresh every per-step tensor: real rows, then padding rows at the dummy slot / row 0.
         for name in ("input_ids", "positions", "out_cache_loc", "kv_lens"):

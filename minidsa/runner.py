@@ -1,9 +1,13 @@
 """ModelRunner: decides HOW a batch runs. Owns the model, the KV pools and the DSA backend.
 
 The scheduler hands it requests with their KV already allocated; the runner
-turns them into a `ForwardBatch` and runs the model. Today every batch runs
-eagerly through `forward`; compiled and CUDA-graph paths will dispatch from
-there, keeping `forward_eager` the plain reference.
+turns them into a `ForwardBatch` and runs the model. `forward` /
+`forward_mtp` are the entry points: a batch whose shape has a captured CUDA
+graph (decode, target verify, the draft's steps and its padded draft
+extend; see graphs.py) replays it, anything else runs `forward_eager` /
+`forward_mtp_eager`, the plain reference. With `enable_compile` on a GPU the
+FFN blocks (dense MLP and MoE) are compiled with torch.compile; attention
+stays a chain of custom ops either way.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ import torch
 from minidsa.attention.dsa import DSABackend, choose_kernels
 from minidsa.batch import ForwardBatch, ForwardMode
 from minidsa.config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
+from minidsa.graphs import DEFAULT_BUCKETS, StepGraphs, StepKind
 from minidsa.kv_cache import KVCache, PageAllocator, ReqToTokenPool, pages_needed
 from minidsa.models.deepseek_v32 import ModelOutput
 from minidsa.models.loader import build_model
 from minidsa.request import Request
+from minidsa.speculative.layout import SpecLayout
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +70,10 @@ class ModelRunner:
         self.kernels = choose_kernels(self.device, config.kernel_backend, config.use_deep_gemm)
         self.attn = DSABackend(self.kv_cache, self.req_to_token_pool.req_to_token, model_config.index_topk,
                                self.kernels)
-        logger.info("KV cache: %d tokens in %d pages of %d; max_model_len %d; eager forward",
+        self.table_width = table_width
+        self.graphs: StepGraphs | None = None
+        self.compiled = False
+        logger.info("KV cache: %d tokens in %d pages of %d; max_model_len %d",
                     capacity, num_pages - 1, self.page_size, self.max_model_len)
 
     @property
@@ -112,18 +121,96 @@ class ModelRunner:
         return ForwardBatch.build(ForwardMode.DECODE, ids, [r.row for r in reqs], [r.seq_len for r in reqs],
                                   [1] * len(reqs), torch.tensor(slots, dtype=torch.int64), self.device)
 
+    # -- compile and graphs -------------------------------------------------------
+    def prepare_fast_paths(self, spec_layout: SpecLayout | None, static_on_cpu: bool = False) -> None:
+        """torch.compile and CUDA-graph capture, once, after the speculator (if any) fixed its step shapes.
+
+        `static_on_cpu` (tests): without a GPU, still route batches through the graphs'
+        static, padded buffers, run eagerly, so the padding logic is exercised on CPU.
+        """
+        cfg = self.config
+        if self.device.type != "cuda" and not static_on_cpu:
+            if cfg.enable_cuda_graph or cfg.enable_compile:
+                logger.info("CUDA graphs and torch.compile skipped: device is %s (they need a CUDA GPU)",
+                            self.device)
+            return
+        capture = self.device.type == "cuda"
+        if cfg.enable_compile and capture:
+            for layer in self.model.model.layers:
+                layer.mlp.compile(dynamic=True)
+            self.compiled = True
+            logger.info("torch.compile: FFN blocks of %d layers", len(self.model.model.layers))
+        if not cfg.enable_cuda_graph:
+            logger.info("CUDA graphs disabled (enable_cuda_graph=False): decode runs eagerly")
+            return
+        kinds = [StepKind("decode", ForwardMode.DECODE, 1, 0, False)]
+        if spec_layout is not None:
+            nd, k = spec_layout.num_draft_tokens, spec_layout.topk
+            kinds.append(StepKind("verify", ForwardMode.TARGET_VERIFY, nd, nd, False))
+            kinds.append(StepKind("draft_extend", ForwardMode.DRAFT_EXTEND, nd, 0, True))
+            if spec_layout.num_steps > 1:
+                kinds.append(StepKind("draft", ForwardMode.DECODE, k, spec_layout.draft_width, True))
+        limit = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
+        buckets = [b for b in DEFAULT_BUCKETS if b <= limit] or [1]
+        if buckets[-1] < limit:
+            buckets.append(limit)
+        self.graphs = StepGraphs(self.forward_eager, lambda b, h: self.forward_mtp_eager(b, h, None), kinds,
+                                 buckets, self.table_width, self.model_config.hidden_size, self.dtype, self.device,
+                                 capture=capture)
+
+    @property
+    def pads_draft_extend(self) -> bool:
+        """Draft extend runs as a graph when every request's tokens are padded to num_draft_tokens."""
+        return self.graphs is not None and "draft_extend" in self.graphs.kinds
+
+    def _graph_kind(self, batch: ForwardBatch, mtp: bool) -> str | None:
+        g = self.graphs
+        if g is None:
+            return None
+        mode, tree = batch.mode, batch.tree_mask
+        if not mtp and mode == ForwardMode.DECODE and tree is None:
+            name = "decode"
+        elif not mtp and mode == ForwardMode.TARGET_VERIFY:
+            name = "verify"
+        elif mtp and mode == ForwardMode.DECODE and tree is not None:
+            name = "draft"
+        elif mtp and mode == ForwardMode.DRAFT_EXTEND and tree is None:
+            name = "draft_extend"
+        else:
+            return None
+        kind = g.kinds.get(name)
+        if kind is None or g.bucket_for(name, batch.batch_size) is None:
+            return None
+        if batch.num_tokens != batch.batch_size * kind.tokens_per_req:
+            return None
+        if kind.tree_width and (tree is None or tree.shape[1] != kind.tree_width):
+            return None
+        return name
+
     # -- execution --------------------------------------------------------------
     def forward(self, batch: ForwardBatch) -> ModelOutput:
-        """Run the main model on a batch (the one entry point; compiled / graph paths will dispatch here)."""
+        """Run the main model on a batch: a captured graph when one fits, else eagerly."""
+        name = self._graph_kind(batch, mtp=False)
+        if name is not None:
+            return self.graphs.replay(name, batch)
         return self.forward_eager(batch)
 
     @torch.no_grad()
     def forward_eager(self, batch: ForwardBatch) -> ModelOutput:
         return self.model(batch, self.attn)
 
-    @torch.no_grad()
     def forward_mtp(self, batch: ForwardBatch, hidden_prev: torch.Tensor,
                     prev_topk: torch.Tensor | None = None) -> ModelOutput:
+        """Run the MTP layer. Graph-captured draft steps take no handed top-k: the layer computes
+        its own (the gating rule's fallback), which is exact, only not shared."""
+        name = self._graph_kind(batch, mtp=True)
+        if name is not None:
+            return self.graphs.replay(name, batch, hidden_prev)
+        return self.forward_mtp_eager(batch, hidden_prev, prev_topk)
+
+    @torch.no_grad()
+    def forward_mtp_eager(self, batch: ForwardBatch, hidden_prev: torch.Tensor,
+                          prev_topk: torch.Tensor | None = None) -> ModelOutput:
         return self.model.forward_mtp(batch, self.attn, hidden_prev, prev_topk)
 
     def check_all_free(self) -> None:

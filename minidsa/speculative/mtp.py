@@ -281,20 +281,46 @@ class MTPSpeculator:
             self.stats.per_request.setdefault(r.request_id, []).append(len(p) - 1)
 
         # Draft extend: pair target hidden at n + m with the token at n + m + 1.
-        ext_ids = [t for toks in new_tokens for t in toks]
-        ext_len = [len(p) for p in paths]
-        prefix = seq.tolist()
-        ext_loc = SpecLayout.draft_extend_cache_loc(runner.req_to_token, rows.tolist(), prefix, ext_len)
-        ext_batch = ForwardBatch.build(ForwardMode.DRAFT_EXTEND, ext_ids, rows.tolist(), prefix, ext_len, ext_loc,
-                                       dev, logits="last")
+        ext_batch, hidden = self._draft_extend_batch(rows.tolist(), seq.tolist(), new_tokens, hidden)
         reuse = None
-        if self.opts.topk == 1 and out.topk is not None:
+        if self.opts.topk == 1 and out.topk is not None and not runner.pads_draft_extend:
             reuse = out.topk[hid_rows]  # chain: verify rows sit at their final positions already
         mout = runner.forward_mtp(ext_batch, hidden, reuse)
         last = ext_batch.logits_indices
         for i, r in enumerate(reqs):
             r.spec_state = DraftState(logits=mout.logits[i], hidden=mout.hidden[last[i]])
         return new_tokens
+
+    def _draft_extend_batch(self, rows: list[int], seq: list[int], new_tokens: list[list[int]],
+                            hidden: torch.Tensor) -> tuple[ForwardBatch, torch.Tensor]:
+        """The DRAFT_EXTEND batch over each request's accepted positions [n, n + len(tokens)).
+
+        When the runner has a draft-extend graph, every request is padded to
+        num_draft_tokens tokens (static shape); pad tokens write the dummy slot 0,
+        see one position, and their outputs are ignored.
+        """
+        runner, dev = self.runner, self.runner.device
+        lens = [len(t) for t in new_tokens]
+        loc = SpecLayout.draft_extend_cache_loc(runner.req_to_token, rows, seq, lens)
+        ids = [t for toks in new_tokens for t in toks]
+        if not runner.pads_draft_extend:
+            return ForwardBatch.build(ForwardMode.DRAFT_EXTEND, ids, rows, seq, lens, loc, dev, logits="last"), hidden
+        nd = self.opts.num_draft_tokens
+        real = torch.tensor([b * nd + m for b, n in enumerate(lens) for m in range(n)], device=dev)
+        pad_ids = torch.zeros(len(rows) * nd, dtype=torch.int64, device=dev)
+        pad_ids[real] = torch.tensor(ids, device=dev)
+        pad_loc = torch.zeros_like(pad_ids)
+        pad_loc[real] = loc
+        positions = torch.zeros_like(pad_ids)
+        positions[real] = torch.tensor([n + m for n, k in zip(seq, lens) for m in range(k)], device=dev)
+        kv_lens = torch.ones_like(pad_ids)
+        kv_lens[real] = positions[real] + 1
+        batch = ForwardBatch.build(ForwardMode.DRAFT_EXTEND, pad_ids, rows, seq, [nd] * len(rows), pad_loc, dev,
+                                   positions=positions, kv_lens=kv_lens, max_kv_len=max(seq) + nd)
+        batch.logits_indices = torch.tensor([b * nd + n - 1 for b, n in enumerate(lens)], device=dev)
+        pad_hidden = hidden.new_zeros(len(rows) * nd, hidden.shape[-1])
+        pad_hidden[real] = hidden
+        return batch, pad_hidden
 
     def _accept(self, reqs: list[Request], trees: list[DraftTree],
                 logits: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:

@@ -1,0 +1,208 @@
+"""MTP speculative decoding through the engine: lossless, every accepted length, exact compaction.
+
+Random MTP weights rarely agree with the target, so tests that need long
+accepted paths use the speculator's test-only draft mode
+(`MTPSpeculator.draft_override`): it replaces draft proposals with the
+target's known greedy continuation (from a run without speculation), up to a
+randomly chosen depth per round, and with a wrong token after it. Replaced
+proposals rank first in the tree, and on trees they are placed on a
+non-first branch, so accepted paths leave the front and compaction runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from harness import PagedDriver
+from hf_tiny import build_hf, save_hf
+from minidsa import LLM, SamplingParams
+from minidsa.config import ConfigError, ModelConfig
+
+GREEDY = SamplingParams(max_tokens=20, ignore_eos=True, detokenize=False)
+SPEC_CONFIGS = {
+    "chain1": dict(speculative_num_steps=1),
+    "chain2": dict(speculative_num_steps=2),
+    "chain4": dict(speculative_num_steps=4),
+    "tree": dict(speculative_num_steps=3, speculative_topk=2, speculative_num_draft_tokens=6, page_size=1),
+}
+
+
+def glm_checkpoint_with_mtp(path: str) -> str:
+    """A tiny GlmMoeDsa checkpoint (shared top-k layers) plus random nextn-layer weights."""
+    hf, kw = build_hf("glm_moe_dsa", seed=5, num_hidden_layers=3, index_topk_freq=2, index_skip_topk_offset=1)
+    save_hf(hf, kw, path)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    n = kw["num_hidden_layers"]
+    g = torch.Generator().manual_seed(0)
+    src = 2  # a full (indexer) MoE layer: same tensors as the nextn block
+    for k, v in list(tensors.items()):
+        if k.startswith(f"model.layers.{src}."):
+            tensors[k.replace(f"layers.{src}.", f"layers.{n}.")] = torch.randn(v.shape, generator=g) * 0.1
+    h = kw["hidden_size"]
+    for k, shape in {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
+                     "shared_head.norm.weight": (h,)}.items():
+        tensors[f"model.layers.{n}.{k}"] = torch.randn(shape, generator=g) * 0.1 + (1.0 if "norm" in k else 0.0)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_nextn_predict_layers"] = 1
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def glm_path(tmp_path_factory):
+    return glm_checkpoint_with_mtp(str(tmp_path_factory.mktemp("glm_mtp")))
+
+
+def prompts_for(config: ModelConfig, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    k = config.index_topk
+    return [[rng.randint(2, config.vocab_size - 1) for _ in range(n)] for n in (k + 5, 2 * k + 3, k + 17)]
+
+
+def make(model, **kw) -> LLM:
+    return LLM(model=model, device="cpu", dtype="float32", max_total_tokens=4096, max_running_requests=4,
+               progress=False, **kw)
+
+
+def forced_override(reference: dict[str, list[int]], topk: int, rng: random.Random):
+    """Draft the target's continuation up to a random depth each round, a wrong token after it."""
+    cut: dict[tuple[str, int], int] = {}
+
+    def override(req, depth, toks):
+        ref = reference[req.request_id]
+        pos = len(req.output_ids) - 1 + depth  # output index of the depth-`depth` token
+        good = cut.setdefault((req.request_id, len(req.output_ids)), rng.randint(0, 5))
+        out = list(toks)
+        for beam in range(len(out) // topk):
+            slot = beam * topk + depth % topk
+            if depth <= good and pos < len(ref):
+                out[slot] = ref[pos]
+            elif pos < len(ref) and out[slot] == ref[pos]:
+                out[slot] = (ref[pos] + 1) % 300 + 2
+        return out
+
+    return override
+
+
+def run(llm: LLM, prompts, params=GREEDY, override=None) -> list[list[int]]:
+    ids = [llm.engine.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    if override is not None:
+        llm.engine.speculator.draft_override = override
+    out: dict[str, list[int]] = {}
+    while llm.engine.has_unfinished():
+        for o in llm.engine.step():
+            if o.finished:
+                out[o.request_id] = o.token_ids
+    return [out[i] for i in ids]
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("spec", list(SPEC_CONFIGS))
+def test_greedy_speculation_is_lossless(arch, spec, glm_path):
+    model = None if arch == "deepseek_v32" else glm_path
+    plain = make(model)
+    config = plain.engine.model_config
+    for seed in (0, 1):
+        prompts = prompts_for(config, seed)
+        reference = run(plain, prompts)
+        fast = make(model, **SPEC_CONFIGS[spec])
+        assert run(fast, prompts) == reference  # the real (random) draft
+        forced = make(model, **SPEC_CONFIGS[spec])
+        ref_by_id = {f"r{i}": r for i, r in enumerate(reference)}
+        topk = forced.engine.speculator.opts.topk
+        assert run(forced, prompts, override=forced_override(ref_by_id, topk, random.Random(seed))) == reference
+        stats = forced.engine.speculator.stats
+        seen = {n for v in stats.per_request.values() for n in v}
+        steps = forced.engine.speculator.opts.num_steps
+        assert seen == set(range(steps + 1)), f"accepted lengths seen {sorted(seen)}, want 0..{steps}"
+        m = forced.engine.metrics()
+        assert m.spec_verify_steps_total == stats.verify_steps and m.spec_accepted_tokens_total > 0
+
+
+def test_sampled_requests_with_speculation_follow_their_seed():
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True, detokenize=False)
+    llm = make(None, **SPEC_CONFIGS["chain2"])
+    prompts = prompts_for(llm.engine.model_config, 3)
+    a, b = run(llm, prompts, params), run(llm, prompts, params)
+    assert a == b and all(len(x) == 12 for x in a)
+
+
+def test_tree_compaction_leaves_exactly_what_plain_decode_writes():
+    """After rounds with off-front accepted paths, both caches at every cached position equal a plain prefill's."""
+    plain = make(None)
+    config = plain.engine.model_config
+    prompt = prompts_for(config, 4)[1]
+    reference = run(plain, [prompt], SamplingParams(max_tokens=30, ignore_eos=True, detokenize=False))[0]
+
+    llm = make(None, **SPEC_CONFIGS["tree"])
+    eng = llm.engine
+    eng.add_request(prompt, SamplingParams(max_tokens=30, ignore_eos=True, detokenize=False), request_id="r0")
+    eng.speculator.draft_override = forced_override({"r0": reference}, 2, random.Random(0))
+    moved = []
+    real_move = eng.runner.attn.kv_move
+    eng.runner.attn.kv_move = lambda src, dst: (moved.append(len(src)), real_move(src, dst))[1]
+    req = eng.requests["r0"]
+    while len(req.output_ids) < 16:
+        eng.step()
+    assert sum(moved) > 0, "no accepted path left the front: compaction not exercised"
+    n = req.seq_len
+    tokens = req.token_slice(0, n)
+    assert tokens == (prompt + reference)[:n]
+    slots = eng.runner.req_to_token_pool.req_to_token[req.row, :n].long()
+    kv = eng.runner.kv_cache
+
+    driver = PagedDriver(eng.runner.model, config, page_size=1, max_len=n + 4)
+    driver.add(tokens, reserve=0)
+    driver.prefill([0])
+    ref_slots = driver.pool.req_to_token[driver.reqs[0]["row"], :n].long()
+    for layer in range(config.num_hidden_layers):
+        assert torch.allclose(kv.mla[layer][slots], driver.kv.mla[layer][ref_slots], atol=1e-4), layer
+        if kv.index_k[layer] is not None:
+            assert torch.allclose(kv.index_k[layer][slots], driver.kv.index_k[layer][ref_slots], atol=1e-4), layer
+    driver.release_all()
+    eng.abort("r0")
+    eng.step()
+
+
+@pytest.mark.parametrize("args,field,hint", [
+    (dict(speculative_num_steps=2, speculative_topk=2, speculative_num_draft_tokens=4, page_size=4),
+     "speculative_topk", "page_size 1"),
+    (dict(speculative_num_steps=2, speculative_num_draft_tokens=5), "speculative_num_draft_tokens", "3"),
+    (dict(speculative_num_steps=2, speculative_topk=2), "speculative_num_draft_tokens", "must be set"),
+    (dict(speculative_num_steps=2, speculative_topk=2, speculative_num_draft_tokens=4, page_size=1,
+          index_share_for_mtp_iteration=True), "index_share_for_mtp_iteration", "chains"),
+    (dict(speculative_topk=2), "speculative_num_steps", "speculative_num_steps >= 1"),
+])
+def test_invalid_speculative_configs_fail_at_start_up(args, field, hint):
+    with pytest.raises(ConfigError) as e:
+        make(None, **args)
+    assert field in str(e.value) and hint in str(e.value)
+
+
+def test_speculation_needs_an_mtp_layer(tmp_path):
+    hf, kw = build_hf("deepseek_v32", seed=2)
+    path = save_hf(hf, kw, str(tmp_path / "no_mtp"))
+    with pytest.raises(ConfigError, match="MTP"):
+        make(path, speculative_num_steps=2)
+
+
+def test_static_graph_buffers_keep_speculation_lossless():
+    """The padded static-buffer path of every captured step kind (run eagerly on CPU) stays lossless."""
+    plain = make(None)
+    prompts = prompts_for(plain.engine.model_config, 6)
+    reference = run(plain, prompts)
+    for spec in ("chain2", "tree"):
+        llm = make(None, **SPEC_CONFIGS[spec])
+        llm.engine.runner.prepare_fast_paths(llm.engine.speculator.layout, static_on_cpu=True)
+        assert run(llm, prompts) == reference
+        replays = llm.engine.runner.graphs.replays
+        assert replays["verify"] > 0 and replays["draft_extend"] > 0 and replays["draft"] > 0
