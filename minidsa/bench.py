@@ -9,6 +9,12 @@ writes everything, `--plot` draws throughput and latency (needs matplotlib).
 
 On CPU the default workload is scaled down (16 requests, 100-512 in,
 32-128 out) unless the sizes are given explicitly.
+
+`--workload shared-prefix`: every prompt is one system prompt (2048 tokens
+by default, `--shared-prefix-len`) followed by a short question (16-64
+tokens, `--input-len`), outputs 64-256 tokens (16-32 on CPU). Run it with
+and without `--disable-prefix-caching` to see what the prefix cache saves;
+the summary reports the cache hit rate and the prompt tokens it served.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ from minidsa.request import SamplingParams
 
 GPU_DEFAULTS = {"num_requests": 256, "input_len": (100, 1024), "output_len": (100, 1024)}
 CPU_DEFAULTS = {"num_requests": 16, "input_len": (100, 512), "output_len": (32, 128)}
+# shared-prefix workload: input_len is the question after the shared system prompt
+SHARED_GPU_DEFAULTS = {"num_requests": 256, "input_len": (16, 64), "output_len": (64, 256)}
+SHARED_CPU_DEFAULTS = {"num_requests": 16, "input_len": (16, 64), "output_len": (16, 32)}
+SHARED_PREFIX_LEN = 2048
+WORKLOADS = ("random", "shared-prefix")
 PERCENTILES = (50, 90, 99)
 
 
@@ -40,6 +51,7 @@ class Workload:
     input_len: tuple[int, int]
     output_len: tuple[int, int]
     seed: int = 0
+    shared_prefix_len: int = 0  # shared-prefix workload: length of the system prompt every prompt starts with
     prompts: list[list[int]] = field(default_factory=list)
     output_lens: list[int] = field(default_factory=list)
 
@@ -64,6 +76,21 @@ class Workload:
             w.output_lens.append(rng.randint(*output_len))
         return w
 
+    @classmethod
+    def shared_prefix(cls, num_requests: int, prefix_len: int, question_len: tuple[int, int],
+                      output_len: tuple[int, int], seed: int, vocab_size: int, max_model_len: int) -> "Workload":
+        """One system prompt of `prefix_len` random tokens, then a random question per request."""
+        if prefix_len < 1:
+            raise ValueError(f"shared prefix length must be >= 1, got {prefix_len}")
+        w = cls.synthetic(num_requests, (question_len[0] + prefix_len, question_len[1] + prefix_len), output_len,
+                          seed, vocab_size, max_model_len)
+        rng = random.Random(seed ^ 0x5EED)
+        lo_id, hi_id = min(1000, vocab_size // 4), min(vocab_size, 100000) - 1
+        system = [rng.randint(lo_id, hi_id) for _ in range(prefix_len)]
+        w.prompts = [system + p[prefix_len:] for p in w.prompts]
+        w.input_len, w.shared_prefix_len = question_len, prefix_len
+        return w
+
 
 def _percentiles(xs: list[float]) -> dict[str, float]:
     if not xs:
@@ -79,6 +106,7 @@ def run_workload(engine: Engine, w: Workload, progress: bool = True) -> dict[str
     """Submit everything at t=0, step until done; per-request and per-step timings."""
     from tqdm.auto import tqdm
 
+    before = engine.metrics()
     start = time.perf_counter()
     ids = []
     for prompt, n in zip(w.prompts, w.output_lens):
@@ -115,6 +143,9 @@ def run_workload(engine: Engine, w: Workload, progress: bool = True) -> dict[str
     duration = time.perf_counter() - start
     ttft = [f - start for f in first if f is not None]
     in_tok, out_tok = sum(len(p) for p in w.prompts), sum(w.output_lens)
+    after = engine.metrics()
+    query = after.prefix_cache_query_tokens_total - before.prefix_cache_query_tokens_total
+    hits = after.prefix_cache_hit_tokens_total - before.prefix_cache_hit_tokens_total
     return {
         "duration_s": duration,
         "num_requests": len(ids),
@@ -127,7 +158,14 @@ def run_workload(engine: Engine, w: Workload, progress: bool = True) -> dict[str
         "ttft_s": _percentiles(ttft),
         "itl_s": _percentiles(itl),
         "num_steps": len(steps),
-        "preemptions": engine.metrics().preemptions_total,
+        "preemptions": after.preemptions_total - before.preemptions_total,
+        "prefix_cache": {
+            "enabled": engine.prefix_cache is not None,
+            "query_tokens": query,  # prompt tokens looked up at admission (re-admissions after preemption too)
+            "hit_tokens": hits,  # of which came from the cache instead of prefill
+            "hit_rate": hits / query if query else 0.0,
+            "cached_tokens": after.prefix_cache_tokens,  # KV token slots the cache holds at the end
+        },
         "timeline": steps,
     }
 
@@ -160,6 +198,11 @@ def print_summary(result: dict[str, Any]) -> None:
         ("output tokens/s", f"{r['output_tokens_per_s']:.1f}"),
         ("total tokens/s", f"{r['total_tokens_per_s']:.1f}"),
     ]
+    pc = r.get("prefix_cache")
+    if pc is not None:
+        rows.append(("prefix cache", "off" if not pc["enabled"] else
+                     f"hit rate {pc['hit_rate'] * 100:.1f}%  ({pc['hit_tokens']} of {pc['query_tokens']} prompt "
+                     f"tokens from the cache; it holds {pc['cached_tokens']} tokens)"))
     for name, key in (("TTFT", "ttft_s"), ("ITL", "itl_s")):
         s = r[key]
         rows.append((f"{name} ms (mean/p50/p90/p99)",
@@ -214,13 +257,27 @@ def plot_result(result: dict[str, Any], path: str) -> str:
 
 def run_bench(engine: Engine, num_requests: int | None = None, input_len: tuple[int, int] | None = None,
               output_len: tuple[int, int] | None = None, seed: int = 0, warmup: bool = True,
-              progress: bool = True) -> dict[str, Any]:
-    """Run the benchmark on an engine; sizes left None take the device's defaults."""
-    defaults = GPU_DEFAULTS if engine.runner.device.type == "cuda" else CPU_DEFAULTS
+              progress: bool = True, workload: str = "random", shared_prefix_len: int | None = None) -> dict[str, Any]:
+    """Run the benchmark on an engine; sizes left None take the device's defaults.
+
+    workload "random": independent random prompts; "shared-prefix": one system prompt of `shared_prefix_len`
+    tokens (default 2048) + a question of `input_len` tokens per request.
+    """
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
+    gpu = engine.runner.device.type == "cuda"
+    shared = workload == "shared-prefix"
+    defaults = (SHARED_GPU_DEFAULTS if gpu else SHARED_CPU_DEFAULTS) if shared else \
+        (GPU_DEFAULTS if gpu else CPU_DEFAULTS)
     num_requests = num_requests or defaults["num_requests"]
     input_len = input_len or defaults["input_len"]
     output_len = output_len or defaults["output_len"]
-    w = Workload.synthetic(num_requests, input_len, output_len, seed, engine.vocab_size, engine.max_model_len)
+    if shared:
+        shared_prefix_len = shared_prefix_len or SHARED_PREFIX_LEN
+        w = Workload.shared_prefix(num_requests, shared_prefix_len, input_len, output_len, seed, engine.vocab_size,
+                                   engine.max_model_len)
+    else:
+        w = Workload.synthetic(num_requests, input_len, output_len, seed, engine.vocab_size, engine.max_model_len)
     if warmup:  # first-call costs (allocator, kernels' autotuning) stay out of the numbers
         run_workload(engine, Workload.synthetic(2, (16, 64), (4, 8), seed + 1, engine.vocab_size,
                                                 engine.max_model_len), progress=False)
@@ -233,8 +290,8 @@ def run_bench(engine: Engine, num_requests: int | None = None, input_len: tuple[
         "commit": _git_commit(),
         "torch": torch.__version__,
         "engine_config": {k: v for k, v in dataclasses.asdict(engine.config).items() if k != "extra"},
-        "workload": {"num_requests": num_requests, "input_len": list(input_len), "output_len": list(output_len),
-                     "seed": seed},
+        "workload": {"type": workload, "num_requests": num_requests, "input_len": list(input_len),
+                     "output_len": list(output_len), "seed": seed, "shared_prefix_len": w.shared_prefix_len},
         "results": results,
     }
 

@@ -70,6 +70,16 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**kwargs).validate()
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _length_range(text: str) -> tuple[int, int]:
     try:
         if "-" in text:
@@ -109,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output-len", type=_length_range, default=None, metavar="N|MIN-MAX",
                        help="output lengths, uniform in [MIN, MAX]; default 100-1024 (32-128 on CPU)")
     bench.add_argument("--workload-seed", type=int, default=0, help="seed of the synthetic workload (default 0)")
+    bench.add_argument("--workload", choices=("random", "shared-prefix"), default="random",
+                       help="random prompts, or one shared system prompt + short questions (--input-len is then "
+                            "the question length; default 16-64); compare with --disable-prefix-caching")
+    bench.add_argument("--shared-prefix-len", type=_positive_int, default=None, metavar="N",
+                       help="shared-prefix workload: system prompt length in tokens (default 2048)")
     bench.add_argument("--json", metavar="FILE", help="write the full result as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw throughput over time and latency percentiles")
     bench.add_argument("--no-warmup", action="store_true", help="skip the short warm-up run")
@@ -154,7 +169,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     engine = Engine(engine_config_from_args(args), progress=not args.no_progress)
     result = run_bench(engine, args.num_requests, args.input_len, args.output_len, args.workload_seed,
-                       warmup=not args.no_warmup, progress=not args.no_progress)
+                       warmup=not args.no_warmup, progress=not args.no_progress, workload=args.workload,
+                       shared_prefix_len=args.shared_prefix_len)
     print_summary(result)
     if args.json:
         write_json(result, args.json)
@@ -179,6 +195,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:3] == ["bench", "--suite", "decode"]:  # the GPU decode suite has its own flags (minidsa/perf.py)
+        from minidsa import perf
+
+        return perf.main(argv[3:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),

@@ -37,6 +37,7 @@ import torch
 from minidsa.batch import ForwardMode
 from minidsa.config import ConfigError, EngineConfig, ModelConfig
 from minidsa.models.presets import DEFAULT_PRESET, PRESETS, preset_config
+from minidsa.prefix_cache import PrefixCache
 from minidsa.request import (InvalidRequest, QueueFull, Request, RequestOutput, RequestStatus, SamplingParams,
                              Struct, now)
 from minidsa.runner import ModelRunner
@@ -80,6 +81,10 @@ class EngineMetrics(Struct):
     spec_draft_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0
     spec_verify_steps_total: int = 0
+    prefix_cache_query_tokens_total: int = 0  # prompt (+ recomputed) tokens looked up at admission
+    prefix_cache_hit_tokens_total: int = 0  # of which were found in the cache and not prefilled
+    prefix_cache_pages: int = 0  # pages the prefix cache holds now (shared or evictable)
+    prefix_cache_tokens: int = 0  # the same in token slots
 
 
 def resolve_engine_config(config: EngineConfig) -> EngineConfig:
@@ -141,11 +146,14 @@ class Engine:
         self.decode_reserve = decode_reserve_tokens(cfg)
         self.runner = ModelRunner(cfg, self.model_config, model_path, init_std, self.decode_reserve, progress)
         self.max_model_len: int = self.runner.max_model_len
+        # With MTP speculation a page's last MTP slot depends on the token after the page: it is part of the key.
+        self.prefix_cache = PrefixCache(self.runner.allocator, lookahead=1 if cfg.speculative_num_steps else 0) \
+            if cfg.enable_prefix_caching else None
         self.scheduler = Scheduler(self.runner.allocator, self.runner.req_to_token_pool,
                                    max_running_requests=cfg.max_running_requests,
                                    max_prefill_tokens=cfg.max_prefill_tokens,
                                    chunked_prefill_size=cfg.chunked_prefill_size,
-                                   decode_reserve=self.decode_reserve)
+                                   decode_reserve=self.decode_reserve, prefix_cache=self.prefix_cache)
         self.sampler = Sampler(self.vocab_size, self.runner.device, cfg.seed)
         self.speculator = self._build_speculator()
         self.runner.prepare_fast_paths(self.speculator.layout if self.speculator is not None else None)
@@ -426,7 +434,7 @@ class Engine:
     # -- introspection ------------------------------------------------------------
     def metrics(self) -> EngineMetrics:
         alloc = self.runner.allocator
-        used = alloc.num_used_pages * alloc.page_size
+        used = alloc.num_held_pages * alloc.page_size  # evictable cached pages are free for the taking
         total = alloc.num_usable_pages * alloc.page_size
         spec = getattr(self.speculator, "stats", None)
         return EngineMetrics(
@@ -442,10 +450,15 @@ class Engine:
             spec_draft_tokens_total=getattr(spec, "draft_tokens", 0),
             spec_accepted_tokens_total=getattr(spec, "accepted_tokens", 0),
             spec_verify_steps_total=getattr(spec, "verify_steps", 0),
+            prefix_cache_query_tokens_total=self.scheduler.cache_query_tokens,
+            prefix_cache_hit_tokens_total=self.scheduler.cache_hit_tokens,
+            prefix_cache_pages=alloc.num_cached_pages,
+            prefix_cache_tokens=alloc.num_cached_pages * alloc.page_size,
         )
 
     def check_no_leaks(self) -> None:
-        """AssertionError if KV pages or req_to_token rows are held by no running request."""
+        """AssertionError if KV pages or req_to_token rows are held by no running request, or a page's
+        reference count is not the number of running requests holding it (prefix-cache pages aside)."""
         self.scheduler.check_consistent()
         if not self.requests:
             self.runner.check_all_free()

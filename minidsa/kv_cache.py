@@ -22,6 +22,17 @@ class OutOfPages(RuntimeError):
 
 
 class PageAllocator:
+    """Hands out KV pages and counts who holds them.
+
+    `ref(page)` is the number of requests holding a page: with prefix caching
+    several requests share the pages of a common prefix. Separately a page
+    may be *cached*, held by the prefix cache (prefix_cache.py). A page goes
+    back to the free list once no request holds it and the cache does not
+    either. A cached page no request holds is *evictable*: it keeps its KV
+    for later hits, and `alloc` asks the cache to evict such pages when the
+    free list runs short, so evictable pages count as available.
+    """
+
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 2:
             raise ValueError(f"need at least 2 pages (page 0 is the reserved dummy page), got {num_pages}")
@@ -29,11 +40,28 @@ class PageAllocator:
         self.page_size = page_size
         # Low pages first: keeps allocations deterministic and compact.
         self._free = list(range(num_pages - 1, 0, -1))
-        self._used = bytearray(num_pages)
+        self._ref = [0] * num_pages  # requests holding each page
+        self._used = bytearray(num_pages)  # 1 while some request holds the page (ref > 0)
+        self._cached = bytearray(num_pages)  # 1 while the prefix cache holds the page
+        self.num_cached_pages = 0
+        self.num_evictable_pages = 0  # cached, held by no request
+        self.cache = None  # the PrefixCache, once one attaches itself
+
+    def attach_cache(self, cache) -> None:
+        """`cache` provides evict(n) -> freed and on_evictable(page); see prefix_cache.PrefixCache."""
+        if self.cache is not None:
+            raise RuntimeError("a prefix cache is already attached to this allocator")
+        self.cache = cache
 
     @property
     def num_free_pages(self) -> int:
+        """Pages on the free list (not counting evictable cached pages)."""
         return len(self._free)
+
+    @property
+    def num_available_pages(self) -> int:
+        """Pages an allocation can get: free ones plus evictable cached ones."""
+        return len(self._free) + self.num_evictable_pages
 
     @property
     def num_usable_pages(self) -> int:
@@ -41,31 +69,114 @@ class PageAllocator:
 
     @property
     def num_used_pages(self) -> int:
+        """Pages not on the free list: held by a request or by the prefix cache."""
         return self.num_usable_pages - len(self._free)
 
+    @property
+    def num_held_pages(self) -> int:
+        """Pages held by at least one request."""
+        return self.num_used_pages - self.num_evictable_pages
+
+    def ref(self, page: int) -> int:
+        return self._ref[page]
+
+    def is_cached(self, page: int) -> bool:
+        return bool(self._cached[page])
+
     def can_alloc(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_available_pages
 
     def alloc(self, n: int) -> list[int]:
+        if n > len(self._free) and self.cache is not None and self.num_evictable_pages:
+            self.cache.evict(n - len(self._free))
         if n > len(self._free):
             raise OutOfPages(f"asked for {n} KV pages, {len(self._free)} free")
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
+            assert self._ref[p] == 0 and not self._cached[p], f"KV page {p} on the free list is still held"
+            self._ref[p] = 1
             self._used[p] = 1
         return pages
 
-    def free(self, pages: list[int]) -> None:
+    def share(self, pages: list[int]) -> None:
+        """One more request holds each of `pages` (held or cached ones: prefix-cache hits)."""
         for p in pages:
-            if not self._used[p]:
-                raise RuntimeError(f"KV page {p} freed twice")
-            self._used[p] = 0
-        self._free.extend(reversed(pages))
+            if self._ref[p] == 0:
+                if not self._cached[p]:
+                    raise RuntimeError(f"KV page {p} is free: it cannot be shared")
+                self.num_evictable_pages -= 1
+                self._used[p] = 1
+            self._ref[p] += 1
+
+    def free(self, pages: list[int]) -> None:
+        """One request fewer holds each of `pages`; pages nobody holds any more go back (or stay cached)."""
+        released = []
+        for p in pages:
+            if self._ref[p] == 0:
+                raise RuntimeError(f"KV page {p} freed twice (no request holds it)")
+            self._ref[p] -= 1
+            if self._ref[p] == 0:
+                self._used[p] = 0
+                if self._cached[p]:
+                    self.num_evictable_pages += 1
+                    self.cache.on_evictable(p)
+                else:
+                    released.append(p)
+        self._free.extend(reversed(released))
+
+    def cache_add(self, page: int) -> None:
+        """The prefix cache takes a page that a request holds (its KV is complete)."""
+        if self._ref[page] == 0:
+            raise RuntimeError(f"KV page {page} is held by no request: it cannot enter the prefix cache")
+        if self._cached[page]:
+            raise RuntimeError(f"KV page {page} is already in the prefix cache")
+        self._cached[page] = 1
+        self.num_cached_pages += 1
+
+    def cache_evict(self, page: int) -> None:
+        """The prefix cache drops an evictable page: it goes back to the free list."""
+        if not self._cached[page]:
+            raise RuntimeError(f"KV page {page} is not in the prefix cache")
+        if self._ref[page]:
+            raise RuntimeError(f"KV page {page} evicted while {self._ref[page]} requests hold it")
+        self._cached[page] = 0
+        self.num_cached_pages -= 1
+        self.num_evictable_pages -= 1
+        self._free.append(page)
+
+    def check_refs(self, holders: dict[int, int]) -> None:
+        """Debug check: `holders[page]` (the running requests' count) is every page's reference count, and
+        the free list, the cache flags and the counters agree."""
+        bad = [p for p in range(1, self.num_pages) if self._ref[p] != holders.get(p, 0)]
+        if bad:
+            p = bad[0]
+            raise AssertionError(f"KV slot leak or early free: {len(bad)} pages with wrong reference counts, "
+                                 f"e.g. page {p}: {self._ref[p]} holders counted, {holders.get(p, 0)} running "
+                                 f"requests hold it; pages {bad[:20]}")
+        free = set(self._free)
+        if len(free) != len(self._free) or 0 in free:
+            raise AssertionError("KV free list has duplicates or the dummy page")
+        wrong = [p for p in free if self._ref[p] or self._cached[p]]
+        if wrong:
+            raise AssertionError(f"KV pages on the free list are still held: {wrong[:20]}")
+        lost = [p for p in range(1, self.num_pages) if p not in free and not self._ref[p] and not self._cached[p]]
+        if lost:
+            raise AssertionError(f"KV slot leak: {len(lost)} pages held by nobody but not free: {lost[:20]}")
+        if any(self._used[p] != (self._ref[p] > 0) for p in range(self.num_pages)):
+            raise AssertionError("KV allocator: used flags disagree with reference counts")
+        cached = sum(self._cached)
+        evictable = sum(1 for p in range(self.num_pages) if self._cached[p] and not self._ref[p])
+        if cached != self.num_cached_pages or evictable != self.num_evictable_pages:
+            raise AssertionError(f"KV allocator counters: {self.num_cached_pages} cached / "
+                                 f"{self.num_evictable_pages} evictable counted, {cached} / {evictable} found")
 
     def check_all_free(self) -> None:
-        """Debug check: raise if any page is still allocated."""
-        if len(self._free) != self.num_usable_pages:
-            used = [i for i in range(1, self.num_pages) if self._used[i]]
-            raise AssertionError(f"KV slot leak: {len(used)} pages still allocated: {used[:20]}")
+        """Debug check: raise if any page is still held by a request (pages held only by the prefix cache are
+        fine: they are evictable)."""
+        held = [i for i in range(1, self.num_pages) if self._ref[i]]
+        if held:
+            raise AssertionError(f"KV slot leak: {len(held)} pages still allocated: {held[:20]}")
+        self.check_refs({})
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:

@@ -290,6 +290,9 @@ def _spec_e2e(args) -> dict:
     outs = out.pop("outputs", {})
     if "plain" in outs and "mtp" in outs:
         out["lossless"] = outs["plain"] == outs["mtp"]
+        # bf16 + random weights: where does each prompt first differ (near-tied logits flip)?
+        out["first_divergence"] = [next((i for i, (a, b) in enumerate(zip(p, m)) if a != b), None)
+                                   for p, m in zip(outs["plain"], outs["mtp"])]
     return out
 
 
@@ -411,11 +414,13 @@ def to_markdown(r: dict) -> str:
                 lines.append(f"| {x['bs']} | {x['ctx']} | {x['error']} | | | |")
             else:
                 lines.append(f"| {x['bs']} | {x['ctx']} | {x['decode_ms']:.2f} | {x['tok_s']:.1f} | "
-                             f"{_fmt(x.get('minidsa_tok_s'))} | {_fmt(x.get('minidsa_over_hf'))}x |")
+                             f"{_fmt(x.get('minidsa_tok_s'))} | {_fmt(x.get('minidsa_over_hf'))}{'x' if 'minidsa_over_hf' in x else ''} |")
     return "\n".join(lines) + "\n"
 
 
 def _fmt(v) -> str:
+    if v is None:
+        return "-"
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
     return str(v)

@@ -165,7 +165,7 @@ class ModelRunner:
 
     def _graph_kind(self, batch: ForwardBatch, mtp: bool) -> str | None:
         g = self.graphs
-        if g is None:
+        if g is None or self.attn.topk_recorder is not None:  # recording appends in Python: replays would skip it
             return None
         mode, tree = batch.mode, batch.tree_mask
         if not mtp and mode == ForwardMode.DECODE and tree is None:

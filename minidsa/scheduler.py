@@ -20,6 +20,15 @@ Policy (one forward per step, prefill and decode alternate, prefill first):
    prefilled again (recompute), after which it continues where it stopped.
 3. `abort` removes a request at any time (between steps) and frees its KV.
 
+Prefix caching (optional, prefix_cache.py): at admission a request takes the
+longest cached prefix of its tokens (whole pages, at most all tokens but the
+last, so the prefill that follows always produces logits) and prefill starts
+after it. Full pages whose tokens are cached in every layer enter the cache
+at the start of each step (so requests admitted later reuse the prefix of
+ones still running) and when a request finishes, aborts or is preempted;
+the pages of a preempted request often still match when it comes back.
+Evictable cached pages count as free: allocation evicts them on demand.
+
 Decode stalls while prefills run; that is the price of one mode per step
 (CUDA graphs and the speculator see pure decode batches).
 
@@ -31,10 +40,12 @@ always makes progress: no deadlock, no livelock.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from minidsa.batch import ForwardMode
 from minidsa.kv_cache import PageAllocator, ReqToTokenPool, pages_needed, slots_of
+from minidsa.prefix_cache import Node, PrefixCache
 from minidsa.request import Request, RequestStatus
 
 
@@ -50,7 +61,8 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, req_pool: ReqToTokenPool, *, max_running_requests: int,
-                 max_prefill_tokens: int, chunked_prefill_size: int, decode_reserve: int = 1):
+                 max_prefill_tokens: int, chunked_prefill_size: int, decode_reserve: int = 1,
+                 prefix_cache: PrefixCache | None = None):
         self.allocator = allocator
         self.req_pool = req_pool
         self.page_size = allocator.page_size
@@ -62,6 +74,13 @@ class Scheduler:
         self.running: list[Request] = []  # admission order
         self._admit_counter = 0
         self.num_preemptions = 0
+        self.prefix_cache = prefix_cache
+        if prefix_cache is not None and prefix_cache.allocator is not allocator:
+            raise ValueError("the prefix cache must use the scheduler's page allocator")
+        # request id -> (tree node of its last cached page or None, number of its pages in the tree)
+        self._cached_upto: dict[str, tuple[Node | None, int]] = {}
+        self.cache_query_tokens = 0  # tokens looked up in the prefix cache at admission
+        self.cache_hit_tokens = 0  # of which were found (not prefilled)
 
     # -- queue --------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -82,12 +101,16 @@ class Scheduler:
 
     # -- planning ------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
+        if self.prefix_cache is not None:  # the last step's tokens are cached in every layer by now
+            for req in self.running:
+                self._cache_pages(req)
         return self._schedule_prefill() or self._schedule_decode()
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         reqs: list[Request] = []
         lens: list[int] = []
         budget = self.max_prefill_tokens
+        computing: set[int] = set()  # pages this batch completes (chain hashes): see _shares_pending
         for req in self.running:  # the partially prefilled request, if any
             if req.in_prefill and budget > 0:
                 want = min(req.prefill_len - req.seq_len, self.chunked_prefill_size, budget)
@@ -99,27 +122,63 @@ class Scheduler:
                 budget -= got
                 if got < req.prefill_len - req.seq_len:
                     return ScheduledBatch(ForwardMode.EXTEND, reqs, lens)
+                if self.prefix_cache is not None:
+                    node, done = self._cached_upto[req.request_id]
+                    computing.update(self._chain_hashes(req, node, done, (req.seq_len + got) // self.page_size))
         headroom = self._decode_headroom_pages()
-        while self.waiting and budget > 0 and len(self.running) < self.max_running_requests \
+        i = 0  # waiting[i] is the next candidate; earlier ones wait for pages this batch computes
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_running_requests \
                 and self.req_pool.num_free > 0:
-            req = self.waiting[0]
+            req = self.waiting[i]
             total = req.num_tokens  # prompt + tokens generated before a preemption
-            n = min(total, self.chunked_prefill_size, budget)
-            reserve = self.decode_reserve if n == total else 0
-            need = pages_needed(n + reserve, self.page_size)
-            if need + headroom > self.allocator.num_free_pages:
+            hit: list[Node] = []
+            if self.prefix_cache is not None:  # always leave the last token to compute: it gives the logits
+                hit = self.prefix_cache.match(req.token_slice(0, total), total - 1)
+                if computing and self._shares_pending(req, hit, computing):
+                    i += 1
+                    continue
+            cached = len(hit) * self.page_size
+            n = min(total - cached, self.chunked_prefill_size, budget)
+            reserve = self.decode_reserve if cached + n == total else 0
+            need = pages_needed(cached + n + reserve, self.page_size) - len(hit)
+            pinned = self.prefix_cache.num_evictable(hit) if hit else 0  # hit pages stop being evictable
+            if need + headroom > self.allocator.num_available_pages - pinned:
                 break
-            self.waiting.popleft()
-            self._admit(req)
-            self._grow(req, n + reserve)
+            del self.waiting[i]
+            self._admit(req, hit)
+            self._grow(req, cached + n + reserve)
             reqs.append(req)
             lens.append(n)
             budget -= n
-            if n < total:
+            if cached + n < total:
                 break  # only the last request of a batch may be partially prefilled
+            if self.prefix_cache is not None:
+                computing.update(self._chain_hashes(req, hit[-1] if hit else None, len(hit), total // self.page_size))
         if not reqs:
             return None
         return ScheduledBatch(ForwardMode.EXTEND, reqs, lens)
+
+    # In-batch prefix sharing: requests arriving together with a common prefix would all miss the cache and
+    # compute it side by side. A waiting request whose next pages (past its cache hit) are pages that a request
+    # of this batch completes waits one step instead, then hits them. Pages are compared by a chain hash that
+    # starts at the cache node both continue from. Short common prefixes (a BOS token, a chat header) are not
+    # worth a step of delay.
+    IN_BATCH_SHARE_MIN_TOKENS = 32
+
+    def _chain_hashes(self, req: Request, node: Node | None, first: int, end: int) -> Iterator[int]:
+        ps = self.page_size
+        h = id(node)
+        for k in range(first, end):
+            h = hash((h, tuple(req.token_slice(k * ps, (k + 1) * ps))))
+            yield h
+
+    def _shares_pending(self, req: Request, hit: list[Node], computing: set[int]) -> bool:
+        need = -(-self.IN_BATCH_SHARE_MIN_TOKENS // self.page_size)  # pages
+        last = (req.num_tokens - 1) // self.page_size  # a hit never covers the last token
+        if last - len(hit) < need:
+            return False
+        hashes = self._chain_hashes(req, hit[-1] if hit else None, len(hit), len(hit) + need)
+        return all(h in computing for h in hashes)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         preempted: list[Request] = []
@@ -148,7 +207,7 @@ class Scheduler:
         return need
 
     # -- KV ownership ---------------------------------------------------------
-    def _admit(self, req: Request) -> None:
+    def _admit(self, req: Request, hit: list[Node]) -> None:
         req.row = self.req_pool.alloc()
         req.status = RequestStatus.RUNNING
         req.seq_len = 0
@@ -156,6 +215,15 @@ class Scheduler:
         req.admit_seq = self._admit_counter
         self._admit_counter += 1
         self.running.append(req)
+        if self.prefix_cache is None:
+            return
+        self.cache_query_tokens += req.num_tokens
+        self._cached_upto[req.request_id] = (hit[-1] if hit else None, len(hit))
+        if hit:
+            req.pages = self.prefix_cache.lock(hit)
+            req.seq_len = len(hit) * self.page_size  # prefill starts after the cached prefix
+            self.req_pool.write(req.row, 0, slots_of(req.pages, 0, req.seq_len, self.page_size))
+            self.cache_hit_tokens += req.seq_len
 
     def _grow(self, req: Request, num_positions: int, partial: bool = False) -> int:
         """Make the request's pages cover row positions [0, num_positions); map them in req_to_token.
@@ -166,10 +234,11 @@ class Scheduler:
         have = len(req.pages)
         need = pages_needed(num_positions, ps) - have
         if need > 0:
-            if need > self.allocator.num_free_pages:
+            available = self.allocator.num_available_pages  # alloc evicts cached pages when it must
+            if need > available:
                 if not partial:
                     return have * ps
-                need = self.allocator.num_free_pages
+                need = available
             if need > 0:
                 req.pages.extend(self.allocator.alloc(need))
                 end = min(len(req.pages) * ps, self.req_pool.max_context_len)
@@ -177,8 +246,34 @@ class Scheduler:
                     self.req_pool.write(req.row, have * ps, slots_of(req.pages, have * ps, end, ps))
         return len(req.pages) * ps
 
+    def _cache_pages(self, req: Request) -> None:
+        """Put the request's newly completed pages in the prefix cache.
+
+        A page qualifies once all its positions are below seq_len (every layer, the MTP layer too, holds
+        their KV; positions past it may hold speculative scratch) and the lookahead token after it is known.
+        Where the tree already holds an equal page, the request moves onto the tree's page and frees its
+        own, so the pages a request holds from the tree always form one path from the root.
+        """
+        cache, ps = self.prefix_cache, self.page_size
+        parent, done = self._cached_upto.get(req.request_id, (None, 0))
+        full = min(req.seq_len, req.num_tokens - cache.lookahead, len(req.pages) * ps) // ps
+        if full <= done:
+            return
+        tokens = req.token_slice(done * ps, full * ps + cache.lookahead)
+        node, tree_pages = cache.insert(parent, tokens, req.pages[done:full])
+        for k, page in enumerate(tree_pages, start=done):
+            if page != req.pages[k]:
+                self.allocator.share([page])
+                self.allocator.free([req.pages[k]])
+                req.pages[k] = page
+                self.req_pool.write(req.row, k * ps, slots_of([page], 0, ps, ps))
+        self._cached_upto[req.request_id] = (node, full)
+
     def _release(self, req: Request) -> None:
         self.running.remove(req)
+        if self.prefix_cache is not None:
+            self._cache_pages(req)
+            del self._cached_upto[req.request_id]
         if req.pages:
             self.allocator.free(req.pages)
             req.pages = []
@@ -198,13 +293,31 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def check_consistent(self) -> None:
-        """Pages and rows held by the allocator are exactly those of running requests."""
-        held = [p for r in self.running for p in r.pages]
-        if len(held) != len(set(held)):
-            raise AssertionError("KV page owned by two requests")
-        if self.allocator.num_used_pages != len(held):
-            raise AssertionError(f"KV slot leak: {self.allocator.num_used_pages} pages allocated, "
-                                 f"{len(held)} held by {len(self.running)} running requests")
+        """Every page's reference count is the number of running requests holding it, pages held by two
+        requests are prefix-cache pages, and rows allocated are exactly those of running requests."""
+        holders: dict[int, int] = {}
+        for r in self.running:
+            if len(r.pages) != len(set(r.pages)):
+                raise AssertionError(f"KV page held twice by request {r.request_id}")
+            for p in r.pages:
+                holders[p] = holders.get(p, 0) + 1
+        shared = [p for p, n in holders.items() if n > 1 and not self.allocator.is_cached(p)]
+        if shared:
+            raise AssertionError(f"KV pages owned by two requests outside the prefix cache: {shared[:20]}")
+        self.allocator.check_refs(holders)
+        if self.prefix_cache is not None:
+            self.prefix_cache.check()
+            for r in self.running:  # its cached pages are the tree path ending at its recorded node
+                node, n = self._cached_upto[r.request_id]
+                path = []
+                while node is not None and node is not self.prefix_cache.root:
+                    path.append(node.page)
+                    node = node.parent
+                if path[::-1] != r.pages[:n]:
+                    raise AssertionError(f"request {r.request_id}: its first {n} pages are not its prefix-cache path")
+        elif self.allocator.num_cached_pages:
+            raise AssertionError("KV pages flagged cached without a prefix cache")
         rows_used = self.req_pool.max_reqs - self.req_pool.num_free
         if rows_used != len(self.running):
             raise AssertionError(f"req_to_token leak: {rows_used} rows allocated, {len(self.running)} running")
+

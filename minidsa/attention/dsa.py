@@ -89,7 +89,7 @@ class DSABackend:
         rows = batch.token_rows
         if self._ops is not None and self.kernels.index_logits != "torch":
             logits = self._ops.index_logits(q, weights, buf, self.page_size, self.req_to_token, rows,
-                                            batch.kv_lens, batch.max_kv_len, batch.tree_mask)
+                                            batch.kv_lens, batch.max_kv_len, batch.tree_mask, batch.batch_size)
         else:
             logits = ref.index_logits(q, weights, buf, self.page_size, self.req_to_token, rows,
                                       batch.kv_lens, batch.max_kv_len, batch.tree_mask)
@@ -113,6 +113,7 @@ class DSABackend:
         """Copy every layer's MLA and indexer rows from slots `src` to `dst` (tree compaction)."""
         kv = self.kv_cache
         if self._ops is not None and self.kernels.kv_move != "torch":
-            self._ops.kv_move(kv.mla, kv.index_k, src, dst, kv.page_size, kv.index_head_dim)
+            # One launch over every layer of both caches (KVCache keeps each kind in one buffer).
+            self._ops.kv_move_buffers(kv.mla_buffer, kv.index_buffer, src, dst, kv.page_size, kv.index_head_dim)
         else:
             ref.kv_move(kv.mla, kv.index_k, src, dst, kv.page_size, kv.index_head_dim)

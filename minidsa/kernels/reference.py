@@ -23,24 +23,23 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _QUERY_BLOCK = 256
 
 
-@functools.lru_cache(maxsize=8)
-def _hadamard_cpu(d: int) -> torch.Tensor:
+@functools.lru_cache(maxsize=16)
+def hadamard_matrix(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Orthonormal Sylvester-Hadamard matrix (symmetric, scale d^-0.5): rotating q and k keeps q.k.
+
+    Cached per device, so a CUDA-graph capture (after warm-up) never copies it from the host.
+    """
     if d & (d - 1):
         raise ValueError(f"Hadamard rotation needs a power-of-two dim, got {d}")
     h = torch.ones(1, 1)
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h * d**-0.5
-
-
-def hadamard_matrix(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Orthonormal Sylvester-Hadamard matrix (symmetric, scale d^-0.5): rotating q and k keeps q.k."""
-    return _hadamard_cpu(d).to(device)
+    return (h * d**-0.5).to(device)
 
 
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     """x @ H over the last dim, in fp32."""
-    return x.float() @ hadamard_matrix(x.shape[-1], x.device)
+    return x.float() @ hadamard_matrix(x.shape[-1], str(x.device))
 
 
 def quant_fp8_ue8m0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -214,10 +214,11 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         num_tokens, top_k = ids.shape
         n_experts = self.gate_up_proj.shape[0]
-        # Static shapes either way (compile / CUDA-graph friendly). Few token-expert pairs:
-        # gather just the chosen experts. Otherwise every expert is likely hit: run them all
-        # densely and weight by a routing matrix that is zero for unchosen experts.
-        if num_tokens * top_k < n_experts:
+        # Static shapes either way (compile / CUDA-graph friendly). Gathering the chosen experts'
+        # weights materialises a copy (read + write + read again), so it only pays while the
+        # pairs are few against the experts (real DeepSeek decode: 8 of 256). Otherwise run every
+        # expert densely, weighted by a routing matrix that is zero for unchosen experts.
+        if 3 * num_tokens * top_k < n_experts:
             w13 = self.gate_up_proj[ids]  # [T, k, 2I, H]
             h = torch.einsum("th,tkih->tki", x, w13)
             g, u = h.chunk(2, dim=-1)

@@ -1,0 +1,197 @@
+"""DeepGEMM's indexer kernels, used when `deep_gemm` imports and the GPU is SM90 / SM100.
+
+Contract relied on (DeepGEMM's public Python API; see shared/REFERENCE_NOTES.md):
+- `get_paged_mqa_logits_metadata(context_lens [B, next_n] int32, block_kv, num_sms)`
+  -> schedule `[num_sms + 1, 2]` int32. Recomputed on every call: a schedule
+  made for other context lengths can hang the kernel.
+- `fp8_paged_mqa_logits(q [B, next_n, H, D] e4m3, kv_cache [pages, block_kv, 1, D + 4]
+  uint8, weights [B * next_n, H] fp32, context_lens, block_table [B, blocks] int32,
+  schedule, max_context_len, clean_logits)` -> `[B * next_n, max_context_len]`
+  fp32 (a row-strided view); logits past a row's context are left undefined.
+- `fp8_mqa_logits(q [S, H, D] e4m3, (k [S_kv, D] e4m3, k_scale [S_kv] fp32),
+  weights [S, H] fp32, ks [S] int32, ke [S] int32, clean_logits)` -> `[S, S_kv]`.
+
+Every query token is handed over as its own batch row (next_n = 1, context
+lengths `(N, 1)`, see `context_lens_2d`), so decode, verify and draft-extend
+are one case; tree masks and the causal edge are applied afterwards by
+`indexer.mask_invisible`, which also sets the undefined tail to -inf.
+
+Nothing here raises mid-step because DeepGEMM is missing or too old: `probe`
+checks the import and every function at start-up, and a call that still fails
+switches this process to the Triton kernels with one logged error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from minidsa.kernels import indexer
+
+logger = logging.getLogger(__name__)
+
+REQUIRED_API = ("get_paged_mqa_logits_metadata", "fp8_paged_mqa_logits", "fp8_mqa_logits")
+SUPPORTED_SM_MAJOR = (9, 10)
+
+
+@dataclass(frozen=True)
+class DeepGEMMStatus:
+    available: bool
+    reason: str  # why not, or which build and GPU
+    sm_major: int = 0
+
+
+_module: ModuleType | None = None
+_status: dict[str, DeepGEMMStatus] = {}
+_disabled: str | None = None  # set when a call failed: the rest of the process uses Triton
+
+
+def _device_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device, None for anything else (tests replace this)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def reset() -> None:
+    """Forget probe results (tests swap the module in and out)."""
+    global _module, _disabled
+    _module, _disabled = None, None
+    _status.clear()
+
+
+def probe(device: torch.device) -> DeepGEMMStatus:
+    """Can DeepGEMM's indexer kernels serve on `device`? Decided once per device, with the reason."""
+    global _module
+    key = str(device)
+    if key in _status:
+        return _status[key]
+    cap = _device_capability(device)
+    if cap is None:
+        status = DeepGEMMStatus(False, f"{device} is not a CUDA device")
+    elif cap[0] not in SUPPORTED_SM_MAJOR:
+        status = DeepGEMMStatus(False, f"GPU is SM{cap[0]}{cap[1]}, DeepGEMM's indexer needs SM90 or SM100")
+    else:
+        try:
+            mod = importlib.import_module("deep_gemm")
+        except Exception as e:  # ImportError, or a broken build failing at load (undefined symbol, ...)
+            status = DeepGEMMStatus(False, f"import deep_gemm failed: {type(e).__name__}: {e}")
+        else:
+            missing = [name for name in REQUIRED_API if not callable(getattr(mod, name, None))]
+            if missing:
+                status = DeepGEMMStatus(False, f"deep_gemm lacks {', '.join(missing)}")
+            else:
+                _module = mod
+                version = getattr(mod, "__version__", "unknown version")
+                status = DeepGEMMStatus(True, f"deep_gemm {version} on SM{cap[0]}{cap[1]}", cap[0])
+    _status[key] = status
+    return status
+
+
+def paged_supported(status: DeepGEMMStatus, num_heads: int, head_dim: int, page_size: int,
+                    fp8_cache: bool) -> str | None:
+    """None when the paged kernel takes these shapes, else why not (then Triton serves)."""
+    if not fp8_cache:
+        return "the indexer cache is not fp8"
+    if head_dim not in (32, 64, 128):
+        return f"index head dim {head_dim} (DeepGEMM: 32, 64 or 128)"
+    if status.sm_major == 9:
+        if num_heads not in (32, 64):
+            return f"{num_heads} indexer heads (DeepGEMM on SM90: 32 or 64)"
+        if page_size != 64:
+            return f"page size {page_size} (DeepGEMM on SM90: 64)"
+    else:
+        if num_heads not in (8, 16, 32, 64):
+            return f"{num_heads} indexer heads (DeepGEMM on SM100: 8 to 64)"
+        if page_size not in (32, 64):
+            return f"page size {page_size} (DeepGEMM on SM100: 32 or 64)"
+    return None
+
+
+def context_lens_2d(lens: torch.Tensor) -> torch.Tensor:
+    """THE one place context lengths are shaped for DeepGEMM: one row per query token, int32 (N, 1)."""
+    return lens.reshape(-1, 1).to(torch.int32).contiguous()
+
+
+def block_table(req_to_token: torch.Tensor, token_rows: torch.Tensor, max_kv_len: int,
+                page_size: int) -> torch.Tensor:
+    """[T, pages] int32: page ids of each token's row (slots of a page are contiguous and page-aligned)."""
+    num_blocks = -(-max_kv_len // page_size)
+    cols = torch.arange(num_blocks, device=req_to_token.device) * page_size
+    return (req_to_token[token_rows.unsqueeze(1), cols] // page_size).to(torch.int32)
+
+
+def disabled_reason() -> str | None:
+    return _disabled
+
+
+def _fail(what: str, err: Exception) -> None:
+    global _disabled
+    _disabled = f"{what} failed: {type(err).__name__}: {err}"
+    logger.error("DeepGEMM %s; the Triton indexer kernels serve from now on", _disabled)
+
+
+def paged_index_logits(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    index_k: torch.Tensor,
+    page_size: int,
+    req_to_token: torch.Tensor,
+    token_rows: torch.Tensor,
+    kv_lens: torch.Tensor,
+    max_kv_len: int,
+    tree_mask: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """fp8_paged_mqa_logits with the reference index_logits contract; None if DeepGEMM failed."""
+    if _module is None or _disabled is not None:
+        return None
+    num_tokens, num_heads, head_dim = q.shape
+    vis_end = kv_lens if tree_mask is None else kv_lens + tree_mask.shape[1]
+    ctx = context_lens_2d(vis_end.clamp(max=max_kv_len))
+    table = block_table(req_to_token, token_rows, max_kv_len, page_size)
+    kv = index_k.view(index_k.shape[0], page_size, 1, head_dim + 4)
+    try:
+        schedule = _module.get_paged_mqa_logits_metadata(ctx, page_size, _num_sms(q.device))
+        logits = _module.fp8_paged_mqa_logits(
+            q.contiguous().unsqueeze(1), kv, weights.float().contiguous(), ctx, table, schedule, max_kv_len, False
+        )
+    except Exception as e:  # a DeepGEMM build whose contract differs: never fail the step for it
+        _fail("fp8_paged_mqa_logits", e)
+        return None
+    return indexer.mask_invisible(logits, kv_lens, tree_mask)
+
+
+def extend_index_logits(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    index_k: torch.Tensor,
+    page_size: int,
+    req_to_token: torch.Tensor,
+    token_rows: torch.Tensor,
+    kv_lens: torch.Tensor,
+    max_kv_len: int,
+) -> torch.Tensor | None:
+    """Prefill of ONE request through fp8_mqa_logits: its keys gathered contiguous, ks = 0, ke = kv_lens."""
+    if _module is None or _disabled is not None:
+        return None
+    head_dim = q.shape[2]
+    slots = req_to_token[token_rows[0], :max_kv_len]
+    k8, k_scale = indexer.gather_index_k(index_k, slots, page_size, head_dim)
+    ks = torch.zeros_like(kv_lens, dtype=torch.int32)
+    ke = kv_lens.to(torch.int32)
+    try:
+        logits = _module.fp8_mqa_logits(q.contiguous(), (k8, k_scale), weights.float().contiguous(), ks, ke, True)
+    except Exception as e:
+        _fail("fp8_mqa_logits", e)
+        return None
+    return indexer.mask_invisible(logits, kv_lens, None)

@@ -1,0 +1,205 @@
+"""Which implementation serves each DSA op, decided once at start-up, and the ops object DSABackend calls.
+
+`choose(device)` -> `KernelChoice` (logged by `attention.dsa.choose_kernels`):
+- Triton serves store_index_k, index_logits, sparse_mla and kv_move on CUDA
+  (or on CPU under TRITON_INTERPRET=1, for tests); otherwise everything is torch.
+- index_logits is "deepgemm" when `deep_gemm` imports, has every function we
+  call, and the GPU is SM90/SM100 (`deepgemm.probe`); the reason is logged.
+- topk: TOPK_IMPL (set by measurement, see benchmarks/KERNELS.md), or the
+  MINIDSA_TOPK environment variable (`torch` | `triton`).
+
+`ops_for(choice)` -> `DSAOps`, whose methods keep the reference functions'
+signatures and call the custom ops (opaque to torch.compile).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from minidsa.attention.dsa import KernelChoice
+from minidsa.kernels import deepgemm
+from minidsa.kernels import reference as ref
+
+logger = logging.getLogger(__name__)
+
+# torch.topk vs the Triton radix select, by measurement on H100 (benchmarks/KERNELS.md): the radix select
+# runs one program per row (~3.8 us per 1k elements), so it wins while each SM scans at most one 64k row
+# (batch 64 x 32k: 0.127 vs 0.20-0.29 ms; 1 x 64k: 0.24 vs 0.30; 128 x 64k: a tie) and loses on a few
+# long rows (1 x 128k: 0.48 vs 0.29 ms), where torch.topk serves.
+TOPK_IMPL = "triton"
+TRITON_TOPK_MAX_ROW_WORK = 64 * 1024
+IMPLS = ("torch", "triton", "deepgemm")
+
+
+def triton_usable(device: torch.device) -> tuple[bool, str]:
+    """(usable, why): Triton runs on CUDA, or on CPU when it was imported as its interpreter."""
+    try:
+        from triton.runtime.jit import JITFunction
+
+        from minidsa.kernels import indexer
+    except Exception as e:
+        return False, f"import triton failed: {type(e).__name__}: {e}"
+    if device.type == "cuda":
+        return torch.cuda.is_available(), "CUDA device" if torch.cuda.is_available() else "CUDA is not available"
+    if not isinstance(indexer._paged_logits_kernel, JITFunction):
+        return True, "Triton interpreter on CPU (TRITON_INTERPRET=1 was set before triton was imported)"
+    return False, f"Triton needs a CUDA device (or TRITON_INTERPRET=1 before importing triton), got {device}"
+
+
+def choose(device: torch.device | str, use_deep_gemm: bool = True) -> KernelChoice:
+    device = torch.device(device)
+    ok, why = triton_usable(device)
+    if not ok:
+        logger.warning("DSA kernels: torch reference (%s)", why)
+        return KernelChoice()
+    if use_deep_gemm:
+        status = deepgemm.probe(device)
+        index = "deepgemm" if status.available else "triton"
+        logger.info("DSA indexer logits: %s (%s)", "DeepGEMM" if status.available else "Triton",
+                    status.reason)
+    else:
+        index = "triton"
+        logger.info("DSA indexer logits: Triton (DeepGEMM disabled by use_deep_gemm=False)")
+    topk = os.environ.get("MINIDSA_TOPK", TOPK_IMPL)
+    if topk not in ("torch", "triton"):
+        raise ValueError(f"MINIDSA_TOPK must be 'torch' or 'triton', got {topk!r}")
+    return KernelChoice(store_index_k="triton", index_logits=index, topk=topk, sparse_mla="triton",
+                        kv_move="triton")
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def triton_topk_wins(num_tokens: int, width: int, device: torch.device) -> bool:
+    """The measured crossover between the one-program-per-row radix select and torch.topk."""
+    waves = -(-num_tokens // _num_sms(device))
+    return waves * width <= TRITON_TOPK_MAX_ROW_WORK
+
+
+class DSAOps:
+    """The DSA ops for one KernelChoice; same signatures as `minidsa.kernels.reference`."""
+
+    def __init__(self, choice: KernelChoice):
+        for name, impl in choice.__dict__.items():
+            if impl not in IMPLS:
+                raise ValueError(f"KernelChoice.{name} = {impl!r}, want one of {IMPLS}")
+        from minidsa.kernels import custom_ops  # noqa: F401  (registers torch.ops.minidsa.*)
+        from minidsa.kernels import topk as topk_mod
+
+        self.choice = choice
+        self._ops = torch.ops.minidsa
+        self._torch_topk = topk_mod.torch_topk_slots
+        self._deepgemm_shapes: dict[tuple, str | None] = {}  # per (device, heads, dim, page size): why not
+
+    def store_index_k(self, index_k: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
+        if self.choice.store_index_k == "torch" or index_k.dtype != torch.uint8:
+            ref.store_index_k(index_k, loc, k, page_size)
+        else:
+            self._ops.store_index_k(index_k, loc, k, page_size)
+
+    def index_logits(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        index_k: torch.Tensor,
+        page_size: int,
+        req_to_token: torch.Tensor,
+        token_rows: torch.Tensor,
+        kv_lens: torch.Tensor,
+        max_kv_len: int,
+        tree_mask: torch.Tensor | None = None,
+        num_requests: int = 0,
+    ) -> torch.Tensor:
+        """`num_requests`: how many requests the T tokens come from (0 = unknown). With DeepGEMM, one request's
+        causal tokens (a prefill chunk) go to fp8_mqa_logits; in the Triton kernel, a few tokens per request
+        (verify, draft-extend) share key tiles."""
+        args = (q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_len, tree_mask)
+        impl = self.choice.index_logits
+        if impl == "deepgemm":
+            why_not = self._deepgemm_unsupported(q, index_k, page_size)
+            if why_not is None:
+                return self._ops.deepgemm_index_logits(*args, num_requests)
+            _log_fallback(f"DSA indexer: Triton kernels serve this call (DeepGEMM cannot: {why_not})")
+            impl = "triton"
+        if impl == "triton" and _pow2(q.shape[1]) and _pow2(q.shape[2]) and q.shape[2] >= 16:
+            return self._ops.index_logits(*args, num_requests)
+        if impl == "triton":
+            _log_fallback(f"DSA indexer: torch reference ({q.shape[1]} heads x {q.shape[2]}: the Triton kernel "
+                          "needs powers of two)")
+        return ref.index_logits(*args)
+
+    def _deepgemm_unsupported(self, q: torch.Tensor, index_k: torch.Tensor, page_size: int) -> str | None:
+        key = (q.device, q.shape[1], q.shape[2], page_size, index_k.dtype)
+        if key not in self._deepgemm_shapes:
+            status = deepgemm.probe(q.device)
+            self._deepgemm_shapes[key] = deepgemm.paged_supported(
+                status, q.shape[1], q.shape[2], page_size, index_k.dtype == torch.uint8
+            ) if status.available else status.reason
+        return self._deepgemm_shapes[key]
+
+    def ragged_index_logits(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, ks: torch.Tensor,
+                            ke: torch.Tensor, key_scales: torch.Tensor | None = None) -> torch.Tensor:
+        if self.choice.index_logits == "torch":
+            if key_scales is not None:
+                keys = keys.float() * key_scales.unsqueeze(1)
+            return ref.ragged_index_logits(q, weights, keys, ks, ke)
+        return self._ops.ragged_index_logits(q, weights, keys, ks, ke, key_scales)
+
+    def topk(self, logits: torch.Tensor, topk: int, req_to_token: torch.Tensor,
+             token_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.choice.topk == "triton" and triton_topk_wins(logits.shape[0], logits.shape[1], logits.device):
+            return self._ops.topk_slots(logits, topk, req_to_token, token_rows)
+        return self._torch_topk(logits, topk, req_to_token, token_rows)
+
+    def sparse_mla(self, q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
+                   v_dim: int) -> torch.Tensor:
+        rope = q.shape[2] - v_dim
+        if self.choice.sparse_mla == "triton" and _pow2(v_dim) and _pow2(rope) and rope >= 16:
+            return self._ops.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
+        if self.choice.sparse_mla == "triton":
+            _log_fallback(f"DSA sparse MLA: torch reference (latent {v_dim} + rope {rope}: the Triton kernel "
+                          "needs powers of two, rope >= 16)")
+        return ref.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
+
+    def kv_move(self, mla_caches: list[torch.Tensor], index_caches: list[torch.Tensor | None], src: torch.Tensor,
+                dst: torch.Tensor, page_size: int, index_head_dim: int) -> None:
+        """Per-layer lists (the reference signature): one launch per layer; prefer kv_move_buffers."""
+        if self.choice.kv_move == "torch":
+            ref.kv_move(mla_caches, index_caches, src, dst, page_size, index_head_dim)
+            return
+        for i, mla in enumerate(mla_caches):
+            idx = index_caches[i] if i < len(index_caches) else None
+            self._ops.kv_move(mla.unsqueeze(0), None if idx is None else idx.unsqueeze(0), src, dst, page_size,
+                              index_head_dim)
+
+    def kv_move_buffers(self, mla_buffer: torch.Tensor, index_buffer: torch.Tensor | None, src: torch.Tensor,
+                        dst: torch.Tensor, page_size: int, index_head_dim: int) -> None:
+        """Every layer of both whole-model buffers (KVCache.mla_buffer / index_buffer) in one launch."""
+        if self.choice.kv_move == "torch":
+            index_layers = [] if index_buffer is None else list(index_buffer.unbind(0))
+            ref.kv_move(list(mla_buffer.unbind(0)), index_layers, src, dst, page_size, index_head_dim)
+            return
+        self._ops.kv_move(mla_buffer, index_buffer, src, dst, page_size, index_head_dim)
+
+
+_fallbacks_logged: set[str] = set()
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _log_fallback(msg: str) -> None:
+    if msg not in _fallbacks_logged:
+        _fallbacks_logged.add(msg)
+        logger.warning(msg)
+
+
+def ops_for(choice: KernelChoice) -> DSAOps:
+    return DSAOps(choice)

@@ -1,0 +1,476 @@
+"""Triton kernels for the lightning indexer: key store, paged logits, ragged (prefill) logits.
+
+Same contracts as `minidsa.kernels.reference` (the oracle):
+- `store_index_k`: Hadamard-rotate, e4m3 with a power-of-two fp32 scale per
+  token, written into DeepGEMM's paged layout at `loc` (a page's
+  `page_size * D` key bytes, then its `page_size` fp32 scales).
+- `index_logits`: `[T, max_kv_len]` fp32, `sum_h w[t,h] * relu(q[t,h] . k[p]) * scale[p]`
+  over the positions of token t's req_to_token row, -inf where invisible
+  (`p >= kv_lens[t]` and not set in the tree mask).
+- `ragged_index_logits`: row i scores keys `[ks[i], ke[i])` of one contiguous
+  key tensor (DeepGEMM's `fp8_mqa_logits` contract).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from minidsa.kernels import reference as ref
+
+FP8_MAX = ref.FP8_MAX
+
+
+@functools.lru_cache(maxsize=16)
+def _hadamard(d: int, device: str) -> torch.Tensor:
+    # Cached per device: reference.hadamard_matrix copies host->device on every call.
+    return ref.hadamard_matrix(d, device).contiguous()
+
+
+# ---------------------------------------------------------------------------
+# fp8 helpers
+# ---------------------------------------------------------------------------
+@triton.jit
+def _pow2_scale(amax):
+    """(scale, 1/scale) with scale = 2^ceil(log2(amax / 448)), from the exponent bits (exact)."""
+    r = tl.math.div_rn(tl.maximum(amax, 1e-10), 448.0)
+    bits = r.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    return scale, inv
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """Round fp32 in [-448, 448] to the nearest e4m3 value (ties to even), still as fp32.
+
+    Done by hand so the later cast is exact on every backend (the Triton
+    interpreter's float8 cast mis-rounds when the carry bumps the exponent).
+    """
+    a = tl.abs(y)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 a)
+    step_log2 = tl.maximum(e, -6) - 3  # e4m3: 3 mantissa bits, subnormal below 2^-6
+    magic = ((step_log2 + 23 + 127) << 23).to(tl.float32, bitcast=True)
+    r = (a + magic) - magic  # fp32 add rounds to a multiple of 2^step_log2 (RNE)
+    return tl.where(y < 0, -r, r)
+
+
+# ---------------------------------------------------------------------------
+# store_index_k
+# ---------------------------------------------------------------------------
+@triton.jit
+def _store_index_k_fp8_kernel(
+    k_ptr, loc_ptr, had_ptr, cache_ptr, scale_ptr,
+    num_tokens, stride_k, page_bytes, page_words,
+    PAGE_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < num_tokens
+    d = tl.arange(0, D)
+    x = tl.load(k_ptr + rows[:, None] * stride_k + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    had = tl.load(had_ptr + d[:, None] * D + d[None, :])
+    y = tl.dot(x, had, input_precision="ieee")  # [BLOCK_T, D], the rotation in fp32
+    scale, inv = _pow2_scale(tl.max(tl.abs(y), axis=1))
+    y = tl.minimum(tl.maximum(y * inv[:, None], -448.0), 448.0)
+    y8 = _round_to_e4m3(y).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    loc = tl.load(loc_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    page = loc // PAGE_SIZE
+    off = loc % PAGE_SIZE
+    tl.store(cache_ptr + page[:, None] * page_bytes + off[:, None] * D + d[None, :], y8, mask=row_ok[:, None])
+    tl.store(scale_ptr + page * page_words + PAGE_SIZE * D // 4 + off, scale, mask=row_ok)
+
+
+def store_index_k(index_k: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
+    """Write keys `k [T, D]` at slots `loc [T]`: Hadamard + e4m3 into the paged fp8 cache, else as is."""
+    if k.dim() != 2 or loc.dim() != 1 or loc.shape[0] != k.shape[0]:
+        raise ValueError(f"store_index_k: want k [T, D] and loc [T], got {tuple(k.shape)} and {tuple(loc.shape)}")
+    if index_k.dtype != torch.uint8:
+        index_k[loc] = k.to(index_k.dtype)
+        return
+    num_tokens, d = k.shape
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"store_index_k: head dim must be a power of two >= 16, got {d}")
+    if index_k.dim() != 2 or index_k.shape[1] != page_size * (d + 4) or index_k.stride(1) != 1:
+        raise ValueError(f"store_index_k: fp8 cache must be [pages, {page_size * (d + 4)}] uint8, got {tuple(index_k.shape)}")
+    if num_tokens == 0:
+        return
+    if k.stride(1) != 1:
+        k = k.contiguous()
+    block_t = 16
+    _store_index_k_fp8_kernel[(triton.cdiv(num_tokens, block_t),)](
+        k, loc, _hadamard(d, str(k.device)), index_k, index_k.view(torch.float32),
+        num_tokens, k.stride(0), index_k.stride(0), index_k.stride(0) // 4,
+        PAGE_SIZE=page_size, D=d, BLOCK_T=block_t, num_warps=4,
+    )
+
+
+# ---------------------------------------------------------------------------
+# paged index logits (decode / verify / draft-extend / extend)
+# ---------------------------------------------------------------------------
+@triton.jit
+def _load_keys(keys_ptr, scale_ptr, r2t_row_ptr, start, kmask, key_stride, page_words,
+               PAGE_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr):
+    """Keys [BLOCK_N, D] and scales [BLOCK_N] of row positions start + [0, BLOCK_N) (through req_to_token)."""
+    d = tl.arange(0, D)
+    n = tl.arange(0, BLOCK_N)
+    if IS_FP8 and PAGE_SIZE % BLOCK_N == 0:
+        # The block lies inside one page and a page's slots are consecutive: one table read, contiguous bytes.
+        slot = tl.load(r2t_row_ptr + start).to(tl.int64) + n
+    else:
+        slot = tl.load(r2t_row_ptr + start + n, mask=kmask, other=0).to(tl.int64)
+    if IS_FP8:
+        page = slot // PAGE_SIZE
+        off = slot % PAGE_SIZE
+        k = tl.load(keys_ptr + page[:, None] * key_stride + off[:, None] * D + d[None, :], mask=kmask[:, None], other=0)
+        k = k.to(tl.float8e4nv, bitcast=True)
+        sc = tl.load(scale_ptr + page * page_words + PAGE_SIZE * D // 4 + off, mask=kmask, other=0.0)
+    else:
+        k = tl.load(keys_ptr + slot[:, None] * key_stride + d[None, :], mask=kmask[:, None], other=0.0)
+        sc = tl.full((BLOCK_N,), 1.0, tl.float32)
+    return k, sc
+
+
+@triton.jit
+def _visible(pos, kv_len, tree_ptr, tree_w, HAS_TREE: tl.constexpr):
+    vis = pos < kv_len
+    if HAS_TREE:
+        rel = pos - kv_len
+        in_tree = (rel >= 0) & (rel < tree_w)
+        vis = vis | (tl.load(tree_ptr + rel, mask=in_tree, other=0) != 0)
+    return vis
+
+
+@triton.jit
+def _paged_logits_kernel(
+    q_ptr, w_ptr, keys_ptr, scale_ptr, r2t_ptr, rows_ptr, kv_lens_ptr, tree_ptr, out_ptr,
+    num_tokens, max_kv_len, chunk_len,
+    stride_qt, stride_qh, stride_wt, stride_r2t, stride_tree, tree_w, stride_ot,
+    key_stride, page_words,
+    H: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_FP8: tl.constexpr,
+    HAS_TREE: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program: GROUP consecutive query tokens x one chunk of key positions.
+
+    Keys are the M side of the product ([BLOCK_N, D] x [D, heads]), so the sum
+    over heads stays inside each warp. When the GROUP tokens share a
+    req_to_token row (prefill, verify), each key tile is loaded once for all of
+    them; otherwise (decode) the tokens are done one after another.
+    """
+    t0 = tl.program_id(0) * GROUP
+    c_start = tl.program_id(1) * chunk_len
+    c_end = tl.minimum(c_start + chunk_len, max_kv_len)
+    n = tl.arange(0, BLOCK_N)
+    hd = tl.arange(0, H)
+    d = tl.arange(0, D)
+    t_last = tl.minimum(t0 + GROUP, num_tokens) - 1
+    row0 = tl.load(rows_ptr + t0)
+    # Always true when GROUP == 1: the grouped branch is then the plain per-token kernel.
+    grouped = (t_last == t0 + GROUP - 1) & (tl.load(rows_ptr + t_last) == row0)
+    if grouped:
+        gi = tl.arange(0, GROUP)
+        rr = tl.arange(0, GROUP * H)  # column r = token t0 + r // H, head r % H
+        q = tl.load(q_ptr + (t0 + rr // H)[:, None] * stride_qt + (rr % H)[:, None] * stride_qh + d[None, :])
+        w = tl.load(w_ptr + (t0 + rr // H) * stride_wt + rr % H)
+        kv_len = tl.load(kv_lens_ptr + t0 + gi)
+        vis_end = kv_len
+        if HAS_TREE:
+            vis_end = vis_end + tree_w
+        stop = tl.minimum(tl.max(vis_end, axis=0), c_end)
+        r2t_row = r2t_ptr + row0.to(tl.int64) * stride_r2t
+        out_rows = out_ptr + (t0 + gi)[None, :].to(tl.int64) * stride_ot
+        for start in range(c_start, stop, BLOCK_N):
+            pos = start + n
+            k, sc = _load_keys(keys_ptr, scale_ptr, r2t_row, start, pos < stop, key_stride, page_words,
+                               PAGE_SIZE, D, BLOCK_N, IS_FP8)
+            s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, GROUP*H]
+            s = tl.maximum(s, 0.0) * w[None, :]
+            logit = tl.sum(tl.reshape(s, (BLOCK_N, GROUP, H)), axis=2) * sc[:, None]  # [BLOCK_N, GROUP]
+            vis = pos[:, None] < kv_len[None, :]
+            if HAS_TREE:
+                rel = pos[:, None] - kv_len[None, :]
+                in_tree = (rel >= 0) & (rel < tree_w)
+                tb = tl.load(tree_ptr + (t0 + gi)[None, :] * stride_tree + rel, mask=in_tree, other=0)
+                vis = vis | (tb != 0)
+            logit = tl.where(vis, logit, float("-inf"))
+            tl.store(out_rows + pos[:, None], logit, mask=pos[:, None] < c_end)
+        tail = c_start + tl.cdiv(tl.maximum(stop - c_start, 0), BLOCK_N) * BLOCK_N
+        for start in range(tail, c_end, BLOCK_N):
+            pos = start + n
+            neg = tl.full((BLOCK_N, GROUP), float("-inf"), tl.float32)
+            tl.store(out_rows + pos[:, None], neg, mask=pos[:, None] < c_end)
+    else:
+        for g in tl.static_range(GROUP):
+            t = t0 + g
+            if t < num_tokens:
+                q = tl.load(q_ptr + t * stride_qt + hd[:, None] * stride_qh + d[None, :])
+                w = tl.load(w_ptr + t * stride_wt + hd)
+                kv_len = tl.load(kv_lens_ptr + t)
+                vis_end = kv_len
+                if HAS_TREE:
+                    vis_end = vis_end + tree_w
+                stop = tl.minimum(vis_end, c_end)
+                row = tl.load(rows_ptr + t).to(tl.int64)
+                r2t_row = r2t_ptr + row * stride_r2t
+                out_row = out_ptr + t.to(tl.int64) * stride_ot
+                for start in range(c_start, stop, BLOCK_N):
+                    pos = start + n
+                    k, sc = _load_keys(keys_ptr, scale_ptr, r2t_row, start, pos < stop, key_stride, page_words,
+                                       PAGE_SIZE, D, BLOCK_N, IS_FP8)
+                    s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, H]
+                    logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * sc
+                    vis = _visible(pos, kv_len, tree_ptr + t * stride_tree, tree_w, HAS_TREE)
+                    tl.store(out_row + pos, tl.where(vis, logit, float("-inf")), mask=pos < c_end)
+                tail = c_start + tl.cdiv(tl.maximum(stop - c_start, 0), BLOCK_N) * BLOCK_N
+                for start in range(tail, c_end, BLOCK_N):
+                    pos = start + n
+                    tl.store(out_row + pos, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=pos < c_end)
+
+
+@triton.jit
+def _mask_logits_kernel(
+    src_ptr, out_ptr, kv_lens_ptr, tree_ptr, width, stride_src, stride_out, stride_tree, tree_w,
+    HAS_TREE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """out[t, p] = src[t, p] where visible, else -inf (for kernels that leave invisible logits undefined)."""
+    t = tl.program_id(0)
+    pos = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inb = pos < width
+    kv_len = tl.load(kv_lens_ptr + t)
+    vis = _visible(pos, kv_len, tree_ptr + t * stride_tree, tree_w, HAS_TREE)
+    x = tl.load(src_ptr + t.to(tl.int64) * stride_src + pos, mask=inb & vis, other=float("-inf"))
+    tl.store(out_ptr + t.to(tl.int64) * stride_out + pos, x, mask=inb)
+
+
+def mask_invisible(logits: torch.Tensor, kv_lens: torch.Tensor, tree_mask: torch.Tensor | None) -> torch.Tensor:
+    """Contiguous copy of `logits [T, W]` (any row stride) with every invisible position set to -inf."""
+    num_tokens, width = logits.shape
+    out = torch.empty(num_tokens, width, dtype=torch.float32, device=logits.device)
+    if num_tokens == 0 or width == 0:
+        return out
+    tree = _tree_arg(tree_mask, kv_lens)
+    block = 1024
+    _mask_logits_kernel[(num_tokens, triton.cdiv(width, block))](
+        logits, out, kv_lens, tree, width, logits.stride(0), out.stride(0),
+        tree.stride(0), 0 if tree_mask is None else tree_mask.shape[1],
+        HAS_TREE=tree_mask is not None, BLOCK=block, num_warps=4,
+    )
+    return out
+
+
+def _tree_arg(tree_mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    if tree_mask is None:
+        return like.new_zeros(1, 1, dtype=torch.uint8)
+    return tree_mask.contiguous().view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask.contiguous()
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # ignored for bf16/fp8 operands
+
+
+# (GROUP, BLOCK_N, num_warps, num_stages) of the paged kernel, from measurements on H100 (benchmarks/KERNELS.md):
+# one token per program (decode: 0.137 ms at batch 64 x 32k, prefill chunks), two tokens per program when a
+# request has a few tokens sharing its row (verify 16 x 4 tokens: 0.088 vs 0.099 ms).
+PAGED_CONFIG = (1, 128, 4, 3)
+GROUPED_CONFIG = (2, 64, 4, 3)
+GROUPED_MAX_TOKENS_PER_REQUEST = 8
+
+
+def index_logits(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    index_k: torch.Tensor,
+    page_size: int,
+    req_to_token: torch.Tensor,
+    token_rows: torch.Tensor,
+    kv_lens: torch.Tensor,
+    max_kv_len: int,
+    tree_mask: torch.Tensor | None = None,
+    num_requests: int = 0,
+    chunk_len: int | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """Paged indexer logits [T, max_kv_len] fp32 (-inf where invisible); see the module docstring.
+
+    `num_requests`: how many req_to_token rows the tokens come from (0 = unknown); with several
+    tokens per row, consecutive tokens share each key tile. `chunk_len` (key positions per
+    program) and `config` override the tuned launch parameters.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    is_fp8 = index_k.dtype == torch.uint8
+    if is_fp8 and q.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"index_logits: the fp8 indexer cache needs e4m3 queries (quant_index_q), got {q.dtype}")
+    if is_fp8 and index_k.shape[-1] != page_size * (head_dim + 4):
+        raise ValueError(f"index_logits: fp8 cache rows hold {index_k.shape[-1]} bytes, want {page_size * (head_dim + 4)}")
+    if not is_fp8 and index_k.shape[-1] != head_dim:
+        raise ValueError(f"index_logits: cache head dim {index_k.shape[-1]} != query head dim {head_dim}")
+    if weights.shape != (num_tokens, num_heads):
+        raise ValueError(f"index_logits: weights {tuple(weights.shape)} != [T, H] = {(num_tokens, num_heads)}")
+    if num_heads & (num_heads - 1) or head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"index_logits: heads ({num_heads}) and head dim ({head_dim}) must be powers of two")
+    out = torch.empty(num_tokens, max_kv_len, dtype=torch.float32, device=q.device)
+    if num_tokens == 0 or max_kv_len == 0:
+        return out
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    weights = weights.float()
+    if weights.stride(1) != 1:
+        weights = weights.contiguous()
+    shared_rows = num_requests > 0 and 2 * num_requests <= num_tokens <= GROUPED_MAX_TOKENS_PER_REQUEST * num_requests
+    group, block_n, num_warps, num_stages = config or (GROUPED_CONFIG if shared_rows else PAGED_CONFIG)
+    group = max(1, min(group, 128 // num_heads))
+    if chunk_len is None:
+        # At least ~2048 programs, each 2 to 8 key blocks (H100, batch 64 x 32k: 1024-key chunks 0.137 ms,
+        # 4096-key chunks 0.157 ms; batch 1 x 128k: 512 programs 0.038 ms, 128 programs 0.066 ms).
+        groups = triton.cdiv(num_tokens, group)
+        chunk_len = triton.next_power_of_2(triton.cdiv(max_kv_len * groups, 2048))
+        chunk_len = min(max(chunk_len, block_n * 2), block_n * 8)
+    chunk_len = triton.cdiv(chunk_len, block_n) * block_n
+    tree = _tree_arg(tree_mask, kv_lens)
+    scales = index_k.view(torch.float32) if is_fp8 else index_k
+    grid = (triton.cdiv(num_tokens, group), triton.cdiv(max_kv_len, chunk_len))
+    _paged_logits_kernel[grid](
+        q, weights, index_k, scales, req_to_token, token_rows, kv_lens, tree, out,
+        num_tokens, max_kv_len, chunk_len,
+        q.stride(0), q.stride(1), weights.stride(0), req_to_token.stride(0), tree.stride(0),
+        0 if tree_mask is None else tree_mask.shape[1], out.stride(0),
+        index_k.stride(0), index_k.stride(0) // 4 if is_fp8 else 0,
+        H=num_heads, D=head_dim, PAGE_SIZE=page_size, IS_FP8=is_fp8, HAS_TREE=tree_mask is not None,
+        GROUP=group, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------
+# ragged (prefill) logits over contiguous keys
+# ---------------------------------------------------------------------------
+@triton.jit
+def _ragged_logits_kernel(
+    q_ptr, w_ptr, k_ptr, ks_scale_ptr, ks_ptr, ke_ptr, out_ptr,
+    num_q, num_kv, stride_qt, stride_qh, stride_wt, stride_k, stride_ot, chunk_len,
+    H: tl.constexpr, D: tl.constexpr, IS_FP8: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program: GROUP query rows x one chunk of keys; each key tile serves all GROUP rows."""
+    t0 = tl.program_id(0) * GROUP
+    c_start = tl.program_id(1) * chunk_len
+    c_end = tl.minimum(c_start + chunk_len, num_kv)
+    gi = tl.arange(0, GROUP)
+    rr = tl.arange(0, GROUP * H)
+    d = tl.arange(0, D)
+    n = tl.arange(0, BLOCK_N)
+    t_ok = (t0 + gi) < num_q
+    r_ok = (t0 + rr // H) < num_q
+    q = tl.load(q_ptr + (t0 + rr // H)[:, None] * stride_qt + (rr % H)[:, None] * stride_qh + d[None, :],
+                mask=r_ok[:, None], other=0)
+    if IS_FP8:  # e4m3 tensors arrive as their bytes
+        q = q.to(tl.float8e4nv, bitcast=True)
+    w = tl.load(w_ptr + (t0 + rr // H) * stride_wt + rr % H, mask=r_ok, other=0.0)
+    ks = tl.load(ks_ptr + t0 + gi, mask=t_ok, other=0)
+    ke = tl.load(ke_ptr + t0 + gi, mask=t_ok, other=0)
+    lo = tl.maximum(tl.min(tl.where(t_ok & (ke > ks), ks, num_kv), axis=0), c_start)
+    hi = tl.minimum(tl.max(tl.where(t_ok, ke, 0), axis=0), c_end)
+    out_rows = out_ptr + (t0 + gi)[None, :].to(tl.int64) * stride_ot
+    neg = tl.full((BLOCK_N, GROUP), float("-inf"), tl.float32)
+    # Key blocks before the first visible one, then the visible span, then the rest.
+    first = c_start + (tl.maximum(lo - c_start, 0) // BLOCK_N) * BLOCK_N
+    for start in range(c_start, first, BLOCK_N):
+        pos = start + n
+        tl.store(out_rows + pos[:, None], neg, mask=t_ok[None, :] & (pos[:, None] < c_end))
+    for start in range(first, hi, BLOCK_N):
+        pos = start + n
+        kmask = pos < hi
+        k = tl.load(k_ptr + pos[:, None].to(tl.int64) * stride_k + d[None, :], mask=kmask[:, None], other=0)
+        if IS_FP8:
+            k = k.to(tl.float8e4nv, bitcast=True)
+        s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, GROUP*H]
+        s = tl.maximum(s, 0.0) * w[None, :]
+        logit = tl.sum(tl.reshape(s, (BLOCK_N, GROUP, H)), axis=2)
+        if IS_FP8:
+            logit = logit * tl.load(ks_scale_ptr + pos, mask=kmask, other=0.0)[:, None]
+        inside = (pos[:, None] >= ks[None, :]) & (pos[:, None] < ke[None, :])
+        logit = tl.where(inside, logit, float("-inf"))
+        tl.store(out_rows + pos[:, None], logit, mask=t_ok[None, :] & (pos[:, None] < c_end))
+    tail = first + tl.cdiv(tl.maximum(hi - first, 0), BLOCK_N) * BLOCK_N
+    for start in range(tail, c_end, BLOCK_N):
+        pos = start + n
+        tl.store(out_rows + pos[:, None], neg, mask=t_ok[None, :] & (pos[:, None] < c_end))
+
+
+def ragged_index_logits(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    key_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Prefill form: row i scores keys [ks[i], ke[i]) of `keys [S_kv, D]` -> [S, S_kv] fp32, -inf outside.
+
+    `keys` is full precision, or e4m3 with `key_scales [S_kv]` fp32 (then `q` is e4m3 too).
+    """
+    num_q, num_heads, head_dim = q.shape
+    num_kv = keys.shape[0]
+    if keys.shape[1] != head_dim:
+        raise ValueError(f"ragged_index_logits: key dim {keys.shape[1]} != query head dim {head_dim}")
+    fp8 = keys.dtype == torch.float8_e4m3fn
+    if fp8 != (key_scales is not None) or fp8 != (q.dtype == torch.float8_e4m3fn):
+        raise ValueError("ragged_index_logits: e4m3 keys need e4m3 queries and key_scales, and only they")
+    if num_heads & (num_heads - 1) or head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"ragged_index_logits: heads ({num_heads}) and head dim ({head_dim}) must be powers of two")
+    out = torch.empty(num_q, num_kv, dtype=torch.float32, device=q.device)
+    if num_q == 0 or num_kv == 0:
+        return out
+    q = q if q.stride(2) == 1 else q.contiguous()
+    keys = keys if keys.stride(1) == 1 else keys.contiguous()
+    weights = weights.float().contiguous()
+    group = max(1, min(4, 128 // num_heads))
+    block_n = 64
+    chunk_len = min(block_n * 32, max(block_n * 4, triton.next_power_of_2(
+        triton.cdiv(num_kv * triton.cdiv(num_q, group), 2048))))
+    grid = (triton.cdiv(num_q, group), triton.cdiv(num_kv, chunk_len))
+    _ragged_logits_kernel[grid](
+        q.view(torch.uint8) if fp8 else q, weights, keys.view(torch.uint8) if fp8 else keys,
+        key_scales if fp8 else weights, ks.int(), ke.int(), out,
+        num_q, num_kv, q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), out.stride(0), chunk_len,
+        H=num_heads, D=head_dim, IS_FP8=fp8, GROUP=group, BLOCK_N=block_n,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4,
+    )
+    return out
+
+
+def extend_index_logits(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    index_k: torch.Tensor,
+    page_size: int,
+    req_to_token: torch.Tensor,
+    token_rows: torch.Tensor,
+    kv_lens: torch.Tensor,
+    max_kv_len: int,
+) -> torch.Tensor:
+    """index_logits for tokens of ONE request (no tree): its keys gathered contiguous, then the ragged kernel.
+
+    Row t covers keys [0, kv_lens[t]), so the output is already [T, max_kv_len] by position. The Triton
+    counterpart of DeepGEMM's prefill path; not served by default (the paged kernel measured faster
+    than gather + ragged on H100, benchmarks/KERNELS.md).
+    """
+    # index_select, not req_to_token[token_rows[0]]: a tensor-scalar index syncs the host (breaks graph capture)
+    slots = req_to_token.index_select(0, token_rows[:1])[0, :max_kv_len]
+    ks = torch.zeros_like(kv_lens, dtype=torch.int32)
+    if index_k.dtype == torch.uint8:
+        k8, k_scale = gather_index_k(index_k, slots, page_size, q.shape[2])
+        return ragged_index_logits(q, weights, k8, ks, kv_lens, k_scale)
+    return ragged_index_logits(q, weights, index_k[slots.long()], ks, kv_lens)
+
+
+def gather_index_k(index_k: torch.Tensor, slots: torch.Tensor, page_size: int,
+                   head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous (e4m3 keys [N, D], fp32 scales [N]) at `slots` of a paged fp8 cache (prefill's ragged input)."""
+    keys, scales = ref.fp8_views(index_k, page_size, head_dim)
+    page, off = slots.long() // page_size, slots.long() % page_size
+    return keys[page, off].contiguous(), scales[page, off].contiguous()

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: environment, GPU tests, benchmarks; logs and results under $OUT.
+#
+#   OUT=/tmp/out MINIDSA_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [section ...]
+#
+# Sections (default: all, in this order): env kernels bench_kernels graphs bench_decode.
+# Add a section: write a function `section_NAME` and append NAME to ALL_SECTIONS. Each section
+# writes $OUT/NAME.log; its exit status goes to $OUT/summary.txt, and the script's exit status is
+# non-zero if any section failed. (At most 8 files come back from $OUT: keep one log per section.)
+set -u
+OUT=${OUT:-$(pwd)/gpu_out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+ALL_SECTIONS="env kernels bench_kernels graphs bench_decode"
+
+section_env() {   # TIMEOUT: seconds for this section, 0 = none
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv || true
+    $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
+              'cuda', torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
+    $PY -c "import deep_gemm; print('deep_gemm', getattr(deep_gemm, '__version__', '?'))" 2>&1 | tail -1 || true
+}
+
+section_kernels() {   # issue 5: Triton kernels vs torch references at real sizes
+    timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -rs --durations=10
+}
+
+section_bench_kernels() {   # issue 5: kernel benchmark (time, GB/s, TFLOP/s, fractions of ceilings)
+    timeout "$TIMEOUT" $PY benchmarks/bench_kernels.py --out "$OUT" ${BENCH_KERNELS_ARGS:-}
+}
+
+section_graphs() {   # issue 6: graph replay / compile == eager, spec lossless with graphs
+    timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_graphs_gpu.py -rs --durations=10 -x
+}
+
+section_bench_decode() {   # issue 6: decode suite -> RESULTS.md (copy into benchmarks/ after the run)
+    timeout "$TIMEOUT" $PY -m minidsa.perf --json "$OUT/decode.json" --markdown "$OUT/RESULTS.md" ${BENCH_DECODE_ARGS:-}
+}
+
+SECTIONS=${*:-$ALL_SECTIONS}
+: > "$OUT/summary.txt"
+status=0
+for s in $SECTIONS; do
+    start=$(date +%s)
+    echo "=== $s ==="
+    # TIMEOUT_<section>=seconds bounds one section (so later sections still run inside a lease).
+    limit_var="TIMEOUT_$s"
+    TIMEOUT=${!limit_var:-0} "section_$s" > "$OUT/$s.log" 2>&1
+    rc=$?
+    tail -n 60 "$OUT/$s.log"
+    echo "$s rc=$rc seconds=$(( $(date +%s) - start ))" | tee -a "$OUT/summary.txt"
+    [ $rc -eq 0 ] || status=1
+done
+echo "=== summary ==="
+cat "$OUT/summary.txt"
+exit $status

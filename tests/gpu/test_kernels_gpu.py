@@ -1,0 +1,272 @@
+"""The compiled Triton kernels against the torch references at real model sizes (CUDA only).
+
+DeepSeek-V3.2 shapes: 128 heads, 576 / 512 latent dims, 64 indexer heads x 128,
+index_topk 2048, page size 64; contexts from 1 to 128k, batches 1 to 128.
+Run by scripts/gpu_check.sh (skipped cleanly without CUDA).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from minidsa.kernels import custom_ops, dispatch, deepgemm, indexer, kv_move, sparse_mla, topk  # noqa: E402,F401
+from minidsa.kernels import reference as ref  # noqa: E402
+
+if not isinstance(indexer._paged_logits_kernel, JITFunction):
+    pytest.skip("Triton kernels were imported as interpreted functions in this process", allow_module_level=True)
+
+DEV = torch.device("cuda")
+H_IDX, D_IDX, PAGE, TOPK = 64, 128, 64, 2048
+H_MLA, D_KV, D_V = 128, 576, 512
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def paged_setup(kv_lens_per_row: list[int], seed: int, extra: int = 0):
+    """A paged fp8 indexer cache with one req_to_token row per entry, pages in random order."""
+    g = _gen(seed)
+    width = max(kv_lens_per_row) + extra
+    per_row = -(-width // PAGE)
+    num_rows = len(kv_lens_per_row)
+    num_pages = num_rows * per_row + 1
+    cache = torch.empty(num_pages, PAGE * (D_IDX + 4), dtype=torch.uint8, device=DEV)
+    keys, scales = ref.fp8_views(cache, PAGE, D_IDX)
+    keys.copy_(torch.randn(num_pages, PAGE, D_IDX, device=DEV, generator=g).mul_(60).to(torch.float8_e4m3fn))
+    scales.copy_(torch.exp2(torch.randint(-9, -5, (num_pages, PAGE), device=DEV, generator=g).float()))
+    pages = (torch.randperm(num_pages - 1, device=DEV, generator=g) + 1)[: num_rows * per_row].view(num_rows, per_row)
+    pos = torch.arange(width, device=DEV)
+    r2t = (pages[:, pos // PAGE] * PAGE + pos % PAGE).to(torch.int32)
+    return cache, r2t, width
+
+
+def queries(num_tokens: int, seed: int):
+    g = _gen(seed)
+    q = torch.randn(num_tokens, H_IDX, D_IDX, device=DEV, generator=g)
+    w = torch.randn(num_tokens, H_IDX, device=DEV, generator=g) * H_IDX**-0.5 * D_IDX**-0.5
+    return ref.quant_index_q(q, w)
+
+
+def check_logits(got: torch.Tensor, want: torch.Tensor, k: int, rows_to_check=None) -> None:
+    assert not got.isnan().any()
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    scale = want[fin].abs().max()
+    # fp8 tensor-core products accumulate with fewer bits than fp32 (and in another order).
+    assert (got[fin] - want[fin]).abs().max() <= 2e-3 * scale
+    # The top-k sets they imply agree (>= 99% overlap; only near-ties may swap).
+    s_got = topk.torch_topk_slots(got, k, torch.arange(got.shape[1], device=DEV, dtype=torch.int32)[None],
+                                  torch.zeros(got.shape[0], dtype=torch.long, device=DEV))[1]
+    s_want = ref.topk_slots(want, k, torch.arange(got.shape[1], device=DEV, dtype=torch.int32)[None],
+                            torch.zeros(got.shape[0], dtype=torch.long, device=DEV))[1]
+    overlap = _overlap(s_got, s_want)
+    assert overlap >= 0.99, overlap
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
+    hits, total = 0, 0
+    for x, y in zip(a.tolist(), b.tolist()):
+        sx, sy = {v for v in x if v >= 0}, {v for v in y if v >= 0}
+        hits += len(sx & sy)
+        total += max(len(sy), 1)
+    return hits / total
+
+
+def test_store_index_k_real_size():
+    g = _gen(1)
+    cache, r2t, width = paged_setup([8192], 1)
+    base = cache.clone()
+    loc = r2t[0, torch.randperm(width, device=DEV, generator=g)[:4096]].long()
+    k = (torch.randn(4096, D_IDX, device=DEV, generator=g) * 3).bfloat16()
+    want = base.clone()
+    ref.store_index_k(want, loc, k, PAGE)
+    indexer.store_index_k(cache, loc, k, PAGE)
+    gk, gs = ref.fp8_views(cache, PAGE, D_IDX)
+    wk, ws = ref.fp8_views(want, PAGE, D_IDX)
+    assert torch.equal(gs, ws)
+    p, o = loc // PAGE, loc % PAGE
+    diff = (gk[p, o].float() - wk[p, o].float()).abs()
+    assert (diff > 0).float().mean() < 1e-3 and (diff <= wk[p, o].float().abs() / 8 + 2**-9).all()
+    untouched = torch.ones(cache.shape[0] * PAGE, dtype=torch.bool, device=DEV)
+    untouched[loc] = False
+    idx = untouched.nonzero()[:, 0]
+    assert torch.equal(gk[idx // PAGE, idx % PAGE].view(torch.uint8), ref.fp8_views(base, PAGE, D_IDX)[0][
+        idx // PAGE, idx % PAGE].view(torch.uint8))
+
+
+@pytest.mark.parametrize("case", ["decode_mixed", "decode_b64_32k", "verify_tree", "prefill_chunk"])
+def test_index_logits_real_size(case):
+    if case == "decode_mixed":  # contexts from 1 to 128k in one batch
+        lens = [1, 17, 4096, 32768, 131072, 64, 1000, 2048]
+        cache, r2t, width = paged_setup(lens, 2)
+        rows = torch.arange(len(lens), device=DEV)
+        kv_lens = torch.tensor(lens, device=DEV)
+        tree = None
+    elif case == "decode_b64_32k":
+        cache, r2t, width = paged_setup([32768] * 64, 3)
+        rows = torch.arange(64, device=DEV)
+        kv_lens = torch.randint(30000, 32769, (64,), device=DEV, generator=_gen(3))
+        tree = None
+    elif case == "verify_tree":  # 16 requests x 4 draft tokens, tree mask over the draft positions
+        cache, r2t, width = paged_setup([8192] * 16, 4, extra=4)
+        rows = torch.arange(16, device=DEV).repeat_interleave(4)
+        kv_lens = torch.randint(100, 8193, (16,), device=DEV, generator=_gen(4)).repeat_interleave(4)
+        tree = torch.tril(torch.ones(4, 4, dtype=torch.bool, device=DEV)).repeat(16, 1)
+        tree[::3, 1] = True
+    else:  # one request's 256-token prefill chunk over a 4096 context
+        cache, r2t, width = paged_setup([4096], 5)
+        rows = torch.zeros(256, dtype=torch.long, device=DEV)
+        kv_lens = torch.arange(4096 - 255, 4097, device=DEV)
+        tree = None
+    q, w = queries(rows.shape[0], 6)
+    want = ref.index_logits(q, w, cache, PAGE, r2t, rows, kv_lens, width, tree)
+    # Without the request count (one token per program), and through the op with it (pairs of tokens
+    # sharing key tiles for verify; the ragged kernel over gathered keys for the one-request prefill).
+    check_logits(indexer.index_logits(q, w, cache, PAGE, r2t, rows, kv_lens, width, tree), want, TOPK)
+    num_requests = int(rows.unique().numel())
+    got = torch.ops.minidsa.index_logits(q, w, cache, PAGE, r2t, rows, kv_lens, width, tree, num_requests)
+    check_logits(got, want, TOPK)
+
+
+def test_index_logits_bf16_cache_page_1():
+    g = _gen(7)
+    lens = [3000, 70, 5000]
+    width = max(lens)
+    cache = torch.randn(4 * width, D_IDX, device=DEV, generator=g).bfloat16()
+    r2t = torch.randperm(4 * width, device=DEV, generator=g)[: 3 * width].view(3, width).int()
+    rows = torch.tensor([0, 1, 2], device=DEV)
+    q = torch.randn(3, H_IDX, D_IDX, device=DEV, generator=g).bfloat16()
+    w = torch.rand(3, H_IDX, device=DEV, generator=g)
+    kv_lens = torch.tensor(lens, device=DEV)
+    got = indexer.index_logits(q, w, cache, 1, r2t, rows, kv_lens, width)
+    want = ref.index_logits(q, w, cache, 1, r2t, rows, kv_lens, width)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    assert _rel(got[fin], want[fin]) < 1e-3
+
+
+def test_ragged_index_logits_real_size():
+    g = _gen(8)
+    q, w = queries(256, 8)
+    keys = torch.randn(8192, D_IDX, device=DEV, generator=g)
+    k8, k_scale = ref.quant_fp8_ue8m0(ref.hadamard_rotate(keys))
+    ks = torch.randint(0, 4096, (256,), device=DEV, generator=g)
+    ke = ks + torch.randint(0, 4097, (256,), device=DEV, generator=g)
+    got = indexer.ragged_index_logits(q, w, k8, ks, ke, k_scale)
+    want = ref.ragged_index_logits(q, w, k8.float() * k_scale[:, None], ks, ke)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    assert (got[fin] - want[fin]).abs().max() <= 2e-3 * want[fin].abs().max()
+
+
+@pytest.mark.parametrize("shape", [(64, 32768), (1, 131072), (128, 8192), (8, 1500)])
+def test_topk_triton_matches_torch(shape):
+    t, width = shape
+    g = _gen(9)
+    logits = torch.randn(t, width, device=DEV, generator=g)
+    vis = torch.randint(1, width + 1, (t,), device=DEV, generator=g)
+    vis[0] = width
+    logits[torch.arange(width, device=DEV)[None] >= vis[:, None]] = float("-inf")
+    r2t = torch.randperm(t * width + 7, device=DEV, generator=g)[: t * width].view(t, width).int()
+    rows = torch.arange(t, device=DEV)
+    for config in (None, (4096, 11, 16)):
+        slots, pos = topk.topk_slots(logits, TOPK, r2t, rows, config=config)
+        want_slots, want_pos = ref.topk_slots(logits, TOPK, r2t, rows)
+        assert torch.equal(pos.sort(1).values, want_pos.sort(1).values.int())
+        assert torch.equal(slots.sort(1).values, want_slots.sort(1).values)
+    tslots, tpos = topk.torch_topk_slots(logits, TOPK, r2t, rows)
+    assert torch.equal(tpos.sort(1).values, want_pos.sort(1).values.int())
+    assert torch.equal(tslots.sort(1).values, want_slots.sort(1).values)
+
+
+@pytest.mark.parametrize("batch", [1, 8, 128])
+def test_sparse_mla_real_size(batch):
+    g = _gen(10 + batch)
+    num_slots = 65536
+    cache = (torch.randn(num_slots, D_KV, device=DEV, generator=g)).bfloat16()
+    q = (torch.randn(batch, H_MLA, D_KV, device=DEV, generator=g) * 0.3).bfloat16()
+    idx = torch.randint(0, num_slots, (batch, TOPK), device=DEV, generator=g, dtype=torch.int32)
+    idx[0, 1500:] = -1  # fewer keys than top-k
+    if batch > 1:
+        idx[1] = -1  # none at all: zeros
+    got = sparse_mla.sparse_mla(q, cache, idx, D_KV**-0.5 * 2, D_V)
+    want = ref.sparse_mla(q.float(), cache.float(), idx, D_KV**-0.5 * 2, D_V)
+    assert not got.isnan().any()
+    assert _rel(got, want) < 1e-2
+    if batch > 1:
+        assert (got[1] == 0).all()
+
+
+def test_kv_move_real_size():
+    g = _gen(11)
+    layers, pages = 61, 64
+    mla = torch.randn(layers, pages * PAGE, D_KV, device=DEV, generator=g).bfloat16()
+    index = torch.randint(0, 256, (layers, pages, PAGE * (D_IDX + 4)), device=DEV, generator=g, dtype=torch.uint8)
+    perm = torch.randperm(pages * PAGE, device=DEV, generator=g)[:513]
+    src, dst = perm[:512], perm[1:]  # chained: move i writes the source of move i + 1
+    want_mla, want_index = mla.clone(), index.clone()
+    ref.kv_move(list(want_mla.unbind(0)), list(want_index.unbind(0)), src, dst, PAGE, D_IDX)
+    kv_move.kv_move(mla, index, src, dst, PAGE, D_IDX)
+    assert torch.equal(mla, want_mla) and torch.equal(index, want_index)
+
+
+def test_decode_ops_compile_and_cuda_graph():
+    """Custom ops under torch.compile (inductor) and inside a captured CUDA graph give the eager result."""
+    from minidsa.attention.dsa import KernelChoice
+
+    ops = dispatch.ops_for(KernelChoice("triton", "triton", "triton", "triton", "triton"))
+    cache, r2t, width = paged_setup([9000] * 8, 12)
+    rows = torch.arange(8, device=DEV)
+    kv_lens = torch.full((8,), 9000, device=DEV)
+    q, w = queries(8, 12)
+    mla = torch.randn(cache.shape[0] * PAGE, D_KV, device=DEV).bfloat16()
+    qm = torch.randn(8, H_MLA, D_KV, device=DEV).bfloat16()
+
+    def step(q, w, kv_lens, qm):
+        logits = ops.index_logits(q, w, cache, PAGE, r2t, rows, kv_lens, width, None)
+        slots, _ = ops.topk(logits, TOPK, r2t, rows)
+        return ops.sparse_mla(qm, mla, slots, 0.05, D_V)
+
+    eager = step(q, w, kv_lens, qm)
+    compiled = torch.compile(step, fullgraph=True)
+    torch.testing.assert_close(compiled(q, w, kv_lens, qm), eager)
+    static = [x.clone() for x in (q, w, kv_lens, qm)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(*static)
+    q2, w2 = queries(8, 13)
+    static[0].copy_(q2)
+    static[1].copy_(w2)
+    graph.replay()
+    torch.testing.assert_close(out, step(q2, w2, kv_lens, qm))
+
+
+def test_deepgemm_and_triton_select_the_same_topk():
+    status = deepgemm.probe(DEV)
+    if not status.available:
+        pytest.skip(f"DeepGEMM not usable here: {status.reason}")
+    cache, r2t, width = paged_setup([32768] * 16, 14)
+    rows = torch.arange(16, device=DEV)
+    kv_lens = torch.randint(20000, 32769, (16,), device=DEV, generator=_gen(14))
+    q, w = queries(16, 14)
+    dg = deepgemm.paged_index_logits(q, w, cache, PAGE, r2t, rows, kv_lens, width)
+    assert dg is not None, deepgemm.disabled_reason()
+    tr = indexer.index_logits(q, w, cache, PAGE, r2t, rows, kv_lens, width)
+    assert _overlap(topk.topk_slots(dg, TOPK, r2t, rows)[0], topk.topk_slots(tr, TOPK, r2t, rows)[0]) >= 0.99

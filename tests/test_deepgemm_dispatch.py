@@ -1,0 +1,369 @@
+"""Kernel dispatch: DeepGEMM when it imports on SM90/SM100, Triton otherwise, never an error mid-step.
+
+No DeepGEMM build runs here: these tests take the module away (import fails),
+hand in incomplete or failing stand-ins, and a stand-in that implements
+DeepGEMM's documented contract in torch (including what it leaves undefined:
+logits past each row's context are garbage, the schedule must be fresh). The
+Triton kernels run through Triton's interpreter, as in tests/test_kernels.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/gpu/test_kernels_gpu.py checks the compiled kernels", allow_module_level=True)
+
+
+def _import_kernels_interpreted() -> bool:
+    """Import minidsa's Triton kernels as interpreted functions; False if this process cannot any more."""
+    if "triton" in sys.modules:
+        import triton.language as tl
+        from triton.runtime.jit import JITFunction
+
+        if isinstance(tl.zeros, JITFunction):
+            return False
+    prev = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        from minidsa.kernels import custom_ops, dispatch, indexer  # noqa: F401
+    finally:
+        if prev is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = prev
+    from triton.runtime.jit import JITFunction
+
+    return not isinstance(indexer._paged_logits_kernel, JITFunction)
+
+
+INTERPRETED = _import_kernels_interpreted()
+in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
+
+from minidsa.attention.dsa import DSABackend, KernelChoice, choose_kernels  # noqa: E402
+from minidsa.batch import ForwardBatch, ForwardMode  # noqa: E402
+from minidsa.kernels import deepgemm, dispatch  # noqa: E402
+from minidsa.kernels import reference as ref  # noqa: E402
+from minidsa.kv_cache import KVCache, PageAllocator, ReqToTokenPool, pages_needed, slots_of  # noqa: E402
+
+
+@pytest.mark.skipif(INTERPRETED, reason="kernels are interpreted in this process")
+def test_dispatch_in_child_process():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------
+# a torch stand-in for deep_gemm, following its documented contract
+# ---------------------------------------------------------------------------
+def make_stand_in(calls: dict, fail: bool = False, drop: str | None = None) -> types.ModuleType:
+    mod = types.ModuleType("deep_gemm")
+    mod.__version__ = "stand-in"
+
+    def get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms):
+        assert context_lens.dim() == 2 and context_lens.shape[1] == 1, "context lengths must be (N, 1)"
+        assert context_lens.dtype == torch.int32 and context_lens.is_contiguous()
+        calls["schedule"] = calls.get("schedule", 0) + 1
+        meta = torch.zeros(num_sms + 1, 2, dtype=torch.int32)
+        meta[0] = torch.stack([context_lens.sum(), torch.tensor(block_kv)])  # what it was made for
+        return meta
+
+    def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
+                             clean_logits):
+        calls["paged"] = calls.get("paged", 0) + 1
+        calls.setdefault("context_lens", []).append(context_lens.clone())
+        if fail:
+            raise RuntimeError("stand-in: DG_HOST_ASSERT failed")
+        num_q, next_n, heads, d = q.shape
+        num_pages, block_kv = kv_cache.shape[:2]
+        assert next_n == 1 and q.dtype == torch.float8_e4m3fn and weights.shape == (num_q, heads)
+        assert kv_cache.dtype == torch.uint8 and kv_cache.shape[2:] == (1, d + 4)
+        assert context_lens.shape == (num_q, 1) and block_table.dtype == torch.int32
+        assert int(schedule_meta[0, 0]) == int(context_lens.sum()), "stale schedule"
+        keys, scales = ref.fp8_views(kv_cache.reshape(num_pages, -1), block_kv, d)
+        aligned = -(-max_context_len // 256) * 256
+        out = torch.full((num_q, aligned), float("nan"))  # undefined past the context
+        for b in range(num_q):
+            n_blocks = -(-int(context_lens[b, 0]) // block_kv)
+            pages = block_table[b, :n_blocks].long()
+            k = keys[pages].reshape(-1, d).float() * scales[pages].reshape(-1, 1)
+            # Whole blocks, as the kernel does: the tail of the last block scores whatever keys sit there.
+            out[b, : n_blocks * block_kv] = weights[b] @ (q[b, 0].float() @ k.T).relu()
+        return out[:, :max_context_len]
+
+    def fp8_mqa_logits(q, kv, weights, ks, ke, clean_logits):
+        calls["ragged"] = calls.get("ragged", 0) + 1
+        k8, k_scale = kv
+        assert q.dtype == k8.dtype == torch.float8_e4m3fn and ks.dtype == ke.dtype == torch.int32
+        logits = torch.einsum("sh,shk->sk", weights, (q.float() @ (k8.float() * k_scale[:, None]).T).relu())
+        cols = torch.arange(k8.shape[0])
+        inside = (cols[None] >= ks[:, None]) & (cols[None] < ke[:, None])
+        return logits.masked_fill(~inside, float("-inf") if clean_logits else float("nan"))
+
+    for fn in (get_paged_mqa_logits_metadata, fp8_paged_mqa_logits, fp8_mqa_logits):
+        if fn.__name__ != drop:
+            setattr(mod, fn.__name__, fn)
+    return mod
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """Pretend the CPU is an SM90 GPU for DeepGEMM's probe; forget earlier probes."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # triton re-reads it in imports it makes lazily
+    monkeypatch.setattr(deepgemm, "_device_capability", lambda device: (9, 0))
+    deepgemm.reset()
+    yield
+    deepgemm.reset()
+
+
+def _with_module(monkeypatch, mod):
+    monkeypatch.setitem(sys.modules, "deep_gemm", mod)  # None makes `import deep_gemm` raise ImportError
+
+
+# ---------------------------------------------------------------------------
+# choosing
+# ---------------------------------------------------------------------------
+@in_this_process
+def test_missing_deep_gemm_falls_back_to_triton_and_says_so(sm90, monkeypatch, caplog):
+    _with_module(monkeypatch, None)
+    with caplog.at_level(logging.INFO):
+        choice = choose_kernels(torch.device("cpu"), kernel_backend="triton")
+    assert choice.index_logits == "triton"
+    assert choice.store_index_k == choice.sparse_mla == choice.kv_move == "triton"
+    assert "import deep_gemm failed" in caplog.text
+    assert "DSA kernels:" in caplog.text and "index_logits=triton" in caplog.text
+
+
+@in_this_process
+@pytest.mark.parametrize("missing", ["fp8_mqa_logits", "get_paged_mqa_logits_metadata"])
+def test_incomplete_deep_gemm_is_rejected_at_start_up(sm90, monkeypatch, caplog, missing):
+    _with_module(monkeypatch, make_stand_in({}, drop=missing))
+    with caplog.at_level(logging.INFO):
+        choice = dispatch.choose("cpu")
+    assert choice.index_logits == "triton"
+    assert f"deep_gemm lacks {missing}" in caplog.text
+
+
+@in_this_process
+def test_wrong_gpu_generation_and_opt_out(sm90, monkeypatch):
+    _with_module(monkeypatch, make_stand_in({}))
+    assert dispatch.choose("cpu", use_deep_gemm=False).index_logits == "triton"
+    monkeypatch.setattr(deepgemm, "_device_capability", lambda device: (8, 0))
+    deepgemm.reset()
+    status = deepgemm.probe(torch.device("cpu"))
+    assert not status.available and "SM80" in status.reason
+    assert dispatch.choose("cpu").index_logits == "triton"
+
+
+@in_this_process
+def test_stand_in_deep_gemm_is_chosen(sm90, monkeypatch):
+    _with_module(monkeypatch, make_stand_in({}))
+    assert dispatch.choose("cpu").index_logits == "deepgemm"
+    assert deepgemm.probe(torch.device("cpu")).reason == "deep_gemm stand-in on SM90"
+
+
+def test_context_lens_helper_shape():
+    lens = torch.tensor([5, 9, 1], dtype=torch.int64)
+    out = deepgemm.context_lens_2d(lens)
+    assert out.shape == (3, 1) and out.dtype == torch.int32 and out.is_contiguous()
+    assert out.flatten().tolist() == [5, 9, 1]
+
+
+def test_topk_crossover_rule():
+    cpu = torch.device("cpu")  # 8 "SMs" off CUDA
+    assert dispatch.triton_topk_wins(8, 32768, cpu)  # one wave of 32k rows: the radix select
+    assert dispatch.triton_topk_wins(16, 32768, cpu)
+    assert not dispatch.triton_topk_wins(1, 131072, cpu)  # one long row: torch.topk
+    assert not dispatch.triton_topk_wins(24, 32768, cpu)  # three waves of rows here
+
+
+@in_this_process
+def test_shapes_the_triton_kernels_cannot_take_use_the_reference(sm90, caplog):
+    ops = dispatch.ops_for(KernelChoice("triton", "triton", "triton", "triton", "triton"))
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 4, 24 + 16, generator=g)  # v_dim 24: not a power of two
+    cache = torch.randn(50, 40, generator=g)
+    idx = torch.randint(0, 50, (3, 10), generator=g, dtype=torch.int32)
+    with caplog.at_level(logging.WARNING):
+        got = ops.sparse_mla(q, cache, idx, 0.2, 24)
+    torch.testing.assert_close(got, ref.sparse_mla(q, cache, idx, 0.2, 24))
+    assert "latent 24 + rope 16" in caplog.text
+
+
+def test_bad_kernel_choice_is_rejected():
+    with pytest.raises(ValueError, match="KernelChoice.topk"):
+        dispatch.ops_for(KernelChoice(topk="cuda"))
+
+
+# ---------------------------------------------------------------------------
+# running: DeepGEMM stand-in vs the reference, and fallbacks mid-run
+# ---------------------------------------------------------------------------
+def _paged_case(seed: int, heads: int = 32, page_size: int = 64, tree: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    d, width, num_rows = 32, 150, 3
+    per_row = -(-width // page_size)
+    num_pages = num_rows * per_row + 1
+    cache = torch.zeros(num_pages, page_size * (d + 4), dtype=torch.uint8)
+    ref.store_index_k(cache, torch.arange(num_pages * page_size), torch.randn(num_pages * page_size, d, generator=g),
+                      page_size)
+    pages = (torch.randperm(num_pages - 1, generator=g) + 1)[: num_rows * per_row].view(num_rows, per_row)
+    pos = torch.arange(width)
+    r2t = (pages[:, pos // page_size] * page_size + pos % page_size).to(torch.int32)
+    rows = torch.tensor([0, 1, 1, 1, 2, 0])
+    kv_lens = torch.tensor([150, 60, 61, 62, 1, 100]) - (4 if tree else 0)
+    tree_mask = torch.rand(6, 4, generator=g) > 0.5 if tree else None
+    q, w = ref.quant_index_q(torch.randn(6, heads, d, generator=g), torch.rand(6, heads, generator=g))
+    return q, w, cache, page_size, r2t, rows, kv_lens, width, tree_mask
+
+
+@in_this_process
+@pytest.mark.parametrize("tree", [False, True])
+def test_deepgemm_paged_path_matches_reference(sm90, monkeypatch, tree):
+    calls: dict = {}
+    _with_module(monkeypatch, make_stand_in(calls))
+    ops = dispatch.ops_for(dispatch.choose("cpu"))
+    args = _paged_case(1 + tree, tree=tree)
+    for _ in range(2):
+        got = ops.index_logits(*args)
+        want = ref.index_logits(*args)
+        assert torch.equal(torch.isinf(got), torch.isinf(want)) and not got.isnan().any()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert calls["paged"] == calls["schedule"] == 2  # a fresh schedule for every call
+    vis_end = args[6] + (4 if tree else 0)
+    assert torch.equal(calls["context_lens"][0], vis_end.view(-1, 1).int())
+
+
+@in_this_process
+def test_deepgemm_ragged_path_for_one_request_prefill(sm90, monkeypatch):
+    calls: dict = {}
+    _with_module(monkeypatch, make_stand_in(calls))
+    ops = dispatch.ops_for(dispatch.choose("cpu"))
+    q, w, cache, ps, r2t, _, _, width, _ = _paged_case(3)
+    rows = torch.zeros(5, dtype=torch.int64)
+    kv_lens = torch.tensor([146, 147, 148, 149, 150])  # the last 5 tokens of a 150-token prefill
+    got = ops.index_logits(q[:5], w[:5], cache, ps, r2t, rows, kv_lens, width, None, 1)
+    want = ref.index_logits(q[:5], w[:5], cache, ps, r2t, rows, kv_lens, width, None)
+    assert calls.get("ragged") == 1 and "paged" not in calls
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@in_this_process
+def test_deepgemm_failing_mid_run_switches_to_triton(sm90, monkeypatch, caplog):
+    calls: dict = {}
+    _with_module(monkeypatch, make_stand_in(calls, fail=True))
+    ops = dispatch.ops_for(dispatch.choose("cpu"))
+    args = _paged_case(5)
+    with caplog.at_level(logging.WARNING):
+        first = ops.index_logits(*args)
+        second = ops.index_logits(*args)
+    want = ref.index_logits(*args)
+    torch.testing.assert_close(first, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(second, want, rtol=1e-4, atol=1e-4)
+    assert calls["paged"] == 1  # not retried after the failure
+    assert "fp8_paged_mqa_logits failed" in caplog.text and "Triton" in caplog.text
+
+
+@in_this_process
+def test_shapes_deepgemm_cannot_take_use_triton(sm90, monkeypatch, caplog):
+    calls: dict = {}
+    _with_module(monkeypatch, make_stand_in(calls))
+    ops = dispatch.ops_for(dispatch.choose("cpu"))
+    for heads, page_size in ((16, 64), (32, 4)):
+        args = _paged_case(7, heads=heads, page_size=page_size)
+        with caplog.at_level(logging.WARNING):
+            got = ops.index_logits(*args)
+        torch.testing.assert_close(got, ref.index_logits(*args), rtol=1e-4, atol=1e-4)
+    assert "paged" not in calls
+    assert "16 indexer heads" in caplog.text and "page size 4" in caplog.text
+
+
+# ---------------------------------------------------------------------------
+# DSABackend end to end: Triton/DeepGEMM ops vs the reference backend
+# ---------------------------------------------------------------------------
+def _backend(kernels: KernelChoice | None, page_size: int):
+    kv = KVCache(2, 8, page_size, 48, 32, torch.float32, True, "cpu", indexer_layers=[True, False])
+    pool = ReqToTokenPool(4, 256, "cpu")
+    return DSABackend(kv, pool.req_to_token, index_topk=24, kernels=kernels), pool
+
+
+@in_this_process
+@pytest.mark.parametrize("with_deep_gemm", [False, True])
+def test_dsa_backend_ops_match_reference_backend(sm90, monkeypatch, with_deep_gemm):
+    calls: dict = {}
+    _with_module(monkeypatch, make_stand_in(calls) if with_deep_gemm else None)
+    page_size, heads, lens = 64, 32, [150, 90]
+    choice = dispatch.choose("cpu")
+    assert choice.index_logits == ("deepgemm" if with_deep_gemm else "triton")
+    fast, fast_pool = _backend(choice, page_size)
+    slow, slow_pool = _backend(None, page_size)
+    alloc = PageAllocator(8, page_size)
+    rows, locs = [], []
+    for n in lens:
+        row = fast_pool.alloc()
+        assert slow_pool.alloc() == row
+        slots = slots_of(alloc.alloc(pages_needed(n + 1, page_size)), 0, n + 1, page_size)
+        fast_pool.write(row, 0, slots)
+        slow_pool.write(row, 0, slots)
+        rows.append(row)
+        locs.append(slots)
+    g = torch.Generator().manual_seed(9)
+
+    def run(batch: ForwardBatch, attend: bool = True):
+        t = batch.num_tokens
+        k = torch.randn(t, 32, generator=g)
+        q, w = torch.randn(t, heads, 32, generator=g), torch.rand(t, heads, generator=g)
+        kv = torch.randn(t, 48, generator=g)
+        qm = torch.randn(t, 8, 48, generator=g)
+        out = []
+        for be in (fast, slow):
+            be.store_kv(0, batch, kv)
+            be.store_index_k(0, batch, k)
+            if attend:
+                be.topk_recorder = []
+                slots = be.index_topk(0, batch, q, w)
+                out.append((slots, be.topk_recorder[0][1], be.sparse_mla(0, qm, slots, 0.2, 32)))
+        if not attend:
+            return
+        (fs, fp, fo), (ss, sp, so) = out
+        for i in range(t):
+            assert sorted(fs[i].tolist()) == sorted(ss[i].tolist())
+            assert sorted(fp[i].tolist()) == sorted(sp[i].tolist())
+        # Same key sets; the attention sum runs in another order.
+        torch.testing.assert_close(fo, so, rtol=1e-4, atol=1e-4)
+
+    def extend(reqs: list[int], starts: list[int], ends: list[int], attend: bool = True):
+        n = [e - s for s, e in zip(starts, ends)]
+        loc = torch.cat([locs[r][s:e] for r, s, e in zip(reqs, starts, ends)])
+        run(ForwardBatch.build(ForwardMode.EXTEND, torch.zeros(sum(n), dtype=torch.long), [rows[r] for r in reqs],
+                               starts, n, loc, "cpu"), attend)
+
+    # Most of each prompt stored only (the interpreter is slow), then prefill chunks of one and of two
+    # requests, then a decode step.
+    extend([0, 1], [0, 0], [lens[0] - 9, lens[1] - 3], attend=False)
+    extend([0], [lens[0] - 9], [lens[0] - 3])
+    extend([0, 1], [lens[0] - 3, lens[1] - 3], [lens[0], lens[1]])
+    decode_loc = torch.stack([locs[0][lens[0]], locs[1][lens[1]]])
+    run(ForwardBatch.build(ForwardMode.DECODE, [0, 0], rows, lens, [1, 1], decode_loc, "cpu"))
+    if with_deep_gemm:  # the one-request chunk went through fp8_mqa_logits, the others the paged kernel
+        assert calls["ragged"] == 1 and calls["paged"] == 2
+    # Keys were stored by the Triton kernel on one side and torch on the other: same bytes but for rare roundings.
+    same = (fast.kv_cache.index_buffer == slow.kv_cache.index_buffer).float().mean()
+    assert same > 0.99
+    # Tree compaction moves (chained), every layer of both caches in one launch.
+    src, dst = locs[0][[3, 7, 9]], locs[0][[2, 3, 4]]
+    want_index = fast.kv_cache.index_buffer.clone()
+    ref.kv_move([], list(want_index.unbind(0)), src, dst, page_size, 32)
+    fast.kv_move(src, dst)
+    slow.kv_move(src, dst)
+    assert torch.equal(fast.kv_cache.mla_buffer, slow.kv_cache.mla_buffer)
+    assert torch.equal(fast.kv_cache.index_buffer, want_index)

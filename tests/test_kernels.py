@@ -1,0 +1,372 @@
+"""Every Triton kernel against its pure-torch reference, on CPU through Triton's interpreter.
+
+Tiny sizes, fresh random inputs per case, and outputs poisoned before each
+run (new tensors come from a torch.empty that fills NaN / sentinels; caches
+are filled with random bytes), so an element a kernel forgets to write fails.
+
+Triton only interprets kernels decorated while TRITON_INTERPRET=1, and
+decides that for its own library when it is first imported. The variable is
+set around our imports and while each test runs (the rest of the suite
+never sees it); if a
+compiled-mode triton was imported earlier in this process, the file re-runs
+itself in a child process. On a machine with CUDA, tests/gpu covers this.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/gpu/test_kernels_gpu.py checks the compiled kernels", allow_module_level=True)
+
+
+def _import_kernels_interpreted() -> bool:
+    """Import minidsa's Triton kernels as interpreted functions; False if this process cannot any more."""
+    if "triton" in sys.modules:
+        import triton.language as tl
+        from triton.runtime.jit import JITFunction
+
+        if isinstance(tl.zeros, JITFunction):
+            return False
+    prev = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        from minidsa.kernels import custom_ops, dispatch, indexer  # noqa: F401
+    finally:
+        if prev is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = prev
+    from triton.runtime.jit import JITFunction
+
+    return not isinstance(indexer._paged_logits_kernel, JITFunction)
+
+
+INTERPRETED = _import_kernels_interpreted()
+in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
+
+from minidsa.kernels import kv_move as kv_move_mod  # noqa: E402
+from minidsa.kernels import reference as ref  # noqa: E402
+from minidsa.kernels import sparse_mla as sparse_mla_mod  # noqa: E402
+from minidsa.kernels import topk as topk_mod  # noqa: E402
+from minidsa.kernels import indexer  # noqa: E402
+from minidsa.kv_cache import KVCache  # noqa: E402
+
+
+@pytest.mark.skipif(INTERPRETED, reason="kernels are interpreted in this process")
+def test_kernels_in_child_process():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+
+
+_real_empty, _real_empty_like = torch.empty, torch.empty_like
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype.is_floating_point:
+        return t.fill_(float("nan"))
+    if t.dtype == torch.bool:
+        return t.fill_(True)
+    return t.fill_(77 if t.dtype == torch.uint8 else -123456)
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every torch.empty / empty_like made during a test comes back full of garbage.
+
+    Also keeps TRITON_INTERPRET=1 while a test runs: triton reads it again in imports it makes lazily.
+    """
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: _poison(_real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: _poison(_real_empty_like(*a, **k)))
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _random_cache(num_pages: int, page_size: int, d: int, g: torch.Generator) -> torch.Tensor:
+    """A paged fp8 indexer cache holding real keys at every slot (so any wrong slot read shows)."""
+    cache = torch.zeros(num_pages, page_size * (d + 4), dtype=torch.uint8)
+    ref.store_index_k(cache, torch.arange(num_pages * page_size), torch.randn(num_pages * page_size, d, generator=g),
+                      page_size)
+    return cache
+
+
+def _rows_table(num_rows: int, width: int, page_size: int, num_pages: int, g: torch.Generator) -> torch.Tensor:
+    """req_to_token rows built the way KVCache allocates: whole pages, slots page-aligned, random page order."""
+    pages_per_row = -(-width // page_size)
+    pages = torch.randperm(num_pages - 1, generator=g)[: num_rows * pages_per_row] + 1
+    pages = pages.view(num_rows, pages_per_row)
+    pos = torch.arange(width)
+    return (pages[:, pos // page_size] * page_size + pos % page_size).to(torch.int32)
+
+
+# ---------------------------------------------------------------------------
+# store_index_k
+# ---------------------------------------------------------------------------
+@in_this_process
+@pytest.mark.parametrize("page_size", [1, 4, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_index_k_matches_reference(page_size, dtype):
+    g = _gen(page_size * 7 + (dtype == torch.bfloat16))
+    d, num_pages = 32, 3 if page_size == 64 else 24
+    num_slots = num_pages * page_size
+    base = torch.randint(0, 256, (num_pages, page_size * (d + 4)), dtype=torch.uint8, generator=g)
+    loc = torch.randperm(num_slots, generator=g)[:21]
+    k = (torch.randn(21, d, generator=g) * torch.rand(21, 1, generator=g) * 10).to(dtype)
+    k[3] = 0  # an all-zero key: the scale floor
+    got, want = base.clone(), base.clone()
+    indexer.store_index_k(got, loc, k, page_size)
+    ref.store_index_k(want, loc, k, page_size)
+    gk, gs = ref.fp8_views(got, page_size, d)
+    wk, ws = ref.fp8_views(want, page_size, d)
+    assert torch.equal(gs, ws)
+    # The rotation's sum order may differ from torch's: allow a rare one-step e4m3 rounding difference.
+    lp, lo = loc // page_size, loc % page_size
+    diff = (gk[lp, lo].float() - wk[lp, lo].float()).abs()
+    assert (diff > 0).float().mean() < 0.01
+    assert (diff <= wk[lp, lo].float().abs() / 8 + 2**-9).all()
+    untouched = torch.ones(num_slots, dtype=torch.bool)
+    untouched[loc] = False
+    page, off = untouched.nonzero()[:, 0] // page_size, untouched.nonzero()[:, 0] % page_size
+    bk, bs = ref.fp8_views(base, page_size, d)
+    assert torch.equal(gk[page, off].view(torch.uint8), bk[page, off].view(torch.uint8))
+    assert torch.equal(gs[page, off].view(torch.int32), bs[page, off].view(torch.int32))
+
+
+# ---------------------------------------------------------------------------
+# paged index logits
+# ---------------------------------------------------------------------------
+def _logits_case(seed: int, page_size: int, fp8: bool, tree: bool):
+    g = _gen(seed)
+    heads, d, width = 16, 32, 150
+    rows_of_tokens = torch.tensor([0, 0, 0, 0, 1, 2, 2, 2, 2, 2, 3, 0, 4])  # runs that share a row, and singles
+    num_rows = 5
+    num_pages = num_rows * -(-width // page_size) + 2
+    r2t = _rows_table(num_rows, width, page_size, num_pages, g)
+    num_tokens = rows_of_tokens.shape[0]
+    tree_w = 4 if tree else 0
+    kv_lens = torch.randint(0, width - tree_w + 1, (num_tokens,), generator=g)
+    kv_lens[4] = 0  # sees nothing (unless its tree bits say so)
+    kv_lens[1] = width - tree_w
+    tree_mask = torch.rand(num_tokens, tree_w, generator=g) > 0.5 if tree else None
+    q = torch.randn(num_tokens, heads, d, generator=g)
+    w = torch.rand(num_tokens, heads, generator=g) - 0.3
+    if fp8:
+        cache = _random_cache(num_pages, page_size, d, g)
+        q, w = ref.quant_index_q(q, w)
+    else:
+        cache = torch.randn(num_pages * page_size, d, generator=g)
+    return q, w, cache, r2t, rows_of_tokens, kv_lens, width, tree_mask
+
+
+@in_this_process
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("tree", [False, True])
+def test_index_logits_matches_reference(page_size, fp8, tree):
+    q, w, cache, r2t, rows, kv_lens, width, tree_mask = _logits_case(page_size + 2 * fp8 + 5 * tree, page_size,
+                                                                     fp8, tree)
+    want = ref.index_logits(q, w, cache, page_size, r2t, rows, kv_lens, width, tree_mask)
+    # One token per program, then pairs sharing key tiles when the batch says rows repeat (5 requests);
+    # one chunk per row, and several (chunk tails, skipped invisible chunks).
+    for num_requests, chunk_len in ((0, None), (5, None), (5, 64)):
+        got = indexer.index_logits(q, w, cache, page_size, r2t, rows, kv_lens, width, tree_mask,
+                                   num_requests=num_requests, chunk_len=chunk_len)
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@in_this_process
+def test_index_logits_page_size_4_and_bad_input():
+    q, w, cache, r2t, rows, kv_lens, width, tree_mask = _logits_case(11, 4, True, False)
+    want = ref.index_logits(q, w, cache, 4, r2t, rows, kv_lens, width)
+    torch.testing.assert_close(indexer.index_logits(q, w, cache, 4, r2t, rows, kv_lens, width), want,
+                               rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="e4m3 queries"):
+        indexer.index_logits(q.float(), w, cache, 4, r2t, rows, kv_lens, width)
+    with pytest.raises(ValueError, match="weights"):
+        indexer.index_logits(q, w[:, :3], cache, 4, r2t, rows, kv_lens, width)
+
+
+@in_this_process
+@pytest.mark.parametrize("fp8", [True, False])
+def test_one_request_extend_paths_match_reference(fp8):
+    q, w, cache, r2t, _, _, width, _ = _logits_case(30 + fp8, 4, fp8, False)
+    rows = torch.full((7,), 2)
+    kv_lens = torch.arange(width - 6, width + 1)  # the last 7 tokens of a prefill chunk
+    want = ref.index_logits(q[:7], w[:7], cache, 4, r2t, rows, kv_lens, width)
+    for got in (torch.ops.minidsa.index_logits(q[:7], w[:7], cache, 4, r2t, rows, kv_lens, width, None, 1),
+                indexer.extend_index_logits(q[:7], w[:7], cache, 4, r2t, rows, kv_lens, width)):  # gather + ragged
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@in_this_process
+def test_mask_invisible_matches_visible_mask():
+    g = _gen(3)
+    logits = torch.randn(6, 40, generator=g)
+    strided = torch.randn(6, 64, generator=g)[:, :40]
+    strided.copy_(logits)
+    kv_lens = torch.tensor([0, 5, 40, 17, 3, 39])
+    tree = torch.rand(6, 3, generator=g) > 0.5
+    for tm in (None, tree):
+        want = logits.masked_fill(~ref.visible_mask(kv_lens, 40, tm), float("-inf"))
+        assert torch.equal(indexer.mask_invisible(strided, kv_lens, tm), want)
+
+
+# ---------------------------------------------------------------------------
+# ragged (prefill) logits
+# ---------------------------------------------------------------------------
+@in_this_process
+@pytest.mark.parametrize("fp8", [False, True])
+def test_ragged_index_logits_matches_reference(fp8):
+    g = _gen(20 + fp8)
+    heads, d, num_q, num_kv = 16, 32, 7, 90
+    q = torch.randn(num_q, heads, d, generator=g)
+    w = torch.rand(num_q, heads, generator=g)
+    keys = torch.randn(num_kv, d, generator=g)
+    ks = torch.tensor([0, 0, 10, 30, 50, 89, 40])
+    ke = torch.tensor([1, 90, 70, 30, 51, 90, 45])  # includes an empty range
+    if fp8:
+        q, w = ref.quant_index_q(q, w)
+        k8, k_scale = ref.quant_fp8_ue8m0(ref.hadamard_rotate(keys))
+        got = indexer.ragged_index_logits(q, w, k8, ks, ke, k_scale)
+        want = ref.ragged_index_logits(q, w, k8.float() * k_scale[:, None], ks, ke)
+    else:
+        got = indexer.ragged_index_logits(q, w, keys, ks, ke)
+        want = ref.ragged_index_logits(q, w, keys, ks, ke)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------
+# top-k
+# ---------------------------------------------------------------------------
+def _topk_case(seed: int, width: int):
+    g = _gen(seed)
+    num_tokens = 6
+    logits = torch.randn(num_tokens, width, generator=g)
+    visible = torch.tensor([width, 0, 3, width // 2, width - 1, 17])
+    logits[torch.arange(width)[None, :] >= visible[:, None]] = float("-inf")
+    r2t = torch.randperm(4 * width, generator=g)[: 3 * width].view(3, width).to(torch.int32)
+    rows = torch.tensor([0, 1, 2, 0, 1, 2])
+    return logits, r2t, rows
+
+
+@in_this_process
+@pytest.mark.parametrize("impl", ["triton-8bit", "triton-11bit", "torch"])
+@pytest.mark.parametrize("width,k", [(300, 40), (5000, 64), (30, 40)])
+def test_topk_matches_reference_sets(impl, width, k):
+    logits, r2t, rows = _topk_case(width + k, width)
+    if impl == "torch":
+        slots, pos = topk_mod.torch_topk_slots(logits, k, r2t, rows)
+    else:  # both radix plans, and a block smaller than the row (several chunks per pass)
+        config = (256, 8, 4) if impl == "triton-8bit" else (1024, 11, 4)
+        slots, pos = topk_mod.topk_slots(logits, k, r2t, rows, config=config)
+    want_slots, want_pos = ref.topk_slots(logits, k, r2t, rows)
+    assert slots.shape == pos.shape == (logits.shape[0], k) and slots.dtype == pos.dtype == torch.int32
+    for t in range(logits.shape[0]):
+        assert sorted(pos[t].tolist()) == sorted(want_pos[t].tolist())
+        assert sorted(slots[t].tolist()) == sorted(want_slots[t].tolist())
+        ok = pos[t] >= 0
+        assert torch.equal(slots[t][ok], r2t[rows[t], pos[t][ok].long()])
+        assert (slots[t][~ok] == -1).all()
+
+
+@in_this_process
+def test_topk_ties_take_lowest_positions():
+    logits = torch.full((2, 1000), float("-inf"))
+    logits[0, :600] = 1.0  # 600 equal values, k = 100
+    logits[1, 500:] = torch.arange(500).float() % 7  # many ties at the threshold value
+    r2t = torch.arange(2000, dtype=torch.int32).view(2, 1000)
+    rows = torch.tensor([0, 1])
+    slots, pos = topk_mod.topk_slots(logits, 100, r2t, rows)
+    assert pos[0].tolist() == list(range(100))
+    chosen = logits[1, pos[1].long()]
+    want = logits[1].topk(100).values
+    assert torch.equal(chosen.sort().values, want.sort().values)
+
+
+# ---------------------------------------------------------------------------
+# sparse MLA
+# ---------------------------------------------------------------------------
+@in_this_process
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_sparse_mla_matches_reference(num_splits):
+    # fp32 only: the interpreter's dot multiplies bf16 as raw integers (bf16 is checked in tests/gpu).
+    dtype = torch.float32
+    g = _gen(40 + 3 * (num_splits or 0))
+    num_tokens, heads, v_dim, rope, num_slots, k = 4, 16, 32, 16, 70, 80
+    q = torch.randn(num_tokens, heads, v_dim + rope, generator=g).to(dtype)
+    cache = torch.randn(num_slots, v_dim + rope, generator=g).to(dtype)
+    topk = torch.randint(0, num_slots, (num_tokens, k), generator=g, dtype=torch.int32)
+    topk[1, 7:] = -1  # fewer keys than top-k
+    topk[2] = -1  # no key at all: zeros
+    topk[3, ::3] = -1  # holes
+    got = sparse_mla_mod.sparse_mla(q, cache, topk, 0.25, v_dim, num_splits=num_splits, config=(16, 16, 4, 1))
+    want = ref.sparse_mla(q, cache, topk, 0.25, v_dim)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got[2] == 0).all()
+
+
+# ---------------------------------------------------------------------------
+# KV move
+# ---------------------------------------------------------------------------
+@in_this_process
+@pytest.mark.parametrize("page_size,fp8", [(1, True), (4, True), (64, True), (1, False)])
+def test_kv_move_matches_reference(page_size, fp8):
+    g = _gen(60 + page_size + fp8)
+    num_pages = 40 if page_size == 1 else (12 if page_size == 4 else 3)
+    kv = KVCache(3, num_pages, page_size, 48, 32, torch.bfloat16, fp8, "cpu", indexer_layers=[True, False, True])
+    kv.mla_buffer.copy_(torch.randn(kv.mla_buffer.shape, generator=g))
+    if fp8:
+        kv.index_buffer.copy_(torch.randint(0, 256, kv.index_buffer.shape, generator=g, dtype=torch.uint8))
+    else:
+        kv.index_buffer.copy_(torch.randn(kv.index_buffer.shape, generator=g))
+    # Accepted tree path moved to the front: moves chain (a destination is another move's source).
+    src = torch.tensor([3, 5, 9, 12, 20])
+    dst = torch.tensor([2, 3, 4, 5, 6])
+    want_mla, want_idx = kv.mla_buffer.clone(), kv.index_buffer.clone()
+    ref.kv_move(list(want_mla.unbind(0)), list(want_idx.unbind(0)), src, dst, page_size, 32)
+    kv_move_mod.kv_move(kv.mla_buffer, kv.index_buffer, src, dst, page_size, 32)
+    assert torch.equal(kv.mla_buffer, want_mla)
+    assert torch.equal(kv.index_buffer, want_idx)
+
+
+@in_this_process
+def test_kv_move_rejects_bad_input():
+    kv = KVCache(1, 4, 1, 48, 32, torch.bfloat16, True, "cpu")
+    with pytest.raises(ValueError, match="src"):
+        kv_move_mod.kv_move(kv.mla_buffer, kv.index_buffer, torch.tensor([1, 2]), torch.tensor([1]), 1, 32)
+    with pytest.raises(ValueError, match="head dim"):
+        kv_move_mod.kv_move(kv.mla_buffer, kv.index_buffer, torch.tensor([1]), torch.tensor([2]), 1, 16)
+
+
+# ---------------------------------------------------------------------------
+# custom ops under torch.compile
+# ---------------------------------------------------------------------------
+@in_this_process
+def test_custom_ops_trace_opaquely_under_compile():
+    g = _gen(80)
+    q, w, cache, r2t, rows, kv_lens, width, _ = _logits_case(81, 4, True, False)
+    mla = torch.randn(200, 48, generator=g)
+    qm = torch.randn(q.shape[0], 16, 48, generator=g)
+
+    def step(q, w, cache, r2t, rows, kv_lens, qm, mla):
+        logits = torch.ops.minidsa.index_logits(q, w, cache, 4, r2t, rows, kv_lens, width, None)
+        slots, _ = torch.ops.minidsa.topk_slots(logits, 8, r2t, rows)
+        slots = torch.where(slots >= 0, slots % 200, -1)
+        return torch.ops.minidsa.sparse_mla(qm, mla, slots, 0.3, 32) * 2
+
+    args = (q, w, cache, r2t, rows, kv_lens, qm, mla)
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(*args), step(*args))
