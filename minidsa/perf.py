@@ -22,6 +22,7 @@ import argparse
 import datetime as dt
 import json
 import logging
+import os
 import statistics
 import subprocess
 import time
@@ -360,6 +361,8 @@ def _transformers(args, result) -> dict:
 
 
 def _commit() -> str:
+    if os.environ.get("MINIDSA_COMMIT"):  # the GPU machine gets a copy of the tree without .git
+        return os.environ["MINIDSA_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()

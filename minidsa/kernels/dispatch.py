@@ -160,11 +160,15 @@ class DSAOps:
     def sparse_mla(self, q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
                    v_dim: int) -> torch.Tensor:
         rope = q.shape[2] - v_dim
-        if self.choice.sparse_mla == "triton" and _pow2(v_dim) and _pow2(rope) and rope >= 16:
+        # fp32 is the parity / debug dtype: the kernel's tiles are sized for 2-byte inputs and a
+        # [heads x 512] fp32 tile of real models overflows shared memory, so fp32 at that size runs the reference.
+        too_big_fp32 = q.dtype == torch.float32 and q.shape[1] * q.shape[2] > 16384
+        if self.choice.sparse_mla == "triton" and _pow2(v_dim) and _pow2(rope) and rope >= 16 and not too_big_fp32:
             return self._ops.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
         if self.choice.sparse_mla == "triton":
-            _log_fallback(f"DSA sparse MLA: torch reference (latent {v_dim} + rope {rope}: the Triton kernel "
-                          "needs powers of two, rope >= 16)")
+            _log_fallback(f"DSA sparse MLA: torch reference (latent {v_dim} + rope {rope}, {q.dtype}, "
+                          f"{q.shape[1]} heads: the Triton kernel needs powers of two, rope >= 16, and 2-byte "
+                          "inputs at this size)")
         return ref.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
 
     def kv_move(self, mla_caches: list[torch.Tensor], index_caches: list[torch.Tensor | None], src: torch.Tensor,
