@@ -1,0 +1,283 @@
+"""README.md's commands, copied verbatim, work on this machine (what a new user would type).
+
+Rules (the README's author relies on them; /work/notes/readme_contract.md has the long form):
+- Every fenced ```bash (or ```sh) block is run, one command per line (a trailing backslash continues a
+  line), each line in its own `bash -c` from the root of a temporary copy of the repository, in README
+  order. A failing command (exit status != 0, or a curl answer that is a JSON error) fails the test.
+- `# not run in CI` on a line by itself skips the whole block; at the end of a command it skips that
+  command. Use it for installs, GPU-only commands and the full test suite (CI runs that itself).
+- Every ```python block is run as a script the same way; the marker anywhere in it skips the block.
+- A command containing `minidsa serve` is started in the background on a free port (its `--port N`, or
+  the default 8000, is replaced, a trailing `&` dropped) and awaited on /health. Later blocks get
+  `localhost:N` / `127.0.0.1:N` rewritten to that port; the server is stopped before the first later
+  block that does not mention port N, or at the end.
+- At least 3 commands must run, among them `minidsa generate`, `minidsa bench`, `minidsa serve` and a curl
+  to the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass, field
+
+import pytest
+from test_examples import example_env, free_port, running_server
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(REPO, "README.md")
+MARKER = "# not run in CI"
+SHELL_LANGS = ("bash", "sh")
+COMMAND_TIMEOUT_S = 300
+NESTED_ENV = "MINIDSA_IN_README_TEST"  # set for the commands: a README pytest command must not rerun this file
+
+FENCE_RE = re.compile(r"^([ \t]*)```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```[ \t]*$", re.M | re.S)
+SERVE_RE = re.compile(r"\bminidsa(?:\.cli)?\s+serve\b")
+BACKGROUND_RE = re.compile(r"(?<![&|])&\s*(#.*)?$")
+PORT_RE = re.compile(r"--port(?:\s+|=)(\d+)")
+DEFAULT_PORT = 8000
+INSTALL_RE = re.compile(r"\b(?:pip3?|uv pip|conda|apt(?:-get)?)\s+install\b")
+PYTEST_RE = re.compile(r"\bpytest\b")
+PYTEST_FILE_RE = re.compile(r"\btests/\S+\.py\b")
+
+
+@dataclass
+class Block:
+    lang: str  # "bash" or "python"
+    line: int  # README line of the opening fence
+    commands: list[tuple[int, str]] = field(default_factory=list)  # (README line, command); python: one script
+    skipped: bool = False  # the whole block carries the marker
+    marked: list[str] = field(default_factory=list)  # single commands that carry the marker
+
+
+def extract_blocks(text: str) -> list[Block]:
+    blocks = []
+    for m in FENCE_RE.finditer(text):
+        lang = m.group(2).lower()
+        start = text.count("\n", 0, m.start()) + 1
+        body = textwrap.dedent(m.group(3))
+        if lang in SHELL_LANGS:
+            blocks.append(_shell_block(body, start))
+        elif lang == "python":
+            blocks.append(Block("python", start, [(start + 1, body)], skipped=MARKER in body))
+    return blocks
+
+
+def _shell_block(body: str, start: int) -> Block:
+    block = Block("bash", start)
+    pending, pending_line = "", 0
+    for offset, raw in enumerate(body.splitlines(), 1):
+        line = raw.rstrip()
+        if not pending and line.lstrip().startswith("#"):
+            if MARKER in line:
+                block.skipped = True
+            continue
+        if not pending:
+            pending_line = start + offset
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        cmd = (pending + line).strip()
+        pending = ""
+        _add_command(block, pending_line, cmd)
+    _add_command(block, pending_line, pending.strip())  # a block ending in a continuation
+    return block
+
+
+def _add_command(block: Block, line: int, cmd: str) -> None:
+    if not cmd:
+        return
+    if MARKER in cmd:
+        block.marked.append(cmd)
+    else:
+        block.commands.append((line, cmd))
+
+
+def server_command(cmd: str, port: int) -> tuple[str, int]:
+    """(the command run in the background on `port`, the port the README meant)."""
+    cmd = BACKGROUND_RE.sub(lambda m: m.group(1) or "", cmd).rstrip()
+    m = PORT_RE.search(cmd)
+    readme_port = int(m.group(1)) if m else DEFAULT_PORT
+    if m:
+        cmd = cmd[:m.start(1)] + str(port) + cmd[m.end(1):]
+    else:
+        cmd = SERVE_RE.sub(lambda s: f"{s.group(0)} --port {port}", cmd, count=1)
+    return cmd, readme_port
+
+
+def rewrite_port(text: str, readme_port: int | None, port: int | None) -> str:
+    if readme_port is None or port is None:
+        return text
+    return re.sub(rf"\b(?:localhost|127\.0\.0\.1|0\.0\.0\.0):{readme_port}\b", f"127.0.0.1:{port}", text)
+
+
+def mentions_port(block: Block, readme_port: int) -> bool:
+    return any(re.search(rf":{readme_port}\b", c) for _, c in block.commands)
+
+
+def check_curl_answer(cmd: str, stdout: str, where: str) -> None:
+    """curl exits 0 on HTTP errors: a JSON error body counts as a failure too."""
+    if not re.match(r"\s*curl\b", cmd):
+        return
+    assert stdout.strip(), f"{where}: curl printed nothing"
+    with contextlib.suppress(ValueError):
+        body = json.loads(stdout)
+        assert not (isinstance(body, dict) and "error" in body), f"{where}: server answered an error: {stdout}"
+
+
+@dataclass
+class RunLog:
+    ran: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    servers: list[str] = field(default_factory=list)
+    curls_to_server: int = 0
+
+
+def refuse_unmarked(blocks: list[Block]) -> None:
+    """Checked before anything runs: an install would re-point this machine's packages at a temp copy, and the
+    whole suite would run this test again (and take far longer than a README command may)."""
+    for block in blocks:
+        if block.skipped or block.lang != "bash":
+            continue
+        for line, cmd in block.commands:
+            if INSTALL_RE.search(cmd):
+                raise AssertionError(f"README.md line {line}: {cmd!r} installs packages: mark it '{MARKER}'")
+            if PYTEST_RE.search(cmd) and not PYTEST_FILE_RE.search(cmd):
+                raise AssertionError(f"README.md line {line}: {cmd!r} runs the whole test suite: mark it "
+                                     f"'{MARKER}' (CI runs the suite itself) or name test files")
+
+
+def run_readme(text: str, workdir: str, logdir: str, timeout: float = COMMAND_TIMEOUT_S) -> RunLog:
+    """Run every command of a README text in `workdir`; AssertionError naming the README line on failure."""
+    blocks = extract_blocks(text)
+    refuse_unmarked(blocks)
+    env = example_env(**{NESTED_ENV: "1"})
+    log = RunLog()
+    server = contextlib.ExitStack()
+    readme_port: int | None = None
+    port: int | None = None
+    with server:
+        for block in blocks:
+            log.skipped += block.marked
+            if block.skipped:
+                log.skipped += [c for _, c in block.commands]
+                continue
+            if readme_port is not None and not mentions_port(block, readme_port):
+                server.close()  # the blocks using the server are done
+                readme_port = port = None
+            for line, cmd in block.commands:
+                where = f"README.md line {line}: {cmd!r}"
+                if block.lang == "bash" and SERVE_RE.search(cmd):
+                    server.close()
+                    port = free_port()
+                    bg_cmd, readme_port = server_command(cmd, port)
+                    server.enter_context(running_server(bg_cmd, port, os.path.join(logdir, f"server-{line}.log"),
+                                                        cwd=workdir, env=env))
+                    log.servers.append(cmd)
+                    log.ran.append(cmd)
+                    continue
+                run_cmd = rewrite_port(cmd, readme_port, port)
+                if block.lang == "python":
+                    script = os.path.join(logdir, f"readme_block_{line}.py")
+                    with open(script, "w") as f:
+                        f.write(run_cmd)
+                    argv = [sys.executable, script]
+                else:
+                    argv = ["bash", "-c", run_cmd]
+                try:
+                    proc = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True,
+                                          timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    raise AssertionError(f"{where} did not finish in {timeout} s") from None
+                assert proc.returncode == 0, (f"{where} exited {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}"
+                                              f"\n--- stderr\n{proc.stderr[-3000:]}")
+                if block.lang == "bash":
+                    check_curl_answer(run_cmd, proc.stdout, where)
+                    if port is not None and run_cmd != cmd and re.match(r"\s*curl\b", cmd):
+                        log.curls_to_server += 1
+                log.ran.append(cmd)
+    return log
+
+
+def copy_repo(dest: str) -> str:
+    ignore = shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", ".pytest_cache", "out", "build", "dist",
+                                    ".whl", ".gl", "tiny-*")
+    shutil.copytree(REPO, dest, ignore=ignore)
+    return dest
+
+
+# -- the README itself -----------------------------------------------------------------------------------
+
+@pytest.mark.skipif(os.environ.get(NESTED_ENV) == "1", reason="already inside a README command (no recursion)")
+def test_readme_commands_run_verbatim(tmp_path):
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    workdir = copy_repo(str(tmp_path / "repo"))
+    logdir = tmp_path / "logs"
+    logdir.mkdir()
+    log = run_readme(text, workdir, str(logdir))
+    assert len(log.ran) >= 3, f"only {len(log.ran)} README commands ran: {log.ran}"
+    ran = "\n".join(log.ran)
+    for needed in ("minidsa generate", "minidsa bench"):
+        assert needed in ran, f"the README must show `{needed}` (unmarked): ran {log.ran}"
+    assert log.servers, "the README must show `minidsa serve` (unmarked)"
+    assert log.curls_to_server >= 1, "the README must query the running server with curl"
+
+
+# -- the runner's own rules, on small READMEs ------------------------------------------------------------------
+
+EXAMPLE = """\
+Intro.
+
+```bash
+pip install -e ".[dev]"   # not run in CI
+echo one \\
+  two > out.txt
+```
+
+```bash
+# not run in CI
+exit 3
+```
+
+```python
+print("hi")
+```
+
+```text
+not a command
+```
+"""
+
+
+def test_extract_blocks_rules():
+    blocks = extract_blocks(EXAMPLE)
+    assert [b.lang for b in blocks] == ["bash", "bash", "python"]
+    assert blocks[0].commands == [(5, "echo one    two > out.txt")] and not blocks[0].skipped
+    assert blocks[1].skipped
+    assert blocks[2].commands == [(15, 'print("hi")\n')]
+    assert server_command("minidsa serve --port 8000 &  # background", 1234) == ("minidsa serve --port 1234 # background", 8000)
+    assert server_command("minidsa serve --model tiny", 99) == ("minidsa serve --port 99 --model tiny", 8000)
+    assert rewrite_port("curl -s http://localhost:8000/v1/models", 8000, 4321) == \
+        "curl -s http://127.0.0.1:4321/v1/models"
+
+
+def test_runner_runs_and_fails_loudly(tmp_path):
+    log = run_readme(EXAMPLE, str(tmp_path), str(tmp_path))
+    assert log.ran == ["echo one    two > out.txt", 'print("hi")\n']
+    assert log.skipped == ['pip install -e ".[dev]"   # not run in CI', "exit 3"]
+    assert (tmp_path / "out.txt").read_text().split() == ["one", "two"]
+    with pytest.raises(AssertionError, match=r"line 2: 'false' exited 1"):
+        run_readme("```bash\nfalse\n```\n", str(tmp_path), str(tmp_path))
+    with pytest.raises(AssertionError, match="exited 1"):
+        run_readme("```python\nraise SystemExit(1)\n```\n", str(tmp_path), str(tmp_path))
+    for unmarked in ("pip install -e .", "python3 -m pytest -q -n 2 tests"):
+        with pytest.raises(AssertionError, match="mark it"):  # refused before anything runs
+            run_readme(f"```bash\ntouch ran.txt\n{unmarked}\n```\n", str(tmp_path), str(tmp_path))
+        assert not (tmp_path / "ran.txt").exists()
