@@ -112,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt at a time)")
     add_engine_args(gen)
 
-    bench = sub.add_parser("bench", help="offline throughput benchmark on a synthetic workload")
+    bench = sub.add_parser("bench", help="offline throughput benchmark on a synthetic workload",
+                           description="Offline throughput on a synthetic workload. "
+                                       "`minidsa bench --suite decode [--help]` runs the GPU decode suite instead.")
     bench.add_argument("--num-requests", type=int, default=None, help="default 256 (16 on CPU)")
     bench.add_argument("--input-len", type=_length_range, default=None, metavar="N|MIN-MAX",
                        help="prompt lengths, uniform in [MIN, MAX]; default 100-1024 (100-512 on CPU)")

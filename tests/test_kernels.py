@@ -25,29 +25,9 @@ if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu/test_kernels_gpu.py checks the compiled kernels", allow_module_level=True)
 
 
-def _import_kernels_interpreted() -> bool:
-    """Import minidsa's Triton kernels as interpreted functions; False if this process cannot any more."""
-    if "triton" in sys.modules:
-        import triton.language as tl
-        from triton.runtime.jit import JITFunction
+from triton_interp import import_kernels_interpreted  # noqa: E402
 
-        if isinstance(tl.zeros, JITFunction):
-            return False
-    prev = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        from minidsa.kernels import custom_ops, dispatch, indexer  # noqa: F401
-    finally:
-        if prev is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = prev
-    from triton.runtime.jit import JITFunction
-
-    return not isinstance(indexer._paged_logits_kernel, JITFunction)
-
-
-INTERPRETED = _import_kernels_interpreted()
+INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
 
 from minidsa.kernels import kv_move as kv_move_mod  # noqa: E402
