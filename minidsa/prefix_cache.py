@@ -59,6 +59,7 @@ class PrefixCache:
         # when popped. A node is pushed whenever it becomes an evictable leaf.
         self._heap: list[tuple[int, int, Node]] = []
         self._tie = itertools.count()
+        self.num_evicted_pages = 0
         allocator.attach_cache(self)
 
     @property
@@ -165,6 +166,7 @@ class PrefixCache:
             del parent.children[node.key]
             del self._nodes[node.page]
             self.allocator.cache_evict(node.page)
+            self.num_evicted_pages += 1
             freed += 1
             if parent is not self.root and self._is_evictable_leaf(parent):
                 self._push(parent)

@@ -28,6 +28,9 @@ at the start of each step (so requests admitted later reuse the prefix of
 ones still running) and when a request finishes, aborts or is preempted;
 the pages of a preempted request often still match when it comes back.
 Evictable cached pages count as free: allocation evicts them on demand.
+A waiting request whose next pages a request of the same batch is about to
+compute (a long common prefix of requests arriving together) is passed
+over for one step, then hits them (see `_shares_pending`).
 
 Decode stalls while prefills run; that is the price of one mode per step
 (CUDA graphs and the speculator see pure decode batches).
@@ -153,7 +156,8 @@ class Scheduler:
             if cached + n < total:
                 break  # only the last request of a batch may be partially prefilled
             if self.prefix_cache is not None:
-                computing.update(self._chain_hashes(req, hit[-1] if hit else None, len(hit), total // self.page_size))
+                computing.update(self._chain_hashes(req, hit[-1] if hit else None, len(hit),
+                                                    total // self.page_size))
         if not reqs:
             return None
         return ScheduledBatch(ForwardMode.EXTEND, reqs, lens)

@@ -404,6 +404,14 @@ def render_metrics(ae: AsyncEngine) -> str:
            get("spec_verify_steps_total"))
     simple("minidsa_spec_decode_acceptance_ratio", "gauge", "Accepted over proposed draft tokens (0 when off).",
            accepted / draft if draft else 0.0)
+    query, hits = get("prefix_cache_query_tokens_total"), get("prefix_cache_hit_tokens_total")
+    simple("minidsa_prefix_cache_query_tokens_total", "counter", "Prompt tokens looked up in the prefix cache.",
+           query)
+    simple("minidsa_prefix_cache_hit_tokens_total", "counter", "Prompt tokens served by the prefix cache.", hits)
+    simple("minidsa_prefix_cache_hit_ratio", "gauge", "Prefix cache hit tokens over query tokens (0 when off).",
+           hits / query if query else 0.0)
+    simple("minidsa_prefix_cache_tokens", "gauge", "KV token slots held by the prefix cache.",
+           get("prefix_cache_tokens"))
     histogram("minidsa_time_to_first_token_seconds", "Time from request arrival to its first token.", ae.stats.ttft)
     histogram("minidsa_inter_token_latency_seconds", "Time between successive tokens of a request.", ae.stats.itl)
     histogram("minidsa_e2e_request_latency_seconds", "Time from request arrival to its last token.", ae.stats.e2e)
