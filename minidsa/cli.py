@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve}[args.command](args)
-    except (ConfigError, InvalidRequest) as e:
+    except (ConfigError, InvalidRequest, ValueError) as e:  # bad arguments / workloads: a message, not a traceback
         print(f"minidsa {args.command}: error: {e}", file=sys.stderr)
         return 2
 

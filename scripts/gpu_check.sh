@@ -3,7 +3,7 @@
 #
 #   OUT=/tmp/out MINIDSA_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [section ...]
 #
-# Sections (default: all, in this order): env kernels bench_kernels graphs bench_decode.
+# Sections (default: all, in this order): env kernels bench_kernels graphs bench_decode bench_prefix.
 # Add a section: write a function `section_NAME` and append NAME to ALL_SECTIONS. Each section
 # writes $OUT/NAME.log; its exit status goes to $OUT/summary.txt, and the script's exit status is
 # non-zero if any section failed. (At most 8 files come back from $OUT: keep one log per section.)
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
-ALL_SECTIONS="env kernels bench_kernels graphs bench_decode"
+ALL_SECTIONS="env kernels bench_kernels graphs bench_decode bench_prefix"
 
 section_env() {   # TIMEOUT: seconds for this section, 0 = none
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv || true
@@ -37,6 +37,12 @@ section_graphs() {   # issue 6: graph replay / compile == eager, spec lossless w
 
 section_bench_decode() {   # issue 6: decode suite -> RESULTS.md (copy into benchmarks/ after the run)
     timeout "$TIMEOUT" $PY -m minidsa.perf --json "$OUT/decode.json" --markdown "$OUT/RESULTS.md" ${BENCH_DECODE_ARGS:-}
+}
+
+section_bench_prefix() {   # issue 9: shared-prefix workload (2k-token system prompt), TTFT with and without the cache
+    local args="--model bench-dsv32 --workload shared-prefix --num-requests 64 --no-progress --disable-compile --cuda-graph-max-bs 32"
+    timeout "$TIMEOUT" $PY -m minidsa.cli bench $args --json "$OUT/prefix_on.json" &&
+    timeout "$TIMEOUT" $PY -m minidsa.cli bench $args --disable-prefix-caching --json "$OUT/prefix_off.json"
 }
 
 SECTIONS=${*:-$ALL_SECTIONS}
