@@ -1,7 +1,7 @@
 """CUDA graphs for the decode-like steps: DECODE, TARGET_VERIFY and the draft's DECODE steps.
 
-One graph per (step kind, batch-size bucket), captured at start-up largest
-first into one shared memory pool. Each graph reads static input buffers
+One graph per (step kind, batch-size bucket, context bucket), captured at
+start-up largest first into one shared memory pool. Each graph reads static input buffers
 and writes static outputs; `replay` copies a real batch into the first rows,
 points padding rows at the dummy slot 0 (row 0 of req_to_token, one visible
 position), replays, and returns copies of the real rows' outputs. Per-step
@@ -9,7 +9,10 @@ metadata lives in those static tensors and is refreshed before each replay;
 the graph itself never reads host state.
 
 Static shapes: a bucket of `bs` requests has `bs * tokens_per_req` tokens;
-`max_kv_len` is the req_to_token width (max context + draft tokens + 1).
+its indexer rows span the context bucket (the smallest of `ctx_buckets` that
+holds the batch's longest context; the last is the req_to_token width, max
+context + draft tokens + 1), so short contexts do not pay for scoring and
+selecting over the whole table.
 Batches larger than the largest bucket, or of another shape, run eagerly.
 
 Without a GPU the same static-buffer path can run eagerly (`capture=False`),
@@ -55,21 +58,25 @@ class StepGraphs:
     def __init__(self, run_main: Callable[[ForwardBatch], ModelOutput],
                  run_mtp: Callable[[ForwardBatch, torch.Tensor], ModelOutput],
                  kinds: list[StepKind], buckets: list[int], max_kv_len: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device, capture: bool = True):
+                 dtype: torch.dtype, device: torch.device, capture: bool = True,
+                 ctx_buckets: list[int] | None = None):
         self.run_main, self.run_mtp = run_main, run_mtp
         self.kinds = {k.name: k for k in kinds}
         self.buckets = sorted(set(buckets))
         self.max_kv_len = max_kv_len
+        self.ctx_buckets = sorted({c for c in (ctx_buckets or []) if c < max_kv_len} | {max_kv_len})
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
         self.capture = capture
-        self.static: dict[tuple[str, int], _Static] = {}
+        self.static: dict[tuple[str, int, int], _Static] = {}
         self.replays: dict[str, int] = {k.name: 0 for k in kinds}  # per kind, for stats and tests
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         for kind in kinds:
-            for bs in sorted(self.buckets, reverse=True):  # largest first: later graphs reuse its pool memory
-                self.static[(kind.name, bs)] = self._capture(kind, bs)
+            for ctx in reversed(self.ctx_buckets):  # largest first: later graphs reuse its pool memory
+                for bs in sorted(self.buckets, reverse=True):
+                    self.static[(kind.name, bs, ctx)] = self._capture(kind, bs, ctx)
         if capture:
-            logger.info("captured CUDA graphs: %s x buckets %s", [k.name for k in kinds], self.buckets)
+            logger.info("captured CUDA graphs: %s x batch buckets %s x context buckets %s",
+                        [k.name for k in kinds], self.buckets, self.ctx_buckets)
 
     # -- shapes -----------------------------------------------------------------
     def bucket_for(self, kind: str, bs: int) -> int | None:
@@ -77,7 +84,10 @@ class StepGraphs:
             return None
         return next((b for b in self.buckets if b >= bs), None)
 
-    def _static_batch(self, kind: StepKind, bs: int) -> ForwardBatch:
+    def ctx_bucket_for(self, max_kv_len: int) -> int | None:
+        return next((c for c in self.ctx_buckets if c >= max_kv_len), None)
+
+    def _static_batch(self, kind: StepKind, bs: int, ctx: int) -> ForwardBatch:
         t = bs * kind.tokens_per_req
         dev = self.device
         zeros = lambda n: torch.zeros(n, dtype=torch.int64, device=dev)  # noqa: E731
@@ -92,7 +102,7 @@ class StepGraphs:
             token_req=torch.arange(bs, device=dev).repeat_interleave(kind.tokens_per_req),
             kv_lens=torch.ones(t, dtype=torch.int64, device=dev),
             logits_indices=torch.arange(t, device=dev),
-            max_kv_len=self.max_kv_len,
+            max_kv_len=ctx,
             tree_mask=(torch.zeros(t, kind.tree_width, dtype=torch.bool, device=dev) if kind.tree_width else None),
         )
 
@@ -101,8 +111,8 @@ class StepGraphs:
             return self.run_mtp(st.batch, st.hidden_in)
         return self.run_main(st.batch)
 
-    def _capture(self, kind: StepKind, bs: int) -> _Static:
-        batch = self._static_batch(kind, bs)
+    def _capture(self, kind: StepKind, bs: int, ctx: int) -> _Static:
+        batch = self._static_batch(kind, bs, ctx)
         hidden = (torch.zeros(batch.num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
                   if kind.mtp else None)
         st = _Static(batch=batch, hidden_in=hidden)
@@ -128,8 +138,9 @@ class StepGraphs:
         assert bucket is not None, f"no {kind_name} graph for batch size {bs}"
         assert batch.num_tokens == bs * kind.tokens_per_req, (
             f"{kind_name} graph expects {kind.tokens_per_req} tokens per request, got {batch.num_tokens} for {bs}")
-        assert batch.max_kv_len <= self.max_kv_len
-        st = self.static[(kind_name, bucket)]
+        ctx = self.ctx_bucket_for(batch.max_kv_len)
+        assert ctx is not None, f"context {batch.max_kv_len} exceeds the graphs' {self.max_kv_len}"
+        st = self.static[(kind_name, bucket, ctx)]
         self.replays[kind_name] += 1
         s, t = st.batch, batch.num_tokens
         # Refresh every per-step tensor: real rows, then padding rows at the dummy slot / row 0.

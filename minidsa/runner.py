@@ -29,6 +29,8 @@ from minidsa.speculative.layout import SpecLayout
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
+# Context buckets of the decode-like graphs (plus the table width): indexer rows span the bucket.
+CTX_BUCKETS = [4096, 16384, 65536]
 
 
 class ModelRunner:
@@ -156,7 +158,7 @@ class ModelRunner:
             buckets.append(limit)
         self.graphs = StepGraphs(self.forward_eager, lambda b, h: self.forward_mtp_eager(b, h, None), kinds,
                                  buckets, self.table_width, self.model_config.hidden_size, self.dtype, self.device,
-                                 capture=capture)
+                                 capture=capture, ctx_buckets=CTX_BUCKETS)
 
     @property
     def pads_draft_extend(self) -> bool:

@@ -38,8 +38,10 @@ def test_padded_decode_and_verify_match_eager():
              StepKind("verify", ForwardMode.TARGET_VERIFY, 3, 3, False),
              StepKind("draft", ForwardMode.DECODE, 1, 0, True)]
     graphs = StepGraphs(run_main, run_mtp, kinds, [1, 2, 4], max_kv_len=96, hidden_size=config.hidden_size,
-                        dtype=torch.float32, device=torch.device("cpu"), capture=False)
+                        dtype=torch.float32, device=torch.device("cpu"), capture=False, ctx_buckets=[40])
     assert graphs.bucket_for("decode", 3) == 4 and graphs.bucket_for("decode", 5) is None
+    # indexer rows span the smallest context bucket holding the batch (all batches below fit in 40)
+    assert graphs.ctx_bucket_for(32) == 40 and graphs.ctx_bucket_for(41) == 96 and graphs.ctx_bucket_for(97) is None
 
     rows = [d.reqs[i]["row"] for i in range(3)]
     seq = [len(d.reqs[i]["tokens"]) for i in range(3)]
