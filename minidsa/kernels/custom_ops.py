@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from minidsa.kernels import deepgemm, indexer, kv_move as kv_move_mod, sparse_mla as sparse_mla_mod, topk as topk_mod
+from minidsa.kernels import deepgemm, indexer, kv_move as kv_move_mod, moe as moe_mod, sparse_mla as sparse_mla_mod
+from minidsa.kernels import topk as topk_mod
 
 logger = logging.getLogger(__name__)
 _fallback_logged: set[str] = set()
@@ -117,3 +118,14 @@ def kv_move(
     index_head_dim: int,
 ) -> None:
     kv_move_mod.kv_move(mla_buffer, index_buffer, src, dst, page_size, index_head_dim)
+
+
+@torch.library.custom_op("minidsa::moe_experts", mutates_args=())
+def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
+    """Routed experts of a few tokens, reading only the chosen experts' weights (minidsa.kernels.moe)."""
+    return moe_mod.moe_experts(x, ids, weights, gate_up_proj, down_proj)
+
+
+@moe_experts.register_fake
+def _(x, ids, weights, gate_up_proj, down_proj):
+    return x.new_empty(x.shape[0], gate_up_proj.shape[2])
