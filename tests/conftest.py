@@ -16,6 +16,11 @@ import os
 import pytest
 import torch
 
+# Without a GPU, Triton kernels can only run under its interpreter, which must be on before triton is
+# first imported (torch.compile / dynamo import it too): switch it on for the whole session.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # CI runs `pytest -n 2` on 2 cores: one intra-op thread per worker. More threads than free cores make
 # OpenMP spin-wait against each other (10x slower small ops on a busy machine).
 torch.set_num_threads(int(os.environ.get("MINIDSA_TEST_THREADS", "1")))
