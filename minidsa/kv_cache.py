@@ -190,6 +190,15 @@ def slots_of(pages: list[int], start: int, end: int, page_size: int) -> torch.Te
     return page_ids[pos // page_size] * page_size + pos % page_size
 
 
+def row_slots(req_to_token: torch.Tensor, rows: list[int], starts: list[int], lens: list[int]) -> torch.Tensor:
+    """Slots of row positions [starts[b], starts[b] + lens[b]) of each row, concatenated (int64)."""
+    assert len(rows) == len(starts) == len(lens)
+    parts = [req_to_token[r, s:s + n] for r, s, n in zip(rows, starts, lens)]
+    if not parts:
+        return torch.zeros(0, dtype=torch.int64, device=req_to_token.device)
+    return torch.cat(parts).long()
+
+
 class ReqToTokenPool:
     """Rows of row-position -> slot, one per running request."""
 

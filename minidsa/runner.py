@@ -20,7 +20,7 @@ from minidsa.attention.dsa import DSABackend, choose_kernels
 from minidsa.batch import ForwardBatch, ForwardMode
 from minidsa.config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
 from minidsa.graphs import DEFAULT_BUCKETS, StepGraphs, StepKind
-from minidsa.kv_cache import KVCache, PageAllocator, ReqToTokenPool, pages_needed
+from minidsa.kv_cache import KVCache, PageAllocator, ReqToTokenPool, pages_needed, row_slots
 from minidsa.models.deepseek_v32 import ModelOutput
 from minidsa.models.loader import build_model
 from minidsa.request import Request
@@ -102,26 +102,22 @@ class ModelRunner:
         return tokens
 
     # -- batches --------------------------------------------------------------
-    def _slots(self, req: Request, start: int, end: int) -> list[int]:
-        ps = self.page_size
-        return [req.pages[p // ps] * ps + p % ps for p in range(start, end)]
-
+    # The scheduler has written every request's slots into req_to_token: read them from there.
     def extend_batch(self, reqs: list[Request], extend_lens: list[int]) -> ForwardBatch:
         """Prefill (or chunk) of `extend_lens[b]` tokens after the `seq_len` already cached tokens."""
         ids: list[int] = []
-        slots: list[int] = []
         for req, n in zip(reqs, extend_lens):
             ids += req.token_slice(req.seq_len, req.seq_len + n)
-            slots += self._slots(req, req.seq_len, req.seq_len + n)
-        return ForwardBatch.build(ForwardMode.EXTEND, ids, [r.row for r in reqs], [r.seq_len for r in reqs],
-                                  list(extend_lens), torch.tensor(slots, dtype=torch.int64), self.device)
+        rows, starts = [r.row for r in reqs], [r.seq_len for r in reqs]
+        loc = row_slots(self.req_to_token, rows, starts, list(extend_lens))
+        return ForwardBatch.build(ForwardMode.EXTEND, ids, rows, starts, list(extend_lens), loc, self.device)
 
     def decode_batch(self, reqs: list[Request]) -> ForwardBatch:
         """One token per request: its last token, written at row position seq_len."""
-        ids = [r.last_token for r in reqs]
-        slots = [self._slots(r, r.seq_len, r.seq_len + 1)[0] for r in reqs]
-        return ForwardBatch.build(ForwardMode.DECODE, ids, [r.row for r in reqs], [r.seq_len for r in reqs],
-                                  [1] * len(reqs), torch.tensor(slots, dtype=torch.int64), self.device)
+        rows, starts = [r.row for r in reqs], [r.seq_len for r in reqs]
+        loc = row_slots(self.req_to_token, rows, starts, [1] * len(reqs))
+        return ForwardBatch.build(ForwardMode.DECODE, [r.last_token for r in reqs], rows, starts, [1] * len(reqs),
+                                  loc, self.device)
 
     # -- compile and graphs -------------------------------------------------------
     def prepare_fast_paths(self, spec_layout: SpecLayout | None, static_on_cpu: bool = False) -> None:

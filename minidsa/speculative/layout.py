@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minidsa.kv_cache import row_slots
+
 
 @dataclass(frozen=True)
 class SpecLayout:
@@ -94,9 +96,7 @@ class SpecLayout:
     def draft_extend_cache_loc(req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int],
                                extend_lens: list[int]) -> torch.Tensor:
         """Slots of row positions `[n_b, n_b + extend_lens[b])`, concatenated: `[sum(extend_lens)]`."""
-        assert len(rows) == len(seq_lens) == len(extend_lens)
-        parts = [req_to_token[r, n:n + e].long() for r, n, e in zip(rows, seq_lens, extend_lens)]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=req_to_token.device)
+        return row_slots(req_to_token, rows, seq_lens, extend_lens)
 
     # -- compaction -------------------------------------------------------------
     def compaction_moves(self, req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int],

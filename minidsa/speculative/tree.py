@@ -102,18 +102,15 @@ def grow_tree(root_token: int, step_logprobs: list[torch.Tensor], beam_parents: 
             beam_cand_ids = [ids_this_step[i] for i in sel]
     # Best first; ties broken by creation order, so an ancestor (score >= child's) comes first.
     chosen = sorted(cand, key=lambda c: (-c[0], c[1]))[: num_draft_tokens - 1]
-    chosen_ids = {c[1] for c in chosen}
-    # A chosen node whose parent was not chosen (only possible with -inf / NaN scores) is dropped.
-    keep = []
-    for c in sorted(chosen, key=lambda c: c[1]):
-        if c[3] == -1 or (c[3] in chosen_ids and any(k[1] == c[3] for k in keep)):
-            keep.append(c)
-    node_of = {}
-    for c in keep:
-        node_of[c[1]] = len(tokens)
-        tokens.append(c[2])
-        parents.append(0 if c[3] == -1 else node_of[c[3]])
-        scores.append(c[0])
+    # Ancestors come first in creation order; a chosen node whose parent was not kept (only possible
+    # with -inf / NaN scores) is dropped.
+    node_of: dict[int, int] = {}  # kept candidate id -> node index
+    for score, cid, token, parent in sorted(chosen, key=lambda c: c[1]):
+        if parent == -1 or parent in node_of:
+            node_of[cid] = len(tokens)
+            tokens.append(token)
+            parents.append(0 if parent == -1 else node_of[parent])
+            scores.append(score)
     return DraftTree(tokens, parents, scores)
 
 
