@@ -280,6 +280,41 @@ def bench_topk(rec: Recorder, ceil: dict, logits: torch.Tensor, quick: bool) -> 
     rec.meta["topk_best"] = best
 
 
+def bench_small_batch(rec: Recorder, ceil: dict) -> None:
+    """Decode at small batch: top-k one program per row vs split over programs vs torch.topk; sparse MLA splits."""
+    for t, w in ((1, 4160), (1, 16448), (1, 32832), (1, 131136), (4, 4160), (8, 4160), (8, 32832), (32, 4160),
+                 (32, 32832), (64, 32832)):
+        g = torch.Generator(device=DEV).manual_seed(t)
+        lg = torch.randn(t, w, device=DEV, generator=g)
+        lg[:, w - 63:] = float("-inf")  # the invisible tail of a context bucket
+        r2 = torch.arange(t * w, device=DEV, dtype=torch.int32).view(t, w)
+        rw = torch.arange(t, device=DEV)
+        nb = t * w * 4.0
+        case = f"B={t} L={w} k=2048"
+        picked = topk.split_chunks(t, w, DEV)
+        for chunks in sorted({1, 4, 8, 16, 32, 64, picked}):
+            if chunks > 1 and chunks * 256 > w:
+                continue
+            rec.add(row("topk_small", case, f"triton {chunks} programs/row" + (" (default)" if chunks == picked else ""),
+                        timed(lambda: topk.topk_slots(lg, TOPK, r2, rw, num_chunks=chunks)), nb, ceil=ceil))
+        rec.add(row("topk_small", case, "torch.topk + gather", timed(lambda: topk.torch_topk_slots(lg, TOPK, r2, rw)),
+                    nb, ceil=ceil))
+    num_slots = 262144
+    g = torch.Generator(device=DEV).manual_seed(5)
+    cache = torch.randn(num_slots, D_KV, device=DEV, generator=g).bfloat16()
+    for t in (1, 2, 4, 8, 16):
+        q = (torch.randn(t, H_MLA, D_KV, device=DEV, generator=g) * 0.3).bfloat16()
+        idx = torch.randint(0, num_slots, (t, TOPK), device=DEV, generator=g, dtype=torch.int32)
+        nb = t * TOPK * (D_KV * 2 + 4) + t * H_MLA * (D_KV + D_V) * 2
+        fl = 2.0 * t * H_MLA * TOPK * (D_KV + D_V)
+        rec.add(row("sparse_mla_small", f"decode B={t}", "triton default splits",
+                    timed(lambda: sparse_mla.sparse_mla(q, cache, idx, 0.05, D_V)), nb, fl, ceil))
+        for splits in (4, 8, 16, 32):
+            rec.add(row("sparse_mla_small", f"decode B={t}", f"triton {splits} splits",
+                        timed(lambda: sparse_mla.sparse_mla(q, cache, idx, 0.05, D_V, num_splits=splits)), nb, fl,
+                        ceil))
+
+
 MLA_SWEEP = [(64, 64, 8, 2), (64, 32, 8, 3), (64, 64, 8, 1), (64, 32, 8, 4)]
 
 
@@ -367,7 +402,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="directory for bench_kernels.json / .md")
     ap.add_argument("--quick", action="store_true", help="fewer sweeps and shapes")
-    ap.add_argument("--only", default="store,logits,topk,mla,move", help="comma list of sections")
+    ap.add_argument("--only", default="store,logits,topk,mla,move,small", help="comma list of sections")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
@@ -411,6 +446,7 @@ def main() -> int:
     run("topk", lambda: bench_topk(rec, ceil, logits, args.quick))
     run("mla", lambda: bench_sparse_mla(rec, ceil, args.quick))
     run("move", lambda: bench_kv_move(rec, ceil))
+    run("small", lambda: bench_small_batch(rec, ceil))
     rec.meta["resources"] = kernel_resources()
     rec.meta["seconds"] = round(time.time() - rec.t0, 1)
     rec.save()

@@ -99,7 +99,7 @@ def decode_bytes(cfg: ModelConfig, bs: int, ctx: int, dtype_bytes: int = 2, with
 # ----------------------------------------------------------------------------- synthetic contexts
 class Bench:
     def __init__(self, preset: str, max_context: int, max_batch_tokens: int, max_bs: int, index_topk: int | None = None,
-                 spec_steps: int = 0):
+                 spec_steps: int = 0, compile: bool = True):
         from minidsa.runner import ModelRunner
 
         raw = preset_config(preset)
@@ -114,6 +114,10 @@ class Bench:
                            enable_cuda_graph=False, enable_compile=False)
         self.runner = ModelRunner(cfg, self.model_config, None, init_std=init_std, decode_reserve=64, progress=False)
         self.device = self.runner.device
+        # The engine's own step functions: the whole forward through torch.compile (one dynamic graph
+        # per step kind, shared by every graph below), or plain eager modules.
+        self.compile = compile
+        self.run_main, self.run_mtp = self.runner.step_functions("inductor" if compile else None)
         self._fill_cache()
 
     def _fill_cache(self):
@@ -162,13 +166,44 @@ class Bench:
         return ForwardBatch.build(ForwardMode.TARGET_VERIFY, ids, rows, [ctx] * bs, [nd] * bs, loc, self.device,
                                   logits="all", positions=pos, kv_lens=kv, tree_mask=mask, max_kv_len=ctx + nd)
 
-    def graphs(self, kinds: list[StepKind], buckets: list[int], max_kv_len: int) -> StepGraphs:
+    def graphs(self, kinds: list[StepKind], buckets: list[int], max_kv_len: int, compiled: bool = True) -> StepGraphs:
         r = self.runner
-        return StepGraphs(r.forward_eager, lambda b, h: r.forward_mtp(b, h, None), kinds, buckets, max_kv_len,
-                          self.model_config.hidden_size, r.dtype, r.device, capture=True)
+        run_main, run_mtp = (self.run_main, self.run_mtp) if compiled else r.step_functions(None)
+        return StepGraphs(run_main, run_mtp, kinds, buckets, max_kv_len, self.model_config.hidden_size, r.dtype,
+                          r.device, capture=True)
 
 
 DECODE = StepKind("decode", ForwardMode.DECODE, 1, 0, False)
+
+
+def _graph_decode_ms(bench: Bench, bs: int, ctx: int, iters: int) -> float:
+    rows, pages = bench.contexts(bs, ctx)
+    g = bench.graphs([DECODE], [bs], max_kv_len=ctx + 64)
+    batch = bench.decode_batch(rows, ctx)
+    ms = time_cuda(lambda: g.replay("decode", batch), iters=iters) * 1e3
+    bench.release(rows, pages)
+    return ms
+
+
+def profile_step(graphs: StepGraphs, batch: ForwardBatch, iters: int) -> dict:
+    """Where a replayed decode step's time goes: GPU kernels (CUPTI sees inside graph replays) vs the step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = time_cuda(lambda: graphs.replay("decode", batch), iters=iters)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            graphs.replay("decode", batch)
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(ev.name, [0, 0.0])
+            k[0] += 1
+            k[1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+    total_us = sum(v[1] for v in kernels.values()) / iters
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    return {"step_us": step * 1e6, "kernel_us": total_us, "kernels_per_step": sum(v[0] for v in kernels.values()) / iters,
+            "top": [{"name": n[:90], "per_step": c / iters, "us_per_step": t / iters} for n, (c, t) in top[:40]]}
 
 
 def run_suite(args) -> dict:
@@ -178,7 +213,7 @@ def run_suite(args) -> dict:
     result["ceilings"] = ceil = measure_ceilings(dev)
     logger.info("ceilings: %s", ceil)
     bench = Bench(args.preset, max_context=max(args.contexts + args.dense_contexts), max_batch_tokens=args.kv_tokens,
-                  max_bs=max(args.batches + [8]))
+                  max_bs=max(args.batches + [8]), compile=not args.no_compile)
     cfg = bench.model_config
     result["kernels"] = bench.runner.kernels.describe()
 
@@ -201,22 +236,29 @@ def run_suite(args) -> dict:
         torch.cuda.empty_cache()
     result["decode"] = rows_a
 
-    # (c) graphs vs eager, batch 1
+    # (c) graphs vs eager, batch 1; and what torch.compile adds inside the graph
     ctx = args.contexts[0]
     rows, pages = bench.contexts(1, ctx)
     batch = bench.decode_batch(rows, ctx)
     graphs = bench.graphs([DECODE], [1], max_kv_len=ctx + 64)
     t_graph = time_cuda(lambda: graphs.replay("decode", batch), iters=args.iters)
+    plain = bench.graphs([DECODE], [1], max_kv_len=ctx + 64, compiled=False) if bench.compile else graphs
+    t_plain = time_cuda(lambda: plain.replay("decode", batch), iters=args.iters)
     t_eager = time_cuda(lambda: bench.runner.forward_eager(batch), iters=max(5, args.iters // 4))
-    result["graph_vs_eager"] = {"ctx": ctx, "graph_ms": t_graph * 1e3, "eager_ms": t_eager * 1e3,
-                                "speedup": t_eager / t_graph}
+    result["graph_vs_eager"] = {"ctx": ctx, "compiled": bench.compile, "graph_ms": t_graph * 1e3,
+                                "graph_uncompiled_ms": t_plain * 1e3, "eager_ms": t_eager * 1e3,
+                                "speedup": t_eager / t_graph, "compile_speedup": t_plain / t_graph}
+    if args.profile:
+        result["profile"] = {"compiled": profile_step(graphs, batch, args.profile)}
+        if bench.compile:
+            result["profile"]["uncompiled"] = profile_step(plain, batch, args.profile)
     bench.release(rows, pages)
-    graphs = None
+    graphs = plain = None
 
     # (e) verify vs decode (chain of nd tokens per request)
     nd = args.spec_steps + 1
     rows_e = []
-    for bs in (1, 8):
+    for bs in (1, 8) if "verify" not in args.skip else ():
         rows, pages = bench.contexts(bs, ctx)
         verify_kind = StepKind("verify", ForwardMode.TARGET_VERIFY, nd, nd, False)
         graphs = bench.graphs([DECODE, verify_kind], [bs], max_kv_len=ctx + 64)
@@ -228,33 +270,39 @@ def run_suite(args) -> dict:
         bench.release(rows, pages)
         graphs = None
     result["verify_vs_decode"] = rows_e
+
+    # (d) DSA vs dense: the same shapes with index_topk >= context. DSA rows on this engine; dense
+    # ones on an engine per context whose index_topk just covers it (every cached token selected).
+    dense_rows = [(bs, ctx) for ctx in args.dense_contexts for bs in args.dense_batches
+                  if bs * (ctx + 64) <= args.kv_tokens and bs <= bench.runner.config.max_running_requests
+                  and "dense" not in args.skip]
+    dsa_ms = {}
+    for bs, ctx in dense_rows:
+        dsa_ms[bs, ctx] = _graph_decode_ms(bench, bs, ctx, args.iters)
     bench = None
     torch.cuda.empty_cache()
-
-    # (d) DSA vs dense: same shapes with index_topk >= context
     rows_d = []
-    for bs in args.dense_batches:
-        for ctx in args.dense_contexts:
-            if bs * (ctx + 64) > args.kv_tokens:
-                continue
-            entry = {"bs": bs, "ctx": ctx}
-            for name, topk in (("dsa", None), ("dense", ctx + 64)):
-                b = Bench(args.preset, max_context=ctx, max_batch_tokens=bs * (ctx + 64), max_bs=bs, index_topk=topk)
-                rows, pages = b.contexts(bs, ctx)
-                g = b.graphs([DECODE], [bs], max_kv_len=ctx + 64)
-                batch = b.decode_batch(rows, ctx)
-                entry[f"{name}_ms"] = time_cuda(lambda: g.replay("decode", batch), iters=args.iters) * 1e3
-                g = b = None
-                torch.cuda.empty_cache()
-            entry["dense_over_dsa"] = entry["dense_ms"] / entry["dsa_ms"]
-            rows_d.append(entry)
+    for ctx in args.dense_contexts:
+        batches = [bs for bs, c in dense_rows if c == ctx]
+        if not batches:
+            continue
+        dense = Bench(args.preset, max_context=ctx, max_batch_tokens=max(batches) * (ctx + 64), max_bs=max(batches),
+                      index_topk=ctx + 64, compile=not args.no_compile)
+        for bs in batches:
+            ms = _graph_decode_ms(dense, bs, ctx, args.iters)
+            rows_d.append({"bs": bs, "ctx": ctx, "dsa_ms": dsa_ms[bs, ctx], "dense_ms": ms,
+                           "dense_over_dsa": ms / dsa_ms[bs, ctx]})
+        dense = None
+        torch.cuda.empty_cache()
     result["dsa_vs_dense"] = rows_d
 
     # (e, end to end) speculative decoding through the engine, acceptance as measured
-    result["speculative_e2e"] = _spec_e2e(args)
+    if "spec" not in args.skip:
+        result["speculative_e2e"] = _spec_e2e(args)
 
     # (f) transformers on the same weights
-    result["transformers"] = _transformers(args, result)
+    if "hf" not in args.skip:
+        result["transformers"] = _transformers(args, result)
     return result
 
 
@@ -390,6 +438,14 @@ def to_markdown(r: dict) -> str:
         lines += ["", "## (c) CUDA graph replay vs eager, batch 1", "",
                   f"context {g['ctx']}: graph {g['graph_ms']:.3f} ms, eager {g['eager_ms']:.3f} ms — "
                   f"**{g['speedup']:.1f}x**"]
+        if g.get("compiled"):
+            lines += ["", f"torch.compile inside the graph: {g['graph_ms']:.3f} ms vs {g['graph_uncompiled_ms']:.3f} ms "
+                      f"for a graph of the uncompiled modules — {g['compile_speedup']:.2f}x"]
+    for name, pr in r.get("profile", {}).items():
+        lines += ["", f"### Batch-1 decode graph profile ({name}): step {pr['step_us']:.0f} us, kernels "
+                  f"{pr['kernel_us']:.0f} us, {pr['kernels_per_step']:.0f} kernels per step", "",
+                  "| kernel | per step | us per step |", "|---|---|---|"]
+        lines += [f"| `{k['name']}` | {k['per_step']:.0f} | {k['us_per_step']:.1f} |" for k in pr["top"][:25]]
     lines += ["", "## (d) DSA vs dense attention (same model, index_topk >= context)", "",
               "| batch | context | DSA ms | dense ms | dense / DSA |", "|---|---|---|---|---|"]
     for x in r.get("dsa_vs_dense", []):
@@ -442,6 +498,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--e2e-tokens", type=int, default=64)
     p.add_argument("--hf-contexts", type=int, nargs="+", default=[4096, 8192, 16384])
     p.add_argument("--hf-tokens", type=int, default=16)
+    p.add_argument("--skip", nargs="*", default=[], choices=["verify", "dense", "spec", "hf"],
+                   help="leave parts out of a quick run: (e) verify, (d) dense, (e) end to end, (f) transformers")
+    p.add_argument("--no-compile", action="store_true", help="graphs of the eager modules (no torch.compile)")
+    p.add_argument("--profile", type=int, default=0, metavar="ITERS",
+                   help="profile the batch-1 decode graph over ITERS replays (kernel table in the JSON)")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
 

@@ -6,8 +6,10 @@ turns them into a `ForwardBatch` and runs the model. `forward` /
 graph (decode, target verify, the draft's steps and its padded draft
 extend; see graphs.py) replays it, anything else runs `forward_eager` /
 `forward_mtp_eager`, the plain reference. With `enable_compile` on a GPU the
-FFN blocks (dense MLP and MoE) are compiled with torch.compile; attention
-stays a chain of custom ops either way.
+captured steps run the whole model forward through torch.compile (one
+dynamic-shape graph per step kind, no graph breaks; the DSA kernels are custom
+ops, opaque to it); eager batches (prefill, oversized batches) run the plain
+module.
 """
 
 from __future__ import annotations
@@ -120,11 +122,14 @@ class ModelRunner:
                                   loc, self.device)
 
     # -- compile and graphs -------------------------------------------------------
-    def prepare_fast_paths(self, spec_layout: SpecLayout | None, static_on_cpu: bool = False) -> None:
+    def prepare_fast_paths(self, spec_layout: SpecLayout | None, static_on_cpu: bool = False,
+                           compile_backend: str | None = None) -> None:
         """torch.compile and CUDA-graph capture, once, after the speculator (if any) fixed its step shapes.
 
         `static_on_cpu` (tests): without a GPU, still route batches through the graphs'
         static, padded buffers, run eagerly, so the padding logic is exercised on CPU.
+        `compile_backend`: torch.compile backend of the captured steps (default: inductor on
+        CUDA; on CPU nothing is compiled unless a backend is named, e.g. "aot_eager" in tests).
         """
         cfg = self.config
         if self.device.type != "cuda" and not static_on_cpu:
@@ -133,14 +138,12 @@ class ModelRunner:
                             self.device)
             return
         capture = self.device.type == "cuda"
-        if cfg.enable_compile and capture:
-            for layer in self.model.model.layers:
-                layer.mlp.compile(dynamic=True)
-            self.compiled = True
-            logger.info("torch.compile: FFN blocks of %d layers", len(self.model.model.layers))
         if not cfg.enable_cuda_graph:
-            logger.info("CUDA graphs disabled (enable_cuda_graph=False): decode runs eagerly")
+            logger.info("CUDA graphs disabled (enable_cuda_graph=False): decode runs eagerly, uncompiled "
+                        "(torch.compile serves the captured steps)")
             return
+        run_main, run_mtp = self.step_functions(
+            compile_backend or ("inductor" if capture else None) if cfg.enable_compile else None)
         kinds = [StepKind("decode", ForwardMode.DECODE, 1, 0, False)]
         if spec_layout is not None:
             nd, k = spec_layout.num_draft_tokens, spec_layout.topk
@@ -152,9 +155,38 @@ class ModelRunner:
         buckets = [b for b in DEFAULT_BUCKETS if b <= limit] or [1]
         if buckets[-1] < limit:
             buckets.append(limit)
-        self.graphs = StepGraphs(self.forward_eager, lambda b, h: self.forward_mtp_eager(b, h, None), kinds,
-                                 buckets, self.table_width, self.model_config.hidden_size, self.dtype, self.device,
-                                 capture=capture, ctx_buckets=CTX_BUCKETS)
+        self.graphs = StepGraphs(run_main, run_mtp, kinds, buckets, self.table_width, self.model_config.hidden_size,
+                                 self.dtype, self.device, capture=capture, ctx_buckets=CTX_BUCKETS)
+
+    def step_functions(self, compile_backend: str | None = None):
+        """(run_main(batch), run_mtp(batch, hidden_prev)) for the captured steps; compiled when a backend is named.
+
+        dynamic=True: one graph serves every batch and context bucket of a step kind (Dynamo
+        specialises size-1 batches once more), instead of one compilation per captured shape.
+        fullgraph=True: a graph break is an error here, not a silent slowdown.
+        """
+        if compile_backend is None:
+            return self.forward_eager, lambda b, h: self.forward_mtp_eager(b, h, None)
+        # Dynamo keys its cache on the code object and guards on the module's identity, so each engine's
+        # compilations add entries to the same two functions: several engines in one process (tests,
+        # notebooks, the benchmark suite) outgrow the default limit of 8, a hard error with fullgraph.
+        dynamo_config = torch._dynamo.config
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
+        dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
+        main = torch.compile(self.model.forward, dynamic=True, fullgraph=True, backend=compile_backend)
+        mtp = torch.compile(self.model.forward_mtp, dynamic=True, fullgraph=True, backend=compile_backend)
+        self.compiled = True
+        logger.info("torch.compile (%s): the whole forward of the captured steps", compile_backend)
+
+        @torch.no_grad()
+        def run_main(batch: ForwardBatch) -> ModelOutput:
+            return main(batch, self.attn)
+
+        @torch.no_grad()
+        def run_mtp(batch: ForwardBatch, hidden_prev: torch.Tensor) -> ModelOutput:
+            return mtp(batch, self.attn, hidden_prev, None)
+
+        return run_main, run_mtp
 
     @property
     def pads_draft_extend(self) -> bool:

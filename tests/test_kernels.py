@@ -243,12 +243,14 @@ def _topk_case(seed: int, width: int):
 
 
 @in_this_process
-@pytest.mark.parametrize("impl", ["triton-8bit", "triton-11bit", "torch"])
+@pytest.mark.parametrize("impl", ["triton-8bit", "triton-11bit", "triton-split", "torch"])
 @pytest.mark.parametrize("width,k", [(300, 40), (5000, 64), (30, 40)])
 def test_topk_matches_reference_sets(impl, width, k):
     logits, r2t, rows = _topk_case(width + k, width)
     if impl == "torch":
         slots, pos = topk_mod.torch_topk_slots(logits, k, r2t, rows)
+    elif impl == "triton-split":  # each row over 3 programs (histograms summed with atomics)
+        slots, pos = topk_mod.topk_slots(logits, k, r2t, rows, num_chunks=3, split_block=64)
     else:  # both radix plans, and a block smaller than the row (several chunks per pass)
         config = (256, 8, 4) if impl == "triton-8bit" else (1024, 11, 4)
         slots, pos = topk_mod.topk_slots(logits, k, r2t, rows, config=config)
@@ -263,13 +265,14 @@ def test_topk_matches_reference_sets(impl, width, k):
 
 
 @in_this_process
-def test_topk_ties_take_lowest_positions():
+@pytest.mark.parametrize("num_chunks", [1, 4])
+def test_topk_ties_take_lowest_positions(num_chunks):
     logits = torch.full((2, 1000), float("-inf"))
     logits[0, :600] = 1.0  # 600 equal values, k = 100
     logits[1, 500:] = torch.arange(500).float() % 7  # many ties at the threshold value
     r2t = torch.arange(2000, dtype=torch.int32).view(2, 1000)
     rows = torch.tensor([0, 1])
-    slots, pos = topk_mod.topk_slots(logits, 100, r2t, rows)
+    slots, pos = topk_mod.topk_slots(logits, 100, r2t, rows, num_chunks=num_chunks, split_block=64)
     assert pos[0].tolist() == list(range(100))
     chosen = logits[1, pos[1].long()]
     want = logits[1].topk(100).values

@@ -113,6 +113,7 @@ def test_sparsity_changes_logits(pair, tmp_path):
     dense_config = ModelConfig.from_dict({**_raw(config), "index_topk": 4096})
     dense_model = type(model)(dense_config)
     dense_model.load_state_dict(model.state_dict())
+    dense_model.fuse_projections()
     dense = PagedDriver(dense_model, dense_config)
     dense.add(tokens, reserve=0)
     dense_logits = dense.prefill([0], logits="all")[0][1].logits

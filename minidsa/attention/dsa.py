@@ -57,6 +57,9 @@ class DSABackend:
         self.kernels = kernels or KernelChoice()
         # Tests and the notebook set this to a list to see which positions each layer selected.
         self.topk_recorder: list[tuple[int, torch.Tensor]] | None = None
+        # The fp8 indexer's query rotation, built once on the cache's device (an input to compiled steps).
+        self.hadamard = (ref.hadamard_matrix(kv_cache.index_head_dim, str(kv_cache.device))
+                         if kv_cache.indexer_fp8 else None)
         self._ops = None
         if self.kernels != KernelChoice():
             from minidsa.kernels import dispatch
@@ -85,7 +88,7 @@ class DSABackend:
         if buf is None:
             raise RuntimeError(f"layer {layer} has no indexer cache (a shared layer must reuse top-k)")
         if buf.dtype == torch.uint8:
-            q, weights = ref.quant_index_q(q, weights)
+            q, weights = ref.quant_index_q(q, weights, self.hadamard)
         rows = batch.token_rows
         if self._ops is not None and self.kernels.index_logits != "torch":
             logits = self._ops.index_logits(q, weights, buf, self.page_size, self.req_to_token, rows,

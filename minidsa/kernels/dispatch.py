@@ -14,7 +14,6 @@ signatures and call the custom ops (opaque to torch.compile).
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 
@@ -71,9 +70,15 @@ def choose(device: torch.device | str, use_deep_gemm: bool = True) -> KernelChoi
                         kv_move="triton")
 
 
-@functools.lru_cache(maxsize=8)
+_NUM_SMS: dict[torch.device, int] = {}
+
+
 def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    # A plain dict, not functools.lru_cache: torch.compile traces through this without warnings.
+    if device not in _NUM_SMS:
+        _NUM_SMS[device] = (torch.cuda.get_device_properties(device).multi_processor_count
+                            if device.type == "cuda" else 8)
+    return _NUM_SMS[device]
 
 
 def triton_topk_wins(num_tokens: int, width: int, device: torch.device) -> bool:

@@ -37,9 +37,10 @@ def hadamard_matrix(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return (h * d**-0.5).to(device)
 
 
-def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
-    """x @ H over the last dim, in fp32."""
-    return x.float() @ hadamard_matrix(x.shape[-1], str(x.device))
+def hadamard_rotate(x: torch.Tensor, hadamard: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ H over the last dim, in fp32. Callers inside torch.compile pass `hadamard` (built once on
+    the device): traced, the cached builder would run again and copy it from the host every step."""
+    return x.float() @ (hadamard if hadamard is not None else hadamard_matrix(x.shape[-1], str(x.device)))
 
 
 def quant_fp8_ue8m0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,12 +81,13 @@ def load_index_k(index_k: torch.Tensor, slots: torch.Tensor, page_size: int, hea
     return keys[page, off].float() * scales[page, off].unsqueeze(-1)
 
 
-def quant_index_q(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_index_q(q: torch.Tensor, weights: torch.Tensor,
+                  hadamard: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Prepare indexer queries for the fp8 cache: Hadamard, e4m3 per (token, head), scale folded into weights.
 
     Valid because ReLU commutes with positive scales: w * relu(s * a) = (w * s) * relu(a).
     """
-    q8, qs = quant_fp8_ue8m0(hadamard_rotate(q))
+    q8, qs = quant_fp8_ue8m0(hadamard_rotate(q, hadamard))
     return q8, weights * qs
 
 

@@ -144,8 +144,11 @@ def sparse_mla(
         # Split the top-k axis to about two programs per SM, each split >= 4 blocks. H100: batch 64 is fastest
         # with 2 splits (0.185 ms; 1: 0.191, 3: 0.204, 4: 0.222), batch 128 with 1 or 2 (0.385 ms), batch 8
         # with 9 (0.062 ms) rather than 16 (0.100 ms).
+        # Batch 1-4 (in-graph profile, bench-dsv32 decode): 8 splits of 4 blocks left a 1-token step at
+        # 23 us; splits of 2 blocks give it twice the programs.
         want = round(2 * _num_sms(str(q.device)) / (num_tokens * head_blocks))
-        num_splits = max(1, min(want, topk // (4 * block_n)))
+        min_blocks = 4 if num_tokens >= 8 else 2
+        num_splits = max(1, min(want, topk // (min_blocks * block_n)))
     split_len = triton.cdiv(triton.cdiv(topk, num_splits), block_n) * block_n
     num_splits = triton.cdiv(topk, split_len)
     qk_scale = sm_scale * LOG2E

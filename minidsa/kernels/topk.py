@@ -2,11 +2,14 @@
 
 Two implementations of `reference.topk_slots`' contract (slots and positions
 [T, topk] int32, -1 padded, only visible (> -inf) positions):
-- `topk_slots`: Triton radix select, one program per row. Histogram passes
-  over the row's orderable 32-bit keys (4 x 8 bits, or 11 + 11 + 10) find the
-  exact k-th largest value; a last pass writes every position above it and
-  the first positions equal to it (ties go to lower positions). Output is in
-  position order, not score order.
+- `topk_slots`: Triton radix select. Histogram passes over the row's
+  orderable 32-bit keys (4 x 8 bits, or 11 + 11 + 10) find the exact k-th
+  largest value; a last pass writes every position above it and the first
+  positions equal to it (ties go to lower positions). Output is in position
+  order, not score order. Many rows: one program per row, all passes in one
+  launch. Few rows (decode at small batch): each row is split over several
+  programs, one launch per pass, histograms summed with atomics, so a
+  single long row does not leave the rest of the GPU idle.
 - `torch_topk_slots`: `torch.topk` (unsorted) plus a gather of only the k
   chosen slots (the reference gathers the whole req_to_token row).
 """
@@ -109,6 +112,114 @@ def _topk_kernel(
         tl.store(out_pos + idx, tl.full((BLOCK,), -1, tl.int32), mask=pad)
 
 
+@triton.jit
+def _resolve(hist_ptr, k, NPASS: tl.constexpr):
+    """(k_rem, prefix) after NPASS 8-bit passes, from the summed histograms hist[p, 256] of one row."""
+    bins = tl.arange(0, 256)
+    k_rem = tl.zeros((), tl.int32) + k
+    prefix = tl.zeros((), tl.uint32)
+    for p in tl.static_range(NPASS):
+        hist = tl.load(hist_ptr + p * 256 + bins)
+        cum = tl.cumsum(hist, axis=0)
+        at_or_above = tl.sum(hist, axis=0) - cum + hist
+        b = tl.max(tl.where(at_or_above >= k_rem, bins, 0), axis=0)
+        k_rem -= tl.sum(tl.where(bins > b, hist, 0), axis=0)
+        prefix = (prefix << 8) | b.to(tl.uint32)
+    return k_rem, prefix
+
+
+@triton.jit
+def _split_hist_kernel(logits_ptr, hist_ptr, width, k, chunk, stride_l, PASS: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass PASS over chunk c of row t: histogram of the next 8 bits of the keys matching the prefix so far."""
+    t, c = tl.program_id(0), tl.program_id(1)
+    row_ptr = logits_ptr + t.to(tl.int64) * stride_l
+    hist_row = hist_ptr + t.to(tl.int64) * 1024
+    _, prefix = _resolve(hist_row, k, PASS)
+    shift: tl.constexpr = 24 - 8 * PASS
+    offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, 256)
+    hist = tl.zeros((256,), tl.int32)
+    lo = c * chunk
+    hi = tl.minimum(lo + chunk, width)
+    for start in range(lo, hi, BLOCK):
+        pos = start + offs
+        inb = pos < hi
+        key = _orderable(tl.load(row_ptr + pos, mask=inb, other=float("-inf")))
+        match = inb
+        if PASS > 0:
+            match = match & ((key >> (shift + 8)) == prefix)
+        digit = tl.where(match, ((key >> shift) & 255).to(tl.int32), 0)
+        hist += tl.histogram(digit, 256)
+        hist -= tl.where(bins == 0, tl.sum((~match).to(tl.int32), axis=0), 0)
+    tl.atomic_add(hist_row + PASS * 256 + bins, hist)
+
+
+@triton.jit
+def _split_count_kernel(logits_ptr, hist_ptr, counts_ptr, width, k, chunk, num_chunks, stride_l,
+                        BLOCK: tl.constexpr):
+    """Per chunk: how many visible keys lie above the k-th largest, and how many equal it."""
+    t, c = tl.program_id(0), tl.program_id(1)
+    row_ptr = logits_ptr + t.to(tl.int64) * stride_l
+    _, thr = _resolve(hist_ptr + t.to(tl.int64) * 1024, k, 4)
+    neg_inf = _orderable(tl.full((), float("-inf"), tl.float32))
+    offs = tl.arange(0, BLOCK)
+    n_gt = tl.zeros((), tl.int32)
+    n_eq = tl.zeros((), tl.int32)
+    lo = c * chunk
+    hi = tl.minimum(lo + chunk, width)
+    for start in range(lo, hi, BLOCK):
+        pos = start + offs
+        key = _orderable(tl.load(row_ptr + pos, mask=pos < hi, other=float("-inf")))
+        visible = key != neg_inf
+        n_gt += tl.sum((visible & (key > thr)).to(tl.int32), axis=0)
+        n_eq += tl.sum((visible & (key == thr)).to(tl.int32), axis=0)
+    out = counts_ptr + (t.to(tl.int64) * num_chunks + c) * 2
+    tl.store(out, n_gt)
+    tl.store(out + 1, n_eq)
+
+
+@triton.jit
+def _split_write_kernel(logits_ptr, hist_ptr, counts_ptr, r2t_ptr, rows_ptr, slots_ptr, pos_ptr,
+                        width, k, chunk, num_chunks, stride_l, stride_r2t, stride_o,
+                        BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr):
+    """Chunk c writes its taken positions after those of chunks < c (position order), then its share of padding."""
+    t, c = tl.program_id(0), tl.program_id(1)
+    row_ptr = logits_ptr + t.to(tl.int64) * stride_l
+    need_eq, thr = _resolve(hist_ptr + t.to(tl.int64) * 1024, k, 4)
+    neg_inf = _orderable(tl.full((), float("-inf"), tl.float32))
+    cc = tl.arange(0, MAX_CHUNKS)
+    counts = counts_ptr + t.to(tl.int64) * num_chunks * 2 + cc * 2
+    gts = tl.load(counts, mask=cc < num_chunks, other=0)
+    eqs = tl.load(counts + 1, mask=cc < num_chunks, other=0)
+    n_eq = tl.sum(tl.where(cc < c, eqs, 0), axis=0)
+    n_out = tl.sum(tl.where(cc < c, gts, 0), axis=0) + tl.minimum(n_eq, need_eq)
+    total = tl.sum(gts, axis=0) + tl.minimum(tl.sum(eqs, axis=0), need_eq)
+    r2t_row = r2t_ptr + tl.load(rows_ptr + t).to(tl.int64) * stride_r2t
+    out_slots = slots_ptr + t.to(tl.int64) * stride_o
+    out_pos = pos_ptr + t.to(tl.int64) * stride_o
+    offs = tl.arange(0, BLOCK)
+    lo = c * chunk
+    hi = tl.minimum(lo + chunk, width)
+    for start in range(lo, hi, BLOCK):
+        pos = start + offs
+        key = _orderable(tl.load(row_ptr + pos, mask=pos < hi, other=float("-inf")))
+        visible = key != neg_inf
+        eq = visible & (key == thr)
+        eq_rank = n_eq + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+        take = (visible & (key > thr)) | (eq & (eq_rank < need_eq))
+        dst = n_out + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        slot = tl.load(r2t_row + pos, mask=take, other=0)
+        tl.store(out_slots + dst, slot, mask=take)
+        tl.store(out_pos + dst, pos, mask=take)
+        n_out += tl.sum(take.to(tl.int32), axis=0)
+        n_eq += tl.sum(eq.to(tl.int32), axis=0)
+    for start in range(c * BLOCK, k, num_chunks * BLOCK):
+        idx = start + offs
+        pad = (idx >= total) & (idx < k)
+        tl.store(out_slots + idx, tl.full((BLOCK,), -1, tl.int32), mask=pad)
+        tl.store(out_pos + idx, tl.full((BLOCK,), -1, tl.int32), mask=pad)
+
+
 # (BLOCK, RADIX_BITS, num_warps) of the radix select, set from measurements (benchmarks/KERNELS.md).
 TOPK_CONFIG = (8192, 8, 16)
 
@@ -122,11 +233,34 @@ def _check(logits: torch.Tensor, topk: int, token_rows: torch.Tensor) -> None:
         raise ValueError(f"topk: k must be >= 1, got {topk}")
 
 
+# Split rows over programs while the rows alone would leave most SMs idle: (BLOCK, num_warps, least keys
+# per program). H100, bench-dsv32 decode graph at batch 1 / 4k: 32 us per layer split over 3 programs
+# (7 launches) vs 47 us in one program; at 32k and 128k the one-program kernel is 3-6x slower.
+SPLIT_CONFIG = (1024, 4, 2048)
+SPLIT_MAX_CHUNKS = 64
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def split_chunks(num_tokens: int, width: int, device: torch.device) -> int:
+    """Programs per row for the split select (1 = one program per row, the single-launch kernel)."""
+    sms = _num_sms(device)
+    if num_tokens > sms // 8:  # measured to pay at batch 1 and 8 (in-graph); above, one program per row
+        return 1
+    min_keys = SPLIT_CONFIG[2]
+    return max(1, min(SPLIT_MAX_CHUNKS, (2 * sms) // num_tokens, triton.cdiv(width, min_keys)))
+
+
 def topk_slots(
     logits: torch.Tensor, topk: int, req_to_token: torch.Tensor, token_rows: torch.Tensor,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, int, int] | None = None, num_chunks: int | None = None, split_block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton radix select: (slots [T, topk] int32, positions [T, topk] int32), -1 padded, position order."""
+    """Triton radix select: (slots [T, topk] int32, positions [T, topk] int32), -1 padded, position order.
+
+    `num_chunks`: programs per row (default `split_chunks`; 1 runs the one-program-per-row kernel with
+    `config`); `split_block` overrides the split kernels' block (tests: several chunks on short rows)."""
     _check(logits, topk, token_rows)
     num_tokens, width = logits.shape
     slots = torch.empty(num_tokens, topk, dtype=torch.int32, device=logits.device)
@@ -135,6 +269,11 @@ def topk_slots(
         return slots, positions
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    if num_chunks is None:
+        num_chunks = split_chunks(num_tokens, width, logits.device)
+    if num_chunks > 1:
+        _split_topk(logits, topk, req_to_token, token_rows, slots, positions, num_chunks, split_block)
+        return slots, positions
     block, radix_bits, num_warps = config or TOPK_CONFIG
     block = min(block, max(256, triton.next_power_of_2(max(width, topk))))
     _topk_kernel[(num_tokens,)](
@@ -143,6 +282,27 @@ def topk_slots(
         BLOCK=block, RADIX_BITS=radix_bits, num_warps=num_warps,
     )
     return slots, positions
+
+
+def _split_topk(logits, topk, req_to_token, token_rows, slots, positions, num_chunks: int,
+                block: int | None = None) -> None:
+    num_tokens, width = logits.shape
+    default_block, num_warps, _ = SPLIT_CONFIG
+    block = block or default_block
+    chunk = triton.cdiv(triton.cdiv(width, num_chunks), block) * block
+    num_chunks = triton.cdiv(width, chunk)
+    hist = torch.zeros(num_tokens, 4, 256, dtype=torch.int32, device=logits.device)
+    counts = torch.empty(num_tokens, num_chunks, 2, dtype=torch.int32, device=logits.device)
+    grid = (num_tokens, num_chunks)
+    for p in range(4):
+        _split_hist_kernel[grid](logits, hist, width, topk, chunk, logits.stride(0), PASS=p, BLOCK=block,
+                                 num_warps=num_warps)
+    _split_count_kernel[grid](logits, hist, counts, width, topk, chunk, num_chunks, logits.stride(0), BLOCK=block,
+                              num_warps=num_warps)
+    _split_write_kernel[grid](logits, hist, counts, req_to_token, token_rows, slots, positions,
+                              width, topk, chunk, num_chunks, logits.stride(0), req_to_token.stride(0),
+                              slots.stride(0), BLOCK=block, MAX_CHUNKS=triton.next_power_of_2(num_chunks),
+                              num_warps=num_warps)
 
 
 def torch_topk_slots(

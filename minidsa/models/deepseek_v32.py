@@ -68,6 +68,30 @@ def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
 
 
+def fuse_linears(module: nn.Module, name: str, *linears: nn.Linear) -> None:
+    """One weight for several bias-free projections of the same input, as buffer `name` of `module`.
+
+    A decode step then reads them in one GEMV (one launch, better bandwidth on small outputs). The
+    Linear modules keep their parameters (checkpoint names, state_dict), re-pointed as views into the
+    fused weight, so an in-place load into either is seen by both. Called once the weights are final.
+    """
+    fused = torch.cat([lin.weight.data for lin in linears], 0)
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = fused[start:start + rows]
+        start += rows
+    module.register_buffer(name, fused, persistent=False)
+
+
+def _fused(module: nn.Module, name: str) -> torch.Tensor:
+    w = getattr(module, name, None)
+    if w is None:
+        raise RuntimeError(f"{type(module).__name__}.{name} is missing: call model.fuse_projections() after the "
+                           "weights are loaded (models.loader.build_model does)")
+    return w
+
+
 @dataclass
 class LayerContext:
     """Per-forward inputs every layer reads."""
@@ -99,11 +123,13 @@ class Indexer(nn.Module):
         rot = (rope_interleaved if self.interleave else rope_half)(rot, cos, sin)
         return torch.cat([rot, rest], dim=-1)
 
-    def forward(self, layer_id: int, x: torch.Tensor, qr: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+    def forward(self, layer_id: int, x: torch.Tensor, qr: torch.Tensor, k: torch.Tensor,
+                ctx: LayerContext) -> torch.Tensor:
+        """`k` = wk(x), computed with the attention's input projections (one fused GEMV)."""
         num_tokens = x.shape[0]
         q = self.wq_b(qr).view(num_tokens, self.n_heads, self.head_dim)
         q = self._rope(q, ctx.cos.unsqueeze(1), ctx.sin.unsqueeze(1))
-        k = self._rope(self.k_norm(self.wk(x)), ctx.cos, ctx.sin)
+        k = self._rope(self.k_norm(k), ctx.cos, ctx.sin)
         ctx.attn.store_index_k(layer_id, ctx.batch, k)
         weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale
         return ctx.attn.index_topk(layer_id, ctx.batch, q, weights)
@@ -136,14 +162,21 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope], w[:, self.nope :]  # W_UK [H, nope, L], W_UV [H, v, L]
 
+    def fuse(self) -> None:
+        """q_a, kv_a (and the indexer's key projection) all read x: one weight [q_lora + kv + index_dim, H]."""
+        linears = [self.q_a_proj, self.kv_a_proj_with_mqa] + ([self.indexer.wk] if self.indexer is not None else [])
+        fuse_linears(self, "in_proj_weight", *linears)
+
     def forward(self, x: torch.Tensor, ctx: LayerContext, prev_topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens = x.shape[0]
-        qr = self.q_a_layernorm(self.q_a_proj(x))
+        q_lora, kv_dim = self.q_a_proj.weight.shape[0], self.kv_lora_rank + self.rope
+        proj = F.linear(x, _fused(self, "in_proj_weight"))
+        qr = self.q_a_layernorm(proj[:, :q_lora])
         q = self.q_b_proj(qr).view(num_tokens, self.num_heads, self.nope + self.rope)
         q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]
         q_rope = rope_interleaved(q_rope, ctx.cos.unsqueeze(1), ctx.sin.unsqueeze(1))
 
-        kv = self.kv_a_proj_with_mqa(x)
+        kv = proj[:, q_lora:q_lora + kv_dim]
         latent = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
         k_rope = rope_interleaved(kv[:, self.kv_lora_rank :], ctx.cos, ctx.sin)
         ctx.attn.store_kv(self.layer_id, ctx.batch, torch.cat([latent, k_rope], dim=-1))
@@ -153,7 +186,7 @@ class MLAttention(nn.Module):
                 raise RuntimeError(
                     f"layer {self.layer_id} shares the previous layer's top-k but was handed none"
                 )
-            topk = self.indexer(self.layer_id, x, qr, ctx)
+            topk = self.indexer(self.layer_id, x, qr, proj[:, q_lora + kv_dim:], ctx)
         else:
             topk = prev_topk
 
@@ -172,8 +205,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
+    def fuse(self) -> None:
+        fuse_linears(self, "gate_up_weight", self.gate_proj, self.up_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, _fused(self, "gate_up_weight")).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Router(nn.Module):
@@ -349,6 +386,14 @@ class DeepseekV32ForCausalLM(nn.Module):
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(config)
+
+    @torch.no_grad()
+    def fuse_projections(self) -> "DeepseekV32ForCausalLM":
+        """Fuse projections that share an input (see `fuse_linears`); once, after the weights are final."""
+        for mod in self.modules():
+            if isinstance(mod, (MLAttention, MLP)):
+                mod.fuse()
+        return self
 
     @property
     def main_layers(self) -> list[DecoderLayer]:

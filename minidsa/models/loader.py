@@ -209,13 +209,14 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 
 def _finish(model: DeepseekV32ForCausalLM, dtype: torch.dtype) -> None:
-    """Cast to the serving dtype, keeping the router's correction bias in fp32."""
+    """Cast to the serving dtype, keeping the router's correction bias in fp32; fuse shared-input projections."""
     for name, p in model.named_parameters():
         if p.dtype != dtype:
             p.data = p.data.to(dtype)
     for mod in model.modules():
         if hasattr(mod, "e_score_correction_bias"):
             mod.e_score_correction_bias = mod.e_score_correction_bias.float()
+    model.fuse_projections()
 
 
 def build_model(config: ModelConfig, path: str | None, dtype: torch.dtype, device: torch.device,

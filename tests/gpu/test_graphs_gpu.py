@@ -42,7 +42,7 @@ def _prompts(n, length, vocab=120000):
 def test_tiny_graphs_equal_eager_in_every_mode(spec):
     """fp32 + full-precision indexer: graphs + compile reproduce eager tokens; padded buckets (3 and 5 requests)."""
     exact = dict(dtype="float32", indexer_cache_dtype="model", **spec)
-    for n in (3, 5):
+    for n in ((3, 5) if not spec else (5,)):  # padded buckets: 3 -> 4, 5 -> 8
         prompts = _prompts(n, 80)
         eager, _ = _run("tiny", prompts, enable_cuda_graph=False, enable_compile=False, **exact)
         fast, replays = _run("tiny", prompts, enable_cuda_graph=True, enable_compile=True, **exact)

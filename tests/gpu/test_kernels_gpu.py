@@ -171,7 +171,7 @@ def test_ragged_index_logits_real_size():
     assert (got[fin] - want[fin]).abs().max() <= 2e-3 * want[fin].abs().max()
 
 
-@pytest.mark.parametrize("shape", [(64, 32768), (1, 131072), (128, 8192), (8, 1500)])
+@pytest.mark.parametrize("shape", [(64, 32768), (1, 131072), (1, 4160), (128, 8192), (8, 1500)])
 def test_topk_triton_matches_torch(shape):
     t, width = shape
     g = _gen(9)
@@ -181,8 +181,9 @@ def test_topk_triton_matches_torch(shape):
     logits[torch.arange(width, device=DEV)[None] >= vis[:, None]] = float("-inf")
     r2t = torch.randperm(t * width + 7, device=DEV, generator=g)[: t * width].view(t, width).int()
     rows = torch.arange(t, device=DEV)
-    for config in (None, (4096, 11, 16)):
-        slots, pos = topk.topk_slots(logits, TOPK, r2t, rows, config=config)
+    # default (rows split over programs at small batch), one program per row (8- and 11-bit), split x 7
+    for config, chunks in ((None, None), (None, 1), ((4096, 11, 16), 1), (None, 7)):
+        slots, pos = topk.topk_slots(logits, TOPK, r2t, rows, config=config, num_chunks=chunks)
         want_slots, want_pos = ref.topk_slots(logits, TOPK, r2t, rows)
         assert torch.equal(pos.sort(1).values, want_pos.sort(1).values.int())
         assert torch.equal(slots.sort(1).values, want_slots.sort(1).values)
