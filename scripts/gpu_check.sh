@@ -36,7 +36,9 @@ section_graphs() {   # issue 6: graph replay / compile == eager, spec lossless w
 }
 
 section_bench_decode() {   # issue 6: decode suite -> RESULTS.md (copy into benchmarks/ after the run)
-    timeout "$TIMEOUT" $PY -m minidsa.perf --json "$OUT/decode.json" --markdown "$OUT/RESULTS.md" ${BENCH_DECODE_ARGS:-}
+    # Defaults: what fits one 10-minute call with whole-forward compile (benchmarks/RESULTS.md, Regenerate).
+    local args=${BENCH_DECODE_ARGS:-"--skip spec --dense-batches 1 16 32 --hf-contexts 4096 --profile 20 --iters 15"}
+    timeout "$TIMEOUT" $PY -m minidsa.perf --json "$OUT/decode.json" --markdown "$OUT/RESULTS.md" $args
 }
 
 section_bench_prefix() {   # issue 9: shared-prefix workload (2k-token system prompt), TTFT with and without the cache

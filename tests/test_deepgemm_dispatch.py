@@ -162,7 +162,8 @@ def test_topk_crossover_rule():
     cpu = torch.device("cpu")  # 8 "SMs" off CUDA
     assert dispatch.triton_topk_wins(8, 32768, cpu)  # one wave of 32k rows: the radix select
     assert dispatch.triton_topk_wins(16, 32768, cpu)
-    assert not dispatch.triton_topk_wins(1, 131072, cpu)  # one long row: torch.topk
+    assert dispatch.triton_topk_wins(1, 131072, cpu)  # one long row: split over programs
+    assert not dispatch.triton_topk_wins(2, 131072, cpu)  # rows > SMs / 8, one 128k row per program: torch.topk
     assert not dispatch.triton_topk_wins(24, 32768, cpu)  # three waves of rows here
 
 

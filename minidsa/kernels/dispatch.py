@@ -82,7 +82,13 @@ def _num_sms(device: torch.device) -> int:
 
 
 def triton_topk_wins(num_tokens: int, width: int, device: torch.device) -> bool:
-    """The measured crossover between the one-program-per-row radix select and torch.topk."""
+    """The measured crossover between the Triton radix select and torch.topk.
+
+    Few rows (<= SMs / 8, `topk.split_chunks`) run split over programs: 1 x 128k in 0.083 ms vs 0.166 ms
+    for torch.topk (H100, launch-bound timing outside a graph, benchmarks/KERNELS.md). More rows run one
+    program per row, which wins while each SM scans at most TRITON_TOPK_MAX_ROW_WORK keys."""
+    if num_tokens <= _num_sms(device) // 8:
+        return True
     waves = -(-num_tokens // _num_sms(device))
     return waves * width <= TRITON_TOPK_MAX_ROW_WORK
 
