@@ -20,7 +20,7 @@ import os
 import torch
 
 from minidsa.attention.dsa import KernelChoice
-from minidsa.kernels import deepgemm
+from minidsa.kernels import deepgemm, few_rows, num_sms
 from minidsa.kernels import reference as ref
 
 logger = logging.getLogger(__name__)
@@ -70,26 +70,15 @@ def choose(device: torch.device | str, use_deep_gemm: bool = True) -> KernelChoi
                         kv_move="triton")
 
 
-_NUM_SMS: dict[torch.device, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    # A plain dict, not functools.lru_cache: torch.compile traces through this without warnings.
-    if device not in _NUM_SMS:
-        _NUM_SMS[device] = (torch.cuda.get_device_properties(device).multi_processor_count
-                            if device.type == "cuda" else 8)
-    return _NUM_SMS[device]
-
-
 def triton_topk_wins(num_tokens: int, width: int, device: torch.device) -> bool:
     """The measured crossover between the Triton radix select and torch.topk.
 
     Few rows (<= SMs / 8, `topk.split_chunks`) run split over programs: 1 x 128k in 0.083 ms vs 0.166 ms
     for torch.topk (H100, launch-bound timing outside a graph, benchmarks/KERNELS.md). More rows run one
     program per row, which wins while each SM scans at most TRITON_TOPK_MAX_ROW_WORK keys."""
-    if num_tokens <= _num_sms(device) // 8:
+    if few_rows(num_tokens, device):
         return True
-    waves = -(-num_tokens // _num_sms(device))
+    waves = -(-num_tokens // num_sms(device))
     return waves * width <= TRITON_TOPK_MAX_ROW_WORK
 
 

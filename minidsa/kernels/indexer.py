@@ -13,7 +13,6 @@ Same contracts as `minidsa.kernels.reference` (the oracle):
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
@@ -22,12 +21,6 @@ import triton.language as tl
 from minidsa.kernels import reference as ref
 
 FP8_MAX = ref.FP8_MAX
-
-
-@functools.lru_cache(maxsize=16)
-def _hadamard(d: int, device: str) -> torch.Tensor:
-    # Cached per device: reference.hadamard_matrix copies host->device on every call.
-    return ref.hadamard_matrix(d, device).contiguous()
 
 
 # ---------------------------------------------------------------------------
@@ -102,7 +95,7 @@ def store_index_k(index_k: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, pag
         k = k.contiguous()
     block_t = 16
     _store_index_k_fp8_kernel[(triton.cdiv(num_tokens, block_t),)](
-        k, loc, _hadamard(d, str(k.device)), index_k, index_k.view(torch.float32),
+        k, loc, ref.hadamard_matrix(d, str(k.device)), index_k, index_k.view(torch.float32),
         num_tokens, k.stride(0), index_k.stride(0), index_k.stride(0) // 4,
         PAGE_SIZE=page_size, D=d, BLOCK_T=block_t, num_warps=4,
     )

@@ -10,11 +10,12 @@ partial results by their log-sum-exp.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
+
+from minidsa.kernels import num_sms
 
 LOG2E = 1.4426950408889634
 
@@ -99,13 +100,6 @@ def _combine_kernel(
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + dv, o.to(out_ptr.dtype.element_ty))
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: str) -> int:
-    if not torch.cuda.is_available() or not device.startswith("cuda"):
-        return 8
-    return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
-
-
 # (BLOCK_H, BLOCK_N, num_warps, num_stages), set from measurements on H100 (benchmarks/KERNELS.md).
 SPARSE_MLA_CONFIG = (64, 64, 8, 2)
 
@@ -146,7 +140,7 @@ def sparse_mla(
         # with 9 (0.062 ms) rather than 16 (0.100 ms).
         # Batch 1-4 (in-graph profile, bench-dsv32 decode): 8 splits of 4 blocks left a 1-token step at
         # 23 us; splits of 2 blocks give it twice the programs.
-        want = round(2 * _num_sms(str(q.device)) / (num_tokens * head_blocks))
+        want = round(2 * num_sms(q.device) / (num_tokens * head_blocks))
         min_blocks = 4 if num_tokens >= 8 else 2
         num_splits = max(1, min(want, topk // (min_blocks * block_n)))
     split_len = triton.cdiv(triton.cdiv(topk, num_splits), block_n) * block_n

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minidsa.kernels import few_rows, num_sms
+
 
 @triton.jit
 def _orderable(x):
@@ -30,15 +32,15 @@ def _orderable(x):
 
 
 @triton.jit
-def _radix_pass(row_ptr, width, k_rem, prefix, SHIFT: tl.constexpr, BITS: tl.constexpr,
-                FIRST: tl.constexpr, BLOCK: tl.constexpr, NBINS: tl.constexpr):
-    """Refine (prefix, k_rem) by the next BITS bits below SHIFT + BITS."""
+def _histogram(row_ptr, lo, hi, prefix, SHIFT: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr,
+               BLOCK: tl.constexpr, NBINS: tl.constexpr):
+    """Histogram of the BITS bits below SHIFT + BITS of the keys in [lo, hi) whose higher bits equal `prefix`."""
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, NBINS)
     hist = tl.zeros((NBINS,), tl.int32)
-    for start in range(0, width, BLOCK):
+    for start in range(lo, hi, BLOCK):
         pos = start + offs
-        inb = pos < width
+        inb = pos < hi
         key = _orderable(tl.load(row_ptr + pos, mask=inb, other=float("-inf")))
         match = inb
         if not FIRST:
@@ -48,12 +50,60 @@ def _radix_pass(row_ptr, width, k_rem, prefix, SHIFT: tl.constexpr, BITS: tl.con
         digit = tl.where(match, digit, 0)
         hist += tl.histogram(digit, NBINS)
         hist -= tl.where(bins == 0, tl.sum((~match).to(tl.int32), axis=0), 0)
+    return hist
+
+
+@triton.jit
+def _pick_bin(hist, k_rem, NBINS: tl.constexpr):
+    """The bin holding the k_rem-th largest key, and k_rem less the keys in the bins above it."""
+    bins = tl.arange(0, NBINS)
     cum = tl.cumsum(hist, axis=0)
-    total = tl.sum(hist, axis=0)
-    at_or_above = total - cum + hist  # elements in bins >= b
+    at_or_above = tl.sum(hist, axis=0) - cum + hist  # elements in bins >= b
     b = tl.max(tl.where(at_or_above >= k_rem, bins, 0), axis=0)
-    above = tl.sum(tl.where(bins > b, hist, 0), axis=0)
-    return k_rem - above, (prefix << BITS) | b.to(tl.uint32)
+    return k_rem - tl.sum(tl.where(bins > b, hist, 0), axis=0), b
+
+
+@triton.jit
+def _radix_pass(row_ptr, width, k_rem, prefix, SHIFT: tl.constexpr, BITS: tl.constexpr,
+                FIRST: tl.constexpr, BLOCK: tl.constexpr, NBINS: tl.constexpr):
+    """Refine (prefix, k_rem) by the next BITS bits below SHIFT + BITS."""
+    hist = _histogram(row_ptr, 0, width, prefix, SHIFT, BITS, FIRST, BLOCK, NBINS)
+    k_rem, b = _pick_bin(hist, k_rem, NBINS)
+    return k_rem, (prefix << BITS) | b.to(tl.uint32)
+
+
+@triton.jit
+def _write_taken(row_ptr, r2t_row, out_slots, out_pos, lo, hi, thr, need_eq, n_out, n_eq, BLOCK: tl.constexpr):
+    """Write, in position order from output index n_out, the positions in [lo, hi) the threshold takes
+    (and their slots): every visible key above `thr`, and keys equal to it while fewer than `need_eq`
+    were taken before (n_eq equal keys precede lo). Returns the output count after them."""
+    neg_inf = _orderable(tl.full((), float("-inf"), tl.float32))
+    offs = tl.arange(0, BLOCK)
+    for start in range(lo, hi, BLOCK):
+        pos = start + offs
+        key = _orderable(tl.load(row_ptr + pos, mask=pos < hi, other=float("-inf")))
+        visible = key != neg_inf
+        eq = visible & (key == thr)
+        eq_rank = n_eq + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+        take = (visible & (key > thr)) | (eq & (eq_rank < need_eq))
+        dst = n_out + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        slot = tl.load(r2t_row + pos, mask=take, other=0)
+        tl.store(out_slots + dst, slot, mask=take)
+        tl.store(out_pos + dst, pos, mask=take)
+        n_out += tl.sum(take.to(tl.int32), axis=0)
+        n_eq += tl.sum(eq.to(tl.int32), axis=0)
+    return n_out
+
+
+@triton.jit
+def _pad_tail(out_slots, out_pos, first, step, total, k, BLOCK: tl.constexpr):
+    """-1 at output indices [total, k), over the blocks starting at first, first + step, ..."""
+    offs = tl.arange(0, BLOCK)
+    for start in range(first, k, step):
+        idx = start + offs
+        pad = (idx >= total) & (idx < k)
+        tl.store(out_slots + idx, tl.full((BLOCK,), -1, tl.int32), mask=pad)
+        tl.store(out_pos + idx, tl.full((BLOCK,), -1, tl.int32), mask=pad)
 
 
 @triton.jit
@@ -90,26 +140,9 @@ def _topk_kernel(
     r2t_row = r2t_ptr + tl.load(rows_ptr + t).to(tl.int64) * stride_r2t
     out_slots = slots_ptr + t.to(tl.int64) * stride_o
     out_pos = pos_ptr + t.to(tl.int64) * stride_o
-    n_out = tl.zeros((), tl.int32)
-    n_eq = tl.zeros((), tl.int32)
-    for start in range(0, width, BLOCK):
-        pos = start + offs
-        inb = pos < width
-        key = _orderable(tl.load(row_ptr + pos, mask=inb, other=float("-inf")))
-        eq = inb & (key == thr)
-        eq_rank = n_eq + tl.cumsum(eq.to(tl.int32), axis=0) - 1
-        take = (inb & (key > thr)) | (eq & (eq_rank < need_eq))
-        dst = n_out + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        slot = tl.load(r2t_row + pos, mask=take, other=0)
-        tl.store(out_slots + dst, slot, mask=take)
-        tl.store(out_pos + dst, pos, mask=take)
-        n_out += tl.sum(take.to(tl.int32), axis=0)
-        n_eq += tl.sum(eq.to(tl.int32), axis=0)
-    for start in range(0, k, BLOCK):
-        idx = start + offs
-        pad = (idx >= n_out) & (idx < k)
-        tl.store(out_slots + idx, tl.full((BLOCK,), -1, tl.int32), mask=pad)
-        tl.store(out_pos + idx, tl.full((BLOCK,), -1, tl.int32), mask=pad)
+    zero = tl.zeros((), tl.int32)
+    n_out = _write_taken(row_ptr, r2t_row, out_slots, out_pos, 0, width, thr, need_eq, zero, zero, BLOCK)
+    _pad_tail(out_slots, out_pos, 0, BLOCK, n_out, k, BLOCK)
 
 
 @triton.jit
@@ -119,11 +152,7 @@ def _resolve(hist_ptr, k, NPASS: tl.constexpr):
     k_rem = tl.zeros((), tl.int32) + k
     prefix = tl.zeros((), tl.uint32)
     for p in tl.static_range(NPASS):
-        hist = tl.load(hist_ptr + p * 256 + bins)
-        cum = tl.cumsum(hist, axis=0)
-        at_or_above = tl.sum(hist, axis=0) - cum + hist
-        b = tl.max(tl.where(at_or_above >= k_rem, bins, 0), axis=0)
-        k_rem -= tl.sum(tl.where(bins > b, hist, 0), axis=0)
+        k_rem, b = _pick_bin(tl.load(hist_ptr + p * 256 + bins), k_rem, 256)
         prefix = (prefix << 8) | b.to(tl.uint32)
     return k_rem, prefix
 
@@ -135,23 +164,9 @@ def _split_hist_kernel(logits_ptr, hist_ptr, width, k, chunk, stride_l, PASS: tl
     row_ptr = logits_ptr + t.to(tl.int64) * stride_l
     hist_row = hist_ptr + t.to(tl.int64) * 1024
     _, prefix = _resolve(hist_row, k, PASS)
-    shift: tl.constexpr = 24 - 8 * PASS
-    offs = tl.arange(0, BLOCK)
-    bins = tl.arange(0, 256)
-    hist = tl.zeros((256,), tl.int32)
     lo = c * chunk
-    hi = tl.minimum(lo + chunk, width)
-    for start in range(lo, hi, BLOCK):
-        pos = start + offs
-        inb = pos < hi
-        key = _orderable(tl.load(row_ptr + pos, mask=inb, other=float("-inf")))
-        match = inb
-        if PASS > 0:
-            match = match & ((key >> (shift + 8)) == prefix)
-        digit = tl.where(match, ((key >> shift) & 255).to(tl.int32), 0)
-        hist += tl.histogram(digit, 256)
-        hist -= tl.where(bins == 0, tl.sum((~match).to(tl.int32), axis=0), 0)
-    tl.atomic_add(hist_row + PASS * 256 + bins, hist)
+    hist = _histogram(row_ptr, lo, tl.minimum(lo + chunk, width), prefix, 24 - 8 * PASS, 8, PASS == 0, BLOCK, 256)
+    tl.atomic_add(hist_row + PASS * 256 + tl.arange(0, 256), hist)
 
 
 @triton.jit
@@ -186,7 +201,6 @@ def _split_write_kernel(logits_ptr, hist_ptr, counts_ptr, r2t_ptr, rows_ptr, slo
     t, c = tl.program_id(0), tl.program_id(1)
     row_ptr = logits_ptr + t.to(tl.int64) * stride_l
     need_eq, thr = _resolve(hist_ptr + t.to(tl.int64) * 1024, k, 4)
-    neg_inf = _orderable(tl.full((), float("-inf"), tl.float32))
     cc = tl.arange(0, MAX_CHUNKS)
     counts = counts_ptr + t.to(tl.int64) * num_chunks * 2 + cc * 2
     gts = tl.load(counts, mask=cc < num_chunks, other=0)
@@ -197,27 +211,10 @@ def _split_write_kernel(logits_ptr, hist_ptr, counts_ptr, r2t_ptr, rows_ptr, slo
     r2t_row = r2t_ptr + tl.load(rows_ptr + t).to(tl.int64) * stride_r2t
     out_slots = slots_ptr + t.to(tl.int64) * stride_o
     out_pos = pos_ptr + t.to(tl.int64) * stride_o
-    offs = tl.arange(0, BLOCK)
     lo = c * chunk
-    hi = tl.minimum(lo + chunk, width)
-    for start in range(lo, hi, BLOCK):
-        pos = start + offs
-        key = _orderable(tl.load(row_ptr + pos, mask=pos < hi, other=float("-inf")))
-        visible = key != neg_inf
-        eq = visible & (key == thr)
-        eq_rank = n_eq + tl.cumsum(eq.to(tl.int32), axis=0) - 1
-        take = (visible & (key > thr)) | (eq & (eq_rank < need_eq))
-        dst = n_out + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        slot = tl.load(r2t_row + pos, mask=take, other=0)
-        tl.store(out_slots + dst, slot, mask=take)
-        tl.store(out_pos + dst, pos, mask=take)
-        n_out += tl.sum(take.to(tl.int32), axis=0)
-        n_eq += tl.sum(eq.to(tl.int32), axis=0)
-    for start in range(c * BLOCK, k, num_chunks * BLOCK):
-        idx = start + offs
-        pad = (idx >= total) & (idx < k)
-        tl.store(out_slots + idx, tl.full((BLOCK,), -1, tl.int32), mask=pad)
-        tl.store(out_pos + idx, tl.full((BLOCK,), -1, tl.int32), mask=pad)
+    _write_taken(row_ptr, r2t_row, out_slots, out_pos, lo, tl.minimum(lo + chunk, width), thr, need_eq, n_out, n_eq,
+                 BLOCK)
+    _pad_tail(out_slots, out_pos, c * BLOCK, num_chunks * BLOCK, total, k, BLOCK)
 
 
 # (BLOCK, RADIX_BITS, num_warps) of the radix select, set from measurements (benchmarks/KERNELS.md).
@@ -240,17 +237,12 @@ SPLIT_CONFIG = (1024, 4, 2048)
 SPLIT_MAX_CHUNKS = 64
 
 
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-
-
 def split_chunks(num_tokens: int, width: int, device: torch.device) -> int:
     """Programs per row for the split select (1 = one program per row, the single-launch kernel)."""
-    sms = _num_sms(device)
-    if num_tokens > sms // 8:  # measured to pay at batch 1 and 8 (in-graph); above, one program per row
+    if not few_rows(num_tokens, device):
         return 1
     min_keys = SPLIT_CONFIG[2]
-    return max(1, min(SPLIT_MAX_CHUNKS, (2 * sms) // num_tokens, triton.cdiv(width, min_keys)))
+    return max(1, min(SPLIT_MAX_CHUNKS, (2 * num_sms(device)) // num_tokens, triton.cdiv(width, min_keys)))
 
 
 def topk_slots(
