@@ -276,7 +276,7 @@ def bench_topk(rec: Recorder, ceil: dict, logits: torch.Tensor, quick: bool) -> 
                     timed(lambda: topk.topk_slots(lg, TOPK, r2, rw, config=best)), nb, ceil=ceil))
         rec.add(row("topk", f"B={t} L={w // 1024}k k=2048", "torch.topk + gather",
                     timed(lambda: topk.torch_topk_slots(lg, TOPK, r2, rw)), nb, ceil=ceil,
-                    note=f"dispatch picks {'triton' if dispatch.triton_topk_wins(t, w, DEV) else 'torch'}"))
+                    note=f"dispatch picks {'triton' if topk.triton_wins(t, w, DEV) else 'torch'}"))
     rec.meta["topk_best"] = best
 
 

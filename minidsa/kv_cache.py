@@ -271,6 +271,10 @@ class KVCache:
         views = iter(self.index_buffer.unbind(0))
         self.index_k: list[torch.Tensor | None] = [next(views) if h else None for h in has_index]
 
+    def persistent_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the forward reads from this cache: the buffers and their per-layer views."""
+        return [self.mla_buffer, *self.mla, self.index_buffer, *(k for k in self.index_k if k is not None)]
+
     @staticmethod
     def bytes_per_token(num_layers: int, kv_dim: int, index_head_dim: int, dtype: torch.dtype, indexer_fp8: bool,
                         num_indexer_layers: int | None = None) -> int:

@@ -162,7 +162,8 @@ class ModelRunner:
         """(run_main(batch), run_mtp(batch, hidden_prev)) for the captured steps; compiled when a backend is named.
 
         dynamic=True: one graph serves every batch and context bucket of a step kind (Dynamo
-        specialises size-1 batches once more), instead of one compilation per captured shape.
+        specialises size-1 batches once more), instead of one compilation per captured shape. Shape-
+        dependent kernel choices are made inside the opaque custom ops, so they add no guards.
         fullgraph=True: a graph break is an error here, not a silent slowdown.
         """
         if compile_backend is None:
@@ -173,6 +174,11 @@ class ModelRunner:
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
         dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
+        # The caches and req_to_token never change shape. Left dynamic, Dynamo "duck-sizes" equal sizes
+        # into one symbol: req_to_token's max_running_requests rows would tie the batch size of the
+        # first bucket traced to it, and every other bucket would compile again.
+        for t in self.attn.persistent_tensors():
+            torch._dynamo.mark_static(t)
         main = torch.compile(self.model.forward, dynamic=True, fullgraph=True, backend=compile_backend)
         mtp = torch.compile(self.model.forward_mtp, dynamic=True, fullgraph=True, backend=compile_backend)
         self.compiled = True

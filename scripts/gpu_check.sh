@@ -3,7 +3,7 @@
 #
 #   OUT=/tmp/out MINIDSA_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [section ...]
 #
-# Sections (default: all, in this order): env kernels bench_kernels graphs bench_decode bench_prefix.
+# Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix.
 # Add a section: write a function `section_NAME` and append NAME to ALL_SECTIONS. Each section
 # writes $OUT/NAME.log; its exit status goes to $OUT/summary.txt, and the script's exit status is
 # non-zero if any section failed. (At most 8 files come back from $OUT: keep one log per section.)
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
-ALL_SECTIONS="env kernels bench_kernels graphs bench_decode bench_prefix"
+ALL_SECTIONS="env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix"
 
 section_env() {   # TIMEOUT: seconds for this section, 0 = none
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv || true
@@ -31,8 +31,20 @@ section_bench_kernels() {   # issue 5: kernel benchmark (time, GB/s, TFLOP/s, fr
     timeout "$TIMEOUT" $PY benchmarks/bench_kernels.py --out "$OUT" ${BENCH_KERNELS_ARGS:-}
 }
 
-section_graphs() {   # issue 6: graph replay / compile == eager, spec lossless with graphs
-    timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_graphs_gpu.py -rs --durations=10 -x
+timestamped() { while IFS= read -r line; do echo "$(date +%T) $line"; done; }
+
+# Every engine compiles its captured steps afresh (Dynamo guards on the model object): about 6 minutes for
+# the tiny-model tests (8 engines), 2 for the bench preset in fp32, so they are two sections.
+section_graphs() {   # issue 6: graph replay / compile == eager in every mode, spec lossless with graphs (tiny)
+    timeout "$TIMEOUT" $PY -m pytest -v -p no:cacheprovider tests/gpu/test_graphs_gpu.py -k "not bench_preset" \
+        -rs --durations=10 -x 2>&1 | timestamped
+    return "${PIPESTATUS[0]}"
+}
+
+section_graphs_bench() {   # issue 6: graphs + compile == eager token for token on the bench preset (fp32)
+    timeout "$TIMEOUT" $PY -m pytest -v -p no:cacheprovider tests/gpu/test_graphs_gpu.py -k bench_preset \
+        -rs --durations=10 2>&1 | timestamped
+    return "${PIPESTATUS[0]}"
 }
 
 section_bench_decode() {   # issue 6: decode suite -> RESULTS.md (copy into benchmarks/ after the run)

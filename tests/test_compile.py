@@ -108,3 +108,52 @@ def test_compiled_steps_equal_eager_with_one_graph_per_kind(monkeypatch):
     for gm in graphs:  # the DSA kernels stay opaque custom ops inside the traced graph
         ops = backend.custom_ops(gm)
         assert any("sparse_mla" in o for o in ops) and any("index_logits" in o for o in ops), ops
+
+
+@pytest.mark.skipif(not triton_usable(torch.device("cpu"))[0], reason="needs Triton's interpreter on CPU")
+def test_capture_order_compiles_one_graph_for_every_bucket_above_one(monkeypatch):
+    """The GPU start-up sequence (buckets largest first, two warm-up calls each) compiles the decode step
+    once for buckets 8, 4, 2 and once more for 1, in a fresh process: no guard on a host-side cache
+    filled during the first trace (the SM count behind the top-k choice), and no duck-sizing equality
+    between the batch and a persistent buffer of the same size (req_to_token has 8 rows here)."""
+    import minidsa.kernels
+    from minidsa.kernels import dispatch
+
+    monkeypatch.setattr(minidsa.kernels, "_NUM_SMS", {})
+    monkeypatch.setattr(dispatch, "_fallbacks_logged", set())
+    backend = RecordingBackend()
+    llm = LLM(model=None, device="cpu", dtype="float32", max_total_tokens=2048, max_running_requests=8,
+              cuda_graph_max_bs=8, progress=False, kernel_backend="triton")
+    runner = llm.engine.runner
+    assert runner.attn.req_to_token.shape[0] == 8
+    runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=backend)
+    graphs = runner.graphs
+    assert graphs.buckets == [1, 2, 4, 8]
+    kind, ctx = graphs.kinds["decode"], graphs.ctx_buckets[0]
+    with torch.no_grad():
+        for bs in (8, 4, 2, 1):
+            for _ in range(2):
+                graphs._run(kind, graphs.static[("decode", bs, ctx)])
+    sizes = [len(g.graph.nodes) for g in backend.graphs if len(g.graph.nodes) > 0]
+    assert len(sizes) == 2, sizes
+
+
+def test_logging_a_kernel_fallback_adds_no_guard(monkeypatch):
+    """A fallback logged once per process must not make compiled steps guard on the set of logged messages."""
+    from torch._dynamo.testing import CompileCounter
+
+    from minidsa.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "_fallbacks_logged", set())
+    counter = CompileCounter()
+
+    def step(x):
+        dispatch._log_fallback("DSA sparse MLA: torch reference (test)")
+        return x + 1
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    compiled(torch.zeros(3))
+    step(torch.zeros(3))  # the eager path logs it: the set grows
+    compiled(torch.zeros(3))
+    assert dispatch._fallbacks_logged == {"DSA sparse MLA: torch reference (test)"}
+    assert counter.frame_count == 1

@@ -159,12 +159,14 @@ def test_context_lens_helper_shape():
 
 
 def test_topk_crossover_rule():
+    from minidsa.kernels.topk import triton_wins
+
     cpu = torch.device("cpu")  # 8 "SMs" off CUDA
-    assert dispatch.triton_topk_wins(8, 32768, cpu)  # one wave of 32k rows: the radix select
-    assert dispatch.triton_topk_wins(16, 32768, cpu)
-    assert dispatch.triton_topk_wins(1, 131072, cpu)  # one long row: split over programs
-    assert not dispatch.triton_topk_wins(2, 131072, cpu)  # rows > SMs / 8, one 128k row per program: torch.topk
-    assert not dispatch.triton_topk_wins(24, 32768, cpu)  # three waves of rows here
+    assert triton_wins(8, 32768, cpu)  # one wave of 32k rows: the radix select
+    assert triton_wins(16, 32768, cpu)
+    assert triton_wins(1, 131072, cpu)  # one long row: split over programs
+    assert not triton_wins(2, 131072, cpu)  # rows > SMs / 8, one 128k row per program: torch.topk
+    assert not triton_wins(24, 32768, cpu)  # three waves of rows here
 
 
 @in_this_process

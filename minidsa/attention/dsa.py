@@ -66,6 +66,11 @@ class DSABackend:
 
             self._ops = dispatch.ops_for(self.kernels)
 
+    def persistent_tensors(self) -> list[torch.Tensor]:
+        """The tensors that live as long as the engine (caches, req_to_token, Hadamard matrix): fixed shapes."""
+        extra = [] if self.hadamard is None else [self.hadamard]
+        return [self.req_to_token, *self.kv_cache.persistent_tensors(), *extra]
+
     @property
     def page_size(self) -> int:
         return self.kv_cache.page_size

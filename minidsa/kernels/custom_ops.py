@@ -102,6 +102,17 @@ def _(logits, topk, req_to_token, token_rows):
     return logits.new_empty(shape, dtype=torch.int32), logits.new_empty(shape, dtype=torch.int32)
 
 
+@torch.library.custom_op("minidsa::fastest_topk_slots", mutates_args=())
+def fastest_topk_slots(logits: Tensor, topk: int, req_to_token: Tensor, token_rows: Tensor) -> tuple[Tensor, Tensor]:
+    return topk_mod.fastest_topk_slots(logits, topk, req_to_token, token_rows)
+
+
+@fastest_topk_slots.register_fake
+def _(logits, topk, req_to_token, token_rows):
+    shape = (logits.shape[0], topk)
+    return logits.new_empty(shape, dtype=torch.int32), logits.new_empty(shape, dtype=torch.int32)
+
+
 @torch.library.custom_op("minidsa::sparse_mla", mutates_args=())
 def sparse_mla(q: Tensor, kv_cache: Tensor, topk_slots: Tensor, sm_scale: float, v_dim: int) -> Tensor:
     return sparse_mla_mod.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)

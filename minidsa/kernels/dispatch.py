@@ -6,7 +6,8 @@
 - index_logits is "deepgemm" when `deep_gemm` imports, has every function we
   call, and the GPU is SM90/SM100 (`deepgemm.probe`); the reason is logged.
 - topk: TOPK_IMPL (set by measurement, see benchmarks/KERNELS.md), or the
-  MINIDSA_TOPK environment variable (`torch` | `triton`).
+  MINIDSA_TOPK environment variable (`torch` | `triton`). With "triton", the
+  op picks the Triton select or torch.topk per shape (`topk.triton_wins`).
 
 `ops_for(choice)` -> `DSAOps`, whose methods keep the reference functions'
 signatures and call the custom ops (opaque to torch.compile).
@@ -20,17 +21,12 @@ import os
 import torch
 
 from minidsa.attention.dsa import KernelChoice
-from minidsa.kernels import deepgemm, few_rows, num_sms
+from minidsa.kernels import deepgemm
 from minidsa.kernels import reference as ref
 
 logger = logging.getLogger(__name__)
 
-# torch.topk vs the Triton radix select, by measurement on H100 (benchmarks/KERNELS.md): the radix select
-# runs one program per row (~3.8 us per 1k elements), so it wins while each SM scans at most one 64k row
-# (batch 64 x 32k: 0.127 vs 0.20-0.29 ms; 1 x 64k: 0.24 vs 0.30; 128 x 64k: a tie) and loses on a few
-# long rows (1 x 128k: 0.48 vs 0.29 ms), where torch.topk serves.
 TOPK_IMPL = "triton"
-TRITON_TOPK_MAX_ROW_WORK = 64 * 1024
 IMPLS = ("torch", "triton", "deepgemm")
 
 
@@ -70,18 +66,6 @@ def choose(device: torch.device | str, use_deep_gemm: bool = True) -> KernelChoi
                         kv_move="triton")
 
 
-def triton_topk_wins(num_tokens: int, width: int, device: torch.device) -> bool:
-    """The measured crossover between the Triton radix select and torch.topk.
-
-    Few rows (<= SMs / 8, `topk.split_chunks`) run split over programs: 1 x 128k in 0.083 ms vs 0.166 ms
-    for torch.topk (H100, launch-bound timing outside a graph, benchmarks/KERNELS.md). More rows run one
-    program per row, which wins while each SM scans at most TRITON_TOPK_MAX_ROW_WORK keys."""
-    if few_rows(num_tokens, device):
-        return True
-    waves = -(-num_tokens // num_sms(device))
-    return waves * width <= TRITON_TOPK_MAX_ROW_WORK
-
-
 class DSAOps:
     """The DSA ops for one KernelChoice; same signatures as `minidsa.kernels.reference`."""
 
@@ -95,7 +79,6 @@ class DSAOps:
         self.choice = choice
         self._ops = torch.ops.minidsa
         self._torch_topk = topk_mod.torch_topk_slots
-        self._deepgemm_shapes: dict[tuple, str | None] = {}  # per (device, heads, dim, page size): why not
 
     def store_index_k(self, index_k: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
         if self.choice.store_index_k == "torch" or index_k.dtype != torch.uint8:
@@ -135,13 +118,12 @@ class DSAOps:
         return ref.index_logits(*args)
 
     def _deepgemm_unsupported(self, q: torch.Tensor, index_k: torch.Tensor, page_size: int) -> str | None:
-        key = (q.device, q.shape[1], q.shape[2], page_size, index_k.dtype)
-        if key not in self._deepgemm_shapes:
-            status = deepgemm.probe(q.device)
-            self._deepgemm_shapes[key] = deepgemm.paged_supported(
-                status, q.shape[1], q.shape[2], page_size, index_k.dtype == torch.uint8
-            ) if status.available else status.reason
-        return self._deepgemm_shapes[key]
+        # Recomputed per call, not cached here: compiled graphs would guard on a cache filled while tracing.
+        # (probe's own cache was filled by `choose` at start-up.)
+        status = deepgemm.probe(q.device)
+        if not status.available:
+            return status.reason
+        return deepgemm.paged_supported(status, q.shape[1], q.shape[2], page_size, index_k.dtype == torch.uint8)
 
     def ragged_index_logits(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, ks: torch.Tensor,
                             ke: torch.Tensor, key_scales: torch.Tensor | None = None) -> torch.Tensor:
@@ -153,8 +135,8 @@ class DSAOps:
 
     def topk(self, logits: torch.Tensor, topk: int, req_to_token: torch.Tensor,
              token_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.choice.topk == "triton" and triton_topk_wins(logits.shape[0], logits.shape[1], logits.device):
-            return self._ops.topk_slots(logits, topk, req_to_token, token_rows)
+        if self.choice.topk == "triton":  # the Triton select or torch.topk, chosen per shape inside the op
+            return self._ops.fastest_topk_slots(logits, topk, req_to_token, token_rows)
         return self._torch_topk(logits, topk, req_to_token, token_rows)
 
     def sparse_mla(self, q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
@@ -200,6 +182,10 @@ def _pow2(n: int) -> bool:
 
 
 def _log_fallback(msg: str) -> None:
+    # Not while torch.compile traces: the graph would guard on this set and recompile once it grows. The
+    # same fallback is logged by the eager calls (prefill, or the step functions without compile).
+    if torch.compiler.is_compiling():
+        return
     if msg not in _fallbacks_logged:
         _fallbacks_logged.add(msg)
         logger.warning(msg)

@@ -237,6 +237,31 @@ SPLIT_CONFIG = (1024, 4, 2048)
 SPLIT_MAX_CHUNKS = 64
 
 
+# torch.topk vs the Triton radix select, by measurement on H100 (benchmarks/KERNELS.md): one program per row
+# (~3.8 us per 1k elements) wins while each SM scans at most one 64k row (batch 64 x 32k: 0.127 vs 0.20-0.29
+# ms; 1 x 64k: 0.24 vs 0.30; 128 x 64k: a tie); few rows split over programs (1 x 128k: 0.083 vs 0.166 ms).
+TRITON_MAX_ROW_WORK = 64 * 1024
+
+
+def triton_wins(num_tokens: int, width: int, device: torch.device) -> bool:
+    """The measured crossover between the Triton radix select and torch.topk for a [num_tokens, width] batch."""
+    if few_rows(num_tokens, device):
+        return True
+    waves = -(-num_tokens // num_sms(device))
+    return waves * width <= TRITON_MAX_ROW_WORK
+
+
+def fastest_topk_slots(logits: torch.Tensor, topk: int, req_to_token: torch.Tensor,
+                       token_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`topk_slots` or `torch_topk_slots`, whichever `triton_wins` picks for this shape.
+
+    Called inside an opaque custom op: deciding here, on the concrete shape, keeps the row count and the SM
+    count out of compiled graphs (traced, the choice would add guards on the batch size)."""
+    if triton_wins(logits.shape[0], logits.shape[1], logits.device):
+        return topk_slots(logits, topk, req_to_token, token_rows)
+    return torch_topk_slots(logits, topk, req_to_token, token_rows)
+
+
 def split_chunks(num_tokens: int, width: int, device: torch.device) -> int:
     """Programs per row for the split select (1 = one program per row, the single-launch kernel)."""
     if not few_rows(num_tokens, device):

@@ -16,12 +16,16 @@ PARAMS = dict(max_tokens=16, ignore_eos=True, detokenize=False)
 
 
 def _run(model, prompts, **kw):
+    from torch._dynamo.utils import counters
+
     from minidsa import LLM, SamplingParams
 
+    compiled_before = counters["stats"]["unique_graphs"]
     llm = LLM(model=model, progress=False, max_running_requests=8, cuda_graph_max_bs=8, **kw)
     outs = [o.token_ids for o in llm.generate(prompts, SamplingParams(**PARAMS))]
     graphs = llm.engine.runner.graphs
     replays = dict(graphs.replays) if graphs is not None else {}
+    replays["compiled_graphs"] = counters["stats"]["unique_graphs"] - compiled_before
     llm.engine.check_no_leaks()
     del llm
     gc.collect()
@@ -49,6 +53,9 @@ def test_tiny_graphs_equal_eager_in_every_mode(spec):
         assert fast == eager
         wanted = ["verify", "draft_extend", "draft"] if spec else ["decode"]
         assert all(replays.get(k, 0) > 0 for k in wanted), replays
+        # Buckets 1, 2, 4, 8 x every context bucket: at most one graph per step kind, and one more for size-1
+        # batches (fewer when an earlier engine's graphs pass Dynamo's guards and are reused).
+        assert replays["compiled_graphs"] <= 2 * len(wanted), replays
 
 
 def test_spec_lossless_with_graphs_tiny_bf16_fp8():
