@@ -35,16 +35,18 @@ timestamped() { while IFS= read -r line; do echo "$(date +%T) $line"; done; }
 
 # Every engine compiles its captured steps afresh (Dynamo guards on the model object): about 6 minutes for
 # the tiny-model tests (8 engines), 2 for the bench preset in fp32, so they are two sections.
-section_graphs() {   # issue 6: graph replay / compile == eager in every mode, spec lossless with graphs (tiny)
-    timeout "$TIMEOUT" $PY -m pytest -v -p no:cacheprovider tests/gpu/test_graphs_gpu.py -k "not bench_preset" \
+graph_tests() {   # $1: pytest -k expression over tests/gpu/test_graphs_gpu.py
+    timeout "$TIMEOUT" $PY -m pytest -v -p no:cacheprovider tests/gpu/test_graphs_gpu.py -k "$1" \
         -rs --durations=10 -x 2>&1 | timestamped
     return "${PIPESTATUS[0]}"
 }
 
+section_graphs() {   # issue 6: graph replay / compile == eager in every mode, spec lossless with graphs (tiny)
+    graph_tests "not bench_preset"
+}
+
 section_graphs_bench() {   # issue 6: graphs + compile == eager token for token on the bench preset (fp32)
-    timeout "$TIMEOUT" $PY -m pytest -v -p no:cacheprovider tests/gpu/test_graphs_gpu.py -k bench_preset \
-        -rs --durations=10 2>&1 | timestamped
-    return "${PIPESTATUS[0]}"
+    graph_tests bench_preset
 }
 
 section_bench_decode() {   # issue 6: decode suite -> RESULTS.md (copy into benchmarks/ after the run)

@@ -93,21 +93,11 @@ def _(q, weights, keys, ks, ke, key_scales=None):
 
 @torch.library.custom_op("minidsa::topk_slots", mutates_args=())
 def topk_slots(logits: Tensor, topk: int, req_to_token: Tensor, token_rows: Tensor) -> tuple[Tensor, Tensor]:
-    return topk_mod.topk_slots(logits, topk, req_to_token, token_rows)
-
-
-@topk_slots.register_fake
-def _(logits, topk, req_to_token, token_rows):
-    shape = (logits.shape[0], topk)
-    return logits.new_empty(shape, dtype=torch.int32), logits.new_empty(shape, dtype=torch.int32)
-
-
-@torch.library.custom_op("minidsa::fastest_topk_slots", mutates_args=())
-def fastest_topk_slots(logits: Tensor, topk: int, req_to_token: Tensor, token_rows: Tensor) -> tuple[Tensor, Tensor]:
+    # The Triton select or torch.topk, picked here on the concrete shape (no guards in compiled graphs).
     return topk_mod.fastest_topk_slots(logits, topk, req_to_token, token_rows)
 
 
-@fastest_topk_slots.register_fake
+@topk_slots.register_fake
 def _(logits, topk, req_to_token, token_rows):
     shape = (logits.shape[0], topk)
     return logits.new_empty(shape, dtype=torch.int32), logits.new_empty(shape, dtype=torch.int32)

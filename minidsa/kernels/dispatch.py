@@ -136,7 +136,7 @@ class DSAOps:
     def topk(self, logits: torch.Tensor, topk: int, req_to_token: torch.Tensor,
              token_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.choice.topk == "triton":  # the Triton select or torch.topk, chosen per shape inside the op
-            return self._ops.fastest_topk_slots(logits, topk, req_to_token, token_rows)
+            return self._ops.topk_slots(logits, topk, req_to_token, token_rows)
         return self._torch_topk(logits, topk, req_to_token, token_rows)
 
     def sparse_mla(self, q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
