@@ -12,7 +12,9 @@ from safetensors.torch import load_file, save_file
 from hf_tiny import build_hf, save_hf
 from harness import PagedDriver
 from minidsa.config import ModelConfig
-from minidsa.models.loader import FP8_BLOCK, CheckpointError, build_model, dequant_fp8_block
+from minidsa.kernels.fp8 import FP8_BLOCK
+from minidsa.kernels.fp8 import dequant_block as dequant_fp8_block
+from minidsa.models.loader import CheckpointError, build_model
 
 
 @pytest.fixture(scope="module")

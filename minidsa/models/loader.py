@@ -20,11 +20,11 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from minidsa.config import ModelConfig
+from minidsa.kernels.fp8 import dequant_block as dequant_fp8_block
 from minidsa.models.deepseek_v32 import DeepseekV32ForCausalLM, Rotary
 
 logger = logging.getLogger(__name__)
 
-FP8_BLOCK = 128
 _EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 
@@ -54,13 +54,6 @@ def checkpoint_files(path: str) -> dict[str, str]:
             for name in f.keys():
                 files[name] = full
     return files
-
-
-def dequant_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """e4m3 weight [R, C] with fp32 scales [ceil(R/128), ceil(C/128)] -> fp32."""
-    rows, cols = weight.shape
-    s = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
-    return weight.float() * s
 
 
 class _Plan:
