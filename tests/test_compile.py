@@ -19,7 +19,7 @@ from harness import PagedDriver
 from minidsa import LLM, SamplingParams
 from minidsa.batch import ForwardBatch, ForwardMode
 from minidsa.config import ModelConfig
-from minidsa.kernels.dispatch import triton_usable
+from minidsa.kernels.choice import triton_usable
 from minidsa.models.loader import build_model
 from minidsa.models.presets import preset_config
 

@@ -27,7 +27,9 @@ from triton_interp import import_kernels_interpreted  # noqa: E402
 INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
 
-from minidsa.attention.dsa import DSABackend, KernelChoice, choose_kernels  # noqa: E402
+from minidsa.attention.dsa import DSABackend  # noqa: E402
+from minidsa.kernels import choice as kernel_choice  # noqa: E402
+from minidsa.kernels.choice import KernelChoice, choose_kernels  # noqa: E402
 from minidsa.batch import ForwardBatch, ForwardMode  # noqa: E402
 from minidsa.kernels import deepgemm, dispatch  # noqa: E402
 from minidsa.kernels import reference as ref  # noqa: E402
@@ -100,6 +102,9 @@ def sm90(monkeypatch):
     """Pretend the CPU is an SM90 GPU for DeepGEMM's probe; forget earlier probes."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # triton re-reads it in imports it makes lazily
     monkeypatch.setattr(deepgemm, "_device_capability", lambda device: (9, 0))
+    # DeepGEMM serves every shape it can take (the measured table routes some shapes to Triton on a real GPU).
+    monkeypatch.setattr(deepgemm, "DEEPGEMM_PAGED_WINS", ((0, 1 << 30, 0, 1 << 30),))
+    monkeypatch.setattr(deepgemm, "DEEPGEMM_RAGGED_WINS", True)
     deepgemm.reset()
     yield
     deepgemm.reset()
@@ -128,7 +133,7 @@ def test_missing_deep_gemm_falls_back_to_triton_and_says_so(sm90, monkeypatch, c
 def test_incomplete_deep_gemm_is_rejected_at_start_up(sm90, monkeypatch, caplog, missing):
     _with_module(monkeypatch, make_stand_in({}, drop=missing))
     with caplog.at_level(logging.INFO):
-        choice = dispatch.choose("cpu")
+        choice = kernel_choice.choose("cpu")
     assert choice.index_logits == "triton"
     assert f"deep_gemm lacks {missing}" in caplog.text
 
@@ -136,18 +141,18 @@ def test_incomplete_deep_gemm_is_rejected_at_start_up(sm90, monkeypatch, caplog,
 @in_this_process
 def test_wrong_gpu_generation_and_opt_out(sm90, monkeypatch):
     _with_module(monkeypatch, make_stand_in({}))
-    assert dispatch.choose("cpu", use_deep_gemm=False).index_logits == "triton"
+    assert kernel_choice.choose("cpu", use_deep_gemm=False).index_logits == "triton"
     monkeypatch.setattr(deepgemm, "_device_capability", lambda device: (8, 0))
     deepgemm.reset()
     status = deepgemm.probe(torch.device("cpu"))
     assert not status.available and "SM80" in status.reason
-    assert dispatch.choose("cpu").index_logits == "triton"
+    assert kernel_choice.choose("cpu").index_logits == "triton"
 
 
 @in_this_process
 def test_stand_in_deep_gemm_is_chosen(sm90, monkeypatch):
     _with_module(monkeypatch, make_stand_in({}))
-    assert dispatch.choose("cpu").index_logits == "deepgemm"
+    assert kernel_choice.choose("cpu").index_logits == "deepgemm"
     assert deepgemm.probe(torch.device("cpu")).reason == "deep_gemm stand-in on SM90"
 
 
@@ -213,7 +218,7 @@ def _paged_case(seed: int, heads: int = 32, page_size: int = 64, tree: bool = Fa
 def test_deepgemm_paged_path_matches_reference(sm90, monkeypatch, tree):
     calls: dict = {}
     _with_module(monkeypatch, make_stand_in(calls))
-    ops = dispatch.ops_for(dispatch.choose("cpu"))
+    ops = dispatch.ops_for(kernel_choice.choose("cpu"))
     args = _paged_case(1 + tree, tree=tree)
     for _ in range(2):
         got = ops.index_logits(*args)
@@ -229,7 +234,7 @@ def test_deepgemm_paged_path_matches_reference(sm90, monkeypatch, tree):
 def test_deepgemm_ragged_path_for_one_request_prefill(sm90, monkeypatch):
     calls: dict = {}
     _with_module(monkeypatch, make_stand_in(calls))
-    ops = dispatch.ops_for(dispatch.choose("cpu"))
+    ops = dispatch.ops_for(kernel_choice.choose("cpu"))
     q, w, cache, ps, r2t, _, _, width, _ = _paged_case(3)
     rows = torch.zeros(5, dtype=torch.int64)
     kv_lens = torch.tensor([146, 147, 148, 149, 150])  # the last 5 tokens of a 150-token prefill
@@ -244,7 +249,7 @@ def test_deepgemm_ragged_path_for_one_request_prefill(sm90, monkeypatch):
 def test_deepgemm_failing_mid_run_switches_to_triton(sm90, monkeypatch, caplog):
     calls: dict = {}
     _with_module(monkeypatch, make_stand_in(calls, fail=True))
-    ops = dispatch.ops_for(dispatch.choose("cpu"))
+    ops = dispatch.ops_for(kernel_choice.choose("cpu"))
     args = _paged_case(5)
     with caplog.at_level(logging.WARNING):
         first = ops.index_logits(*args)
@@ -260,7 +265,7 @@ def test_deepgemm_failing_mid_run_switches_to_triton(sm90, monkeypatch, caplog):
 def test_shapes_deepgemm_cannot_take_use_triton(sm90, monkeypatch, caplog):
     calls: dict = {}
     _with_module(monkeypatch, make_stand_in(calls))
-    ops = dispatch.ops_for(dispatch.choose("cpu"))
+    ops = dispatch.ops_for(kernel_choice.choose("cpu"))
     for heads, page_size in ((16, 64), (32, 4)):
         args = _paged_case(7, heads=heads, page_size=page_size)
         with caplog.at_level(logging.WARNING):
@@ -285,7 +290,7 @@ def test_dsa_backend_ops_match_reference_backend(sm90, monkeypatch, with_deep_ge
     calls: dict = {}
     _with_module(monkeypatch, make_stand_in(calls) if with_deep_gemm else None)
     page_size, heads, lens = 64, 32, [150, 90]
-    choice = dispatch.choose("cpu")
+    choice = kernel_choice.choose("cpu")
     assert choice.index_logits == ("deepgemm" if with_deep_gemm else "triton")
     fast, fast_pool = _backend(choice, page_size)
     slow, slow_pool = _backend(None, page_size)
@@ -350,3 +355,66 @@ def test_dsa_backend_ops_match_reference_backend(sm90, monkeypatch, with_deep_ge
     slow.kv_move(src, dst)
     assert torch.equal(fast.kv_cache.mla_buffer, slow.kv_cache.mla_buffer)
     assert torch.equal(fast.kv_cache.index_buffer, want_index)
+
+
+# ---------------------------------------------------------------------------
+# the measured choice, and an engine with DeepGEMM importable under torch.compile
+# ---------------------------------------------------------------------------
+@in_this_process
+def test_measured_table_routes_each_shape(sm90, monkeypatch):
+    """Inside the op, DeepGEMM serves only the shapes measured faster; the rest run the Triton kernel, in
+    the same output layout (rows strided to 256 as DeepGEMM returns them)."""
+    calls: dict = {}
+    _with_module(monkeypatch, make_stand_in(calls))
+    monkeypatch.setattr(deepgemm, "DEEPGEMM_PAGED_WINS", ((4, 1 << 30, 0, 1 << 30),))  # 4+ tokens only
+    ops = dispatch.ops_for(kernel_choice.choose("cpu"))
+    args = _paged_case(11)  # 6 tokens
+    few = (args[0][:2], args[1][:2], *args[2:5], args[5][:2], args[6][:2], *args[7:])
+    for case, dg_calls in ((few, 0), (args, 1)):
+        got = ops.index_logits(*case)
+        assert calls.get("paged", 0) == dg_calls
+        assert got.stride(0) == 256 and got.shape[1] == 150
+        torch.testing.assert_close(got, ref.index_logits(*case), rtol=1e-4, atol=1e-4)
+
+
+@in_this_process
+def test_engine_with_deep_gemm_importable_compiles_and_generates(sm90, monkeypatch):
+    """What broke start-up on the H100: with deep_gemm importable, the compiled decode step traced into the
+    DeepGEMM probe (an import inside a compiled region). The choice is made once, at start-up; the traced
+    step holds the opaque op and never probes; tokens equal those of the Triton-only engine."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    from minidsa import LLM, SamplingParams
+    from minidsa.models import presets
+
+    raw = presets.preset_config("tiny")
+    raw.update(index_n_heads=32, vocab_size=512, num_hidden_layers=2)  # DeepGEMM on SM90: 32 or 64 indexer heads
+    monkeypatch.setitem(presets.PRESETS, "tiny-dg", raw)
+    kw = dict(model="tiny-dg", device="cpu", dtype="float32", page_size=64, indexer_cache_dtype="fp8",
+              kernel_backend="triton", max_total_tokens=1024, max_running_requests=2, cuda_graph_max_bs=2,
+              progress=False)
+    params = SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False)
+    prompts = [list(range(5, 5 + n)) for n in (40, 36)]  # longer than index_topk 32: sparse attention
+    want = [o.token_ids for o in LLM(use_deep_gemm=False, **kw).generate(prompts, params)]
+
+    calls: dict = {}
+    _with_module(monkeypatch, make_stand_in(calls))
+    llm = LLM(**kw)
+    assert llm.engine.runner.kernels.index_logits == "deepgemm"
+
+    def no_probe_after_start_up(device):
+        raise AssertionError("deepgemm.probe called after start-up (inside a step)")
+
+    monkeypatch.setattr(deepgemm, "probe", no_probe_after_start_up)
+    traced: list = []
+
+    def backend(gm, example_inputs):
+        traced.append({str(n.target) for n in gm.graph.nodes})
+        return aot_eager(gm, example_inputs)
+
+    runner = llm.engine.runner
+    runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=backend)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    assert runner.graphs.replays["decode"] > 0 and calls["paged"] > 0
+    assert any("minidsa.deepgemm_index_logits" in t for g in traced for t in g)

@@ -9,41 +9,15 @@ Triton, and DeepGEMM's indexer kernels when importable.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from minidsa.batch import ForwardBatch
 from minidsa.kernels import reference as ref
+from minidsa.kernels.choice import KernelChoice
 from minidsa.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class KernelChoice:
-    """Which implementation serves each DSA op (`torch`, `triton` or `deepgemm`)."""
-
-    store_index_k: str = "torch"
-    index_logits: str = "torch"
-    topk: str = "torch"
-    sparse_mla: str = "torch"
-    kv_move: str = "torch"
-
-    def describe(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.__dict__.items())
-
-
-def choose_kernels(device: torch.device, kernel_backend: str = "auto", use_deep_gemm: bool = True) -> KernelChoice:
-    """Decide once, at start-up, which kernels run; logs the decision."""
-    if kernel_backend == "torch" or (kernel_backend == "auto" and device.type != "cuda"):
-        choice = KernelChoice()
-    else:
-        from minidsa.kernels import dispatch  # Triton; imported only when asked for
-
-        choice = dispatch.choose(device, use_deep_gemm=use_deep_gemm)
-    logger.info("DSA kernels: %s", choice.describe())
-    return choice
 
 
 class DSABackend:
@@ -61,8 +35,8 @@ class DSABackend:
         self.hadamard = (ref.hadamard_matrix(kv_cache.index_head_dim, str(kv_cache.device))
                          if kv_cache.indexer_fp8 else None)
         self._ops = None
-        if self.kernels != KernelChoice():
-            from minidsa.kernels import dispatch
+        if self.kernels.uses_kernels:
+            from minidsa.kernels import dispatch  # Triton: imported only when a kernel serves
 
             self._ops = dispatch.ops_for(self.kernels)
 

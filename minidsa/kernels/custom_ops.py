@@ -58,25 +58,37 @@ def deepgemm_index_logits(
     q: Tensor, weights: Tensor, index_k: Tensor, page_size: int, req_to_token: Tensor, token_rows: Tensor,
     kv_lens: Tensor, max_kv_len: int, tree_mask: Optional[Tensor] = None, num_requests: int = 0,
 ) -> Tensor:
-    """DeepGEMM's paged (or, for one request's prefill, ragged) indexer; the Triton kernels if it cannot serve."""
+    """Indexer logits where DeepGEMM was chosen at start-up: per shape (concrete here, so compiled graphs get no
+    guards) DeepGEMM's paged or ragged kernel where measured faster, else Triton; Triton too when DeepGEMM cannot
+    take the shape or has failed. Always DeepGEMM's paged output layout (`deepgemm.paged_logits_buffer`)."""
     args = (q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_len)
+    num_tokens = q.shape[0]
     out = None
-    if q.shape[0] > 0 and max_kv_len > 0:
-        if _one_request_extend(q, tree_mask, num_requests):
-            out = deepgemm.extend_index_logits(*args)
-        else:
-            out = deepgemm.paged_index_logits(*args, tree_mask)
+    if num_tokens > 0 and max_kv_len > 0:
+        ragged = _one_request_extend(q, tree_mask, num_requests)
+        why_not = deepgemm.unsupported(q.shape[1], q.shape[2], page_size, index_k.dtype == torch.uint8)
+        if why_not is not None:
+            _log_once(f"DSA indexer: Triton kernels serve this shape (DeepGEMM cannot: {why_not})")
+        elif deepgemm.deepgemm_wins(num_tokens, max_kv_len, ragged):
+            if ragged:
+                out = deepgemm.extend_index_logits(*args)
+                if out is not None:  # its own row stride: into the layout this op returns (prefill only)
+                    out = deepgemm.paged_logits_buffer(num_tokens, max_kv_len, q.device).copy_(out)
+            else:
+                out = deepgemm.paged_index_logits(*args, tree_mask)
+            if out is None and deepgemm.disabled_reason() is not None:
+                _log_once(f"DSA indexer: Triton kernels (DeepGEMM {deepgemm.disabled_reason()})")
     if out is None:
-        if deepgemm.disabled_reason() is not None:
-            _log_once(f"DSA indexer: Triton kernels (DeepGEMM {deepgemm.disabled_reason()})")
-        out = index_logits(*args, tree_mask, num_requests)
+        out = indexer.index_logits(*args, tree_mask, num_requests,
+                                   out=deepgemm.paged_logits_buffer(num_tokens, max_kv_len, q.device))
     return out
 
 
 @deepgemm_index_logits.register_fake
 def _(q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_len, tree_mask=None,
       num_requests=0):
-    return q.new_empty(q.shape[0], max_kv_len, dtype=torch.float32)
+    stride = (max_kv_len + deepgemm.LOGITS_ALIGN - 1) // deepgemm.LOGITS_ALIGN * deepgemm.LOGITS_ALIGN
+    return q.new_empty_strided((q.shape[0], max_kv_len), (stride, 1), dtype=torch.float32)
 
 
 @torch.library.custom_op("minidsa::ragged_index_logits", mutates_args=())

@@ -13,11 +13,13 @@ Contract relied on (DeepGEMM's public Python API; see shared/REFERENCE_NOTES.md)
 
 Every query token is handed over as its own batch row (next_n = 1, context
 lengths `(N, 1)`, see `context_lens_2d`), so decode, verify and draft-extend
-are one case; tree masks and the causal edge are applied afterwards by
-`indexer.mask_invisible`, which also sets the undefined tail to -inf.
+are one case; tree masks and the causal edge are applied afterwards, in place,
+by `indexer.mask_invisible_`, which writes -inf over the undefined tail only.
 
-Nothing here raises mid-step because DeepGEMM is missing or too old: `probe`
-checks the import and every function at start-up, and a call that still fails
+`probe` runs once, at start-up (kernels/choice.py): it imports deep_gemm and
+checks every function. Everything else here runs inside the opaque custom op
+`minidsa::deepgemm_index_logits`, never in traced code. Nothing raises
+mid-step because DeepGEMM is missing or too old: a call that still fails
 switches this process to the Triton kernels with one logged error.
 """
 
@@ -98,6 +100,14 @@ def probe(device: torch.device) -> DeepGEMMStatus:
     return status
 
 
+def unsupported(num_heads: int, head_dim: int, page_size: int, fp8_cache: bool) -> str | None:
+    """Why DeepGEMM (as probed at start-up) cannot serve these indexer shapes, or None (host code only)."""
+    status = next((s for s in _status.values() if s.available), None)
+    if status is None or _module is None:
+        return "deep_gemm was not probed available at start-up"
+    return paged_supported(status, num_heads, head_dim, page_size, fp8_cache)
+
+
 def paged_supported(status: DeepGEMMStatus, num_heads: int, head_dim: int, page_size: int,
                     fp8_cache: bool) -> str | None:
     """None when the paged kernel takes these shapes, else why not (then Triton serves)."""
@@ -141,6 +151,19 @@ def _fail(what: str, err: Exception) -> None:
     logger.error("DeepGEMM %s; the Triton indexer kernels serve from now on", _disabled)
 
 
+LOGITS_ALIGN = 256  # fp8_paged_mqa_logits allocates rows of align(max_context_len, 256) (its split_kv)
+
+
+def paged_logits_buffer(num_tokens: int, max_kv_len: int, device: torch.device) -> torch.Tensor:
+    """[T, max_kv_len] fp32 with rows of align(max_kv_len, 256): the layout fp8_paged_mqa_logits returns.
+
+    The op serving DeepGEMM returns this layout on every path (the Triton fallback writes into it too), so the
+    fake implementation compiled graphs are traced with can state its strides exactly.
+    """
+    stride = -(-max_kv_len // LOGITS_ALIGN) * LOGITS_ALIGN
+    return torch.empty(num_tokens, stride, dtype=torch.float32, device=device)[:, :max_kv_len]
+
+
 def paged_index_logits(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -152,10 +175,14 @@ def paged_index_logits(
     max_kv_len: int,
     tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """fp8_paged_mqa_logits with the reference index_logits contract; None if DeepGEMM failed."""
+    """fp8_paged_mqa_logits with the reference index_logits contract; None if DeepGEMM failed.
+
+    Returns DeepGEMM's own output (rows strided to 256, see `paged_logits_buffer`), its undefined tail set to
+    -inf in place: no copy of the logits is made.
+    """
     if _module is None or _disabled is not None:
         return None
-    num_tokens, num_heads, head_dim = q.shape
+    head_dim = q.shape[2]
     vis_end = kv_lens if tree_mask is None else kv_lens + tree_mask.shape[1]
     ctx = context_lens_2d(vis_end.clamp(max=max_kv_len))
     table = block_table(req_to_token, token_rows, max_kv_len, page_size)
@@ -168,7 +195,23 @@ def paged_index_logits(
     except Exception as e:  # a DeepGEMM build whose contract differs: never fail the step for it
         _fail("fp8_paged_mqa_logits", e)
         return None
-    return indexer.mask_invisible(logits, kv_lens, tree_mask)
+    return indexer.mask_invisible_(logits, kv_lens, tree_mask)
+
+
+# Where DeepGEMM's paged kernel beats the Triton one, from benchmarks/bench_indexer.py on an H100 (the table in
+# benchmarks/KERNELS.md): (min tokens, max tokens, min context, max context) ranges in which DeepGEMM serves.
+# Everything else goes to Triton. Empty until measured: the op then always takes Triton.
+DEEPGEMM_PAGED_WINS: tuple[tuple[int, int, int, int], ...] = ()
+# fp8_mqa_logits (one request's prefill chunk) vs the Triton paged kernel: True when measured faster.
+DEEPGEMM_RAGGED_WINS = False
+
+
+def deepgemm_wins(num_tokens: int, max_kv_len: int, ragged: bool) -> bool:
+    """Is DeepGEMM measured faster than Triton for this shape? (Called inside the custom op: concrete ints.)"""
+    if ragged:
+        return DEEPGEMM_RAGGED_WINS
+    return any(lo_t <= num_tokens <= hi_t and lo_c <= max_kv_len <= hi_c
+               for lo_t, hi_t, lo_c, hi_c in DEEPGEMM_PAGED_WINS)
 
 
 def extend_index_logits(
@@ -181,7 +224,10 @@ def extend_index_logits(
     kv_lens: torch.Tensor,
     max_kv_len: int,
 ) -> torch.Tensor | None:
-    """Prefill of ONE request through fp8_mqa_logits: its keys gathered contiguous, ks = 0, ke = kv_lens."""
+    """Prefill of ONE request through fp8_mqa_logits: its keys gathered contiguous, ks = 0, ke = kv_lens.
+
+    clean_logits sets everything outside [ks, ke) to -inf, which is exactly the causal visibility.
+    """
     if _module is None or _disabled is not None:
         return None
     head_dim = q.shape[2]
@@ -194,4 +240,4 @@ def extend_index_logits(
     except Exception as e:
         _fail("fp8_mqa_logits", e)
         return None
-    return indexer.mask_invisible(logits, kv_lens, None)
+    return logits

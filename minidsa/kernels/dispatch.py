@@ -1,78 +1,27 @@
-"""Which implementation serves each DSA op, decided once at start-up, and the ops object DSABackend calls.
+"""The ops object DSABackend calls for one `KernelChoice` (made at start-up by kernels/choice.py).
 
-`choose(device)` -> `KernelChoice` (logged by `attention.dsa.choose_kernels`):
-- Triton serves store_index_k, index_logits, sparse_mla and kv_move on CUDA
-  (or on CPU under TRITON_INTERPRET=1, for tests); otherwise everything is torch.
-- index_logits is "deepgemm" when `deep_gemm` imports, has every function we
-  call, and the GPU is SM90/SM100 (`deepgemm.probe`); the reason is logged.
-- topk: TOPK_IMPL (set by measurement, see benchmarks/KERNELS.md), or the
-  MINIDSA_TOPK environment variable (`torch` | `triton`). With "triton", the
-  op picks the Triton select or torch.topk per shape (`topk.triton_wins`).
-
-`ops_for(choice)` -> `DSAOps`, whose methods keep the reference functions'
-signatures and call the custom ops (opaque to torch.compile).
+`DSAOps` methods keep the reference functions' signatures and call the custom ops
+(`torch.ops.minidsa.*`, opaque to torch.compile). Nothing here probes, imports or
+reads a host-side cache while a step traces: the implementation is the choice's
+constant, and shape checks are pure functions of static sizes.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
-from minidsa.attention.dsa import KernelChoice
-from minidsa.kernels import deepgemm
 from minidsa.kernels import reference as ref
+from minidsa.kernels.choice import KernelChoice
 
 logger = logging.getLogger(__name__)
-
-TOPK_IMPL = "triton"
-IMPLS = ("torch", "triton", "deepgemm")
-
-
-def triton_usable(device: torch.device) -> tuple[bool, str]:
-    """(usable, why): Triton runs on CUDA, or on CPU when it was imported as its interpreter."""
-    try:
-        from triton.runtime.jit import JITFunction
-
-        from minidsa.kernels import indexer
-    except Exception as e:
-        return False, f"import triton failed: {type(e).__name__}: {e}"
-    if device.type == "cuda":
-        return torch.cuda.is_available(), "CUDA device" if torch.cuda.is_available() else "CUDA is not available"
-    if not isinstance(indexer._paged_logits_kernel, JITFunction):
-        return True, "Triton interpreter on CPU (TRITON_INTERPRET=1 was set before triton was imported)"
-    return False, f"Triton needs a CUDA device (or TRITON_INTERPRET=1 before importing triton), got {device}"
-
-
-def choose(device: torch.device | str, use_deep_gemm: bool = True) -> KernelChoice:
-    device = torch.device(device)
-    ok, why = triton_usable(device)
-    if not ok:
-        logger.warning("DSA kernels: torch reference (%s)", why)
-        return KernelChoice()
-    if use_deep_gemm:
-        status = deepgemm.probe(device)
-        index = "deepgemm" if status.available else "triton"
-        logger.info("DSA indexer logits: %s (%s)", "DeepGEMM" if status.available else "Triton",
-                    status.reason)
-    else:
-        index = "triton"
-        logger.info("DSA indexer logits: Triton (DeepGEMM disabled by use_deep_gemm=False)")
-    topk = os.environ.get("MINIDSA_TOPK", TOPK_IMPL)
-    if topk not in ("torch", "triton"):
-        raise ValueError(f"MINIDSA_TOPK must be 'torch' or 'triton', got {topk!r}")
-    return KernelChoice(store_index_k="triton", index_logits=index, topk=topk, sparse_mla="triton",
-                        kv_move="triton")
 
 
 class DSAOps:
     """The DSA ops for one KernelChoice; same signatures as `minidsa.kernels.reference`."""
 
     def __init__(self, choice: KernelChoice):
-        for name, impl in choice.__dict__.items():
-            if impl not in IMPLS:
-                raise ValueError(f"KernelChoice.{name} = {impl!r}, want one of {IMPLS}")
         from minidsa.kernels import custom_ops  # noqa: F401  (registers torch.ops.minidsa.*)
         from minidsa.kernels import topk as topk_mod
 
@@ -104,34 +53,14 @@ class DSAOps:
         (verify, draft-extend) share key tiles."""
         args = (q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_len, tree_mask)
         impl = self.choice.index_logits
-        if impl == "deepgemm":
-            why_not = self._deepgemm_unsupported(q, index_k, page_size)
-            if why_not is None:
-                return self._ops.deepgemm_index_logits(*args, num_requests)
-            _log_fallback(f"DSA indexer: Triton kernels serve this call (DeepGEMM cannot: {why_not})")
-            impl = "triton"
+        if impl == "deepgemm":  # DeepGEMM or Triton per shape, and the fallback, all inside the opaque op
+            return self._ops.deepgemm_index_logits(*args, num_requests)
         if impl == "triton" and _pow2(q.shape[1]) and _pow2(q.shape[2]) and q.shape[2] >= 16:
             return self._ops.index_logits(*args, num_requests)
         if impl == "triton":
             _log_fallback(f"DSA indexer: torch reference ({q.shape[1]} heads x {q.shape[2]}: the Triton kernel "
                           "needs powers of two)")
         return ref.index_logits(*args)
-
-    def _deepgemm_unsupported(self, q: torch.Tensor, index_k: torch.Tensor, page_size: int) -> str | None:
-        # Recomputed per call, not cached here: compiled graphs would guard on a cache filled while tracing.
-        # (probe's own cache was filled by `choose` at start-up.)
-        status = deepgemm.probe(q.device)
-        if not status.available:
-            return status.reason
-        return deepgemm.paged_supported(status, q.shape[1], q.shape[2], page_size, index_k.dtype == torch.uint8)
-
-    def ragged_index_logits(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, ks: torch.Tensor,
-                            ke: torch.Tensor, key_scales: torch.Tensor | None = None) -> torch.Tensor:
-        if self.choice.index_logits == "torch":
-            if key_scales is not None:
-                keys = keys.float() * key_scales.unsqueeze(1)
-            return ref.ragged_index_logits(q, weights, keys, ks, ke)
-        return self._ops.ragged_index_logits(q, weights, keys, ks, ke, key_scales)
 
     def topk(self, logits: torch.Tensor, topk: int, req_to_token: torch.Tensor,
              token_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,17 +81,6 @@ class DSAOps:
                           f"{q.shape[1]} heads: the Triton kernel needs powers of two, rope >= 16, and 2-byte "
                           "inputs at this size)")
         return ref.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
-
-    def kv_move(self, mla_caches: list[torch.Tensor], index_caches: list[torch.Tensor | None], src: torch.Tensor,
-                dst: torch.Tensor, page_size: int, index_head_dim: int) -> None:
-        """Per-layer lists (the reference signature): one launch per layer; prefer kv_move_buffers."""
-        if self.choice.kv_move == "torch":
-            ref.kv_move(mla_caches, index_caches, src, dst, page_size, index_head_dim)
-            return
-        for i, mla in enumerate(mla_caches):
-            idx = index_caches[i] if i < len(index_caches) else None
-            self._ops.kv_move(mla.unsqueeze(0), None if idx is None else idx.unsqueeze(0), src, dst, page_size,
-                              index_head_dim)
 
     def kv_move_buffers(self, mla_buffer: torch.Tensor, index_buffer: torch.Tensor | None, src: torch.Tensor,
                         dst: torch.Tensor, page_size: int, index_head_dim: int) -> None:

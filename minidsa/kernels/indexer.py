@@ -238,6 +238,38 @@ def _mask_logits_kernel(
     tl.store(out_ptr + t.to(tl.int64) * stride_out + pos, x, mask=inb)
 
 
+@triton.jit
+def _mask_invisible_inplace_kernel(
+    logits_ptr, kv_lens_ptr, tree_ptr, width, stride_l, stride_tree, tree_w,
+    HAS_TREE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """logits[t, p] = -inf where p is invisible to token t; blocks wholly inside the visible prefix touch nothing."""
+    t = tl.program_id(0)
+    start = tl.program_id(1) * BLOCK
+    kv_len = tl.load(kv_lens_ptr + t)
+    if start + BLOCK > kv_len:
+        pos = start + tl.arange(0, BLOCK)
+        vis = _visible(pos, kv_len, tree_ptr + t * stride_tree, tree_w, HAS_TREE)
+        tl.store(logits_ptr + t.to(tl.int64) * stride_l + pos, float("-inf"), mask=(pos < width) & ~vis)
+
+
+def mask_invisible_(logits: torch.Tensor, kv_lens: torch.Tensor, tree_mask: torch.Tensor | None) -> torch.Tensor:
+    """In place: every invisible position of `logits [T, W]` (any row stride) set to -inf; returns `logits`.
+
+    Writes only the invisible tail of each row (reads nothing): the cost of DeepGEMM's undefined tail.
+    """
+    num_tokens, width = logits.shape
+    if num_tokens == 0 or width == 0:
+        return logits
+    tree = _tree_arg(tree_mask, kv_lens)
+    block = 1024
+    _mask_invisible_inplace_kernel[(num_tokens, triton.cdiv(width, block))](
+        logits, kv_lens, tree, width, logits.stride(0), tree.stride(0),
+        0 if tree_mask is None else tree_mask.shape[1], HAS_TREE=tree_mask is not None, BLOCK=block, num_warps=4,
+    )
+    return logits
+
+
 def mask_invisible(logits: torch.Tensor, kv_lens: torch.Tensor, tree_mask: torch.Tensor | None) -> torch.Tensor:
     """Contiguous copy of `logits [T, W]` (any row stride) with every invisible position set to -inf."""
     num_tokens, width = logits.shape
@@ -285,6 +317,7 @@ def index_logits(
     num_requests: int = 0,
     chunk_len: int | None = None,
     config: tuple[int, int, int, int] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged indexer logits [T, max_kv_len] fp32 (-inf where invisible); see the module docstring.
 
@@ -304,7 +337,8 @@ def index_logits(
         raise ValueError(f"index_logits: weights {tuple(weights.shape)} != [T, H] = {(num_tokens, num_heads)}")
     if num_heads & (num_heads - 1) or head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"index_logits: heads ({num_heads}) and head dim ({head_dim}) must be powers of two")
-    out = torch.empty(num_tokens, max_kv_len, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty(num_tokens, max_kv_len, dtype=torch.float32, device=q.device)
     if num_tokens == 0 or max_kv_len == 0:
         return out
     if q.stride(2) != 1:

@@ -258,7 +258,7 @@ def _moe_kernel_on_cuda() -> bool:
     if _moe_kernel_ok is None:
         _moe_kernel_ok = MOE_KERNEL and os.environ.get("MINIDSA_MOE_KERNEL", "1") != "0"
         if _moe_kernel_ok:
-            from minidsa.kernels.dispatch import triton_usable
+            from minidsa.kernels.choice import triton_usable
 
             _moe_kernel_ok = triton_usable(torch.device("cuda"))[0]
         if _moe_kernel_ok:

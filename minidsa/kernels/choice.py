@@ -1,0 +1,105 @@
+"""Which implementation serves each DSA op: decided once, at engine start-up, and logged.
+
+`choose_kernels(device, kernel_backend, use_deep_gemm)` -> `KernelChoice`:
+- "torch" (the references in kernels/reference.py) off CUDA, or when asked for;
+- Triton for store_index_k, index_logits, sparse_mla and kv_move on CUDA (or on
+  CPU under TRITON_INTERPRET=1, for tests);
+- index_logits "deepgemm" when `deep_gemm` imports, has every function we call
+  and the GPU is SM90 / SM100 (`deepgemm.probe`, run here and nowhere else);
+  the reason is logged either way. Per call, inside the opaque custom op, the
+  faster of DeepGEMM and Triton for that shape is taken from measurements
+  (`deepgemm.deepgemm_wins`).
+- topk: TOPK_IMPL, or MINIDSA_TOPK (`torch` | `triton`); with "triton" the op
+  picks the Triton select or torch.topk per shape (`topk.triton_wins`).
+
+Compiled code sees the choice as constants: nothing here is called from a traced step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+IMPLS = ("torch", "triton", "deepgemm")
+TOPK_IMPL = "triton"
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """Which implementation serves each DSA op (`torch`, `triton` or `deepgemm`)."""
+
+    store_index_k: str = "torch"
+    index_logits: str = "torch"
+    topk: str = "torch"
+    sparse_mla: str = "torch"
+    kv_move: str = "torch"
+
+    def __post_init__(self):
+        for name, impl in self.__dict__.items():
+            if impl not in IMPLS:
+                raise ValueError(f"KernelChoice.{name} = {impl!r}, want one of {IMPLS}")
+
+    @property
+    def uses_kernels(self) -> bool:
+        return self != KernelChoice()
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.__dict__.items())
+
+
+def triton_usable(device: torch.device | str) -> tuple[bool, str]:
+    """(usable, why): Triton runs on CUDA, or on CPU when it was imported as its interpreter."""
+    device = torch.device(device)
+    try:
+        from triton.runtime.jit import JITFunction
+
+        from minidsa.kernels import indexer
+    except Exception as e:
+        return False, f"import triton failed: {type(e).__name__}: {e}"
+    if device.type == "cuda":
+        return torch.cuda.is_available(), "CUDA device" if torch.cuda.is_available() else "CUDA is not available"
+    if not isinstance(indexer._paged_logits_kernel, JITFunction):
+        return True, "Triton interpreter on CPU (TRITON_INTERPRET=1 was set before triton was imported)"
+    return False, f"Triton needs a CUDA device (or TRITON_INTERPRET=1 before importing triton), got {device}"
+
+
+def choose(device: torch.device | str, use_deep_gemm: bool = True) -> KernelChoice:
+    """The Triton / DeepGEMM choice on `device` (the torch references where Triton cannot run)."""
+    device = torch.device(device)
+    ok, why = triton_usable(device)
+    if not ok:
+        logger.warning("DSA kernels: torch reference (%s)", why)
+        return KernelChoice()
+    index = "triton"
+    if use_deep_gemm:
+        from minidsa.kernels import deepgemm
+
+        status = deepgemm.probe(device)
+        if status.available:
+            index = "deepgemm"
+        logger.info("DSA indexer logits: %s (%s)", "DeepGEMM where measured faster, else Triton"
+                    if status.available else "Triton", status.reason)
+    else:
+        logger.info("DSA indexer logits: Triton (DeepGEMM disabled by use_deep_gemm=False)")
+    topk = os.environ.get("MINIDSA_TOPK", TOPK_IMPL)
+    if topk not in ("torch", "triton"):
+        raise ValueError(f"MINIDSA_TOPK must be 'torch' or 'triton', got {topk!r}")
+    return KernelChoice(store_index_k="triton", index_logits=index, topk=topk, sparse_mla="triton",
+                        kv_move="triton")
+
+
+def choose_kernels(device: torch.device | str, kernel_backend: str = "auto", use_deep_gemm: bool = True
+                   ) -> KernelChoice:
+    """Decide once, at start-up, which kernels run; logs the decision."""
+    device = torch.device(device)
+    if kernel_backend == "torch" or (kernel_backend == "auto" and device.type != "cuda"):
+        choice = KernelChoice()
+    else:
+        choice = choose(device, use_deep_gemm=use_deep_gemm)
+    logger.info("DSA kernels: %s", choice.describe())
+    return choice
