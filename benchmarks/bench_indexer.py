@@ -6,8 +6,9 @@ For each shape (decode batch 1/8/64/128 at 8k/32k/128k, verify 2 and 4 tokens pe
 prefill chunk) it times:
 - "kernel": the kernel alone on prebuilt inputs (DeepGEMM: context lengths, block table and schedule made
   beforehand; Triton: `indexer.index_logits`, whose output allocation is part of the call);
-- "served": what a step calls (DeepGEMM: `deepgemm.paged_index_logits`, i.e. block table + schedule + kernel +
-  in-place mask of the undefined tail; Triton: `torch.ops.minidsa.index_logits`);
+- "served": what each layer of a step calls (DeepGEMM: `deepgemm.paged_index_logits` with the step's context
+  lengths, block table and schedule made once per step for all layers, i.e. the kernel + the in-place mask of
+  its undefined tail; Triton: `torch.ops.minidsa.index_logits`);
 each both eagerly (`do_bench`: host launch overhead included when it exceeds the GPU time) and as a replay
 of a CUDA graph holding one call (how decode, verify and draft steps run). L2 is flushed between runs either
 way. Pieces of the DeepGEMM wrapper are timed alone (graph). Top-k sets (2048) of both on the same inputs
@@ -118,14 +119,16 @@ def _ms(x) -> str:
 
 
 def both(fn) -> tuple[float | None, float | None]:
-    """(eager ms, graph-replay ms) of fn; None where it failed."""
+    """(eager ms, graph-replay ms) of fn; None where it failed (prefill paths sync with the host: no graph)."""
+    eager = None
     try:
         eager = do_bench(fn)
         g = graph_of(fn)
         return eager, do_bench(g.replay)
     except Exception as e:  # a shape one side cannot take: recorded, the run goes on
         print(f"  failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        return None, None
+        torch.cuda.synchronize()
+        return eager, None
 
 
 def topk_agreement(a: torch.Tensor, b: torch.Tensor, k: int) -> float:
@@ -163,13 +166,16 @@ def paged_case(tab: Table, name: str, reqs: int, ctx: int, per_req: int, dg) -> 
         sms = torch.cuda.get_device_properties(DEV).multi_processor_count
         sched = dg.get_paged_mqa_logits_metadata(ctx2, PAGE, sms)
         dg_kernel = lambda: dg.fp8_paged_mqa_logits(q4, kv, wf, ctx2, table, sched, width, False)  # noqa: E731
-        dg_served = lambda: deepgemm.paged_index_logits(q, w, cache, PAGE, r2t, rows, kv_lens, width, tree)  # noqa: E731
+        meta = (ctx2, table, sched)
+        # As a step serves it: per-step metadata made once for all layers (DSABackend.index_metadata).
+        dg_served = lambda: deepgemm.paged_index_logits(q, w, cache, PAGE, r2t, rows, kv_lens, width, tree, meta)  # noqa: E731
         de_k, dg_k = both(dg_kernel)
         de_s, dg_s = both(dg_served)
-        pieces = {
-            "block table": lambda: deepgemm.block_table(r2t, rows, width, PAGE),
-            "schedule": lambda: dg.get_paged_mqa_logits_metadata(ctx2, PAGE, sms),
-            "tail mask (in place)": lambda: indexer.mask_invisible_(dg_kernel(), kv_lens, tree),
+        logits = dg_kernel()
+        pieces = {  # the first two run once per forward step (every layer shares them), the mask per layer
+            "block table (per step)": lambda: deepgemm.block_table(r2t, rows, width, PAGE),
+            "schedule (per step)": lambda: dg.get_paged_mqa_logits_metadata(ctx2, PAGE, sms),
+            "tail mask in place (per layer)": lambda: indexer.mask_invisible_(logits, kv_lens, tree),
         }
         for piece, fn in pieces.items():
             _, gms = both(fn)

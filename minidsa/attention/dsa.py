@@ -13,6 +13,7 @@ import logging
 import torch
 
 from minidsa.batch import ForwardBatch
+from minidsa.kernels import num_sms
 from minidsa.kernels import reference as ref
 from minidsa.kernels.choice import KernelChoice
 from minidsa.kv_cache import KVCache
@@ -39,6 +40,8 @@ class DSABackend:
             from minidsa.kernels import dispatch  # Triton: imported only when a kernel serves
 
             self._ops = dispatch.ops_for(self.kernels)
+        # A host constant for DeepGEMM's schedule, read once here (never from a traced step).
+        self._num_sms = num_sms(kv_cache.device)
 
     def persistent_tensors(self) -> list[torch.Tensor]:
         """The tensors that live as long as the engine (caches, req_to_token, Hadamard matrix): fixed shapes."""
@@ -61,7 +64,16 @@ class DSABackend:
             ref.store_index_k(buf, batch.out_cache_loc, k, self.page_size)
 
     # -- indexer ------------------------------------------------------------
-    def index_topk(self, layer: int, batch: ForwardBatch, q: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def index_metadata(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...] | None:
+        """Per-step indexer inputs shared by every layer (DeepGEMM's context lens, block table and schedule):
+        made once per forward instead of once per layer. None when no kernel needs any."""
+        if self._ops is None or not self.kv_cache.indexer_fp8:
+            return None
+        return self._ops.index_metadata(self.req_to_token, batch.token_rows, batch.kv_lens, batch.max_kv_len,
+                                        batch.tree_mask, self.page_size, self._num_sms)
+
+    def index_topk(self, layer: int, batch: ForwardBatch, q: torch.Tensor, weights: torch.Tensor,
+                   step_meta: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """Top-k physical slots [T, index_topk] (int32, -1 padded) for each query token."""
         buf = self.kv_cache.index_k[layer]
         if buf is None:
@@ -71,7 +83,8 @@ class DSABackend:
         rows = batch.token_rows
         if self._ops is not None and self.kernels.index_logits != "torch":
             logits = self._ops.index_logits(q, weights, buf, self.page_size, self.req_to_token, rows,
-                                            batch.kv_lens, batch.max_kv_len, batch.tree_mask, batch.batch_size)
+                                            batch.kv_lens, batch.max_kv_len, batch.tree_mask, batch.batch_size,
+                                            step_meta)
         else:
             logits = ref.index_logits(q, weights, buf, self.page_size, self.req_to_token, rows,
                                       batch.kv_lens, batch.max_kv_len, batch.tree_mask)

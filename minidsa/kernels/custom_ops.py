@@ -53,10 +53,22 @@ def _(q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_
     return q.new_empty(q.shape[0], max_kv_len, dtype=torch.float32)
 
 
+@torch.library.custom_op("minidsa::deepgemm_schedule", mutates_args=())
+def deepgemm_schedule(context_lens: Tensor, page_size: int, num_sms: int) -> Tensor:
+    """DeepGEMM's paged-kernel schedule for this step's context lengths (one per forward, every layer uses it)."""
+    return deepgemm.schedule(context_lens, page_size, num_sms)
+
+
+@deepgemm_schedule.register_fake
+def _(context_lens, page_size, num_sms):
+    return context_lens.new_empty(num_sms + 1, 2)
+
+
 @torch.library.custom_op("minidsa::deepgemm_index_logits", mutates_args=())
 def deepgemm_index_logits(
     q: Tensor, weights: Tensor, index_k: Tensor, page_size: int, req_to_token: Tensor, token_rows: Tensor,
     kv_lens: Tensor, max_kv_len: int, tree_mask: Optional[Tensor] = None, num_requests: int = 0,
+    context_lens: Optional[Tensor] = None, block_table: Optional[Tensor] = None, schedule: Optional[Tensor] = None,
 ) -> Tensor:
     """Indexer logits where DeepGEMM was chosen at start-up: per shape (concrete here, so compiled graphs get no
     guards) DeepGEMM's paged or ragged kernel where measured faster, else Triton; Triton too when DeepGEMM cannot
@@ -75,7 +87,8 @@ def deepgemm_index_logits(
                 if out is not None:  # its own row stride: into the layout this op returns (prefill only)
                     out = deepgemm.paged_logits_buffer(num_tokens, max_kv_len, q.device).copy_(out)
             else:
-                out = deepgemm.paged_index_logits(*args, tree_mask)
+                meta = None if schedule is None else (context_lens, block_table, schedule)
+                out = deepgemm.paged_index_logits(*args, tree_mask, meta)
             if out is None and deepgemm.disabled_reason() is not None:
                 _log_once(f"DSA indexer: Triton kernels (DeepGEMM {deepgemm.disabled_reason()})")
     if out is None:
@@ -86,7 +99,7 @@ def deepgemm_index_logits(
 
 @deepgemm_index_logits.register_fake
 def _(q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_len, tree_mask=None,
-      num_requests=0):
+      num_requests=0, context_lens=None, block_table=None, schedule=None):
     stride = (max_kv_len + deepgemm.LOGITS_ALIGN - 1) // deepgemm.LOGITS_ALIGN * deepgemm.LOGITS_ALIGN
     return q.new_empty_strided((q.shape[0], max_kv_len), (stride, 1), dtype=torch.float32)
 

@@ -164,6 +164,23 @@ def paged_logits_buffer(num_tokens: int, max_kv_len: int, device: torch.device) 
     return torch.empty(num_tokens, stride, dtype=torch.float32, device=device)[:, :max_kv_len]
 
 
+def step_context_lens(kv_lens: torch.Tensor, tree_mask: torch.Tensor | None, max_kv_len: int) -> torch.Tensor:
+    """(N, 1) int32 visible end of each query token (its tree's positions included): what the kernel scores."""
+    vis_end = kv_lens if tree_mask is None else kv_lens + tree_mask.shape[1]
+    return context_lens_2d(vis_end.clamp(max=max_kv_len))
+
+
+def schedule(context_lens: torch.Tensor, page_size: int, num_sms: int) -> torch.Tensor:
+    """get_paged_mqa_logits_metadata; an unused zero schedule when DeepGEMM is not loaded or has failed."""
+    if _module is None or _disabled is not None:
+        return torch.zeros(num_sms + 1, 2, dtype=torch.int32, device=context_lens.device)
+    try:
+        return _module.get_paged_mqa_logits_metadata(context_lens, page_size, num_sms)
+    except Exception as e:
+        _fail("get_paged_mqa_logits_metadata", e)
+        return torch.zeros(num_sms + 1, 2, dtype=torch.int32, device=context_lens.device)
+
+
 def paged_index_logits(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -174,23 +191,26 @@ def paged_index_logits(
     kv_lens: torch.Tensor,
     max_kv_len: int,
     tree_mask: torch.Tensor | None = None,
+    step_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """fp8_paged_mqa_logits with the reference index_logits contract; None if DeepGEMM failed.
 
-    Returns DeepGEMM's own output (rows strided to 256, see `paged_logits_buffer`), its undefined tail set to
-    -inf in place: no copy of the logits is made.
+    `step_meta` = (context lens, block table, schedule) made once per forward step for every indexer layer
+    (`DSABackend.index_metadata`); without it they are made here. Returns DeepGEMM's own output (rows
+    strided to 256, see `paged_logits_buffer`), its undefined tail set to -inf in place: no copy is made.
     """
     if _module is None or _disabled is not None:
         return None
     head_dim = q.shape[2]
-    vis_end = kv_lens if tree_mask is None else kv_lens + tree_mask.shape[1]
-    ctx = context_lens_2d(vis_end.clamp(max=max_kv_len))
-    table = block_table(req_to_token, token_rows, max_kv_len, page_size)
+    if step_meta is None:
+        ctx = step_context_lens(kv_lens, tree_mask, max_kv_len)
+        step_meta = (ctx, block_table(req_to_token, token_rows, max_kv_len, page_size),
+                     schedule(ctx, page_size, _num_sms(q.device)))
+    ctx, table, sched = step_meta
     kv = index_k.view(index_k.shape[0], page_size, 1, head_dim + 4)
     try:
-        schedule = _module.get_paged_mqa_logits_metadata(ctx, page_size, _num_sms(q.device))
         logits = _module.fp8_paged_mqa_logits(
-            q.contiguous().unsqueeze(1), kv, weights.float().contiguous(), ctx, table, schedule, max_kv_len, False
+            q.contiguous().unsqueeze(1), kv, weights.float().contiguous(), ctx, table, sched, max_kv_len, False
         )
     except Exception as e:  # a DeepGEMM build whose contract differs: never fail the step for it
         _fail("fp8_paged_mqa_logits", e)
@@ -198,12 +218,15 @@ def paged_index_logits(
     return indexer.mask_invisible_(logits, kv_lens, tree_mask)
 
 
-# Where DeepGEMM's paged kernel beats the Triton one, from benchmarks/bench_indexer.py on an H100 (the table in
-# benchmarks/KERNELS.md): (min tokens, max tokens, min context, max context) ranges in which DeepGEMM serves.
-# Everything else goes to Triton. Empty until measured: the op then always takes Triton.
-DEEPGEMM_PAGED_WINS: tuple[tuple[int, int, int, int], ...] = ()
-# fp8_mqa_logits (one request's prefill chunk) vs the Triton paged kernel: True when measured faster.
-DEEPGEMM_RAGGED_WINS = False
+# Where DeepGEMM's paged kernel beats the Triton one, from benchmarks/bench_indexer.py on an H100 (the tables
+# in benchmarks/KERNELS.md): (min tokens, max tokens, min context, max context) ranges in which DeepGEMM
+# serves; everything else goes to Triton. The kernel alone is faster everywhere measured (0.61-0.94x of
+# Triton's time), but what it adds per layer, the in-place mask of its undefined tail (about 3-13 us),
+# makes it lose below ~32 query tokens at short and middle contexts (batch 1 / 8k: 8.1 + ~6 us vs 10.7 us).
+DEEPGEMM_PAGED_WINS: tuple[tuple[int, int, int, int], ...] = ((32, 1 << 30, 0, 1 << 30), (8, 1 << 30, 65536, 1 << 30))
+# fp8_mqa_logits (one request's prefill chunk, keys gathered) vs the Triton paged kernel as served: 237 vs
+# 471 us for a 2048-token chunk at 8k (H100).
+DEEPGEMM_RAGGED_WINS = True
 
 
 def deepgemm_wins(num_tokens: int, max_kv_len: int, ragged: bool) -> bool:

@@ -47,6 +47,7 @@ class DSAOps:
         max_kv_len: int,
         tree_mask: torch.Tensor | None = None,
         num_requests: int = 0,
+        step_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """`num_requests`: how many requests the T tokens come from (0 = unknown). With DeepGEMM, one request's
         causal tokens (a prefill chunk) go to fp8_mqa_logits; in the Triton kernel, a few tokens per request
@@ -54,13 +55,26 @@ class DSAOps:
         args = (q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_len, tree_mask)
         impl = self.choice.index_logits
         if impl == "deepgemm":  # DeepGEMM or Triton per shape, and the fallback, all inside the opaque op
-            return self._ops.deepgemm_index_logits(*args, num_requests)
+            return self._ops.deepgemm_index_logits(*args, num_requests, *(step_meta or (None, None, None)))
         if impl == "triton" and _pow2(q.shape[1]) and _pow2(q.shape[2]) and q.shape[2] >= 16:
             return self._ops.index_logits(*args, num_requests)
         if impl == "triton":
             _log_fallback(f"DSA indexer: torch reference ({q.shape[1]} heads x {q.shape[2]}: the Triton kernel "
                           "needs powers of two)")
         return ref.index_logits(*args)
+
+    def index_metadata(self, req_to_token: torch.Tensor, token_rows: torch.Tensor, kv_lens: torch.Tensor,
+                       max_kv_len: int, tree_mask: torch.Tensor | None, page_size: int, num_sms: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """What DeepGEMM's paged kernel needs per step (context lens, block table, schedule), made once per
+        forward for every indexer layer; None when DeepGEMM was not chosen."""
+        if self.choice.index_logits != "deepgemm":
+            return None
+        from minidsa.kernels import deepgemm
+
+        ctx = deepgemm.step_context_lens(kv_lens, tree_mask, max_kv_len)
+        table = deepgemm.block_table(req_to_token, token_rows, max_kv_len, page_size)
+        return ctx, table, self._ops.deepgemm_schedule(ctx, page_size, num_sms)
 
     def topk(self, logits: torch.Tensor, topk: int, req_to_token: torch.Tensor,
              token_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

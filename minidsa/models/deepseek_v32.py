@@ -100,6 +100,7 @@ class LayerContext:
     attn: DSABackend
     cos: torch.Tensor  # [T, rope/2]
     sin: torch.Tensor
+    index_meta: tuple[torch.Tensor, ...] | None = None  # per-step indexer inputs, made once for every layer
 
 
 class Indexer(nn.Module):
@@ -132,7 +133,7 @@ class Indexer(nn.Module):
         k = self._rope(self.k_norm(k), ctx.cos, ctx.sin)
         ctx.attn.store_index_k(layer_id, ctx.batch, k)
         weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale
-        return ctx.attn.index_topk(layer_id, ctx.batch, q, weights)
+        return ctx.attn.index_topk(layer_id, ctx.batch, q, weights, ctx.index_meta)
 
 
 class MLAttention(nn.Module):
@@ -406,7 +407,7 @@ class DeepseekV32ForCausalLM(nn.Module):
 
     def _context(self, batch: ForwardBatch, attn: DSABackend) -> LayerContext:
         cos, sin = self.rotary.cos_sin(batch.positions)
-        return LayerContext(batch=batch, attn=attn, cos=cos, sin=sin)
+        return LayerContext(batch=batch, attn=attn, cos=cos, sin=sin, index_meta=attn.index_metadata(batch))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h).float()
