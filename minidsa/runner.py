@@ -7,9 +7,9 @@ graph (decode, target verify, the draft's steps and its padded draft
 extend; see graphs.py) replays it, anything else runs `forward_eager` /
 `forward_mtp_eager`, the plain reference. With `enable_compile` on a GPU the
 captured steps run the whole model forward through torch.compile (one
-dynamic-shape graph per step kind, no graph breaks; the DSA kernels are custom
-ops, opaque to it); eager batches (prefill, oversized batches) run the plain
-module.
+dynamic-shape graph per decoder-layer kind, reused by every layer of that kind
+and every step kind; no graph breaks; the DSA kernels are custom ops, opaque to
+it); eager batches (prefill, oversized batches) run the plain module.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from minidsa.config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
 from minidsa.graphs import DEFAULT_BUCKETS, StepGraphs, StepKind
 from minidsa.kernels.choice import choose_kernels
 from minidsa.kv_cache import KVCache, PageAllocator, ReqToTokenPool, pages_needed, row_slots
-from minidsa.models.deepseek_v32 import ModelOutput
+from minidsa.models.deepseek_v32 import ModelOutput, call_layer
 from minidsa.models.loader import build_model
 from minidsa.request import Request
 from minidsa.speculative.layout import SpecLayout
@@ -162,16 +162,19 @@ class ModelRunner:
     def step_functions(self, compile_backend: str | None = None):
         """(run_main(batch), run_mtp(batch, hidden_prev)) for the captured steps; compiled when a backend is named.
 
-        dynamic=True: one graph serves every batch and context bucket of a step kind (Dynamo
-        specialises size-1 batches once more), instead of one compilation per captured shape. Shape-
-        dependent kernel choices are made inside the opaque custom ops, so they add no guards.
-        fullgraph=True: a graph break is an error here, not a silent slowdown.
+        Regional compilation: torch.compile compiles one decoder layer (`call_layer`), not the unrolled
+        forward; every layer of a kind (dense / MoE, own / shared top-k, MTP) reuses that graph, so start-up
+        does not grow with depth. The embedding, the layer loop and the head run eagerly around them, inside
+        the same CUDA graph capture.
+        dynamic=True: one graph per layer kind serves every batch and context bucket (Dynamo specialises
+        size-1 batches once more). Shape-dependent kernel choices are made inside the opaque custom ops, so
+        they add no guards. fullgraph=True: a graph break is an error here, not a silent slowdown.
         """
         if compile_backend is None:
             return self.forward_eager, lambda b, h: self.forward_mtp_eager(b, h, None)
-        # Dynamo keys its cache on the code object and guards on the module's identity, so each engine's
-        # compilations add entries to the same two functions: several engines in one process (tests,
-        # notebooks, the benchmark suite) outgrow the default limit of 8, a hard error with fullgraph.
+        # Dynamo keys its cache on the code object and guards on the layer's type and attributes: several
+        # engines in one process (tests, notebooks, the benchmark suite) outgrow the default limit of 8, a hard
+        # error with fullgraph.
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
         dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
@@ -180,18 +183,17 @@ class ModelRunner:
         # first bucket traced to it, and every other bucket would compile again.
         for t in self.attn.persistent_tensors():
             torch._dynamo.mark_static(t)
-        main = torch.compile(self.model.forward, dynamic=True, fullgraph=True, backend=compile_backend)
-        mtp = torch.compile(self.model.forward_mtp, dynamic=True, fullgraph=True, backend=compile_backend)
+        layer = torch.compile(call_layer, dynamic=True, fullgraph=True, backend=compile_backend)
         self.compiled = True
-        logger.info("torch.compile (%s): the whole forward of the captured steps", compile_backend)
+        logger.info("torch.compile (%s): one decoder layer per layer kind, reused by every layer", compile_backend)
 
         @torch.no_grad()
         def run_main(batch: ForwardBatch) -> ModelOutput:
-            return main(batch, self.attn)
+            return self.model(batch, self.attn, layer)
 
         @torch.no_grad()
         def run_mtp(batch: ForwardBatch, hidden_prev: torch.Tensor) -> ModelOutput:
-            return mtp(batch, self.attn, hidden_prev, None)
+            return self.model.forward_mtp(batch, self.attn, hidden_prev, None, layer)
 
         return run_main, run_mtp
 

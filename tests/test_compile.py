@@ -1,4 +1,4 @@
-"""torch.compile of the whole model forward: no graph breaks, DSA kernels opaque, one graph per step kind.
+"""torch.compile of the decoder layers: no graph breaks, DSA kernels opaque, one graph per layer kind.
 
 On a GPU the runner compiles the captured steps with inductor (tests/gpu/test_graphs_gpu.py checks
 compiled graphs against eager, token for token). Here the same `ModelRunner.step_functions` run
@@ -135,7 +135,7 @@ def test_capture_order_compiles_one_graph_for_every_bucket_above_one(monkeypatch
             for _ in range(2):
                 graphs._run(kind, graphs.static[("decode", bs, ctx)])
     sizes = [len(g.graph.nodes) for g in backend.graphs if len(g.graph.nodes) > 0]
-    assert len(sizes) == 2, sizes
+    assert len(sizes) == 2 * 2, sizes  # (dense, MoE layer) x (buckets above one, bucket one)
 
 
 def test_logging_a_kernel_fallback_adds_no_guard(monkeypatch):
@@ -157,3 +157,36 @@ def test_logging_a_kernel_fallback_adds_no_guard(monkeypatch):
     compiled(torch.zeros(3))
     assert dispatch._fallbacks_logged == {"DSA sparse MLA: torch reference (test)"}
     assert counter.frame_count == 1
+
+
+def test_compiled_layers_do_not_grow_with_depth():
+    """Start-up does not grow with depth: a 6-layer model compiles exactly as many layer graphs as a
+    2-layer one (one per layer kind), because layers read their caches as inputs, never their index."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from minidsa.batch import ForwardMode
+    from minidsa.models.deepseek_v32 import call_layer
+
+    frames = []
+    for layers in (2, 6):
+        torch._dynamo.reset()
+        raw = preset_config("tiny")
+        raw.pop("initializer_range")
+        raw.update(vocab_size=256, num_hidden_layers=layers)
+        cfg = ModelConfig.from_dict(raw)
+        model = build_model(cfg, None, torch.float32, torch.device("cpu"), seed=0, init_std=0.1)
+        d = PagedDriver(model, cfg, page_size=1, max_len=64)
+        d.add(list(range(3, 43)), reserve=2)
+        counter = CompileCounterWithBackend("aot_eager")
+        layer = torch.compile(call_layer, dynamic=True, fullgraph=True, backend=counter)
+        row = d.reqs[0]["row"]
+        r2t = d.pool.req_to_token
+        prefill = ForwardBatch.build(ForwardMode.EXTEND, list(range(3, 43)), [row], [0], [40],
+                                     r2t[row, :40].long(), "cpu")
+        with torch.no_grad():
+            eager = model(prefill, d.attn).logits
+            compiled = model(prefill, d.attn, layer).logits
+        torch.testing.assert_close(compiled, eager)
+        frames.append(counter.frame_count)
+        d.release_all()
+    assert frames[0] == frames[1] <= 4, frames  # a few per layer kind (dense, MoE), not one per layer

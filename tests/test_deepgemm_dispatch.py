@@ -314,12 +314,13 @@ def test_dsa_backend_ops_match_reference_backend(sm90, monkeypatch, with_deep_ge
         qm = torch.randn(t, 8, 48, generator=g)
         out = []
         for be in (fast, slow):
-            be.store_kv(0, batch, kv)
-            be.store_index_k(0, batch, k)
+            layer = be.layer_caches[0]
+            be.store_kv(layer, batch, kv)
+            be.store_index_k(layer, batch, k)
             if attend:
                 be.topk_recorder = []
-                slots = be.index_topk(0, batch, q, w)
-                out.append((slots, be.topk_recorder[0][1], be.sparse_mla(0, qm, slots, 0.2, 32)))
+                slots = be.index_topk(layer, batch, q, w)
+                out.append((slots, be.topk_recorder[0][1], be.sparse_mla(layer, qm, slots, 0.2, 32)))
         if not attend:
             return
         (fs, fp, fo), (ss, sp, so) = out

@@ -9,6 +9,7 @@ Triton, and DeepGEMM's indexer kernels when importable.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +20,19 @@ from minidsa.kernels.choice import KernelChoice
 from minidsa.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LayerCaches:
+    """One layer's cache views, handed to the layer's forward.
+
+    Compiled code reads the tensors (graph inputs), never `layer_id`: layers of one kind then share one
+    compiled graph (regional compilation) instead of specialising on their index.
+    """
+
+    layer_id: int
+    mla: torch.Tensor
+    index_k: torch.Tensor | None
 
 
 class DSABackend:
@@ -40,6 +54,7 @@ class DSABackend:
             from minidsa.kernels import dispatch  # Triton: imported only when a kernel serves
 
             self._ops = dispatch.ops_for(self.kernels)
+        self.layer_caches = [LayerCaches(i, kv_cache.mla[i], kv_cache.index_k[i]) for i in range(kv_cache.num_layers)]
         # A host constant for DeepGEMM's schedule, read once here (never from a traced step).
         self._num_sms = num_sms(kv_cache.device)
 
@@ -53,11 +68,11 @@ class DSABackend:
         return self.kv_cache.page_size
 
     # -- cache writes -------------------------------------------------------
-    def store_kv(self, layer: int, batch: ForwardBatch, latent_rope: torch.Tensor) -> None:
-        self.kv_cache.write_mla(layer, batch.out_cache_loc, latent_rope)
+    def store_kv(self, layer: LayerCaches, batch: ForwardBatch, latent_rope: torch.Tensor) -> None:
+        layer.mla[batch.out_cache_loc] = latent_rope.to(layer.mla.dtype)
 
-    def store_index_k(self, layer: int, batch: ForwardBatch, k: torch.Tensor) -> None:
-        buf = self.kv_cache.index_k[layer]
+    def store_index_k(self, layer: LayerCaches, batch: ForwardBatch, k: torch.Tensor) -> None:
+        buf = layer.index_k
         if self._ops is not None and self.kernels.store_index_k != "torch":
             self._ops.store_index_k(buf, batch.out_cache_loc, k, self.page_size)
         else:
@@ -72,12 +87,12 @@ class DSABackend:
         return self._ops.index_metadata(self.req_to_token, batch.token_rows, batch.kv_lens, batch.max_kv_len,
                                         batch.tree_mask, self.page_size, self._num_sms)
 
-    def index_topk(self, layer: int, batch: ForwardBatch, q: torch.Tensor, weights: torch.Tensor,
+    def index_topk(self, layer: LayerCaches, batch: ForwardBatch, q: torch.Tensor, weights: torch.Tensor,
                    step_meta: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """Top-k physical slots [T, index_topk] (int32, -1 padded) for each query token."""
-        buf = self.kv_cache.index_k[layer]
+        buf = layer.index_k
         if buf is None:
-            raise RuntimeError(f"layer {layer} has no indexer cache (a shared layer must reuse top-k)")
+            raise RuntimeError(f"layer {layer.layer_id} has no indexer cache (a shared layer must reuse top-k)")
         if buf.dtype == torch.uint8:
             q, weights = ref.quant_index_q(q, weights, self.hadamard)
         rows = batch.token_rows
@@ -93,13 +108,13 @@ class DSABackend:
         else:
             slots, positions = ref.topk_slots(logits, self.topk_width, self.req_to_token, rows)
         if self.topk_recorder is not None:
-            self.topk_recorder.append((layer, positions))
+            self.topk_recorder.append((layer.layer_id, positions))
         return slots
 
     # -- attention ----------------------------------------------------------
-    def sparse_mla(self, layer: int, q: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
+    def sparse_mla(self, layer: LayerCaches, q: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
                    v_dim: int) -> torch.Tensor:
-        cache = self.kv_cache.mla[layer]
+        cache = layer.mla
         if self._ops is not None and self.kernels.sparse_mla != "torch":
             return self._ops.sparse_mla(q, cache, topk_slots, sm_scale, v_dim)
         return ref.sparse_mla(q, cache, topk_slots, sm_scale, v_dim)

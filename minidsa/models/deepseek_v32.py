@@ -13,13 +13,14 @@ forward mode; the DSA backend decides how the cache is read.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minidsa.attention.dsa import DSABackend
+from minidsa.attention.dsa import DSABackend, LayerCaches
 from minidsa.batch import ForwardBatch
 from minidsa.config import ModelConfig
 
@@ -124,16 +125,16 @@ class Indexer(nn.Module):
         rot = (rope_interleaved if self.interleave else rope_half)(rot, cos, sin)
         return torch.cat([rot, rest], dim=-1)
 
-    def forward(self, layer_id: int, x: torch.Tensor, qr: torch.Tensor, k: torch.Tensor,
+    def forward(self, caches: LayerCaches, x: torch.Tensor, qr: torch.Tensor, k: torch.Tensor,
                 ctx: LayerContext) -> torch.Tensor:
         """`k` = wk(x), computed with the attention's input projections (one fused GEMV)."""
         num_tokens = x.shape[0]
         q = self.wq_b(qr).view(num_tokens, self.n_heads, self.head_dim)
         q = self._rope(q, ctx.cos.unsqueeze(1), ctx.sin.unsqueeze(1))
         k = self._rope(self.k_norm(k), ctx.cos, ctx.sin)
-        ctx.attn.store_index_k(layer_id, ctx.batch, k)
+        ctx.attn.store_index_k(caches, ctx.batch, k)
         weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale
-        return ctx.attn.index_topk(layer_id, ctx.batch, q, weights, ctx.index_meta)
+        return ctx.attn.index_topk(caches, ctx.batch, q, weights, ctx.index_meta)
 
 
 class MLAttention(nn.Module):
@@ -168,7 +169,8 @@ class MLAttention(nn.Module):
         linears = [self.q_a_proj, self.kv_a_proj_with_mqa] + ([self.indexer.wk] if self.indexer is not None else [])
         fuse_linears(self, "in_proj_weight", *linears)
 
-    def forward(self, x: torch.Tensor, ctx: LayerContext, prev_topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, ctx: LayerContext, prev_topk: torch.Tensor | None,
+                caches: LayerCaches) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens = x.shape[0]
         q_lora, kv_dim = self.q_a_proj.weight.shape[0], self.kv_lora_rank + self.rope
         proj = F.linear(x, _fused(self, "in_proj_weight"))
@@ -180,21 +182,21 @@ class MLAttention(nn.Module):
         kv = proj[:, q_lora:q_lora + kv_dim]
         latent = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
         k_rope = rope_interleaved(kv[:, self.kv_lora_rank :], ctx.cos, ctx.sin)
-        ctx.attn.store_kv(self.layer_id, ctx.batch, torch.cat([latent, k_rope], dim=-1))
+        ctx.attn.store_kv(caches, ctx.batch, torch.cat([latent, k_rope], dim=-1))
 
         if self.computes_topk or prev_topk is None:
             if self.indexer is None:
                 raise RuntimeError(
                     f"layer {self.layer_id} shares the previous layer's top-k but was handed none"
                 )
-            topk = self.indexer(self.layer_id, x, qr, proj[:, q_lora + kv_dim:], ctx)
+            topk = self.indexer(caches, x, qr, proj[:, q_lora + kv_dim:], ctx)
         else:
             topk = prev_topk
 
         w_uk, w_uv = self._kv_b_halves()
         q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)
         q_full = torch.cat([q_latent, q_rope], dim=-1)
-        o_latent = ctx.attn.sparse_mla(self.layer_id, q_full, topk, self.softmax_scale, self.kv_lora_rank)
+        o_latent = ctx.attn.sparse_mla(caches, q_full, topk, self.softmax_scale, self.kv_lora_rank)
         o = torch.einsum("thl,hvl->thv", o_latent, w_uv).reshape(num_tokens, self.num_heads * self.v_dim)
         return self.o_proj(o), topk
 
@@ -331,8 +333,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, ctx: LayerContext, prev_topk: torch.Tensor | None):
-        a, topk = self.self_attn(self.input_layernorm(h), ctx, prev_topk)
+    def forward(self, h: torch.Tensor, ctx: LayerContext, prev_topk: torch.Tensor | None, caches: LayerCaches):
+        a, topk = self.self_attn(self.input_layernorm(h), ctx, prev_topk, caches)
         h = h + a
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, topk
@@ -369,6 +371,17 @@ class Backbone(nn.Module):
             layers.append(MTPLayer(config, config.num_hidden_layers + j))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def call_layer(layer: DecoderLayer, h: torch.Tensor, ctx: LayerContext, prev_topk: torch.Tensor | None,
+               caches: LayerCaches) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer. The unit of torch.compile (regional compilation): every layer of one kind (dense or
+    MoE, own or shared top-k, MTP) reuses one compiled graph, so start-up does not grow with depth."""
+    return layer(h, ctx, prev_topk, caches)
+
+
+RunLayer = Callable[[DecoderLayer, torch.Tensor, LayerContext, "torch.Tensor | None", LayerCaches],
+                    "tuple[torch.Tensor, torch.Tensor]"]
 
 
 @dataclass
@@ -412,17 +425,19 @@ class DeepseekV32ForCausalLM(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h).float()
 
-    def forward(self, batch: ForwardBatch, attn: DSABackend) -> ModelOutput:
+    def forward(self, batch: ForwardBatch, attn: DSABackend, run_layer: "RunLayer | None" = None) -> ModelOutput:
+        """`run_layer`: how each decoder layer is called (the runner hands in a compiled `call_layer`)."""
+        run_layer = run_layer or call_layer
         ctx = self._context(batch, attn)
         h = self.model.embed_tokens(batch.input_ids)
         topk = None
-        for layer in self.main_layers:
-            h, topk = layer(h, ctx, topk)
+        for layer, caches in zip(self.main_layers, attn.layer_caches):
+            h, topk = run_layer(layer, h, ctx, topk, caches)
         normed = self.model.norm(h[batch.logits_indices])
         return ModelOutput(hidden=h, logits=self.logits(normed), topk=topk)
 
     def forward_mtp(self, batch: ForwardBatch, attn: DSABackend, hidden_prev: torch.Tensor,
-                    prev_topk: torch.Tensor | None = None) -> ModelOutput:
+                    prev_topk: torch.Tensor | None = None, run_layer: "RunLayer | None" = None) -> ModelOutput:
         """Draft forward: batch.input_ids are the *next* tokens, hidden_prev the states at the same rows."""
         mtp = self.mtp_layer
         if mtp is None:
@@ -430,6 +445,6 @@ class DeepseekV32ForCausalLM(nn.Module):
         ctx = self._context(batch, attn)
         e = mtp.enorm(self.model.embed_tokens(batch.input_ids))
         h = mtp.eh_proj(torch.cat([e, mtp.hnorm(hidden_prev)], dim=-1))
-        h, topk = mtp(h, ctx, prev_topk)
+        h, topk = (run_layer or call_layer)(mtp, h, ctx, prev_topk, attn.layer_caches[self.config.num_hidden_layers])
         normed = mtp.shared_head.norm(h[batch.logits_indices])
         return ModelOutput(hidden=h, logits=self.logits(normed), topk=topk)
