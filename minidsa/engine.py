@@ -28,6 +28,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -144,7 +145,9 @@ class Engine:
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids or self._tokenizer_eos())
         self.decode_reserve = decode_reserve_tokens(cfg)
+        t0 = time.perf_counter()
         self.runner = ModelRunner(cfg, self.model_config, model_path, init_std, self.decode_reserve, progress)
+        t_load = time.perf_counter()
         self.max_model_len: int = self.runner.max_model_len
         # With MTP speculation a page's last MTP slot depends on the token after the page: it is part of the key.
         self.prefix_cache = PrefixCache(self.runner.allocator, lookahead=1 if cfg.speculative_num_steps else 0) \
@@ -156,7 +159,12 @@ class Engine:
                                    decode_reserve=self.decode_reserve, prefix_cache=self.prefix_cache)
         self.sampler = Sampler(self.vocab_size, self.runner.device, cfg.seed)
         self.speculator = self._build_speculator()
+        t_ready = time.perf_counter()
         self.runner.prepare_fast_paths(self.speculator.layout if self.speculator is not None else None)
+        t_graphs = time.perf_counter()
+        # Compilation happens during the graphs' warm-up calls: one figure for both.
+        logger.info("start-up %.1f s: weights and KV cache %.1f s, engine %.1f s, compile + CUDA graph capture %.1f s",
+                    t_graphs - t0, t_load - t0, t_ready - t_load, t_graphs - t_ready)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self._pending: list[RequestOutput] = []  # abort outputs handed out by the next step()
         self._ids = itertools.count()
