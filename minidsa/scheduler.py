@@ -135,7 +135,8 @@ class Scheduler:
             req = self.waiting[i]
             total = req.num_tokens  # prompt + tokens generated before a preemption
             hit: list[Node] = []
-            if self.prefix_cache is not None:  # always leave the last token to compute: it gives the logits
+            # always leave the last token to compute: it gives the logits; prompt logprobs need every position
+            if self.prefix_cache is not None and req.params.prompt_logprobs is None:
                 hit = self.prefix_cache.match(req.token_slice(0, total), total - 1)
                 if computing and self._shares_pending(req, hit, computing):
                     i += 1
