@@ -3,7 +3,7 @@
 #
 #   OUT=/tmp/out MINIDSA_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [section ...]
 #
-# Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix.
+# Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops.
 # Add a section: write a function `section_NAME` and append NAME to ALL_SECTIONS. Each section
 # writes $OUT/NAME.log; its exit status goes to $OUT/summary.txt, and the script's exit status is
 # non-zero if any section failed. (At most 8 files come back from $OUT: keep one log per section.)
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
-ALL_SECTIONS="env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix"
+ALL_SECTIONS="env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops"
 
 section_env() {   # TIMEOUT: seconds for this section, 0 = none
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv || true
@@ -59,6 +59,13 @@ section_bench_prefix() {   # issue 9: shared-prefix workload (2k-token system pr
     local args="--model bench-dsv32 --workload shared-prefix --num-requests 64 --no-progress --disable-compile --cuda-graph-max-bs 32"
     timeout "$TIMEOUT" $PY -m minidsa.cli bench $args --json "$OUT/prefix_on.json" &&
     timeout "$TIMEOUT" $PY -m minidsa.cli bench $args --disable-prefix-caching --json "$OUT/prefix_off.json"
+}
+
+section_ops() {   # issue 20: logprobs / penalties on the graph path; online bench (Poisson arrivals) over HTTP
+    timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_ops_gpu.py -rs &&
+    timeout "$TIMEOUT" $PY -m minidsa.cli bench --model bench-dsv32 --request-rate 8 --max-concurrency 32 \
+        --num-requests 64 --no-progress --disable-compile --cuda-graph-max-bs 32 --goodput ttft:1000 tpot:100 \
+        --json "$OUT/online.json"
 }
 
 SECTIONS=${*:-$ALL_SECTIONS}

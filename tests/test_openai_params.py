@@ -104,3 +104,16 @@ def test_preempted_request_keeps_its_prompt_logprobs(tiny_llm):
         for o in engine.step():
             outs[o.request_id] = o
     assert outs[rid].prompt_logprobs == first and len(first) == len(PROMPT)
+
+
+def test_speculative_engine_refuses_what_it_cannot_honour():
+    """With MTP speculation the verify step samples by its own rules: logprobs and penalties are refused,
+    each naming its field, and nothing is left in the engine."""
+    llm = LLM(device="cpu", dtype="float32", progress=False, speculative_num_steps=1, max_total_tokens=2048)
+    for kwargs, name in ((dict(logprobs=True), "logprobs"), (dict(prompt_logprobs=0, max_tokens=0), "prompt_logprobs"),
+                         (dict(presence_penalty=0.5), "presence_penalty"),
+                         (dict(frequency_penalty=0.5), "frequency_penalty"),
+                         (dict(repetition_penalty=1.1), "repetition_penalty")):
+        with pytest.raises(InvalidRequest, match=f"SamplingParams.{name} is not supported with speculative"):
+            llm.engine.add_request(PROMPT, SamplingParams(**kwargs))
+    assert not llm.engine.has_unfinished()
