@@ -473,6 +473,8 @@ class Engine:
     def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
         finished = req.finish_reason is not None
         ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
+        # Prompt logprobs (as long as the prompt) go with the first output and the final one, not every step.
+        with_prompt_logprobs = req.params.prompt_logprobs is not None and (finished or len(req.output_ids) <= 1)
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_ids,
@@ -484,8 +486,8 @@ class Engine:
             finish_reason=req.finish_reason,
             logprobs=list(req.output_logprobs) if req.params.logprobs else None,
             top_logprobs=list(req.output_top_logprobs) if req.params.top_logprobs else None,
-            prompt_logprobs=list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
-            prompt_top_logprobs=list(req.prompt_top_logprobs) if req.params.prompt_logprobs is not None else None,
+            prompt_logprobs=list(req.prompt_logprobs) if with_prompt_logprobs else None,
+            prompt_top_logprobs=list(req.prompt_top_logprobs) if with_prompt_logprobs else None,
             ttft_s=ttft,
             prompt=req.prompt,
             num_preemptions=req.num_preemptions,

@@ -225,7 +225,8 @@ class RequestOutput(Struct):
     finish_reason: str | None  # "stop" | "length" | "abort"
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None  # per generated token: token id -> logprob, likeliest first
-    prompt_logprobs: list[float | None] | None = None  # per prompt token, None for the first
+    # per prompt token, None for the first; sent with the first output and the final one (None between)
+    prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
     ttft_s: float | None = None
     prompt: str | None = None
