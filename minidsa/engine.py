@@ -201,8 +201,11 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request; raises InvalidRequest (nothing changed) when it cannot be served."""
+                    request_id: str | None = None, *, use_prefix_cache: bool = True) -> str:
+        """Queue a request; raises InvalidRequest (nothing changed) when it cannot be served.
+
+        `use_prefix_cache=False`: the request neither reuses cached KV pages nor adds its own (the baseline
+        `minidsa bench --workload shared-prefix` measures beside the cached run)."""
         params = copy.copy(params) if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
@@ -254,7 +257,8 @@ class Engine:
                             f"(max_queued_requests {self.config.max_queued_requests})")
         if self._pending:  # an id reused right after its abort must not receive the old abort output
             self._pending = [o for o in self._pending if o.request_id != request_id]
-        req = Request(request_id=request_id, prompt_ids=ids, params=params, prompt=text, arrival_time=now())
+        req = Request(request_id=request_id, prompt_ids=ids, params=params, prompt=text, arrival_time=now(),
+                      use_prefix_cache=bool(use_prefix_cache))
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id

@@ -163,6 +163,7 @@ class Request(Struct):
     params: SamplingParams
     prompt: str | None = None
     arrival_time: float = 0.0
+    use_prefix_cache: bool = True  # False: neither reuse cached KV pages nor add this request's
     output_ids: list[int] = []
     output_logprobs: list[float] = []
     output_top_logprobs: list[dict[int, float]] = []  # per generated token, with params.top_logprobs

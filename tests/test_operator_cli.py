@@ -143,3 +143,17 @@ def test_every_engine_flag_is_described_with_its_choices(capsys):
         cli.main(["bench", "--suite", "decode", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(e) verify" not in text and "verify" in text and "transformers" in text
+
+
+def test_shared_prefix_bench_reports_with_and_without_the_cache(capsys, tmp_path):
+    out_json = tmp_path / "prefix.json"
+    rc = cli.main(["bench", "--workload", "shared-prefix", "--num-requests", "4", "--shared-prefix-len", "300",
+                   "--input-len", "8-16", "--output-len", "2-3", "--no-warmup", "--no-progress", "--device", "cpu",
+                   "--max-total-tokens", "4096", "--page-size", "4", "--json", str(out_json)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "hit rate" in out and "TTFT ms (mean" in out and "TTFT ms without the cache" in out
+    r = json.loads(out_json.read_text())["results"]
+    assert r["prefix_cache"]["hit_rate"] > 0.5
+    # 3 of 4 requests skip the 300-token prefill with the cache; without it every one computes it
+    assert r["ttft_s"]["mean"] < r["without_prefix_cache"]["ttft_s"]["mean"]
