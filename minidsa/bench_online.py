@@ -268,7 +268,8 @@ def run_online_bench(engine_config: Any | None, *, base_url: str | None = None, 
         from minidsa.server.app import build_app, start_server
         from minidsa.server.async_engine import AsyncEngine
 
-        runner, url = await start_server(build_app(AsyncEngine(engine), drain_timeout=5.0), "127.0.0.1", 0)
+        ae = AsyncEngine(engine, model_name=model_name)
+        runner, url = await start_server(build_app(ae, drain_timeout=5.0), "127.0.0.1", 0)
         try:
             return await drive(url, w, request_rate, max_concurrency, None, None, warmup, progress)
         finally:

@@ -235,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="an OpenAI-compatible server to drive (minidsa, vLLM, SGLang), e.g. "
                              "http://127.0.0.1:8000; default: start minidsa's server in-process")
     online.add_argument("--served-model-name", default=None, metavar="NAME",
-                        help="with --base-url: the model name to send (default: the first of /v1/models)")
+                        help="the model name to send (default: the first of the server's /v1/models); "
+                             "in-process, also the name the server serves")
     online.add_argument("--api-key", default=None, metavar="KEY", help="with --base-url: sent as a Bearer token")
     online.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS",
                         help="service-level objectives a request must meet to count in goodput: ttft:MS, "
