@@ -8,6 +8,8 @@
 from minidsa.config import EngineConfig
 from minidsa.request import SamplingParams
 
+__version__ = "0.1.0"
+
 __all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams"]
 
 

@@ -13,12 +13,55 @@ import argparse
 import dataclasses
 import logging
 import sys
+import traceback
 from typing import Any
 
-from minidsa.config import ConfigError, EngineConfig
+from minidsa import __version__
+from minidsa.config import ENGINE_CHOICES, ConfigError, EngineConfig
 from minidsa.request import InvalidRequest
 
 _SKIP_FIELDS = {"extra"}
+
+# --help text of each engine flag, keyed by EngineConfig field. A field may instead carry its own
+# `metadata={"help": ...}`; choices come from config.ENGINE_CHOICES. test_cli checks every field has one.
+ENGINE_FLAG_HELP: dict[str, str] = {
+    "model": "preset (tiny, bench-dsv32, bench-glm5) or checkpoint directory (default: tiny, the embedded model)",
+    "dtype": "weights and activations; auto = bfloat16 on GPU, float32 on CPU",
+    "device": "torch device (cpu, cuda, cuda:1, ...); auto = cuda when available",
+    "page_size": "KV page size in tokens, 1 or a power of two; 0 = auto (64 on GPU, 1 on CPU)",
+    "max_running_requests": "most requests in the running batch",
+    "max_total_tokens": "KV cache capacity in tokens; 0 = auto (kv-cache-mem-fraction of free GPU memory, "
+                        "65536 on CPU)",
+    "max_model_len": "longest prompt + output in tokens; 0 = auto (what the model and the KV cache allow)",
+    "chunked_prefill_size": "longest prefill chunk of one request per step, in tokens",
+    "max_prefill_tokens": "token budget of one prefill step",
+    "kv_cache_mem_fraction": "with max-total-tokens 0 on GPU: share of the memory free after loading the weights "
+                             "that the KV cache takes, in (0, 1]",
+    "seed": "seed of the random weights (presets) and of unseeded sampling",
+    "indexer_cache_dtype": "indexer key cache: fp8 (Hadamard-rotated e4m3, DeepGEMM layout) or model (full "
+                           "precision); auto = fp8 on GPU, model on CPU",
+    "kernel_backend": "DSA kernels: torch (reference) or triton; auto = triton on GPU, torch on CPU",
+    "use_deep_gemm": "do not use DeepGEMM's indexer kernels even where they load",
+    "speculative_num_steps": "MTP draft steps per verify; 0 = no speculative decoding",
+    "speculative_topk": "draft branches per step (1 = a chain; > 1 = a tree, needs --page-size 1)",
+    "speculative_num_draft_tokens": "tree drafts: tokens verified per step; 0 = auto (num-steps + 1 for a chain)",
+    "index_share_for_mtp_iteration": "whether the MTP draft reuses the indexer top-k across its steps; "
+                                     "default: what the model config says",
+    "enable_prefix_caching": "do not reuse the KV of shared prompt prefixes",
+    "enable_cuda_graph": "run decode eagerly instead of replaying CUDA graphs",
+    "enable_compile": "capture CUDA graphs of the eager modules instead of torch.compile'd ones",
+    "cuda_graph_max_bs": "largest batch captured as a CUDA graph",
+    "max_queued_requests": "waiting requests beyond this are refused (HTTP 503)",
+    "tokenizer": "tokenizer directory or name; default: the checkpoint's, or the DeepSeek-V3 tokenizer for presets",
+    "trust_remote_code": "allow a checkpoint's tokenizer to run its own code",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line in one line (exit code 2), not usage + error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _bool(text: str) -> bool:
@@ -36,8 +79,12 @@ def _disable_flag(name: str) -> str:
     return "--disable-" + name.replace("_", "-")
 
 
+def engine_flag_help(f: dataclasses.Field) -> str | None:
+    return f.metadata.get("help") or ENGINE_FLAG_HELP.get(f.name)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine arguments (EngineConfig)")
+    group = parser.add_argument_group("engine arguments (EngineConfig; the same names in LLM(...))")
     defaults = EngineConfig()
     for f in dataclasses.fields(EngineConfig):
         if f.name in _SKIP_FIELDS:
@@ -45,23 +92,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default = getattr(defaults, f.name)
         flag = "--" + f.name.replace("_", "-")
         kind = str(f.type).replace(" ", "")
+        described = engine_flag_help(f) or f.name.replace("_", " ")
+        choices = f.metadata.get("choices") or ENGINE_CHOICES.get(f.name)
         if kind == "bool":
             if default:
-                group.add_argument(_disable_flag(f.name), dest=f.name, action="store_false",
-                                   help=f"turn off {f.name}")
+                group.add_argument(_disable_flag(f.name), dest=f.name, action="store_false", help=described)
             else:
-                group.add_argument(flag, dest=f.name, action="store_true", help=f"turn on {f.name}")
+                group.add_argument(flag, dest=f.name, action="store_true", help=described)
         elif kind in ("bool|None", "Optional[bool]"):
-            group.add_argument(flag, dest=f.name, type=_bool, default=None, metavar="{true,false}",
-                               help="default: decided by the model")
-        elif kind == "int":
-            group.add_argument(flag, dest=f.name, type=int, default=default, help=f"default: {default}")
-        elif kind == "float":
-            group.add_argument(flag, dest=f.name, type=float, default=default, help=f"default: {default}")
+            group.add_argument(flag, dest=f.name, type=_bool, default=None, metavar="{true,false}", help=described)
+        elif kind in ("int", "float"):
+            group.add_argument(flag, dest=f.name, type=int if kind == "int" else float, default=default,
+                               metavar="N" if kind == "int" else "X", help=f"{described} (default: {default})")
         else:  # str, str | None
-            help_text = "preset name (tiny, bench-dsv32, bench-glm5) or checkpoint directory; default: tiny" \
-                if f.name == "model" else f"default: {default}"
-            group.add_argument(flag, dest=f.name, type=str, default=default, help=help_text)
+            group.add_argument(flag, dest=f.name, type=str, default=default, choices=choices,
+                               metavar="{" + ",".join(choices) + "}" if choices else None,
+                               help=described if default is None else f"{described} (default: {default})")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -93,39 +139,108 @@ def _length_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be an integer in 0-65535 (0 = any free port), got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _request_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected requests per second > 0 or 'inf', got {text!r}")
+    return value
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+DEFAULT_LOG_LEVEL = {"serve": "INFO", "generate": "WARNING", "bench": "WARNING"}
+
+
+def _add_common(parser: argparse.ArgumentParser, top: bool) -> None:
+    # Accepted before and after the subcommand; the subcommand's copy must not reset the top-level one.
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, metavar="{" + ",".join(LOG_LEVELS) + "}",
+                        default=None if top else argparse.SUPPRESS,
+                        help="logging level; default INFO for serve, WARNING otherwise (DEBUG also prints "
+                             "tracebacks of errors)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minidsa", description="DeepSeek Sparse Attention inference engine")
-    parser.add_argument("--log-level", default="WARNING", help="python logging level (default WARNING)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="minidsa", description="DeepSeek Sparse Attention inference engine")
+    parser.add_argument("--version", action="version", version=f"minidsa {__version__}")
+    _add_common(parser, top=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    _add_common(gen, top=False)
     gen.add_argument("--prompt", action="append", help="a prompt (repeat for a batch); default 'Hello'")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--max-tokens", type=int, default=32, metavar="N",
+                     help="tokens to generate at most (default: 32)")
+    gen.add_argument("--temperature", type=float, default=0.0, metavar="X",
+                     help="sampling temperature; 0 = greedy (default: 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, metavar="X", help="nucleus sampling mass (default: 1 = off)")
+    gen.add_argument("--top-k", type=int, default=0, metavar="N", help="sample among the N likeliest (default: 0 = off)")
+    gen.add_argument("--min-p", type=float, default=0.0, metavar="X",
+                     help="drop tokens below X times the likeliest one's probability (default: 0 = off)")
+    gen.add_argument("--sampling-seed", type=int, default=None, metavar="N", help="per-request sampling seed")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt at a time)")
     add_engine_args(gen)
 
-    bench = sub.add_parser("bench", help="offline throughput benchmark on a synthetic workload",
-                           description="Offline throughput on a synthetic workload. "
-                                       "`minidsa bench --suite decode [--help]` runs the GPU decode suite instead.")
-    bench.add_argument("--num-requests", type=int, default=None, help="default 256 (16 on CPU)")
+    bench = sub.add_parser("bench", help="benchmark on a synthetic workload (offline, or online against a server)",
+                           description="Benchmark on a synthetic workload. Offline (default): every request is "
+                                       "handed to an in-process engine at t = 0. Online (--request-rate, "
+                                       "--max-concurrency or --base-url): requests arrive over the streaming "
+                                       "OpenAI API of a server, minidsa's own (started in-process) or any other "
+                                       "(--base-url). `minidsa bench --suite decode [--help]` runs the GPU decode "
+                                       "suite instead.")
+    _add_common(bench, top=False)
+    bench.add_argument("--num-requests", type=_positive_int, default=None, metavar="N",
+                       help="default 256 (16 on CPU)")
     bench.add_argument("--input-len", type=_length_range, default=None, metavar="N|MIN-MAX",
                        help="prompt lengths, uniform in [MIN, MAX]; default 100-1024 (100-512 on CPU)")
     bench.add_argument("--output-len", type=_length_range, default=None, metavar="N|MIN-MAX",
                        help="output lengths, uniform in [MIN, MAX]; default 100-1024 (32-128 on CPU)")
-    bench.add_argument("--workload-seed", type=int, default=0, help="seed of the synthetic workload (default 0)")
+    bench.add_argument("--workload-seed", type=int, default=0, metavar="N",
+                       help="seed of the synthetic workload (default 0)")
     bench.add_argument("--workload", choices=("random", "shared-prefix"), default="random",
                        help="random prompts, or one shared system prompt + short questions (--input-len is then "
-                            "the question length; default 16-64); compare with --disable-prefix-caching")
+                            "the question length; default 16-64), run with and without the prefix cache")
     bench.add_argument("--shared-prefix-len", type=_positive_int, default=None, metavar="N",
                        help="shared-prefix workload: system prompt length in tokens (default 2048)")
+    online = bench.add_argument_group("online mode (any of these switches it on)")
+    online.add_argument("--request-rate", type=_request_rate, default=None, metavar="R|inf",
+                        help="Poisson arrivals at R requests/s; inf = all at t = 0 (default in online mode: inf)")
+    online.add_argument("--max-concurrency", type=_positive_int, default=None, metavar="C",
+                        help="at most C requests in flight (default: no limit)")
+    online.add_argument("--base-url", default=None, metavar="URL",
+                        help="an OpenAI-compatible server to drive (minidsa, vLLM, SGLang), e.g. "
+                             "http://127.0.0.1:8000; default: start minidsa's server in-process")
+    online.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="the model name to send (default: the first of the server's /v1/models); "
+                             "in-process, also the name the server serves")
+    online.add_argument("--api-key", default=None, metavar="KEY", help="with --base-url: sent as a Bearer token")
+    online.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS",
+                        help="service-level objectives a request must meet to count in goodput: ttft:MS, "
+                             "tpot:MS (mean time per output token), e2el:MS")
     bench.add_argument("--json", metavar="FILE", help="write the full result as JSON")
     bench.add_argument("--plot", metavar="FILE.png", help="draw throughput over time and latency percentiles")
     bench.add_argument("--no-warmup", action="store_true", help="skip the short warm-up run")
@@ -133,9 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(bench)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    _add_common(serve, top=False)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=_port, default=8000, help="TCP port, 0 = any free one (default: 8000)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    serve.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model name clients send and /v1/models lists (default: the preset's or the "
+                            "checkpoint directory's name)")
+    serve.add_argument("--shutdown-timeout", type=_non_negative_float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM / Ctrl-C, let in-flight requests finish for up to SECONDS, answering new "
+                            "ones 503; then (or on a second signal) abort them (default: 30)")
     add_engine_args(serve)
     return parser
 
@@ -144,10 +266,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from minidsa.engine import LLM
     from minidsa.request import SamplingParams
 
-    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop,
-                            ignore_eos=args.ignore_eos)
+                            ignore_eos=args.ignore_eos).validate()  # before the model loads
+    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
     prompts: list[Any] = args.prompt or ["Hello"]
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
@@ -166,20 +288,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from minidsa.bench import plot_result, print_summary, run_bench, write_json
-    from minidsa.engine import Engine
+    from minidsa import bench, bench_online
 
-    engine = Engine(engine_config_from_args(args), progress=not args.no_progress)
-    result = run_bench(engine, args.num_requests, args.input_len, args.output_len, args.workload_seed,
-                       warmup=not args.no_warmup, progress=not args.no_progress, workload=args.workload,
-                       shared_prefix_len=args.shared_prefix_len)
-    print_summary(result)
+    online = args.request_rate is not None or args.max_concurrency is not None or args.base_url is not None
+    goodput = bench_online.parse_goodput(args.goodput)
+    if not online and (goodput or args.served_model_name or args.api_key):
+        raise ConfigError("goodput" if goodput else "served_model_name" if args.served_model_name else "api_key",
+                          "applies to online mode only (add --request-rate, --max-concurrency or --base-url)")
+    config = engine_config_from_args(args)
+    if online:
+        result = bench_online.run_online_bench(
+            config if args.base_url is None else None, base_url=args.base_url, num_requests=args.num_requests,
+            input_len=args.input_len, output_len=args.output_len, seed=args.workload_seed,
+            request_rate=args.request_rate if args.request_rate is not None else float("inf"),
+            max_concurrency=args.max_concurrency, workload=args.workload, shared_prefix_len=args.shared_prefix_len,
+            model_name=args.served_model_name, api_key=args.api_key, goodput=goodput, warmup=not args.no_warmup,
+            progress=not args.no_progress)
+        bench_online.print_online_summary(result)
+    else:
+        from minidsa.engine import Engine
+
+        engine = Engine(config, progress=not args.no_progress)
+        result = bench.run_bench(engine, args.num_requests, args.input_len, args.output_len, args.workload_seed,
+                                 warmup=not args.no_warmup, progress=not args.no_progress, workload=args.workload,
+                                 shared_prefix_len=args.shared_prefix_len)
+        bench.print_summary(result)
     if args.json:
-        write_json(result, args.json)
+        bench.write_json(result, args.json)
         print(f"wrote {args.json}")
     if args.plot:
         try:
-            print(f"wrote {plot_result(result, args.plot)}")
+            print(f"wrote {bench.plot_result(result, args.plot)}")
         except RuntimeError as e:  # matplotlib missing: the numbers above still stand
             print(f"minidsa bench: {e}", file=sys.stderr)
             return 1
@@ -190,10 +329,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from minidsa.server import app  # aiohttp: imported only for `serve`
 
     config = engine_config_from_args(args)
-    if hasattr(app, "main"):
-        return app.main(args) or 0
-    app.serve(config, args.host, args.port, args.api_key)
+    sock = app.bind_socket(args.host, args.port)  # a taken port is an error now, not after loading the model
+    app.serve(config, args.host, args.port, args.api_key, drain_timeout=args.shutdown_timeout,
+              served_model_name=args.served_model_name, sock=sock)
     return 0
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean bad input (arguments, files, ports), reported in one line with exit code 2."""
+    from minidsa.models.loader import CheckpointError
+
+    return ConfigError, InvalidRequest, CheckpointError, ValueError, OSError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,13 +348,20 @@ def main(argv: list[str] | None = None) -> int:
         from minidsa import perf
 
         return perf.main(argv[3:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    level = args.log_level or DEFAULT_LOG_LEVEL[args.command]
+    logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve}[args.command](args)
-    except (ConfigError, InvalidRequest, ValueError) as e:  # bad arguments / workloads: a message, not a traceback
+    except KeyboardInterrupt:
+        print(f"minidsa {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if not isinstance(e, _user_errors()):
+            raise
+        # bad input: one line naming it; the traceback only when asked for
+        if level == "DEBUG":
+            traceback.print_exc()
         print(f"minidsa {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -392,6 +392,14 @@ DTYPES = {
 }
 
 
+# The accepted values of EngineConfig's string-valued choices (the CLI lists them in --help).
+ENGINE_CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": ("auto", *DTYPES),
+    "indexer_cache_dtype": ("auto", "fp8", "model"),
+    "kernel_backend": ("auto", "torch", "triton"),
+}
+
+
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
@@ -450,8 +458,8 @@ class EngineConfig:
             raise ConfigError("page_size", f"must be 1 or a power of two (64 matches DeepGEMM), got {self.page_size}")
         if self.dtype != "auto":
             resolve_dtype(self.dtype)
-        if self.indexer_cache_dtype not in ("auto", "fp8", "model"):
+        if self.indexer_cache_dtype not in ENGINE_CHOICES["indexer_cache_dtype"]:
             raise ConfigError("indexer_cache_dtype", f"'{self.indexer_cache_dtype}' is not auto, fp8 or model")
-        if self.kernel_backend not in ("auto", "torch", "triton"):
+        if self.kernel_backend not in ENGINE_CHOICES["kernel_backend"]:
             raise ConfigError("kernel_backend", f"'{self.kernel_backend}' is not auto, torch or triton")
         return self

@@ -209,14 +209,23 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request; raises InvalidRequest (nothing changed) when it cannot be served."""
+                    request_id: str | None = None, *, use_prefix_cache: bool = True) -> str:
+        """Queue a request; raises InvalidRequest (nothing changed) when it cannot be served.
+
+        `use_prefix_cache=False`: the request neither reuses cached KV pages nor adds its own (the baseline
+        `minidsa bench --workload shared-prefix` measures beside the cached run)."""
         params = copy.copy(params) if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
-        if self.speculator is not None and params.logprobs:
-            raise InvalidRequest("SamplingParams.logprobs is not supported with speculative decoding")
+        if self.speculator is not None:
+            # the speculator's verify samples by its own rules: no logprobs and no penalties there (yet)
+            for name, on in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs is not None),
+                             ("presence_penalty", params.presence_penalty != 0.0),
+                             ("frequency_penalty", params.frequency_penalty != 0.0),
+                             ("repetition_penalty", params.repetition_penalty != 1.0)):
+                if on:
+                    raise InvalidRequest(f"SamplingParams.{name} is not supported with speculative decoding")
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise InvalidRequest(f"SamplingParams.stop_token_ids {bad} are outside the vocabulary "
@@ -256,7 +265,8 @@ class Engine:
                             f"(max_queued_requests {self.config.max_queued_requests})")
         if self._pending:  # an id reused right after its abort must not receive the old abort output
             self._pending = [o for o in self._pending if o.request_id != request_id]
-        req = Request(request_id=request_id, prompt_ids=ids, params=params, prompt=text, arrival_time=now())
+        req = Request(request_id=request_id, prompt_ids=ids, params=params, prompt=text, arrival_time=now(),
+                      use_prefix_cache=bool(use_prefix_cache))
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -307,14 +317,18 @@ class Engine:
         reqs = sched.reqs
         batch = self.runner.extend_batch(reqs, sched.extend_lens)
         out = self.runner.forward(batch)
+        if any(r.params.prompt_logprobs is not None for r in reqs):
+            self._score_prompts(reqs, sched.extend_lens, out.hidden)
         for req, n in zip(reqs, sched.extend_lens):
             req.seq_len += n
-        done = [i for i, r in enumerate(reqs) if not r.in_prefill]  # prefill complete: sample a token
+        complete = [i for i, r in enumerate(reqs) if not r.in_prefill]  # prefill complete: sample a token
+        done = [i for i in complete if reqs[i].params.max_tokens > 0]  # max_tokens 0: the prompt scored, no token
         tokens: list[int] = []
         logprobs: list[float] | None = None
+        tops: list[dict[int, float]] | None = None
         if done:
             rows = out.logits if len(done) == len(reqs) else out.logits[torch.tensor(done, device=out.logits.device)]
-            tokens, logprobs = self._sample(rows, [reqs[i] for i in done])
+            tokens, logprobs, tops = self._sample(rows, [reqs[i] for i in done])
         if self.speculator is not None:
             next_tokens: list[int | None] = [None] * len(reqs)
             for j, i in enumerate(done):
@@ -325,14 +339,48 @@ class Engine:
             req = reqs[i]
             if req.first_token_time is None:
                 self._prompt_tokens_total += len(req.prompt_ids)
-            new_ids, new_text = self.append_tokens(req, [tokens[j]], None if logprobs is None else [logprobs[j]])
+            new_ids, new_text = self.append_tokens(req, [tokens[j]], None if logprobs is None else [logprobs[j]],
+                                                   None if tops is None else [tops[j]])
             produced.append((req, new_ids, new_text))
+        for i in complete:
+            if reqs[i].params.max_tokens == 0:
+                self._prompt_tokens_total += len(reqs[i].prompt_ids)
+                reqs[i].finish_reason = "length"
+                produced.append((reqs[i], [], ""))
         self._release_finished(r for r, _, _ in produced)
         return produced
+
+    def _score_prompts(self, reqs: list[Request], extend_lens: list[int], hidden: torch.Tensor) -> None:
+        """Log-probabilities of the prompt tokens this prefill chunk predicts, for requests that asked.
+
+        Position p's hidden state predicts prompt token p + 1. Positions scored before a preemption are not
+        scored again when the request is prefilled anew (the scheduler skips the prefix cache for them)."""
+        rows: list[int] = []
+        targets: list[int] = []
+        owners: list[Request] = []
+        offset = 0
+        for req, n in zip(reqs, extend_lens):
+            if req.params.prompt_logprobs is not None:
+                if not req.prompt_logprobs:
+                    req.prompt_logprobs, req.prompt_top_logprobs = [None], [None]
+                first = len(req.prompt_logprobs) - 1  # the next position whose successor is unscored
+                for p in range(max(req.seq_len, first), min(req.seq_len + n, len(req.prompt_ids) - 1)):
+                    rows.append(offset + p - req.seq_len)
+                    targets.append(req.prompt_ids[p + 1])
+                    owners.append(req)
+            offset += n
+        if not rows:
+            return
+        k = max(r.params.prompt_logprobs for r in owners)
+        values, tops = self.runner.token_logprobs(hidden, rows, targets, k)
+        for req, v, top in zip(owners, values, tops):
+            req.prompt_logprobs.append(v)
+            req.prompt_top_logprobs.append(dict(list(top.items())[:req.params.prompt_logprobs]))
 
     def _decode(self, sched: ScheduledBatch) -> list[tuple[Request, list[int], str]]:
         reqs = sched.reqs
         logprobs: list[float] | None = None
+        tops: list[dict[int, float]] | None = None
         if self.speculator is not None:
             before = [r.seq_len for r in reqs]
             new_tokens = self.speculator.decode(reqs)  # advances seq_len over the root + accepted drafts
@@ -341,21 +389,32 @@ class Engine:
                 assert r.seq_len == n + len(toks), f"speculator left {r.request_id} with seq_len {r.seq_len}"
         else:
             out = self.runner.forward(self.runner.decode_batch(reqs))
-            tokens, logprobs = self._sample(out.logits, reqs)
+            tokens, logprobs, tops = self._sample(out.logits, reqs)
             new_tokens = [[t] for t in tokens]
             for r in reqs:
                 r.seq_len += 1  # the fed token is now cached
         produced = []
         for j, (req, toks) in enumerate(zip(reqs, new_tokens)):
-            new_ids, new_text = self.append_tokens(req, toks, None if logprobs is None else [logprobs[j]])
+            new_ids, new_text = self.append_tokens(req, toks, None if logprobs is None else [logprobs[j]],
+                                                   None if tops is None else [tops[j]])
             produced.append((req, new_ids, new_text))
         self._release_finished(r for r, _, _ in produced)
         return produced
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[float] | None]:
-        ids, logprobs = self.sampler(logits, [r.params for r in reqs], [len(r.output_ids) for r in reqs])
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]
+                ) -> tuple[list[int], list[float] | None, list[dict[int, float]] | None]:
+        """(token ids, their logprobs if any request asked, each row's top logprobs if any asked)."""
+        params = [r.params for r in reqs]
+        penalised = any(p.penalised for p in params)
+        out = self.sampler(logits, params, [len(r.output_ids) for r in reqs],
+                           [r.prompt_ids for r in reqs] if penalised else None,
+                           [r.output_ids for r in reqs] if penalised else None)
         # The one host sync of the step: stop checks need the ids.
-        return ids.tolist(), None if logprobs is None else logprobs.tolist()
+        tops = None
+        if out.top_ids is not None:
+            tops = [dict(zip(ids[:p.top_logprobs], lps[:p.top_logprobs]))
+                    for p, ids, lps in zip(params, out.top_ids.tolist(), out.top_logprobs.tolist())]
+        return out.ids.tolist(), None if out.logprobs is None else out.logprobs.tolist(), tops
 
     def _release_finished(self, reqs: Any) -> None:
         for req in reqs:
@@ -364,8 +423,8 @@ class Engine:
                 self.requests.pop(req.request_id, None)
 
     # -- tokens in ----------------------------------------------------------------
-    def append_tokens(self, req: Request, tokens: list[int],
-                      logprobs: list[float] | None = None) -> tuple[list[int], str]:
+    def append_tokens(self, req: Request, tokens: list[int], logprobs: list[float] | None = None,
+                      top_logprobs: list[dict[int, float]] | None = None) -> tuple[list[int], str]:
         """Append new tokens to a request, checking stop conditions after each one.
 
         Tokens after the one that stops the request (eos / stop token / stop string / max_tokens) are dropped.
@@ -379,6 +438,8 @@ class Engine:
             kept.append(tok)
             if logprobs is not None:
                 req.output_logprobs.append(logprobs[i])
+            if top_logprobs is not None:
+                req.output_top_logprobs.append(top_logprobs[i])
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
                 req.finish_reason = "stop"
                 break
@@ -424,6 +485,8 @@ class Engine:
     def _output(self, req: Request, new_ids: list[int], new_text: str) -> RequestOutput:
         finished = req.finish_reason is not None
         ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
+        # Prompt logprobs (as long as the prompt) go with the first output and the final one, not every step.
+        with_prompt_logprobs = req.params.prompt_logprobs is not None and (finished or len(req.output_ids) <= 1)
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_ids,
@@ -434,6 +497,9 @@ class Engine:
             finished=finished,
             finish_reason=req.finish_reason,
             logprobs=list(req.output_logprobs) if req.params.logprobs else None,
+            top_logprobs=list(req.output_top_logprobs) if req.params.top_logprobs else None,
+            prompt_logprobs=list(req.prompt_logprobs) if with_prompt_logprobs else None,
+            prompt_top_logprobs=list(req.prompt_top_logprobs) if with_prompt_logprobs else None,
             ttft_s=ttft,
             prompt=req.prompt,
             num_preemptions=req.num_preemptions,

@@ -500,7 +500,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-contexts", type=int, nargs="+", default=[4096, 8192, 16384])
     p.add_argument("--hf-tokens", type=int, default=16)
     p.add_argument("--skip", nargs="*", default=[], choices=["verify", "dense", "spec", "hf"],
-                   help="leave parts out of a quick run: (e) verify, (d) dense, (e) end to end, (f) transformers")
+                   help="leave parts out of a quick run: verify (verify vs decode step), dense (DSA vs dense "
+                        "attention), spec (speculative end to end), hf (transformers)")
     p.add_argument("--no-compile", action="store_true", help="graphs of the eager modules (no torch.compile)")
     p.add_argument("--profile", type=int, default=0, metavar="ITERS",
                    help="profile the batch-1 decode graph over ITERS replays (kernel table in the JSON)")
@@ -509,7 +510,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="minidsa bench --suite decode", description=__doc__.splitlines()[0])
     add_args(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

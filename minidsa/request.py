@@ -41,6 +41,9 @@ def struct_to_dict(obj: Any) -> dict[str, Any]:
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
+MAX_TOP_LOGPROBS = 20  # most alternatives per position (OpenAI's limit)
+
+
 class InvalidRequest(ValueError):
     """A request the engine refuses; the message names the problem. Nothing in the engine changed."""
 
@@ -68,6 +71,11 @@ class SamplingParams(Struct):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: bool = False  # log-probability of each generated token under the model (before temperature)
+    top_logprobs: int = 0  # with logprobs: also the N (<= 20) likeliest tokens at each generated position
+    prompt_logprobs: int | None = None  # N >= 0: log-probability of each prompt token (+ N likeliest alternatives)
+    presence_penalty: float = 0.0  # OpenAI: subtracted from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # OpenAI: subtracted once per time a token was generated so far
+    repetition_penalty: float = 1.0  # vLLM / SGLang: logits of prompt or generated tokens / it (> 0) or * it (< 0)
     detokenize: bool = True  # False: skip text (benchmarks); stop strings then cannot be used
 
     @property
@@ -80,8 +88,21 @@ class SamplingParams(Struct):
         def bad(name: str, why: str) -> InvalidRequest:
             return InvalidRequest(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
 
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise bad("max_tokens", "must be an integer >= 1")
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
+            raise bad("max_tokens", "must be an integer >= 1 (0 only with prompt_logprobs: score the prompt)")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be None or an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise bad("max_tokens", "must be an integer >= 1 (0 only with prompt_logprobs: score the prompt)")
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2.0 <= v <= 2.0:
+                raise bad(name, "must be a number in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
+            raise bad("repetition_penalty", "must be a number in (0, 10] (1 = off)")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise bad("temperature", "must be a finite number >= 0")
         if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
@@ -109,6 +130,8 @@ class SamplingParams(Struct):
         for name in ("ignore_eos", "logprobs", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
+        if self.top_logprobs and not self.logprobs:
+            raise bad("top_logprobs", "needs logprobs=True")
         if self.stop and not self.detokenize:
             raise bad("stop", "needs detokenize=True (stop strings are matched on text)")
         if self.top_k == -1:
@@ -116,7 +139,14 @@ class SamplingParams(Struct):
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         self.min_p = float(self.min_p)
+        self.presence_penalty = float(self.presence_penalty)
+        self.frequency_penalty = float(self.frequency_penalty)
+        self.repetition_penalty = float(self.repetition_penalty)
         return self
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 class RequestStatus(enum.IntEnum):
@@ -133,8 +163,13 @@ class Request(Struct):
     params: SamplingParams
     prompt: str | None = None
     arrival_time: float = 0.0
+    use_prefix_cache: bool = True  # False: neither reuse cached KV pages nor add this request's
     output_ids: list[int] = []
     output_logprobs: list[float] = []
+    output_top_logprobs: list[dict[int, float]] = []  # per generated token, with params.top_logprobs
+    # with params.prompt_logprobs: per prompt token (the first has none), filled as prefill chunks run
+    prompt_logprobs: list[float | None] = []
+    prompt_top_logprobs: list[dict[int, float] | None] = []
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     # KV: row of req_to_token, pages held, and how many of the request's tokens are cached.
@@ -190,6 +225,10 @@ class RequestOutput(Struct):
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort"
     logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None  # per generated token: token id -> logprob, likeliest first
+    # per prompt token, None for the first; sent with the first output and the final one (None between)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
     ttft_s: float | None = None
     prompt: str | None = None
     num_preemptions: int = 0

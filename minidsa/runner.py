@@ -238,6 +238,25 @@ class ModelRunner:
     def forward_eager(self, batch: ForwardBatch) -> ModelOutput:
         return self.model(batch, self.attn)
 
+    @torch.no_grad()
+    def token_logprobs(self, hidden: torch.Tensor, rows: list[int], targets: list[int], k: int,
+                       chunk: int = 256) -> tuple[list[float], list[dict[int, float]]]:
+        """Log-probability of targets[i] after the token at hidden[rows[i]] (a last-layer state before the final
+        norm), and the k likeliest tokens there. Chunked: [chunk, vocab] fp32 at a time, whatever the prompt."""
+        idx = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
+        tgt = torch.tensor(targets, dtype=torch.int64, device=hidden.device).unsqueeze(1)
+        values: list[float] = []
+        tops: list[dict[int, float]] = []
+        for s in range(0, len(rows), chunk):
+            logp = torch.log_softmax(self.model.logits(self.model.model.norm(hidden[idx[s:s + chunk]])), dim=-1)
+            values += logp.gather(1, tgt[s:s + chunk]).squeeze(1).tolist()
+            if k:
+                top = logp.topk(k, dim=-1)
+                tops += [dict(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+            else:
+                tops += [{} for _ in range(logp.shape[0])]
+        return values, tops
+
     def forward_mtp(self, batch: ForwardBatch, hidden_prev: torch.Tensor,
                     prev_topk: torch.Tensor | None = None) -> ModelOutput:
         """Run the MTP layer. Graph-captured draft steps take no handed top-k: the layer computes

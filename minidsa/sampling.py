@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -194,6 +195,40 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch
     return ids, logprobs
 
 
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
+                    outputs: list[list[int]]) -> torch.Tensor:
+    """Logits [B, V] with each row's repetition, frequency and presence penalties applied (a new tensor).
+
+    repetition_penalty r (vLLM / SGLang, from CTRL): the logit of every token seen in the prompt or the output
+    is divided by r where positive, multiplied by r where negative. Then OpenAI's penalties over the output:
+    logit -= frequency_penalty * count + presence_penalty * (count > 0).
+    """
+    b, vocab = logits.shape
+    device = logits.device
+    rows = torch.tensor([i for i, o in enumerate(outputs) for _ in o], dtype=torch.int64, device=device)
+    ids = torch.tensor([t for o in outputs for t in o], dtype=torch.int64, device=device)
+    counts = torch.zeros(b, vocab, dtype=torch.float32, device=device)
+    counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+    x = logits.float().clone()
+    rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device).unsqueeze(1)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = counts > 0
+        p_rows = torch.tensor([i for i, q in enumerate(prompts) for _ in q], dtype=torch.int64, device=device)
+        p_ids = torch.tensor([t for q in prompts for t in q], dtype=torch.int64, device=device)
+        seen[p_rows, p_ids] = True
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device).unsqueeze(1)
+    pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device).unsqueeze(1)
+    return x - freq * counts - pres * (counts > 0).float()
+
+
+class SampledTokens(NamedTuple):
+    ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] fp32 logprob of each chosen id under the model, if any row asked
+    top_ids: torch.Tensor | None  # [B, K] the K likeliest ids (K = the largest top_logprobs asked), if any
+    top_logprobs: torch.Tensor | None  # [B, K] their logprobs
+
+
 class Sampler:
     """Holds the host RNG for unseeded rows; the engine and the speculator sample through it."""
 
@@ -205,8 +240,24 @@ class Sampler:
     def batch(self, params: list[SamplingParams], positions: list[int]) -> SamplingBatch:
         return SamplingBatch.build(params, positions, self.rng, self.vocab_size, self.device)
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 positions: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if all(p.greedy and not p.logprobs for p in params):  # the common case needs no parameter tensors
-            return logits.argmax(dim=-1), None
-        return sample(logits, self.batch(params, positions))
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+                 prompts: list[list[int]] | None = None, outputs: list[list[int]] | None = None) -> SampledTokens:
+        """Sample one token per row. Penalties (rows that set them) need each row's prompt and output ids;
+        they change what is sampled, not the reported logprobs (those stay the model's own)."""
+        if all(p.greedy and not p.logprobs and not p.penalised for p in params):  # the common case: no tensors
+            return SampledTokens(logits.argmax(dim=-1), None, None, None)
+        raw = logits
+        if any(p.penalised for p in params):
+            if prompts is None or outputs is None:
+                raise ValueError("penalties need the prompt and output ids of every row")
+            logits = apply_penalties(logits, params, prompts, outputs)
+        ids, _ = sample(logits, self.batch(params, positions))
+        if not any(p.logprobs for p in params):
+            return SampledTokens(ids, None, None, None)
+        logprobs = torch.log_softmax(raw.float(), dim=-1)
+        chosen = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1)
+        k = max(p.top_logprobs for p in params)
+        if k == 0:
+            return SampledTokens(ids, chosen, None, None)
+        top = logprobs.topk(k, dim=-1)
+        return SampledTokens(ids, chosen, top.indices, top.values)

@@ -135,7 +135,8 @@ class Scheduler:
             req = self.waiting[i]
             total = req.num_tokens  # prompt + tokens generated before a preemption
             hit: list[Node] = []
-            if self.prefix_cache is not None:  # always leave the last token to compute: it gives the logits
+            # always leave the last token to compute: it gives the logits; prompt logprobs need every position
+            if self.prefix_cache is not None and req.use_prefix_cache and req.params.prompt_logprobs is None:
                 hit = self.prefix_cache.match(req.token_slice(0, total), total - 1)
                 if computing and self._shares_pending(req, hit, computing):
                     i += 1
@@ -258,6 +259,8 @@ class Scheduler:
         Where the tree already holds an equal page, the request moves onto the tree's page and frees its
         own, so the pages a request holds from the tree always form one path from the root.
         """
+        if not req.use_prefix_cache:
+            return
         cache, ps = self.prefix_cache, self.page_size
         parent, done = self._cached_upto.get(req.request_id, (None, 0))
         full = min(req.seq_len, req.num_tokens - cache.lookahead, len(req.pages) * ps) // ps

@@ -3,7 +3,7 @@
 #
 #   OUT=/tmp/out MINIDSA_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [section ...]
 #
-# Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix.
+# Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops.
 # Also: bench_indexer (DeepGEMM vs Triton indexer logits side by side).
 #
 # DeepGEMM: DEEPGEMM=on builds it from the folder .dg (carried; made on the CPU machine with
@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
-ALL_SECTIONS="env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix"
+ALL_SECTIONS="env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops"
 
 if ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -85,6 +85,17 @@ section_bench_prefix() {   # issue 9: shared-prefix workload (2k-token system pr
     local args="--model bench-dsv32 --workload shared-prefix --num-requests 64 --no-progress --disable-compile --cuda-graph-max-bs 32"
     timeout "$TIMEOUT" $PY -m minidsa.cli bench $args --json "$OUT/prefix_on.json" &&
     timeout "$TIMEOUT" $PY -m minidsa.cli bench $args --disable-prefix-caching --json "$OUT/prefix_off.json"
+}
+
+section_ops() {   # issue 20: logprobs / penalties on the graph path; online bench (Poisson arrivals) over HTTP
+    timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_ops_gpu.py -rs || return 1
+    if ! $PY -c "import aiohttp, msgspec" 2>/dev/null; then  # the server's packages; the machine is offline
+        echo "online bench skipped: aiohttp / msgspec not installed (pip install aiohttp msgspec)"
+        return 0
+    fi
+    timeout "$TIMEOUT" $PY -m minidsa.cli bench --model bench-dsv32 --request-rate 8 --max-concurrency 32 \
+        --num-requests 64 --no-progress --disable-compile --cuda-graph-max-bs 32 --goodput ttft:1000 tpot:100 \
+        --json "$OUT/online.json"
 }
 
 SECTIONS=${*:-$ALL_SECTIONS}

@@ -345,7 +345,8 @@ def test_bad_requests_get_openai_style_400(server):
         (json.dumps({**ok, "stream_options": {"include_usage": True, "x": 1}}).encode(), "stream_options.x"),
         (json.dumps({**ok, "prompt": [1, "a"]}).encode(), "prompt"),
         (json.dumps({**ok, "prompt": [10**10]}).encode(), "prompt[0]"),
-        (json.dumps({**ok, "presence_penalty": 0.5}).encode(), "presence_penalty"),
+        (json.dumps({**ok, "presence_penalty": 2.5}).encode(), "presence_penalty"),
+        (json.dumps({**ok, "logit_bias": {"5": 1.0}}).encode(), "logit_bias"),
         (json.dumps({"max_tokens": 2}).encode(), "prompt"),
         (json.dumps({**ok, "prompt": ""}).encode(), "prompt"),  # the engine's own checks from here
         (json.dumps({**ok, "prompt": [129280, 5]}).encode(), "prompt"),

@@ -9,14 +9,17 @@ unexpected tensors raise `CheckpointError` listing them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from minidsa.config import ModelConfig
@@ -30,15 +33,37 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that does not match the model its config describes."""
+    """A checkpoint that does not match the model its config describes, or a shard that cannot be read."""
+
+
+@contextlib.contextmanager
+def _open_shard(file: str) -> Iterator[Any]:
+    """safe_open, with unreadable / truncated / corrupt shards reported as CheckpointError naming the file."""
+    try:
+        handle = safe_open(file, "pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot read checkpoint shard {file}: {e}") from e
+    with handle as f:
+        yield f
+
+
+def _read_tensor(f: Any, file: str, name: str) -> torch.Tensor:
+    """f.get_tensor(name), with a tensor missing from its shard or a truncated shard reported as CheckpointError."""
+    try:
+        return f.get_tensor(name)
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise CheckpointError(f"cannot read tensor {name} from checkpoint shard {file}: {e}") from e
 
 
 def checkpoint_files(path: str) -> dict[str, str]:
     """tensor name -> shard file, from the index file if present, else every *.safetensors file."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"cannot read {index}: {type(e).__name__}: {e}") from e
         files = {name: os.path.join(path, shard) for name, shard in weight_map.items()}
         for shard in set(files.values()):
             if not os.path.exists(shard):
@@ -50,7 +75,7 @@ def checkpoint_files(path: str) -> dict[str, str]:
     files = {}
     for shard in shards:
         full = os.path.join(path, shard)
-        with safe_open(full, "pt") as f:
+        with _open_shard(full) as f:
             for name in f.keys():
                 files[name] = full
     return files
@@ -106,8 +131,22 @@ def load_checkpoint(model: DeepseekV32ForCausalLM, path: str, dtype: torch.dtype
 
     bar = tqdm(total=sum(len(v) for v in by_file.values()), desc="Loading weights", unit="tensor",
                disable=not progress)
+    try:
+        _load_shards(by_file, files, plan, loaded, expert_slices, ignored, unexpected, inter, bar)
+    except BaseException:
+        bar.leave = False  # an error: erase the half-drawn bar, so the error message stands alone
+        raise
+    finally:
+        bar.close()
+    _check_complete(path, plan, loaded, expert_slices, ignored, unexpected)
+    _finish(model, dtype)
+
+
+def _load_shards(by_file: dict[str, list[str]], files: dict[str, str], plan: "_Plan", loaded: set[str],
+                 expert_slices: dict[str, set], ignored: dict[str, list[str]], unexpected: list[str], inter: int,
+                 bar: Any) -> None:
     for file, names in sorted(by_file.items()):
-        with safe_open(file, "pt", device="cpu") as f:
+        with _open_shard(file) as f:
             keys = set(f.keys())
             for name in sorted(names):
                 bar.update(1)
@@ -115,17 +154,17 @@ def load_checkpoint(model: DeepseekV32ForCausalLM, path: str, dtype: torch.dtype
                 if reason is not None:
                     ignored[reason].append(name)
                     continue
-                tensor = f.get_tensor(name)
+                tensor = _read_tensor(f, file, name)
                 if tensor.dtype == torch.float8_e4m3fn:
                     scale_name = name[: -len("weight")] + "weight_scale_inv"
                     if scale_name not in files:
                         raise CheckpointError(f"fp8 tensor {name} has no {scale_name}")
                     scale_file = files[scale_name]
                     if scale_file == file and scale_name in keys:
-                        scale = f.get_tensor(scale_name)
+                        scale = _read_tensor(f, file, scale_name)
                     else:
-                        with safe_open(scale_file, "pt", device="cpu") as g:
-                            scale = g.get_tensor(scale_name)
+                        with _open_shard(scale_file) as g:
+                            scale = _read_tensor(g, scale_file, scale_name)
                     tensor = dequant_fp8_block(tensor, scale)
                 m = _EXPERT_RE.match(name)
                 if m:
@@ -149,8 +188,10 @@ def load_checkpoint(model: DeepseekV32ForCausalLM, path: str, dtype: torch.dtype
                 param = plan.params[name]
                 _copy(param.data, tensor, name)
                 loaded.add(name)
-    bar.close()
 
+
+def _check_complete(path: str, plan: "_Plan", loaded: set[str], expert_slices: dict[str, set],
+                    ignored: dict[str, list[str]], unexpected: list[str]) -> None:
     for reason, names in ignored.items():
         logger.info("ignored %d checkpoint tensors (%s), e.g. %s", len(names), reason, names[0])
     missing = []
@@ -174,7 +215,6 @@ def load_checkpoint(model: DeepseekV32ForCausalLM, path: str, dtype: torch.dtype
             parts.append(f"unexpected {len(unexpected)} tensors: {', '.join(unexpected[:30])}"
                          + (" ..." if len(unexpected) > 30 else ""))
         raise CheckpointError(f"checkpoint {path} does not match its config: " + "; ".join(parts))
-    _finish(model, dtype)
 
 
 def _summarise_missing_layers(missing: list[str], plan: _Plan) -> list[str]:

@@ -13,7 +13,9 @@ import asyncio
 import hmac
 import logging
 import re
+import errno
 import signal
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -38,9 +40,9 @@ CLIENT_CLOSED = 499  # nginx's status for "client closed the connection before t
 
 
 def _sampling_params(req: P.CompletionRequest | P.ChatCompletionRequest, max_tokens: int | None, seed_offset: int,
-                     logprobs: bool) -> Any:
+                     logprobs: bool, top_logprobs: int = 0, prompt_logprobs: int | None = None) -> Any:
     return SamplingParams(
-        max_tokens=max_tokens or 1,  # None: replaced by the context room on the engine thread
+        max_tokens=1 if max_tokens is None else max_tokens,  # None: replaced by the context room on the engine thread
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=req.top_p,
         top_k=req.top_k,
@@ -50,6 +52,11 @@ def _sampling_params(req: P.CompletionRequest | P.ChatCompletionRequest, max_tok
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
     )
 
 
@@ -84,7 +91,8 @@ def _engine_error_param(message: str) -> str | None:
 
 
 _PARAM_NAMES = {"prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                "stop_token_ids", "ignore_eos", "logprobs"}
+                "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "prompt_logprobs", "presence_penalty",
+                "frequency_penalty", "repetition_penalty"}
 
 
 def _disconnected(request: web.Request) -> bool:
@@ -99,6 +107,7 @@ def _disconnected(request: web.Request) -> bool:
 class _Choice:
     index: int
     count_prompt: bool  # only the first of n choices of a prompt counts its prompt tokens
+    echo: str | None = None  # completions with echo: the prompt text, sent before the output
     text: str = ""
     num_tokens: int = 0
     prompt_tokens: int = 0
@@ -106,16 +115,29 @@ class _Choice:
     error: str | None = None
     logprob_tokens: list[str] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    # echo with logprobs: the prompt's tokens, their logprobs (first None) and top alternatives
+    prompt_logprob_tokens: list[str] = field(default_factory=list)
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     # deltas since the last emitted chunk
     pending_text: str = ""
     pending_logprobs: int = 0
+    pending_echo: bool = False  # the echoed prompt is still to be sent (with the first chunk)
 
 
 class _Choices:
-    def __init__(self, request_ids: list[str], n: int, tokenizer: Any, want_logprobs: bool):
-        self.by_id = {rid: _Choice(i, i % n == 0) for i, rid in enumerate(request_ids)}
+    def __init__(self, request_ids: list[str], n: int, tokenizer: Any, want_logprobs: bool,
+                 echoes: list[str] | None = None):
+        self.by_id = {rid: _Choice(i, i % n == 0, None if echoes is None else echoes[i // n])
+                      for i, rid in enumerate(request_ids)}
+        for c in self.by_id.values():
+            c.pending_echo = c.echo is not None
         self.tokenizer = tokenizer
         self.want_logprobs = want_logprobs
+
+    def _decode_top(self, top: dict[int, float] | None) -> dict[str, float] | None:
+        return None if top is None else {self.tokenizer.decode([t]): float(v) for t, v in top.items()}
 
     def update(self, item: Any) -> _Choice:
         c = self.by_id[item.request_id]
@@ -123,6 +145,10 @@ class _Choices:
             c.finish_reason = item.finish_reason
             c.error = item.error
             return c
+        if item.prompt_logprobs is not None and not c.prompt_logprobs:
+            c.prompt_logprob_tokens = [self.tokenizer.decode([t]) for t in item.prompt_token_ids]
+            c.prompt_logprobs = list(item.prompt_logprobs)
+            c.prompt_top_logprobs = [self._decode_top(t) for t in item.prompt_top_logprobs]
         # cumulative fields are the source of truth: a dropped or merged delta cannot lose a token
         if item.text.startswith(c.text):
             delta = item.text[len(c.text):]
@@ -137,6 +163,10 @@ class _Choices:
             new_lps = lps[c.num_tokens:] if cumulative else lps[len(lps) - len(new_ids):]
             c.logprob_tokens += [self.tokenizer.decode([t]) for t in new_ids]
             c.logprobs += [float(x) for x in new_lps]
+            if item.top_logprobs is not None:
+                tops = list(item.top_logprobs)
+                new_tops = tops[c.num_tokens:] if len(tops) == len(item.token_ids) else tops[len(tops) - len(new_ids):]
+                c.top_logprobs += [self._decode_top(t) for t in new_tops]
             c.pending_logprobs += len(new_ids)
         c.num_tokens = len(item.token_ids)
         c.prompt_tokens = len(item.prompt_token_ids)
@@ -153,19 +183,34 @@ class _Choices:
         return sorted(self.by_id.values(), key=lambda c: c.index)
 
 
-def _completion_logprobs(c: _Choice, start: int) -> P.CompletionLogprobs:
+def _completion_logprobs(c: _Choice, start: int, with_echo: bool, top: bool) -> P.CompletionLogprobs:
+    """Logprobs of output tokens [start:], preceded by the echoed prompt's when `with_echo`; text offsets
+    count from the start of the choice's whole text (echoed prompt included)."""
     tokens = c.logprob_tokens[start:]
-    offset0 = sum(len(t) for t in c.logprob_tokens[:start])
-    offsets, pos = [], offset0
+    values: list[float | None] = list(c.logprobs[start:])
+    tops: list[dict[str, float] | None] = list(c.top_logprobs[start:])
+    if with_echo:
+        tokens = c.prompt_logprob_tokens + tokens
+        values = c.prompt_logprobs + values
+        tops = c.prompt_top_logprobs + tops
+        pos = 0
+    else:
+        pos = len(c.echo or "") + sum(len(t) for t in c.logprob_tokens[:start])
+    offsets = []
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    return P.CompletionLogprobs(tokens, c.logprobs[start:], None, offsets)
+    return P.CompletionLogprobs(tokens, values, tops if top else None, offsets)
 
 
 def _chat_logprobs(c: _Choice, start: int) -> P.ChatLogprobs:
-    return P.ChatLogprobs([P.ChatTokenLogprob(t, lp, list(t.encode("utf-8", "replace")))
-                           for t, lp in zip(c.logprob_tokens[start:], c.logprobs[start:])])
+    def as_bytes(t: str) -> list[int]:
+        return list(t.encode("utf-8", "replace"))
+
+    tops = c.top_logprobs[start:] or [{}] * len(c.logprobs[start:])
+    return P.ChatLogprobs([P.ChatTokenLogprob(t, lp, as_bytes(t),
+                                              [P.ChatTopLogprob(k, v, as_bytes(k)) for k, v in top.items()])
+                           for t, lp, top in zip(c.logprob_tokens[start:], c.logprobs[start:], tops)])
 
 
 async def _collect(request: web.Request, stream: RequestStream, choices: _Choices) -> bool:
@@ -203,9 +248,9 @@ async def _stream(request: web.Request, stream: RequestStream, choices: _Choices
             out = []
             for index in sorted(changed):
                 c = changed[index]
-                if c.pending_text or c.pending_logprobs or c.finish_reason:
+                if c.pending_text or c.pending_logprobs or c.finish_reason or c.pending_echo:
                     out.append(make_chunk(c, c.finish_reason is not None))
-                    c.pending_text, c.pending_logprobs = "", 0
+                    c.pending_text, c.pending_logprobs, c.pending_echo = "", 0, False
             if out:
                 await resp.write(b"".join(out))
         tail = [usage_chunk()] if usage_chunk is not None else []
@@ -235,21 +280,31 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = P.decode_completion_request(await request.read())
     _check_model(ae, req.model)
     want_logprobs = req.logprobs is not None
+    top = req.logprobs or 0
+    prompts = P.prompt_list(req.prompt)
+    echoes = None
+    if req.echo:
+        tokenizer = ae.engine.tokenizer
+        echoes = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+    # echo: the prompt's logprobs come from the prefill (max_tokens 0 asks for nothing else)
+    prompt_logprobs = top if req.echo and (want_logprobs or req.max_tokens == 0) else None
     base_id = f"cmpl-{uuid.uuid4().hex}"
     engine_requests = [
-        EngineRequest(f"{base_id}-{i * req.n + j}", prompt, _sampling_params(req, req.max_tokens, j, want_logprobs),
+        EngineRequest(f"{base_id}-{i * req.n + j}", prompt,
+                      _sampling_params(req, req.max_tokens, j, want_logprobs, top, prompt_logprobs),
                       max_tokens_to_context=req.max_tokens is None)
-        for i, prompt in enumerate(P.prompt_list(req.prompt)) for j in range(req.n)
+        for i, prompt in enumerate(prompts) for j in range(req.n)
     ]
     stream = await _start(ae, engine_requests)
     try:
-        choices = _Choices(stream.request_ids, req.n, ae.engine.tokenizer, want_logprobs)
+        choices = _Choices(stream.request_ids, req.n, ae.engine.tokenizer, want_logprobs, echoes)
         created = P.now()
         if req.stream:
             def chunk(c: _Choice, final: bool) -> bytes:
                 start = len(c.logprobs) - c.pending_logprobs
-                lp = _completion_logprobs(c, start) if want_logprobs else None
-                choice = P.CompletionChoice(c.index, c.pending_text, lp, c.finish_reason if final else None)
+                lp = _completion_logprobs(c, start, c.pending_echo, top > 0) if want_logprobs else None
+                text = (c.echo if c.pending_echo else "") + c.pending_text
+                choice = P.CompletionChoice(c.index, text, lp, c.finish_reason if final else None)
                 return _sse(P.CompletionResponse(base_id, created, ae.model_name, [choice]))
 
             def usage() -> bytes:  # OpenAI's stream_options.include_usage: one last chunk with no choices
@@ -260,7 +315,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
             return web.Response(status=CLIENT_CLOSED)  # nobody reads it; counted in /metrics
         body = P.CompletionResponse(
             base_id, created, ae.model_name,
-            [P.CompletionChoice(c.index, c.text, _completion_logprobs(c, 0) if want_logprobs else None,
+            [P.CompletionChoice(c.index, (c.echo or "") + c.text,
+                                _completion_logprobs(c, 0, req.echo, top > 0) if want_logprobs else None,
                                 c.finish_reason) for c in choices.ordered()],
             choices.usage())
         return web.Response(body=P.encode(body), content_type="application/json")
@@ -276,7 +332,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prompt = ChatPrompt(P.chat_messages(req))
     base_id = f"chatcmpl-{uuid.uuid4().hex}"
     engine_requests = [
-        EngineRequest(f"{base_id}-{j}", prompt, _sampling_params(req, max_tokens, j, req.logprobs),
+        EngineRequest(f"{base_id}-{j}", prompt,
+                      _sampling_params(req, max_tokens, j, req.logprobs, req.top_logprobs or 0),
                       max_tokens_to_context=max_tokens is None)
         for j in range(req.n)
     ]
@@ -504,43 +561,95 @@ def build_app(async_engine: AsyncEngine, api_key: str | None = None, *, drain_ti
     return app
 
 
-async def start_server(app: web.Application, host: str, port: int, *, handler_cancellation: bool = True
-                       ) -> tuple[web.AppRunner, str]:
-    """Start `app` on host:port (port 0 picks a free one); returns the runner and the base URL.
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port, bound now, so a taken port or a bad address is reported before
+    the model loads (and nothing can take the port meanwhile). OSError names the address and the reason."""
+    if not 0 <= port <= 65535:
+        raise OSError(f"port {port} is out of range (0-65535)")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OSError(f"cannot listen on {host}:{port}: unknown host ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart right after a previous server
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError as e:
+        sock.close()
+        reason = "the address is already in use" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
+        raise OSError(f"cannot listen on {host}:{port}: {reason}") from None
+    sock.setblocking(False)
+    return sock
+
+
+async def start_server(app: web.Application, host: str, port: int, *, handler_cancellation: bool = True,
+                       sock: socket.socket | None = None) -> tuple[web.AppRunner, str]:
+    """Start `app` on host:port (port 0 picks a free one), or on an already bound `sock`; returns the runner
+    and the base URL.
 
     With handler_cancellation aiohttp cancels a handler as soon as its client disconnects; without it the
     handlers notice on their own (a failed write, or the transport found closed within DISCONNECT_POLL_S)."""
     runner = web.AppRunner(app, handler_cancellation=handler_cancellation, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
     await site.start()
     bound_host, bound_port = runner.addresses[0][:2]
     return runner, f"http://{bound_host}:{bound_port}"
 
 
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+
+
 def serve(engine_config: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, *,
-          drain_timeout: float = 30.0) -> None:
+          drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S, served_model_name: str | None = None,
+          sock: socket.socket | None = None) -> None:
     """Load an Engine from `engine_config` (an EngineConfig; None = the embedded tiny preset) and serve it
-    until SIGTERM / SIGINT, then drain open requests for up to `drain_timeout` s and abort the rest."""
+    until SIGTERM / SIGINT. The first signal stops taking requests (new ones get 503) and lets the open ones
+    finish for up to `drain_timeout` s; a second signal, or the timeout, aborts what is left (each stream
+    ends with finish_reason "abort")."""
     from minidsa.config import EngineConfig
     from minidsa.engine import Engine
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = Engine(engine_config if engine_config is not None else EngineConfig())
-    asyncio.run(_serve(AsyncEngine(engine), host, port, api_key, drain_timeout))
+    if sock is None:
+        sock = bind_socket(host, port)
+    try:
+        started = time.monotonic()
+        engine = Engine(engine_config if engine_config is not None else EngineConfig())
+        logger.info("engine ready in %.1f s: %s", time.monotonic() - started, engine)
+        ae = AsyncEngine(engine, model_name=served_model_name)
+        asyncio.run(_serve(ae, sock, api_key, drain_timeout))
+    finally:
+        sock.close()
 
 
-async def _serve(ae: AsyncEngine, host: str, port: int, api_key: str | None, drain_timeout: float) -> None:
-    runner, url = await start_server(build_app(ae, api_key, drain_timeout=drain_timeout), host, port)
-    stop = asyncio.Event()
+async def _serve(ae: AsyncEngine, sock: socket.socket, api_key: str | None, drain_timeout: float) -> None:
+    app = build_app(ae, api_key, drain_timeout=drain_timeout)
+    runner, url = await start_server(app, "", 0, sock=sock)
+    signals = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
     logger.info("minidsa serving %s on %s (max_model_len %d)", ae.model_name, url, ae.max_model_len)
     print(f"minidsa: serving {ae.model_name} on {url}", flush=True)
-    await stop.wait()
-    logger.info("shutting down: draining open requests for up to %.1f s", drain_timeout)
+    sig = await signals.get()
     started = time.monotonic()
+    open_requests = len(ae.inflight_request_ids())
+    logger.info("%s: shutting down; draining %d in-flight requests for up to %.1f s (new requests get 503; "
+                "signal again to abort them now)", signal.Signals(sig).name, open_requests, drain_timeout)
+    # The listening socket stays open while draining: new requests get a 503 with an error body, not a refusal.
+    drain = asyncio.ensure_future(ae.drain(drain_timeout))
+    again = asyncio.ensure_future(signals.get())
+    await asyncio.wait([drain, again], return_when=asyncio.FIRST_COMPLETED)
+    if again.done() and not drain.done():
+        logger.warning("%s again: aborting %d in-flight requests", signal.Signals(again.result()).name,
+                       len(ae.inflight_request_ids()))
+        await ae.abort_all_and_wait(timeout=5.0)
+        drain.cancel()
+    again.cancel()
+    app[_DRAIN_KEY] = 0.0  # drained already: the app's own shutdown hook must not wait again
     await runner.cleanup()
     logger.info("stopped after %.1f s", time.monotonic() - started)

@@ -57,6 +57,8 @@ class _Timing:
     arrival: float
     first_token: float | None = None
     last_token: float | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
 
 
 class RequestStream:
@@ -123,14 +125,29 @@ class ServerStats:
     http_responses: collections.Counter = field(default_factory=collections.Counter)  # (route, status)
 
 
+def _log_request_end(request_id: str, timing: _Timing | None, finish_reason: str, error: str | None,
+                     now: float) -> None:
+    """The one INFO line per request that ended (finished, aborted or failed)."""
+    if timing is None:
+        logger.info("request %s %s", request_id, finish_reason)
+        return
+    ttft = "-" if timing.first_token is None else f"{timing.first_token - timing.arrival:.3f} s"
+    what = "failed" if error else "aborted" if finish_reason == "abort" else "finished"
+    logger.info("request %s %s: %d prompt tokens, %d output tokens, TTFT %s, duration %.3f s, finish_reason %s%s",
+                request_id, what, timing.prompt_tokens, timing.output_tokens, ttft, now - timing.arrival,
+                finish_reason, f" ({error})" if error else "")
+
+
 class AsyncEngine:
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, model_name: str | None = None):
+        """`model_name`: the name clients send and /v1/models lists (default: the engine's)."""
         self.engine = engine
-        self.model_name: str = engine.model_name
+        self.model_name: str = model_name or engine.model_name
         self.max_model_len: int = engine.max_model_len
         self.stats = ServerStats()
         self.metrics_snapshot: Any = None  # the engine's latest metrics(), taken by the engine thread
         self.accepting = True  # False while draining for shutdown
+        self._drained = False  # a drain (or abort_all_and_wait) has completed: the next drain returns at once
         self._cond = threading.Condition()
         # (command, future): the future, when there is one, is failed if the thread dies before running it
         self._commands: collections.deque[tuple[Callable[[], None], concurrent.futures.Future | None]] = \
@@ -164,16 +181,27 @@ class AsyncEngine:
         Every aborted stream still receives a final StreamEnd, so its handler writes a last event.
         """
         self.accepting = False
+        if self._drained:
+            return
+        try:
+            await asyncio.wait_for(self._streams_closed.wait(), timeout)
+            self._drained = True
+        except asyncio.TimeoutError:
+            logger.warning("shutdown: drain timeout (%.1f s) reached", timeout)
+            await self.abort_all_and_wait(5.0)
+
+    async def abort_all_and_wait(self, timeout: float) -> None:
+        """Stop taking requests, abort every open one and wait up to `timeout` s for their handlers to end."""
+        self.accepting = False
+        ids = [rid for s in self._open_streams for rid in s.unfinished]
+        if ids:
+            logger.warning("shutdown: aborting %d unfinished requests", len(ids))
+        self.abort(ids)
         try:
             await asyncio.wait_for(self._streams_closed.wait(), timeout)
         except asyncio.TimeoutError:
-            ids = [rid for s in self._open_streams for rid in s.unfinished]
-            logger.warning("shutdown: aborting %d unfinished requests", len(ids))
-            self.abort(ids)
-            try:
-                await asyncio.wait_for(self._streams_closed.wait(), 5.0)
-            except asyncio.TimeoutError:
-                pass
+            pass
+        self._drained = True
 
     async def stop(self) -> None:
         with self._cond:
@@ -200,6 +228,8 @@ class AsyncEngine:
                     prompt, params = self._resolve(r)
                     self.engine.add_request(prompt, params, request_id=r.request_id)
                     added.append(r.request_id)
+                    # for the request's log line even if it ends before any output (an int write: no race)
+                    stream.timing[r.request_id].prompt_tokens = len(self.engine.requests[r.request_id].prompt_ids)
                     self._engine_streams[r.request_id] = stream
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 for rid in added:
@@ -293,8 +323,12 @@ class AsyncEngine:
                 if item.error is not None:
                     self.stats.engine_errors += 1
                 self.stats.finish_reasons[item.finish_reason] += 1
+                _log_request_end(item.request_id, stream.timing.get(item.request_id), item.finish_reason,
+                                 item.error, now)
             else:
                 timing = stream.timing.get(item.request_id)
+                if timing is not None:
+                    timing.prompt_tokens, timing.output_tokens = len(item.prompt_token_ids), len(item.token_ids)
                 n_new = len(item.new_token_ids)
                 if timing is not None and n_new:
                     if timing.first_token is None:
@@ -309,6 +343,7 @@ class AsyncEngine:
                     self.stats.finish_reasons[item.finish_reason or "stop"] += 1
                     if timing is not None:
                         self.stats.e2e.observe(now - timing.arrival)
+                    _log_request_end(item.request_id, timing, item.finish_reason or "stop", None, now)
             stream.queue.put_nowait(item)
 
     # ------------------------------------------------------------ engine thread

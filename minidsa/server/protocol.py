@@ -2,9 +2,10 @@
 
 Requests are strict: an unknown field, a wrong type or an out-of-range value
 is a `RequestError` (HTTP 400) naming the offending field, in OpenAI's error
-shape. OpenAI fields minidsa does not implement (penalties, logit_bias, echo,
-...) are accepted only at their neutral value, so a client that sends the
-default is served and one that relies on the feature is told it is missing.
+shape. OpenAI fields minidsa does not implement (logit_bias, suffix, best_of
+other than n) are accepted only at their neutral value, so a client that sends
+the default is served and one that relies on the feature is told it is missing,
+always in the same words (`unsupported`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
 TopK = Annotated[int, Meta(ge=-1)]  # 0 or -1 = off
 Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
-MaxTokens = Annotated[int, Meta(ge=1)]
+MaxTokens = Annotated[int, Meta(ge=0)]  # 0 only with echo (checked after decoding)
+MAX_LOGPROBS = 20
 NumChoices = Annotated[int, Meta(ge=1, le=16)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 StopString = Annotated[str, Meta(min_length=1)]
@@ -65,6 +67,7 @@ class _SamplingFields(Struct, forbid_unknown_fields=True, kw_only=True):
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0  # extension (vLLM / SGLang)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -77,7 +80,7 @@ PromptField = str | Annotated[list[str | TokenId | list[TokenId]], Meta(min_leng
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: PromptField
     max_tokens: MaxTokens | None = 16  # None -> up to the context length
-    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    logprobs: int | None = None  # N: each token's logprob + the N likeliest alternatives (bounds checked below)
     echo: bool = False
     best_of: Annotated[int, Meta(ge=1, le=16)] | None = None
     suffix: str | None = None
@@ -99,7 +102,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_tokens: MaxTokens | None = None  # None -> up to the context length
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    top_logprobs: int | None = None  # bounds checked below, as for completions' logprobs
 
 
 # ---------------------------------------------------------------- responses
@@ -113,8 +116,8 @@ class UsageInfo(Struct):
 
 class CompletionLogprobs(Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # None for the first prompt token of an echo
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 
@@ -137,11 +140,17 @@ class CompletionResponse(Struct):
     system_fingerprint: str | None = None
 
 
+class ChatTopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
 class ChatTokenLogprob(Struct):
     token: str
     logprob: float
     bytes: list[int]
-    top_logprobs: list[dict] = []
+    top_logprobs: list[ChatTopLogprob] = []
 
 
 class ChatLogprobs(Struct):
@@ -252,26 +261,37 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes):
     return req
 
 
+def unsupported(name: str, why: str) -> RequestError:
+    """The one shape of every refusal of a parameter minidsa does not implement."""
+    return RequestError(f"'{name}' is not supported: {why}", param=name, code="unsupported_parameter")
+
+
+def _check_count(name: str, value: int | None) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise RequestError(f"'{name}' must be an integer in [0, {MAX_LOGPROBS}], got {value}", param=name)
+
+
 def decode_completion_request(body: bytes) -> CompletionRequest:
     req = _decode(_completion_decoder, body)
-    if req.echo:
-        raise RequestError("'echo' is not supported", param="echo")
     if req.suffix:
-        raise RequestError("'suffix' is not supported", param="suffix")
+        raise unsupported("suffix", "minidsa completes after the prompt only")
     if req.best_of is not None and req.best_of != req.n:
-        raise RequestError("'best_of' other than n is not supported", param="best_of")
-    if req.logprobs:
-        raise RequestError("logprobs > 0 is not supported: minidsa returns the sampled token's logprob only "
-                           "(logprobs=0)", param="logprobs")
+        raise unsupported("best_of", "only best_of = n")
+    _check_count("logprobs", req.logprobs)
+    if req.max_tokens == 0 and not req.echo:
+        raise RequestError("'max_tokens' must be >= 1 (0 only with echo: score the prompt)", param="max_tokens")
     prompt_list(req.prompt)  # validates the shape
     return req
 
 
 def decode_chat_request(body: bytes) -> ChatCompletionRequest:
     req = _decode(_chat_decoder, body)
-    if req.top_logprobs:
-        raise RequestError("top_logprobs > 0 is not supported: minidsa returns the sampled token's logprob only",
-                           param="top_logprobs")
+    _check_count("top_logprobs", req.top_logprobs)
+    if req.top_logprobs and not req.logprobs:
+        raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    for name in ("max_tokens", "max_completion_tokens"):
+        if getattr(req, name) == 0:
+            raise RequestError(f"'{name}' must be >= 1", param=name)
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
         raise RequestError("max_tokens and max_completion_tokens disagree", param="max_completion_tokens")
@@ -279,11 +299,8 @@ def decode_chat_request(body: bytes) -> ChatCompletionRequest:
 
 
 def _check_unsupported(req: _SamplingFields) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) != 0.0:
-            raise RequestError(f"'{name}' is not supported (only 0)", param=name)
     if req.logit_bias:
-        raise RequestError("'logit_bias' is not supported", param="logit_bias")
+        raise unsupported("logit_bias", "no per-token logit offsets")
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
