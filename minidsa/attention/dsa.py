@@ -25,6 +25,7 @@ class KernelChoice:
     """Which implementation serves each DSA op (`torch`, `triton` or `deepgemm`)."""
 
     store_index_k: str = "torch"
+    store_mla: str = "torch"
     index_logits: str = "torch"
     topk: str = "torch"
     sparse_mla: str = "torch"
@@ -77,7 +78,12 @@ class DSABackend:
 
     # -- cache writes -------------------------------------------------------
     def store_kv(self, layer: int, batch: ForwardBatch, latent_rope: torch.Tensor) -> None:
-        self.kv_cache.write_mla(layer, batch.out_cache_loc, latent_rope)
+        """MLA rows [T, latent + rope] at the step's slots; the FP8 layout quantises in the store kernel."""
+        if self._ops is not None and self.kernels.store_mla != "torch":
+            self._ops.store_mla(self.kv_cache.mla[layer], batch.out_cache_loc, latent_rope,
+                                self.kv_cache.mla_layout.latent_dim)
+        else:
+            self.kv_cache.write_mla(layer, batch.out_cache_loc, latent_rope)
 
     def store_index_k(self, layer: int, batch: ForwardBatch, k: torch.Tensor) -> None:
         buf = self.kv_cache.index_k[layer]

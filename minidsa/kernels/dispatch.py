@@ -1,7 +1,7 @@
 """Which implementation serves each DSA op, decided once at start-up, and the ops object DSABackend calls.
 
 `choose(device)` -> `KernelChoice` (logged by `attention.dsa.choose_kernels`):
-- Triton serves store_index_k, index_logits, sparse_mla and kv_move on CUDA
+- Triton serves store_index_k, store_mla, index_logits, sparse_mla and kv_move on CUDA
   (or on CPU under TRITON_INTERPRET=1, for tests); otherwise everything is torch.
 - index_logits is "deepgemm" when `deep_gemm` imports, has every function we
   call, and the GPU is SM90/SM100 (`deepgemm.probe`); the reason is logged.
@@ -62,8 +62,8 @@ def choose(device: torch.device | str, use_deep_gemm: bool = True) -> KernelChoi
     topk = os.environ.get("MINIDSA_TOPK", TOPK_IMPL)
     if topk not in ("torch", "triton"):
         raise ValueError(f"MINIDSA_TOPK must be 'torch' or 'triton', got {topk!r}")
-    return KernelChoice(store_index_k="triton", index_logits=index, topk=topk, sparse_mla="triton",
-                        kv_move="triton")
+    return KernelChoice(store_index_k="triton", store_mla="triton", index_logits=index, topk=topk,
+                        sparse_mla="triton", kv_move="triton")
 
 
 class DSAOps:
@@ -85,6 +85,12 @@ class DSAOps:
             ref.store_index_k(index_k, loc, k, page_size)
         else:
             self._ops.store_index_k(index_k, loc, k, page_size)
+
+    def store_mla(self, cache: torch.Tensor, loc: torch.Tensor, kv: torch.Tensor, latent_dim: int) -> None:
+        if self.choice.store_mla == "torch" or cache.dtype != torch.uint8:
+            ref.store_mla(cache, loc, kv, latent_dim)
+        else:
+            self._ops.store_mla(cache, loc, kv, latent_dim)
 
     def index_logits(
         self,
