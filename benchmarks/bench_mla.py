@@ -6,7 +6,9 @@ Sections:
 - kernels: sparse MLA TFLOP/s, decode at batch 1 / 8 / 64 / 128 (one query token a request, and two as in
   FlashMLA's published s_q = 2 figure), 128 and 64 heads, top-k 2048, and a 4096-token prefill; each
   shape over both layouts holding the same values (the bf16 cache is the FP8 cache dequantised).
-  FlashMLA's sparse kernels beside them when `flash_mla` imports (scripts/build_flashmla.sh).
+  FlashMLA's sparse kernels beside them when `flash_mla` imports (scripts/build_flashmla.sh; gpu_check
+  section `flashmla`): its FP8 decode on the same FP8 rows, its bf16 prefill on the same bf16 rows, and
+  the relative difference of its output to ours.
 - store: the FP8 store kernel (quantising) against the bf16 cache's index_put.
 - capacity: KV tokens that fit on this GPU with the bench-dsv32 preset for each layout (the engine's own
   sizing: kv_cache_mem_fraction of the memory free after the weights), and bytes per token of the
@@ -70,28 +72,31 @@ def flash_mla_module():
 
 
 def flash_mla_decode_fn(fm, q: torch.Tensor, cache_fp8: torch.Tensor, idx: torch.Tensor, tokens_per_req: int):
-    """FlashMLA's sparse FP8 decode on our data: q [B*s_q, H, 576], the FP8 rows as pages of 64, indices
-    [B, s_q, topk] of global slots (-1 invalid). Its API: flash_mla_with_kvcache(q [B, s_q, H, 576],
-    kcache [blocks, 64, 1, 656] (fp8 layout), block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-    num_splits, softmax_scale, causal, is_fp8_kvcache, indices)."""
+    """FlashMLA's sparse FP8 decode on our data. Its contract (flash_mla_interface.py): q [B, s_q, H, 576] bf16,
+    k_cache [blocks, block_size, 1, 656] float8_e4m3fn in the same 656-byte layout as ours, indices
+    [B, s_q, topk] of global slots (block * block_size + offset, -1 invalid), block_table / cache_seqlens None
+    for sparse attention, a fresh scheduler object per shape (filled on its first call). -> out [B, s_q, H, 512]."""
     num_tokens, heads, _ = q.shape
     batch = num_tokens // tokens_per_req
-    kcache = cache_fp8.view(-1, 64, 1, cache_fp8.shape[-1])
-    if fm.__dict__.get("flash_mla_with_kvcache") is None:
-        raise RuntimeError("flash_mla has no flash_mla_with_kvcache")
+    kcache = cache_fp8.view(torch.float8_e4m3fn).view(-1, 64, 1, cache_fp8.shape[-1])
     qq = q.view(batch, tokens_per_req, heads, D_KV)
     ii = idx.view(batch, tokens_per_req, TOPK)
-    seqlens = torch.full((batch,), NUM_SLOTS, dtype=torch.int32, device=DEV)
-    block_table = torch.arange(kcache.shape[0], dtype=torch.int32, device=DEV).repeat(batch, 1)
-    meta, splits = fm.get_mla_metadata(seqlens, tokens_per_req * heads, 1, heads, is_fp8_kvcache=True, topk=TOPK)
-    return lambda: fm.flash_mla_with_kvcache(qq, kcache, block_table, seqlens, D_V, meta, splits,
-                                             softmax_scale=0.05, causal=False, is_fp8_kvcache=True, indices=ii)
+    sched, _ = fm.get_mla_metadata()
+
+    def run():
+        out, _ = fm.flash_mla_with_kvcache(qq, kcache, None, None, D_V, sched, None, softmax_scale=0.05,
+                                           causal=False, is_fp8_kvcache=True, indices=ii)
+        return out.view(num_tokens, heads, D_V)
+
+    return run
 
 
 def flash_mla_prefill_fn(fm, q: torch.Tensor, cache_bf16: torch.Tensor, idx: torch.Tensor):
-    """flash_mla_sparse_fwd(q [s_q, H, 576], kv [s_kv, 1, 576] bf16, indices [s_q, 1, topk], sm_scale, d_v)."""
+    """flash_mla_sparse_fwd(q [s_q, H, 576] bf16, kv [s_kv, 1, 576] bf16, indices [s_q, 1, topk], sm_scale,
+    d_v) -> (out [s_q, H, 512], max_logits, lse)."""
     kv = cache_bf16.view(-1, 1, D_KV)
-    return lambda: fm.flash_mla_sparse_fwd(q, kv, idx.unsqueeze(1), 0.05, D_V)
+    ii = idx.unsqueeze(1)
+    return lambda: fm.flash_mla_sparse_fwd(q, kv, ii, 0.05, D_V)[0]
 
 
 # ---------------------------------------------------------------------------
@@ -134,15 +139,20 @@ def bench_kernels_section(rec: Recorder, ceil: dict, quick: bool) -> None:
                 ms, err = bk.try_time(lambda: sparse_mla.sparse_mla(q, cache, idx, 0.05, D_V))
                 rec.add(bk.row("sparse_mla", case, f"triton {name} cache", ms, nb, fl, ceil, err))
             if fm is not None:
+                name = "bf16" if s_q == 0 else "fp8"
                 try:
                     if s_q == 0:
-                        fn, name, row_bytes = flash_mla_prefill_fn(fm, q, bf16, idx), "bf16", D_KV * 2
+                        fn, row_bytes = flash_mla_prefill_fn(fm, q, bf16, idx), D_KV * 2
                     else:
-                        fn, name, row_bytes = flash_mla_decode_fn(fm, q, fp8, idx, s_q), "fp8", FP8.bytes_per_token
+                        fn, row_bytes = flash_mla_decode_fn(fm, q, fp8, idx, s_q), FP8.bytes_per_token
                     nb, fl = _cost(num_tokens, heads, row_bytes)
+                    # Same inputs, same answer? (ours over the same cache as the reference point)
+                    ours = sparse_mla.sparse_mla(q, bf16 if s_q == 0 else fp8, idx, 0.05, D_V).float()
+                    diff = ((fn().float() - ours).norm() / ours.norm()).item()
                     ms, err = bk.try_time(fn)
+                    err = err or f"rel. difference to ours {diff:.2e}"
                 except Exception as e:
-                    ms, err, name, nb, fl = None, f"failed: {type(e).__name__}: {str(e)[:120]}", "?", 0, 0
+                    ms, err, nb, fl = None, f"failed: {type(e).__name__}: {str(e)[:120]}", 0, 0
                 rec.add(bk.row("sparse_mla", case, f"FlashMLA {name} cache", ms, nb, fl, ceil, err))
 
 

@@ -4,6 +4,7 @@
 #   OUT=/tmp/out MINIDSA_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [section ...]
 #
 # Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix mla.
+# Also: flashmla (builds FlashMLA from a carried .fmla folder first; minutes).
 # Add a section: write a function `section_NAME` and append NAME to ALL_SECTIONS. Each section
 # writes $OUT/NAME.log; its exit status goes to $OUT/summary.txt, and the script's exit status is
 # non-zero if any section failed. (At most 8 files come back from $OUT: keep one log per section.)
@@ -68,6 +69,16 @@ section_mla() {   # issue 18: FP8 MLA cache (656-byte layout): kernels at real s
     local rc=$?
     timeout "$TIMEOUT" $PY benchmarks/bench_mla.py ${BENCH_MLA_ARGS:-} || rc=1
     return $rc
+}
+
+section_flashmla() {   # issue 18: build FlashMLA (SM90 sparse kernels) from the carried .fmla folder
+    # (scripts/prepare_flashmla.sh; carry it: run's carry [".fmla"]), then sparse MLA ours vs FlashMLA on the
+    # same data. Not in ALL_SECTIONS: the build takes minutes. The built module comes back as
+    # $OUT/flashmla_cuda.so: put it in .fmla/prebuilt/ to skip the build next time on the same torch.
+    [ -d .fmla ] || { echo "no .fmla folder: run scripts/prepare_flashmla.sh and carry .fmla"; return 1; }
+    eval "$(timeout "$TIMEOUT" bash scripts/build_flashmla.sh .fmla)" || return 1
+    cp /tmp/flashmla/flash_mla/cuda*.so "$OUT/flashmla_cuda.so" 2>/dev/null || true
+    timeout "$TIMEOUT" $PY benchmarks/bench_mla.py --only kernels ${BENCH_MLA_ARGS:-}
 }
 
 SECTIONS=${*:-$ALL_SECTIONS}
