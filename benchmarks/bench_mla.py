@@ -3,7 +3,8 @@
     PYTHONPATH=. python3 benchmarks/bench_mla.py --out results/ [--only kernels,store,capacity,step,accuracy]
 
 Sections:
-- kernels: sparse MLA TFLOP/s, decode at batch 1 / 8 / 64 / 128 (one query token a request, and two as in
+- kernels: a sweep of the FP8 path's launch parameters and scale application at batch 128; then sparse
+  MLA TFLOP/s (default parameters), decode at batch 1 / 8 / 64 / 128 (one query token a request, and two as in
   FlashMLA's published s_q = 2 figure), 128 and 64 heads, top-k 2048, and a 4096-token prefill; each
   shape over both layouts holding the same values (the bf16 cache is the FP8 cache dequantised).
   FlashMLA's sparse kernels beside them when `flash_mla` imports (scripts/build_flashmla.sh; gpu_check
@@ -122,8 +123,30 @@ def _cost(num_tokens: int, heads: int, row_bytes: int) -> tuple[float, float]:
     return nbytes, flops
 
 
+FP8_SWEEP = [(64, 64, 8, 2), (64, 32, 8, 3), (64, 64, 8, 1), (64, 32, 4, 2), (32, 64, 4, 2)]
+
+
+def bench_fp8_sweep(rec: Recorder, ceil: dict, fp8: torch.Tensor, quick: bool) -> None:
+    """Launch parameters x scale application of the FP8 path at batch 128, 128 heads: pick the defaults."""
+    g = torch.Generator(device=DEV).manual_seed(7)
+    q = (torch.randn(128, 128, D_KV, device=DEV, generator=g) * 0.3).bfloat16()
+    idx = torch.randint(0, NUM_SLOTS, (128, TOPK), device=DEV, generator=g, dtype=torch.int32)
+    nb, fl = _cost(128, 128, FP8.bytes_per_token)
+    best, best_ms = None, float("inf")
+    for scales in ("gather", "reshape"):
+        for cfg in FP8_SWEEP[: 2 if quick else None]:
+            ms, err = bk.try_time(lambda: sparse_mla.sparse_mla(q, fp8, idx, 0.05, D_V, config=cfg, fp8_scales=scales))
+            rec.add(bk.row("sparse_mla", "fp8 sweep B=128 H=128", f"triton {cfg} {scales}", ms, nb, fl, ceil, err))
+            if ms and ms < best_ms:
+                best, best_ms = (cfg, scales), ms
+    rec.meta["sparse_mla_fp8_best"] = best
+    rec.add(bk.row("sparse_mla", "fp8 sweep B=128 H=128", f"best {best} (defaults: "
+                   f"{sparse_mla.SPARSE_MLA_FP8_CONFIG} {sparse_mla.FP8_SCALES})", best_ms, nb, fl, ceil))
+
+
 def bench_kernels_section(rec: Recorder, ceil: dict, quick: bool) -> None:
     fp8, bf16 = _caches()
+    bench_fp8_sweep(rec, ceil, fp8, quick)
     fm, why = flash_mla_module()
     rec.meta["flash_mla"] = "imported" if fm is not None else why
     g = torch.Generator(device=DEV).manual_seed(6)

@@ -94,6 +94,22 @@ def test_sparse_mla_over_fp8_cache_real_size(heads, batch, tokens_per_req):
     assert _rel(got, bf16) < 1e-2
 
 
+@pytest.mark.parametrize("scales", ["gather", "reshape"])
+@pytest.mark.parametrize("config", [(64, 64, 8, 2), (64, 32, 8, 3), (32, 64, 4, 2)])
+def test_fp8_scale_modes_and_configs_agree(scales, config):
+    """Every variant benchmarks/bench_mla.py sweeps computes the same attention."""
+    g = _gen(21)
+    num_slots = 16384
+    cache = _fp8_cache(num_slots, seed=21)
+    q = (torch.randn(128, 128, D_KV, device=DEV, generator=g) * 0.3).bfloat16()
+    idx = torch.randint(0, num_slots, (128, TOPK), device=DEV, generator=g, dtype=torch.int32)
+    idx[3, ::5] = -1
+    got = sparse_mla.sparse_mla(q, cache, idx, 0.06, D_V, config=config, fp8_scales=scales)
+    bf16 = sparse_mla.sparse_mla(q, ref.load_mla(cache, torch.arange(num_slots, device=DEV), D_V).bfloat16(), idx,
+                                 0.06, D_V)
+    assert _rel(got, bf16) < 1e-2
+
+
 def test_kv_move_moves_fp8_rows_exactly():
     g = _gen(11)
     layers, pages = 61, 64
