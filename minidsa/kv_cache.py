@@ -256,7 +256,7 @@ class MLALayout:
 
     latent_dim: int  # kv_lora_rank (512 on the real models); also the attention's value width
     rope_dim: int  # qk_rope_head_dim (64)
-    dtype: torch.dtype  # the model dtype ("auto" stores rows in it; fp8 stores only its queries' partner)
+    dtype: torch.dtype  # the model dtype: "auto" rows are stored in it, fp8 rows are dequantised to it
     fp8: bool
 
     @classmethod

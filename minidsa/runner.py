@@ -45,16 +45,16 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype)
         self.page_size = config.page_size
+        try:  # before loading weights: a layout the model's shapes cannot take fails fast
+            self.mla_layout = MLALayout.for_model(model_config.kv_lora_rank, model_config.qk_rope_head_dim,
+                                                  self.dtype, config.kv_cache_dtype)
+        except ValueError as e:
+            raise ConfigError("kv_cache_dtype", str(e)) from e
         self.model = build_model(model_config, model_path, self.dtype, self.device, seed=config.seed,
                                  init_std=init_std, progress=progress)
 
         num_layers = model_config.num_layers_with_mtp
         indexer_layers = list(model_config.indexer_full) + [True] * model_config.num_nextn_predict_layers
-        try:
-            self.mla_layout = MLALayout.for_model(model_config.kv_lora_rank, model_config.qk_rope_head_dim,
-                                                  self.dtype, config.kv_cache_dtype)
-        except ValueError as e:
-            raise ConfigError("kv_cache_dtype", str(e)) from e
         self.index_layout = IndexerLayout(model_config.index_head_dim, self.dtype,
                                           config.indexer_cache_dtype == "fp8", self.page_size)
         self.kv_bytes_per_token = kv_bytes_per_token(self.mla_layout, self.index_layout, num_layers,
@@ -98,7 +98,7 @@ class ModelRunner:
     def _auto_kv_tokens(self) -> int:
         if self.device.type != "cuda":
             return CPU_DEFAULT_MAX_TOTAL_TOKENS
-        per_token = self.kv_bytes_per_token  # from the layouts: the fp8 MLA layout fits ~1.7x the tokens
+        per_token = self.kv_bytes_per_token  # from the layouts (fp8 MLA: 1.6-1.8x the tokens of bf16)
         # Share of what is free once the weights are in, so other tenants of the GPU are respected;
         # the rest is left to activations (and CUDA graphs).
         free, _ = torch.cuda.mem_get_info(self.device)

@@ -8,19 +8,21 @@
 # backward are left out (they are not compared), and only sm_90a code is generated (the SM100 sparse kernels'
 # bodies compile to nothing there; their host-side launchers are needed to link). A binding of our own exposes
 # `sparse_decode_fwd` and `sparse_prefill_fwd` as `flash_mla.cuda`, which FlashMLA's Python interface calls.
+# FLASHMLA_BUILD_DIR (default /tmp/flashmla) keeps the build: a build cut short resumes there (ninja).
 # To skip the build next time on the same torch, bring `$FLASHMLA_BUILD_DIR/flash_mla/cuda*.so` back and put it
-# in CARRIED_DIR/prebuilt/.
+# (any name ending in .so) in CARRIED_DIR/prebuilt/.
 set -eu
 here=$(cd "$1" && pwd)
 dst=${FLASHMLA_BUILD_DIR:-/tmp/flashmla}
 if [ ! -f "$dst/.built" ]; then
-  rm -rf "$dst" && cp -r "$here/src" "$dst"
-  if ls "$here"/prebuilt/cuda*.so >/dev/null 2>&1; then
-    cp "$here"/prebuilt/cuda*.so "$dst/flash_mla/"
+  [ -d "$dst/csrc" ] || { mkdir -p "$dst" && cp -r "$here/src/." "$dst/"; }
+  if ls "$here"/prebuilt/*.so >/dev/null 2>&1; then
+    suffix=$(python3 -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+    cp "$(ls "$here"/prebuilt/*.so | head -1)" "$dst/flash_mla/cuda$suffix"
   else
     python3 -m pip install -q --no-index --no-deps --target "$dst/_tools" "$here"/ninja-*.whl >&2 || true
     export PATH="$dst/_tools/bin:$PATH" PYTHONPATH="$dst/_tools${PYTHONPATH:+:$PYTHONPATH}"
-    cat > "$dst/csrc/api/sparse_only.cpp" <<'CPP'
+    [ -f "$dst/csrc/api/sparse_only.cpp" ] || cat > "$dst/csrc/api/sparse_only.cpp" <<'CPP'
 // minidsa: bind FlashMLA's two sparse entry points only (the dense ones are not built).
 #include <pybind11/pybind11.h>
 
@@ -32,7 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("sparse_prefill_fwd", &sparse_attn_prefill_interface);
 }
 CPP
-    cat > "$dst/setup_sparse.py" <<'PY'
+    [ -f "$dst/setup_sparse.py" ] || cat > "$dst/setup_sparse.py" <<'PY'
 import os
 from pathlib import Path
 

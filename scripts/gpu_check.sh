@@ -76,8 +76,10 @@ section_flashmla() {   # issue 18: build FlashMLA (SM90 sparse kernels) from the
     # same data. Not in ALL_SECTIONS: the build takes minutes. The built module comes back as
     # $OUT/flashmla_cuda.so: put it in .fmla/prebuilt/ to skip the build next time on the same torch.
     [ -d .fmla ] || { echo "no .fmla folder: run scripts/prepare_flashmla.sh and carry .fmla"; return 1; }
+    # build/ is git-ignored, so the device keeps it between calls: a build cut short by a call's limit resumes.
+    export FLASHMLA_BUILD_DIR=$(pwd)/build/flashmla
     eval "$(timeout "$TIMEOUT" bash scripts/build_flashmla.sh .fmla)" || return 1
-    cp /tmp/flashmla/flash_mla/cuda*.so "$OUT/flashmla_cuda.so" 2>/dev/null || true
+    cp "$FLASHMLA_BUILD_DIR"/flash_mla/cuda*.so "$OUT/flashmla_cuda.so" 2>/dev/null || true
     timeout "$TIMEOUT" $PY benchmarks/bench_mla.py --only kernels ${BENCH_MLA_ARGS:-}
 }
 
