@@ -40,6 +40,8 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "seed": "seed of the random weights (presets) and of unseeded sampling",
     "indexer_cache_dtype": "indexer key cache: fp8 (Hadamard-rotated e4m3, DeepGEMM layout) or model (full "
                            "precision); auto = fp8 on GPU, model on CPU",
+    "kv_cache_dtype": "MLA KV cache: fp8 = FlashMLA's 656-byte layout (512 e4m3 latent + 4 fp32 scales + 64 bf16 "
+                      "rope; ~1.75x the tokens of bf16); auto = the model dtype",
     "kernel_backend": "DSA kernels: torch (reference) or triton; auto = triton on GPU, torch on CPU",
     "use_deep_gemm": "do not use DeepGEMM's indexer kernels even where they load",
     "speculative_num_steps": "MTP draft steps per verify; 0 = no speculative decoding",

@@ -396,6 +396,7 @@ DTYPES = {
 ENGINE_CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("auto", *DTYPES),
     "indexer_cache_dtype": ("auto", "fp8", "model"),
+    "kv_cache_dtype": ("auto", "fp8"),
     "kernel_backend": ("auto", "torch", "triton"),
 }
 
@@ -424,6 +425,7 @@ class EngineConfig:
     kv_cache_mem_fraction: float = 0.85  # GPU, max_total_tokens 0: share of the memory free after loading weights
     seed: int = 0
     indexer_cache_dtype: str = "auto"  # "fp8" (Hadamard + e4m3) or "model" (full precision); auto = fp8 on GPU
+    kv_cache_dtype: str = "auto"  # MLA cache: "auto" = the model dtype, "fp8" = FlashMLA's 656-byte e4m3 layout
     kernel_backend: str = "auto"  # "auto" | "torch" | "triton"; auto = triton on GPU, torch on CPU
     use_deep_gemm: bool = True  # use DeepGEMM's indexer kernels when importable on SM90/SM100
     speculative_num_steps: int = 0
@@ -460,6 +462,8 @@ class EngineConfig:
             resolve_dtype(self.dtype)
         if self.indexer_cache_dtype not in ENGINE_CHOICES["indexer_cache_dtype"]:
             raise ConfigError("indexer_cache_dtype", f"'{self.indexer_cache_dtype}' is not auto, fp8 or model")
+        if self.kv_cache_dtype not in ENGINE_CHOICES["kv_cache_dtype"]:
+            raise ConfigError("kv_cache_dtype", f"'{self.kv_cache_dtype}' is not auto (the model dtype) or fp8")
         if self.kernel_backend not in ENGINE_CHOICES["kernel_backend"]:
             raise ConfigError("kernel_backend", f"'{self.kernel_backend}' is not auto, torch or triton")
         return self

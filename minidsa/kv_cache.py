@@ -4,7 +4,17 @@ Slots are token-granular ids `page * page_size + offset`. Page 0 is never
 handed out: its slot 0 is the dummy slot that padding rows (CUDA-graph
 batches, -1 indices) point at. Both per-layer caches use the same slot ids.
 
-Indexer K cache layouts:
+Each cache kind has one layout object that owns its geometry: bytes per
+token, the buffer it allocates, the views kernels read, the reference store.
+
+MLA cache layouts (`MLALayout`, chosen by `EngineConfig.kv_cache_dtype`):
+- "auto": `[num_slots, latent + rope]` in the model dtype (1152 bytes per
+  token per layer in bf16 on the real models).
+- "fp8": FlashMLA's layout, uint8 `[num_slots, 656]` per layer: 512 e4m3
+  latent values, one power-of-two fp32 scale per 128 of them, 64 bf16 rope
+  values (`reference.mla_fp8_views`). Nearly half the bytes per token.
+
+Indexer K cache layouts (`IndexerLayout`):
 - "model": full-precision keys `[num_slots, D]` in the model dtype (parity
   with transformers, CPU default).
 - "fp8": DeepGEMM's paged layout, one uint8 buffer `[num_pages,
@@ -14,7 +24,13 @@ Indexer K cache layouts:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from minidsa.kernels import reference as ref
+
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 class OutOfPages(RuntimeError):
@@ -232,64 +248,161 @@ class ReqToTokenPool:
             raise AssertionError(f"req_to_token leak: {self.max_reqs - len(self._free)} rows still allocated")
 
 
+
+
+@dataclass(frozen=True)
+class MLALayout:
+    """One token's row of the MLA latent cache: `[latent | rope]` in `dtype`, or the FP8 656-byte layout."""
+
+    latent_dim: int  # kv_lora_rank (512 on the real models); also the attention's value width
+    rope_dim: int  # qk_rope_head_dim (64)
+    dtype: torch.dtype  # the model dtype: "auto" rows are stored in it, fp8 rows are dequantised to it
+    fp8: bool
+
+    @classmethod
+    def for_model(cls, latent_dim: int, rope_dim: int, dtype: torch.dtype, kv_cache_dtype: str) -> "MLALayout":
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype '{kv_cache_dtype}' is not one of {KV_CACHE_DTYPES}")
+        fp8 = kv_cache_dtype == "fp8"
+        if fp8:
+            group = ref.mla_fp8_group(latent_dim)
+            # Whole 32-bit words per part: the scales are fp32 and kv_move copies words.
+            if latent_dim % group or latent_dim % 4 or rope_dim % 2:
+                raise ValueError(f"kv_cache_dtype 'fp8' needs kv_lora_rank a multiple of 4 (and of 128 above 128) "
+                                 f"and an even qk_rope_head_dim, got {latent_dim} and {rope_dim}")
+        return cls(latent_dim, rope_dim, dtype, fp8)
+
+    @property
+    def kind(self) -> str:
+        return "fp8" if self.fp8 else "auto"
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one token in one layer (656 fp8, 1152 bf16 on the real models)."""
+        if self.fp8:
+            return ref.mla_fp8_row_bytes(self.latent_dim, self.rope_dim)
+        return (self.latent_dim + self.rope_dim) * self.dtype.itemsize
+
+    def allocate(self, num_layers: int, num_slots: int, device: torch.device | str) -> torch.Tensor:
+        """The whole-model buffer [layers, slots, row] (one buffer, so one kernel launch can move every layer)."""
+        if self.fp8:
+            return torch.zeros(num_layers, num_slots, self.bytes_per_token, dtype=torch.uint8, device=device)
+        return torch.zeros(num_layers, num_slots, self.latent_dim + self.rope_dim, dtype=self.dtype, device=device)
+
+    def fp8_views(self, layer_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(latent e4m3 [S, L], scales fp32 [S, L/128], rope bf16 [S, R]) of one layer's FP8 cache."""
+        assert self.fp8, "fp8_views of a model-dtype MLA cache"
+        return ref.mla_fp8_views(layer_cache, self.latent_dim)
+
+    def store(self, layer_cache: torch.Tensor, loc: torch.Tensor, kv: torch.Tensor) -> None:
+        """Reference store of rows `kv [T, L + R]` at slots `loc` (quantising for fp8)."""
+        ref.store_mla(layer_cache, loc, kv, self.latent_dim)
+
+    def load(self, layer_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """fp32 rows [..., L + R] at `slots` (dequantised for fp8)."""
+        return ref.load_mla(layer_cache, slots, self.latent_dim)
+
+
+@dataclass(frozen=True)
+class IndexerLayout:
+    """One token's indexer key: `[D]` in `dtype`, or fp8 in DeepGEMM's paged layout (D e4m3 bytes + fp32 scale)."""
+
+    head_dim: int
+    dtype: torch.dtype
+    fp8: bool
+    page_size: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.head_dim + 4 if self.fp8 else self.head_dim * self.dtype.itemsize
+
+    def allocate(self, num_layers: int, num_pages: int, device: torch.device | str) -> torch.Tensor:
+        if self.fp8:
+            shape = (num_layers, num_pages, self.page_size * (self.head_dim + 4))
+            return torch.zeros(shape, dtype=torch.uint8, device=device)
+        return torch.zeros(num_layers, num_pages * self.page_size, self.head_dim, dtype=self.dtype, device=device)
+
+    def fp8_views(self, layer_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys [num_pages, page_size, D] e4m3, scales [num_pages, page_size] fp32) of one layer."""
+        assert self.fp8, "fp8_views of a full-precision indexer cache"
+        return ref.fp8_views(layer_cache, self.page_size, self.head_dim)
+
+    def store(self, layer_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor) -> None:
+        """Reference store of keys `k [T, D]` at slots `loc` (Hadamard + e4m3 for fp8)."""
+        ref.store_index_k(layer_cache, loc, k, self.page_size)
+
+
+def kv_bytes_per_token(mla: MLALayout, index: IndexerLayout, num_layers: int, num_indexer_layers: int) -> int:
+    """KV bytes one token costs across the model (what capacity is computed from)."""
+    return num_layers * mla.bytes_per_token + num_indexer_layers * index.bytes_per_token
+
+
 class KVCache:
-    """Per-layer MLA latent cache and indexer key cache, addressed by slot."""
+    """Per-layer MLA latent cache and indexer key cache, addressed by slot, in the layouts given."""
 
     def __init__(
         self,
         num_layers: int,
         num_pages: int,
-        page_size: int,
-        kv_dim: int,
-        index_head_dim: int,
-        dtype: torch.dtype,
-        indexer_fp8: bool,
+        mla: MLALayout,
+        index: IndexerLayout,
         device: torch.device | str,
         indexer_layers: list[bool] | None = None,
     ):
         self.num_layers = num_layers
         self.num_pages = num_pages
-        self.page_size = page_size
-        self.num_slots = num_pages * page_size
-        self.kv_dim = kv_dim
-        self.index_head_dim = index_head_dim
-        self.dtype = dtype
-        self.indexer_fp8 = indexer_fp8
+        self.page_size = index.page_size
+        self.num_slots = num_pages * self.page_size
+        self.mla_layout = mla
+        self.index_layout = index
         self.device = torch.device(device)
         # One buffer per cache kind for all layers, so one kernel launch can move rows of every layer.
-        self.mla_buffer = torch.zeros(num_layers, self.num_slots, kv_dim, dtype=dtype, device=device)
+        self.mla_buffer = mla.allocate(num_layers, self.num_slots, device)
         self.mla = list(self.mla_buffer.unbind(0))
         # Shared layers never write indexer keys: they get no buffer.
         has_index = indexer_layers if indexer_layers is not None else [True] * num_layers
+        if len(has_index) != num_layers:
+            raise ValueError(f"indexer_layers has {len(has_index)} entries for {num_layers} layers")
         self.index_layer_ids = [i for i, h in enumerate(has_index) if h]
-        if indexer_fp8:
-            shape = (len(self.index_layer_ids), num_pages, page_size * (index_head_dim + 4))
-            self.index_buffer = torch.zeros(shape, dtype=torch.uint8, device=device)
-        else:
-            shape = (len(self.index_layer_ids), self.num_slots, index_head_dim)
-            self.index_buffer = torch.zeros(shape, dtype=dtype, device=device)
+        self.index_buffer = index.allocate(len(self.index_layer_ids), num_pages, device)
         views = iter(self.index_buffer.unbind(0))
         self.index_k: list[torch.Tensor | None] = [next(views) if h else None for h in has_index]
+
+    # The facts other modules read, named as before the layouts existed.
+    @property
+    def kv_dim(self) -> int:
+        return self.mla_layout.latent_dim + self.mla_layout.rope_dim
+
+    @property
+    def index_head_dim(self) -> int:
+        return self.index_layout.head_dim
+
+    @property
+    def indexer_fp8(self) -> bool:
+        return self.index_layout.fp8
+
+    @property
+    def mla_fp8(self) -> bool:
+        return self.mla_layout.fp8
+
+    @property
+    def bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.mla_layout, self.index_layout, self.num_layers, len(self.index_layer_ids))
 
     def persistent_tensors(self) -> list[torch.Tensor]:
         """Every tensor the forward reads from this cache: the buffers and their per-layer views."""
         return [self.mla_buffer, *self.mla, self.index_buffer, *(k for k in self.index_k if k is not None)]
 
-    @staticmethod
-    def bytes_per_token(num_layers: int, kv_dim: int, index_head_dim: int, dtype: torch.dtype, indexer_fp8: bool,
-                        num_indexer_layers: int | None = None) -> int:
-        n_idx = num_layers if num_indexer_layers is None else num_indexer_layers
-        idx = (index_head_dim + 4) if indexer_fp8 else index_head_dim * dtype.itemsize
-        return num_layers * kv_dim * dtype.itemsize + n_idx * idx
-
     def index_k_fp8_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys [num_pages, page_size, D] float8_e4m3fn, scales [num_pages, page_size] fp32) views of one layer."""
         buf = self.index_k[layer]
-        assert self.indexer_fp8 and buf is not None
-        ps, d = self.page_size, self.index_head_dim
-        keys = buf[:, : ps * d].view(torch.float8_e4m3fn).view(self.num_pages, ps, d)
-        scales = buf[:, ps * d :].view(torch.float32)
-        return keys, scales
+        assert buf is not None
+        return self.index_layout.fp8_views(buf)
 
     def write_mla(self, layer: int, loc: torch.Tensor, kv: torch.Tensor) -> None:
-        self.mla[layer][loc] = kv.to(self.dtype)
+        """Reference write of MLA rows (quantised for the fp8 layout)."""
+        self.mla_layout.store(self.mla[layer], loc, kv)
+
+    def read_mla(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """fp32 MLA rows at `slots` (dequantised for the fp8 layout)."""
+        return self.mla_layout.load(self.mla[layer], slots)

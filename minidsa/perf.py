@@ -99,7 +99,7 @@ def decode_bytes(cfg: ModelConfig, bs: int, ctx: int, dtype_bytes: int = 2, with
 # ----------------------------------------------------------------------------- synthetic contexts
 class Bench:
     def __init__(self, preset: str, max_context: int, max_batch_tokens: int, max_bs: int, index_topk: int | None = None,
-                 spec_steps: int = 0, compile: bool = True):
+                 spec_steps: int = 0, compile: bool = True, kv_cache_dtype: str = "auto"):
         from minidsa.runner import ModelRunner
 
         raw = preset_config(preset)
@@ -111,6 +111,7 @@ class Bench:
         cfg = EngineConfig(model=None, dtype="bfloat16", device="cuda", page_size=64,
                            max_running_requests=max_bs, max_total_tokens=max_batch_tokens + 64 * (max_bs + 2),
                            max_model_len=max_context + 64, indexer_cache_dtype="fp8", kernel_backend="auto",
+                           kv_cache_dtype=kv_cache_dtype,
                            enable_cuda_graph=False, enable_compile=False)
         self.runner = ModelRunner(cfg, self.model_config, None, init_std=init_std, decode_reserve=64, progress=False)
         self.device = self.runner.device
@@ -122,7 +123,15 @@ class Bench:
 
     def _fill_cache(self):
         kv = self.runner.kv_cache
-        kv.mla_buffer.normal_(0, 1)
+        if kv.mla_fp8:  # e4m3 latents of N(0, 1) values (scale 1), bf16 rope
+            for layer_cache in kv.mla:
+                latent, scales, rope = kv.mla_layout.fp8_views(layer_cache)
+                for part in latent.split(1 << 20):
+                    part.copy_(torch.randn(part.shape, device=part.device, dtype=torch.bfloat16))
+                scales.fill_(1.0)
+                rope.normal_(0, 1)
+        else:
+            kv.mla_buffer.normal_(0, 1)
         ps, d = kv.page_size, kv.index_head_dim
         for layer_buf in kv.index_buffer:
             keys = layer_buf[:, : ps * d]

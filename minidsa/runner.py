@@ -23,7 +23,8 @@ from minidsa.batch import ForwardBatch, ForwardMode
 from minidsa.config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
 from minidsa.graphs import DEFAULT_BUCKETS, StepGraphs, StepKind
 from minidsa.kernels.choice import choose_kernels
-from minidsa.kv_cache import KVCache, PageAllocator, ReqToTokenPool, pages_needed, row_slots
+from minidsa.kv_cache import (IndexerLayout, KVCache, MLALayout, PageAllocator, ReqToTokenPool, kv_bytes_per_token,
+                               pages_needed, row_slots)
 from minidsa.models.deepseek_v32 import ModelOutput, call_layer
 from minidsa.models.loader import build_model
 from minidsa.request import Request
@@ -45,14 +46,22 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype)
         self.page_size = config.page_size
+        try:  # before loading weights: a layout the model's shapes cannot take fails fast
+            self.mla_layout = MLALayout.for_model(model_config.kv_lora_rank, model_config.qk_rope_head_dim,
+                                                  self.dtype, config.kv_cache_dtype)
+        except ValueError as e:
+            raise ConfigError("kv_cache_dtype", str(e)) from e
         self.model = build_model(model_config, model_path, self.dtype, self.device, seed=config.seed,
                                  init_std=init_std, progress=progress)
 
-        indexer_fp8 = config.indexer_cache_dtype == "fp8"
         num_layers = model_config.num_layers_with_mtp
         indexer_layers = list(model_config.indexer_full) + [True] * model_config.num_nextn_predict_layers
+        self.index_layout = IndexerLayout(model_config.index_head_dim, self.dtype,
+                                          config.indexer_cache_dtype == "fp8", self.page_size)
+        self.kv_bytes_per_token = kv_bytes_per_token(self.mla_layout, self.index_layout, num_layers,
+                                                     sum(indexer_layers))
         if config.max_total_tokens == 0:
-            config.max_total_tokens = self._auto_kv_tokens(num_layers, indexer_fp8, sum(indexer_layers))
+            config.max_total_tokens = self._auto_kv_tokens()
         num_pages = pages_needed(config.max_total_tokens, self.page_size) + 1  # + the reserved dummy page
         self.allocator = PageAllocator(num_pages, self.page_size)
         capacity = self.allocator.num_usable_pages * self.page_size
@@ -70,28 +79,27 @@ class ModelRunner:
         self.max_model_len = config.max_model_len
         table_width = pages_needed(self.max_model_len + decode_reserve, self.page_size) * self.page_size
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, table_width, self.device)
-        self.kv_cache = KVCache(num_layers, num_pages, self.page_size, model_config.kv_cache_dim,
-                                model_config.index_head_dim, self.dtype, indexer_fp8, self.device, indexer_layers)
+        self.kv_cache = KVCache(num_layers, num_pages, self.mla_layout, self.index_layout, self.device,
+                                indexer_layers)
         self.kernels = choose_kernels(self.device, config.kernel_backend, config.use_deep_gemm)
         self.attn = DSABackend(self.kv_cache, self.req_to_token_pool.req_to_token, model_config.index_topk,
                                self.kernels)
         self.table_width = table_width
         self.graphs: StepGraphs | None = None
         self.compiled = False
-        logger.info("KV cache: %d tokens in %d pages of %d; max_model_len %d",
-                    capacity, num_pages - 1, self.page_size, self.max_model_len)
+        logger.info("KV cache: %d tokens in %d pages of %d (%d bytes per token, MLA %s); max_model_len %d",
+                    capacity, num_pages - 1, self.page_size, self.kv_bytes_per_token, self.mla_layout.kind,
+                    self.max_model_len)
 
     @property
     def req_to_token(self) -> torch.Tensor:
         """[max_running_requests, width] int32: row position -> KV slot, one row per running request."""
         return self.req_to_token_pool.req_to_token
 
-    def _auto_kv_tokens(self, num_layers: int, indexer_fp8: bool, num_indexer_layers: int) -> int:
+    def _auto_kv_tokens(self) -> int:
         if self.device.type != "cuda":
             return CPU_DEFAULT_MAX_TOTAL_TOKENS
-        per_token = KVCache.bytes_per_token(num_layers, self.model_config.kv_cache_dim,
-                                            self.model_config.index_head_dim, self.dtype, indexer_fp8,
-                                            num_indexer_layers)
+        per_token = self.kv_bytes_per_token  # from the layouts (fp8 MLA: 1.6-1.8x the tokens of bf16)
         # Share of what is free once the weights are in, so other tenants of the GPU are respected;
         # the rest is left to activations (and CUDA graphs).
         free, _ = torch.cuda.mem_get_info(self.device)

@@ -3,8 +3,9 @@
 #
 #   OUT=/tmp/out MINIDSA_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [section ...]
 #
-# Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops.
-# Also: bench_indexer (DeepGEMM vs Triton indexer logits side by side).
+# Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla.
+# Also: bench_indexer (DeepGEMM vs Triton indexer logits side by side); flashmla (builds FlashMLA from a
+# carried .fmla folder first; minutes).
 #
 # DeepGEMM: DEEPGEMM=on builds it from the folder .dg (carried; made on the CPU machine with
 # ../shared/tools/deepgemm/prepare.sh, never committed) and puts it on PYTHONPATH for every section; the
@@ -21,7 +22,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
-ALL_SECTIONS="env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops"
+ALL_SECTIONS="env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla"
 
 if ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -96,6 +97,27 @@ section_ops() {   # issue 20: logprobs / penalties on the graph path; online ben
     timeout "$TIMEOUT" $PY -m minidsa.cli bench --model bench-dsv32 --request-rate 8 --max-concurrency 32 \
         --num-requests 64 --no-progress --disable-compile --cuda-graph-max-bs 32 --goodput ttft:1000 tpot:100 \
         --json "$OUT/online.json"
+}
+
+section_mla() {   # issue 18: FP8 MLA cache (656-byte layout): kernels at real sizes, then sparse MLA TFLOP/s for
+    # both layouts (FlashMLA beside when scripts/build_flashmla.sh built it), KV capacity, decode step at
+    # B=128 / 32k, accuracy vs the bf16 cache (benchmarks/bench_mla.py; the table ends the log). ~3 minutes.
+    timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_mla_fp8_gpu.py -rs --durations=5
+    local rc=$?
+    timeout "$TIMEOUT" $PY benchmarks/bench_mla.py ${BENCH_MLA_ARGS:-} || rc=1
+    return $rc
+}
+
+section_flashmla() {   # issue 18: build FlashMLA (SM90 sparse kernels) from the carried .fmla folder
+    # (scripts/prepare_flashmla.sh; carry it: run's carry [".fmla"]), then sparse MLA ours vs FlashMLA on the
+    # same data. Not in ALL_SECTIONS: the build takes minutes. The built module comes back as
+    # $OUT/flashmla_cuda.so: put it in .fmla/prebuilt/ to skip the build next time on the same torch.
+    [ -d .fmla ] || { echo "no .fmla folder: run scripts/prepare_flashmla.sh and carry .fmla"; return 1; }
+    # build/ is git-ignored, so the device keeps it between calls: a build cut short by a call's limit resumes.
+    export FLASHMLA_BUILD_DIR=$(pwd)/build/flashmla
+    eval "$(timeout "$TIMEOUT" bash scripts/build_flashmla.sh .fmla)" || return 1
+    cp "$FLASHMLA_BUILD_DIR"/flash_mla/cuda*.so "$OUT/flashmla_cuda.so" 2>/dev/null || true
+    timeout "$TIMEOUT" $PY benchmarks/bench_mla.py --only kernels ${BENCH_MLA_ARGS:-}
 }
 
 SECTIONS=${*:-$ALL_SECTIONS}

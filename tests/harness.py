@@ -11,20 +11,22 @@ import torch
 from minidsa.attention.dsa import DSABackend
 from minidsa.batch import ForwardBatch, ForwardMode
 from minidsa.config import ModelConfig
-from minidsa.kv_cache import KVCache, PageAllocator, ReqToTokenPool, pages_needed, slots_of
+from minidsa.kv_cache import IndexerLayout, KVCache, MLALayout, PageAllocator, ReqToTokenPool, pages_needed, slots_of
 
 
 class PagedDriver:
     def __init__(self, model, config: ModelConfig, page_size: int = 1, num_pages: int = 0,
-                 max_reqs: int = 8, max_len: int = 256, indexer_fp8: bool = False, dtype=torch.float32):
+                 max_reqs: int = 8, max_len: int = 256, indexer_fp8: bool = False, dtype=torch.float32,
+                 kv_cache_dtype: str = "auto", kernels=None):
         self.model, self.config, self.page_size = model, config, page_size
         num_pages = num_pages or (max_reqs * pages_needed(max_len, page_size) + 1)
         self.alloc = PageAllocator(num_pages, page_size)
         self.pool = ReqToTokenPool(max_reqs, max_len, "cpu")
         layers = list(config.indexer_full) + [True] * config.num_nextn_predict_layers
-        self.kv = KVCache(config.num_layers_with_mtp, num_pages, page_size, config.kv_cache_dim,
-                          config.index_head_dim, dtype, indexer_fp8, "cpu", layers)
-        self.attn = DSABackend(self.kv, self.pool.req_to_token, config.index_topk)
+        mla = MLALayout.for_model(config.kv_lora_rank, config.qk_rope_head_dim, dtype, kv_cache_dtype)
+        index = IndexerLayout(config.index_head_dim, dtype, indexer_fp8, page_size)
+        self.kv = KVCache(config.num_layers_with_mtp, num_pages, mla, index, "cpu", layers)
+        self.attn = DSABackend(self.kv, self.pool.req_to_token, config.index_topk, kernels)
         self.reqs: list[dict] = []
         self.last_topk: dict[int, torch.Tensor] = {}  # layer -> positions of the last step, when recording
 

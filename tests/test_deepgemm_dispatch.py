@@ -33,7 +33,8 @@ from minidsa.kernels.choice import KernelChoice, choose_kernels  # noqa: E402
 from minidsa.batch import ForwardBatch, ForwardMode  # noqa: E402
 from minidsa.kernels import deepgemm, dispatch  # noqa: E402
 from minidsa.kernels import reference as ref  # noqa: E402
-from minidsa.kv_cache import KVCache, PageAllocator, ReqToTokenPool, pages_needed, slots_of  # noqa: E402
+from minidsa.kv_cache import (IndexerLayout, KVCache, MLALayout, PageAllocator, ReqToTokenPool,  # noqa: E402
+                              pages_needed, slots_of)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="kernels are interpreted in this process")
@@ -279,7 +280,8 @@ def test_shapes_deepgemm_cannot_take_use_triton(sm90, monkeypatch, caplog):
 # DSABackend end to end: Triton/DeepGEMM ops vs the reference backend
 # ---------------------------------------------------------------------------
 def _backend(kernels: KernelChoice | None, page_size: int):
-    kv = KVCache(2, 8, page_size, 48, 32, torch.float32, True, "cpu", indexer_layers=[True, False])
+    kv = KVCache(2, 8, MLALayout.for_model(32, 16, torch.float32, "auto"),
+                 IndexerLayout(32, torch.float32, True, page_size), "cpu", indexer_layers=[True, False])
     pool = ReqToTokenPool(4, 256, "cpu")
     return DSABackend(kv, pool.req_to_token, index_topk=24, kernels=kernels), pool
 

@@ -35,7 +35,14 @@ from minidsa.kernels import reference as ref  # noqa: E402
 from minidsa.kernels import sparse_mla as sparse_mla_mod  # noqa: E402
 from minidsa.kernels import topk as topk_mod  # noqa: E402
 from minidsa.kernels import indexer  # noqa: E402
-from minidsa.kv_cache import KVCache  # noqa: E402
+from minidsa.kv_cache import IndexerLayout, KVCache, MLALayout  # noqa: E402
+
+
+def _kv_cache(num_layers: int, num_pages: int, page_size: int, index_fp8: bool, mla: str = "auto",
+              indexer_layers=None) -> KVCache:
+    """bf16 caches of MLA rows 32 + 16 and indexer keys of 32."""
+    return KVCache(num_layers, num_pages, MLALayout.for_model(32, 16, torch.bfloat16, mla),
+                   IndexerLayout(32, torch.bfloat16, index_fp8, page_size), "cpu", indexer_layers)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="kernels are interpreted in this process")
@@ -305,12 +312,16 @@ def test_sparse_mla_matches_reference(num_splits):
 # KV move
 # ---------------------------------------------------------------------------
 @in_this_process
-@pytest.mark.parametrize("page_size,fp8", [(1, True), (4, True), (64, True), (1, False)])
-def test_kv_move_matches_reference(page_size, fp8):
+@pytest.mark.parametrize("page_size,fp8,mla", [(1, True, "auto"), (4, True, "auto"), (64, True, "auto"),
+                                                (1, False, "auto"), (1, True, "fp8"), (64, True, "fp8")])
+def test_kv_move_matches_reference(page_size, fp8, mla):
     g = _gen(60 + page_size + fp8)
     num_pages = 40 if page_size == 1 else (12 if page_size == 4 else 3)
-    kv = KVCache(3, num_pages, page_size, 48, 32, torch.bfloat16, fp8, "cpu", indexer_layers=[True, False, True])
-    kv.mla_buffer.copy_(torch.randn(kv.mla_buffer.shape, generator=g))
+    kv = _kv_cache(3, num_pages, page_size, fp8, mla, indexer_layers=[True, False, True])
+    if mla == "fp8":  # the 68-byte rows of latent 32 + rope 16, moved as 17 words
+        kv.mla_buffer.copy_(torch.randint(0, 256, kv.mla_buffer.shape, generator=g, dtype=torch.uint8))
+    else:
+        kv.mla_buffer.copy_(torch.randn(kv.mla_buffer.shape, generator=g))
     if fp8:
         kv.index_buffer.copy_(torch.randint(0, 256, kv.index_buffer.shape, generator=g, dtype=torch.uint8))
     else:
@@ -327,7 +338,7 @@ def test_kv_move_matches_reference(page_size, fp8):
 
 @in_this_process
 def test_kv_move_rejects_bad_input():
-    kv = KVCache(1, 4, 1, 48, 32, torch.bfloat16, True, "cpu")
+    kv = _kv_cache(1, 4, 1, True)
     with pytest.raises(ValueError, match="src"):
         kv_move_mod.kv_move(kv.mla_buffer, kv.index_buffer, torch.tensor([1, 2]), torch.tensor([1]), 1, 32)
     with pytest.raises(ValueError, match="head dim"):

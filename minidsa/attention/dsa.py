@@ -69,7 +69,11 @@ class DSABackend:
 
     # -- cache writes -------------------------------------------------------
     def store_kv(self, layer: LayerCaches, batch: ForwardBatch, latent_rope: torch.Tensor) -> None:
-        layer.mla[batch.out_cache_loc] = latent_rope.to(layer.mla.dtype)
+        """MLA rows [T, latent + rope] at the step's slots; the FP8 layout quantises in the store kernel."""
+        if self._ops is not None and self.kernels.store_mla != "torch":
+            self._ops.store_mla(layer.mla, batch.out_cache_loc, latent_rope, self.kv_cache.mla_layout.latent_dim)
+        else:
+            self.kv_cache.mla_layout.store(layer.mla, batch.out_cache_loc, latent_rope)
 
     def store_index_k(self, layer: LayerCaches, batch: ForwardBatch, k: torch.Tensor) -> None:
         buf = layer.index_k

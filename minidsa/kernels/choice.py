@@ -2,7 +2,7 @@
 
 `choose_kernels(device, kernel_backend, use_deep_gemm)` -> `KernelChoice`:
 - "torch" (the references in kernels/reference.py) off CUDA, or when asked for;
-- Triton for store_index_k, index_logits, sparse_mla and kv_move on CUDA (or on
+- Triton for store_index_k, store_mla, index_logits, sparse_mla and kv_move on CUDA (or on
   CPU under TRITON_INTERPRET=1, for tests);
 - index_logits "deepgemm" when `deep_gemm` imports, has every function we call
   and the GPU is SM90 / SM100 (`deepgemm.probe`, run here and nowhere else);
@@ -38,6 +38,7 @@ class KernelChoice:
     topk: str = "torch"
     sparse_mla: str = "torch"
     kv_move: str = "torch"
+    store_mla: str = "torch"  # the FP8 MLA layout's quantising store (a model-dtype cache is a plain index_put)
 
     def __post_init__(self):
         for name, impl in self.__dict__.items():
@@ -90,7 +91,7 @@ def choose(device: torch.device | str, use_deep_gemm: bool = True) -> KernelChoi
     if topk not in ("torch", "triton"):
         raise ValueError(f"MINIDSA_TOPK must be 'torch' or 'triton', got {topk!r}")
     return KernelChoice(store_index_k="triton", index_logits=index, topk=topk, sparse_mla="triton",
-                        kv_move="triton")
+                        kv_move="triton", store_mla="triton")
 
 
 def choose_kernels(device: torch.device | str, kernel_backend: str = "auto", use_deep_gemm: bool = True

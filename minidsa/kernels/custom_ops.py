@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from minidsa.kernels import deepgemm, indexer, kv_move as kv_move_mod, moe as moe_mod, sparse_mla as sparse_mla_mod
+from minidsa.kernels import deepgemm, indexer, kv_move as kv_move_mod, mla_store, moe as moe_mod
+from minidsa.kernels import sparse_mla as sparse_mla_mod
 from minidsa.kernels import topk as topk_mod
 
 logger = logging.getLogger(__name__)
@@ -126,6 +127,12 @@ def topk_slots(logits: Tensor, topk: int, req_to_token: Tensor, token_rows: Tens
 def _(logits, topk, req_to_token, token_rows):
     shape = (logits.shape[0], topk)
     return logits.new_empty(shape, dtype=torch.int32), logits.new_empty(shape, dtype=torch.int32)
+
+
+@torch.library.custom_op("minidsa::store_mla", mutates_args=("cache",))
+def store_mla(cache: Tensor, loc: Tensor, kv: Tensor, latent_dim: int) -> None:
+    """MLA rows quantised into the FP8 layout inside the store kernel (minidsa.kernels.mla_store)."""
+    mla_store.store_mla(cache, loc, kv, latent_dim)
 
 
 @torch.library.custom_op("minidsa::sparse_mla", mutates_args=())

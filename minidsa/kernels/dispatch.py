@@ -35,6 +35,12 @@ class DSAOps:
         else:
             self._ops.store_index_k(index_k, loc, k, page_size)
 
+    def store_mla(self, cache: torch.Tensor, loc: torch.Tensor, kv: torch.Tensor, latent_dim: int) -> None:
+        if self.choice.store_mla == "torch" or cache.dtype != torch.uint8:
+            ref.store_mla(cache, loc, kv, latent_dim)
+        else:
+            self._ops.store_mla(cache, loc, kv, latent_dim)
+
     def index_logits(
         self,
         q: torch.Tensor,

@@ -60,6 +60,63 @@ def fp8_views(index_k: torch.Tensor, page_size: int, head_dim: int) -> tuple[tor
     return keys, scales
 
 
+# --- MLA cache, FP8 layout (FlashMLA's): per token [latent e4m3 | one fp32 scale per 128 latent values |
+# rope bf16]; 512 + 16 + 128 = 656 bytes on the real models. Scales are powers of two (ue8m0), so
+# dequantising is exact in bf16 and the e4m3 rounding is the only error.
+MLA_FP8_GROUP = 128
+
+
+def mla_fp8_group(latent_dim: int) -> int:
+    """Latent values per scale: 128, or the whole latent when it is smaller (tiny test models)."""
+    return min(MLA_FP8_GROUP, latent_dim)
+
+
+def mla_fp8_row_bytes(latent_dim: int, rope_dim: int) -> int:
+    return latent_dim + 4 * (latent_dim // mla_fp8_group(latent_dim)) + 2 * rope_dim
+
+
+def mla_fp8_views(cache: torch.Tensor, latent_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(latent [S, L] e4m3, scales [S, L/group] fp32, rope [S, R] bf16) views of an FP8 MLA cache [S, bytes]."""
+    groups = latent_dim // mla_fp8_group(latent_dim)
+    scale_end = latent_dim + 4 * groups
+    latent = cache[..., :latent_dim].view(torch.float8_e4m3fn)
+    scales = cache[..., latent_dim:scale_end].view(torch.float32)
+    rope = cache[..., scale_end:].view(torch.bfloat16)
+    return latent, scales, rope
+
+
+def quant_mla_latent(latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """latent [T, L] -> (e4m3 [T, L], power-of-two fp32 scales [T, L/group])."""
+    num_tokens, dim = latent.shape
+    group = mla_fp8_group(dim)
+    x8, scales = quant_fp8_ue8m0(latent.reshape(num_tokens, dim // group, group))
+    return x8.reshape(num_tokens, dim), scales
+
+
+def store_mla(cache: torch.Tensor, loc: torch.Tensor, kv: torch.Tensor, latent_dim: int) -> None:
+    """Write MLA rows `kv [T, L + R]` at slots `loc`: as is, or quantised into the FP8 layout (uint8 cache)."""
+    if cache.dtype != torch.uint8:
+        cache[loc] = kv.to(cache.dtype)
+        return
+    latent, scales, rope = mla_fp8_views(cache, latent_dim)
+    x8, s = quant_mla_latent(kv[:, :latent_dim])
+    latent[loc] = x8
+    scales[loc] = s
+    rope[loc] = kv[:, latent_dim:].to(torch.bfloat16)
+
+
+def load_mla(cache: torch.Tensor, slots: torch.Tensor, latent_dim: int) -> torch.Tensor:
+    """fp32 MLA rows [..., L + R] at `slots` (any shape); FP8 rows come back dequantised."""
+    if cache.dtype != torch.uint8:
+        return cache[slots].float()
+    latent, scales, rope = mla_fp8_views(cache, latent_dim)
+    x = latent[slots].float()
+    s = scales[slots]
+    groups = s.shape[-1]
+    x = (x.unflatten(-1, (groups, latent_dim // groups)) * s.unsqueeze(-1)).flatten(-2)
+    return torch.cat([x, rope[slots].float()], dim=-1)
+
+
 def store_index_k(index_k: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
     """Write indexer keys `k [T, D]` at slots `loc`: as is, or Hadamard + fp8 into the paged layout."""
     if index_k.dtype != torch.uint8:
@@ -169,7 +226,8 @@ def sparse_mla(
 ) -> torch.Tensor:
     """MQA over selected latent slots: q [T, H, Dk] x cache [S, Dk] at topk [T, K] (-1 = none) -> [T, H, v_dim].
 
-    fp32 softmax; rows with no valid index give zeros.
+    `kv_cache` is either in a float dtype or (uint8) the FP8 layout (`mla_fp8_views`, latent = v_dim),
+    dequantised here. fp32 softmax; rows with no valid index give zeros.
     """
     num_tokens, heads, _ = q.shape
     out = torch.zeros(num_tokens, heads, v_dim, dtype=q.dtype, device=q.device)
@@ -177,7 +235,7 @@ def sparse_mla(
         e = min(s + _QUERY_BLOCK, num_tokens)
         idx = topk[s:e].long()
         valid = idx >= 0
-        kv = kv_cache[idx.clamp(min=0)].float()  # [t, K, Dk]
+        kv = load_mla(kv_cache, idx.clamp(min=0), v_dim)  # [t, K, Dk] fp32
         scores = torch.einsum("thd,tkd->thk", q[s:e].float(), kv) * sm_scale
         scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)

@@ -6,6 +6,11 @@ dtype. The value is the first v_dim columns of the same cache row, so one
 gathered tile feeds both products. fp32 online softmax (base 2). When T is
 small the top-k axis is split across programs and a second kernel merges the
 partial results by their log-sum-exp.
+
+The cache is either in q's dtype or (uint8) the FP8 layout
+(`reference.mla_fp8_views`: e4m3 latent, an fp32 scale per 128 values, bf16
+rope): each gathered tile is dequantised to q's dtype in registers, so the
+products and the softmax are the same code for both layouts.
 """
 
 from __future__ import annotations
@@ -16,18 +21,21 @@ import triton
 import triton.language as tl
 
 from minidsa.kernels import num_sms
+from minidsa.kernels import reference as ref
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _sparse_mla_kernel(
-    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
+    q_ptr, kv_ptr, scale_ptr, rope_ptr, idx_ptr, out_ptr, lse_ptr,
     num_heads, topk, split_len, qk_scale,
     stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_os, stride_lt, stride_ls,
     DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    OFFSET_64: tl.constexpr,
+    OFFSET_64: tl.constexpr, IS_FP8: tl.constexpr, GROUP: tl.constexpr, SCALES_BY_RESHAPE: tl.constexpr,
 ):
+    # IS_FP8: kv_ptr is the cache's bytes (row stride_kv bytes, e4m3 latent first); scale_ptr / rope_ptr are
+    # fp32 / bf16 views of the same rows starting at their parts (row strides stride_kv / 4, / 2).
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     sp = tl.program_id(2)
@@ -50,11 +58,25 @@ def _sparse_mla_kernel(
         valid = idx >= 0
         # -1 reads slot 0 (a real row; its score is -inf below): unmasked loads need fewer registers.
         if OFFSET_64:
-            rows = kv_ptr + tl.where(valid, idx, 0).to(tl.int64)[:, None] * stride_kv
+            row_off = tl.where(valid, idx, 0).to(tl.int64) * stride_kv
         else:
-            rows = kv_ptr + (tl.where(valid, idx, 0) * stride_kv)[:, None]
-        k_nope = tl.load(rows + dv[None, :])
-        k_rope = tl.load(rows + DV + dr[None, :])
+            row_off = tl.where(valid, idx, 0) * stride_kv
+        if IS_FP8:
+            k8 = tl.load(kv_ptr + row_off[:, None] + dv[None, :])
+            kf = k8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            if SCALES_BY_RESHAPE:
+                # [BLOCK_N, DV / GROUP] scales, broadcast over each group through a reshape of the tile.
+                sc = tl.load(scale_ptr + (row_off // 4)[:, None] + tl.arange(0, DV // GROUP)[None, :])
+                kf = tl.reshape(tl.reshape(kf, (BLOCK_N, DV // GROUP, GROUP)) * sc[:, :, None], (BLOCK_N, DV))
+            else:
+                # One (cached) scale load per element: no layout change of the tile.
+                kf = kf * tl.load(scale_ptr + (row_off // 4)[:, None] + (dv // GROUP)[None, :])
+            k_nope = kf.to(q_nope.dtype)
+            k_rope = tl.load(rope_ptr + (row_off // 2)[:, None] + dr[None, :]).to(q_rope.dtype)
+        else:
+            rows = kv_ptr + row_off[:, None]
+            k_nope = tl.load(rows + dv[None, :])
+            k_rope = tl.load(rows + DV + dr[None, :])
         s = tl.dot(q_nope, tl.trans(k_nope))
         s = tl.dot(q_rope, tl.trans(k_rope), s)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
@@ -102,6 +124,11 @@ def _combine_kernel(
 
 # (BLOCK_H, BLOCK_N, num_warps, num_stages), set from measurements on H100 (benchmarks/KERNELS.md).
 SPARSE_MLA_CONFIG = (64, 64, 8, 2)
+# The FP8 cache: launch parameters and how each tile's scales are applied ("gather": a scale load per
+# element; "reshape": one per group, broadcast through a reshape). Not yet measured on a GPU: both are
+# swept by benchmarks/bench_mla.py; set these from its results.
+SPARSE_MLA_FP8_CONFIG = (64, 64, 8, 2)
+FP8_SCALES = "gather"
 
 
 def sparse_mla(
@@ -112,18 +139,25 @@ def sparse_mla(
     v_dim: int,
     num_splits: int | None = None,
     config: tuple[int, int, int, int] | None = None,
+    fp8_scales: str | None = None,
 ) -> torch.Tensor:
-    """q [T, H, Dk] x kv_cache [S, Dk] at topk_slots [T, K] (-1 = none) -> [T, H, v_dim] (q's dtype)."""
+    """q [T, H, Dk] x kv_cache [S, Dk] at topk_slots [T, K] (-1 = none) -> [T, H, v_dim] (q's dtype).
+
+    kv_cache: [S, Dk] in q's dtype, or uint8 [S, bytes] in the FP8 layout (latent = v_dim)."""
     num_tokens, num_heads, dk = q.shape
     topk = topk_slots.shape[1]
     rope = dk - v_dim
-    if kv_cache.shape[1] != dk:
-        raise ValueError(f"sparse_mla: cache width {kv_cache.shape[1]} != query width {dk}")
+    is_fp8 = kv_cache.dtype == torch.uint8
+    group = ref.mla_fp8_group(v_dim)
+    width = ref.mla_fp8_row_bytes(v_dim, rope) if is_fp8 else dk
+    if kv_cache.dim() != 2 or kv_cache.shape[1] != width or kv_cache.stride(1) != 1:
+        raise ValueError(f"sparse_mla: cache {tuple(kv_cache.shape)} {kv_cache.dtype} does not hold rows of "
+                         f"{width} {'bytes (FP8 layout)' if is_fp8 else 'values'} for query width {dk}")
     if v_dim & (v_dim - 1) or rope & (rope - 1) or rope < 16:
         raise ValueError(f"sparse_mla: v_dim ({v_dim}) and rope dim ({rope}) must be powers of two (rope >= 16)")
     if topk_slots.shape[0] != num_tokens:
         raise ValueError(f"sparse_mla: topk_slots has {topk_slots.shape[0]} rows for {num_tokens} tokens")
-    if kv_cache.dtype != q.dtype:
+    if not is_fp8 and kv_cache.dtype != q.dtype:
         raise ValueError(f"sparse_mla: q is {q.dtype} but the cache is {kv_cache.dtype}")
     out = torch.empty(num_tokens, num_heads, v_dim, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
@@ -131,7 +165,10 @@ def sparse_mla(
     if topk == 0:
         return out.zero_()
     q = q if q.stride(2) == 1 else q.contiguous()
-    block_h, block_n, num_warps, num_stages = config or SPARSE_MLA_CONFIG
+    block_h, block_n, num_warps, num_stages = config or (SPARSE_MLA_FP8_CONFIG if is_fp8 else SPARSE_MLA_CONFIG)
+    fp8_scales = fp8_scales or FP8_SCALES
+    if fp8_scales not in ("gather", "reshape"):
+        raise ValueError(f"sparse_mla: fp8_scales must be 'gather' or 'reshape', got {fp8_scales!r}")
     block_h = min(block_h, max(16, triton.next_power_of_2(num_heads)))
     head_blocks = triton.cdiv(num_heads, block_h)
     if num_splits is None:
@@ -146,26 +183,35 @@ def sparse_mla(
     split_len = triton.cdiv(triton.cdiv(topk, num_splits), block_n) * block_n
     num_splits = triton.cdiv(topk, split_len)
     qk_scale = sm_scale * LOG2E
-    offset_64 = kv_cache.numel() >= 2**31  # 32-bit row offsets save registers when they fit
+    offset_64 = kv_cache.numel() * kv_cache.element_size() >= 2**31  # 32-bit row offsets save registers
     grid = (num_tokens, head_blocks, num_splits)
+    if is_fp8:
+        if kv_cache.stride(0) % 4:
+            raise ValueError(f"sparse_mla: FP8 cache rows must be whole 32-bit words, got {kv_cache.stride(0)} bytes")
+        scale_end = v_dim + 4 * (v_dim // group)
+        parts = (kv_cache.view(torch.float32)[:, v_dim // 4:], kv_cache.view(torch.bfloat16)[:, scale_end // 2:])
+    else:
+        parts = (kv_cache, kv_cache)  # unused
     if num_splits == 1:
         _sparse_mla_kernel[grid](
-            q, kv_cache, topk_slots, out, out,
+            q, kv_cache, *parts, topk_slots, out, out,
             num_heads, topk, split_len, qk_scale,
             q.stride(0), q.stride(1), kv_cache.stride(0), topk_slots.stride(0),
             out.stride(0), out.stride(1), 0, 0, 0,
             DV=v_dim, DR=rope, BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=False, OFFSET_64=offset_64,
+            IS_FP8=is_fp8, GROUP=group, SCALES_BY_RESHAPE=fp8_scales == "reshape",
             num_warps=num_warps, num_stages=num_stages,
         )
         return out
     part = torch.empty(num_tokens, num_heads, num_splits, v_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(num_tokens, num_splits, num_heads, dtype=torch.float32, device=q.device)
     _sparse_mla_kernel[grid](
-        q, kv_cache, topk_slots, part, lse,
+        q, kv_cache, *parts, topk_slots, part, lse,
         num_heads, topk, split_len, qk_scale,
         q.stride(0), q.stride(1), kv_cache.stride(0), topk_slots.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         DV=v_dim, DR=rope, BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=True, OFFSET_64=offset_64,
+        IS_FP8=is_fp8, GROUP=group, SCALES_BY_RESHAPE=fp8_scales == "reshape",
         num_warps=num_warps, num_stages=num_stages,
     )
     _combine_kernel[(num_tokens, num_heads)](
