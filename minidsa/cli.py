@@ -15,7 +15,7 @@ import logging
 import sys
 from typing import Any
 
-from minidsa.config import ConfigError, EngineConfig
+from minidsa.config import QUANTIZATIONS, ConfigError, EngineConfig
 from minidsa.request import InvalidRequest
 
 _SKIP_FIELDS = {"extra"}
@@ -59,9 +59,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         elif kind == "float":
             group.add_argument(flag, dest=f.name, type=float, default=default, help=f"default: {default}")
         else:  # str, str | None
-            help_text = "preset name (tiny, bench-dsv32, bench-glm5) or checkpoint directory; default: tiny" \
+            help_text = ("preset name (tiny, bench-dsv32, bench-glm5; NAME:LAYERS sets the layer count, e.g. "
+                         "bench-dsv32:8) or checkpoint directory; default: tiny") \
                 if f.name == "model" else f"default: {default}"
-            group.add_argument(flag, dest=f.name, type=str, default=default, help=help_text)
+            choices = QUANTIZATIONS if f.name == "quantization" else None
+            if choices:
+                help_text = ("weights: auto = as the checkpoint stores them (e4m3 + block scales stay FP8), fp8 = "
+                             "quantise bf16 projections to FP8 at load, none = dequantise to --dtype; default: auto")
+            group.add_argument(flag, dest=f.name, type=str, default=default, choices=choices, help=help_text)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

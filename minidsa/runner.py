@@ -25,6 +25,7 @@ from minidsa.graphs import DEFAULT_BUCKETS, StepGraphs, StepKind
 from minidsa.kv_cache import KVCache, PageAllocator, ReqToTokenPool, pages_needed, row_slots
 from minidsa.models.deepseek_v32 import ModelOutput
 from minidsa.models.loader import build_model
+from minidsa.layers.linear import choose_fp8_gemm
 from minidsa.request import Request
 from minidsa.speculative.layout import SpecLayout
 
@@ -45,7 +46,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype)
         self.page_size = config.page_size
         self.model = build_model(model_config, model_path, self.dtype, self.device, seed=config.seed,
-                                 init_std=init_std, progress=progress)
+                                 init_std=init_std, progress=progress, quantization=config.quantization,
+                                 gemm=choose_fp8_gemm(self.device, config.kernel_backend, config.use_deep_gemm))
 
         indexer_fp8 = config.indexer_cache_dtype == "fp8"
         num_layers = model_config.num_layers_with_mtp
