@@ -3,7 +3,8 @@
 #
 #   OUT=/tmp/out MINIDSA_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [section ...]
 #
-# Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix.
+# Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix
+# fp8_gemm.
 # Add a section: write a function `section_NAME` and append NAME to ALL_SECTIONS. Each section
 # writes $OUT/NAME.log; its exit status goes to $OUT/summary.txt, and the script's exit status is
 # non-zero if any section failed. (At most 8 files come back from $OUT: keep one log per section.)
@@ -14,7 +15,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
-ALL_SECTIONS="env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix"
+ALL_SECTIONS="env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix fp8_gemm"
 
 section_env() {   # TIMEOUT: seconds for this section, 0 = none
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv || true
@@ -59,6 +60,14 @@ section_bench_prefix() {   # issue 9: shared-prefix workload (2k-token system pr
     local args="--model bench-dsv32 --workload shared-prefix --num-requests 64 --no-progress --disable-compile --cuda-graph-max-bs 32"
     timeout "$TIMEOUT" $PY -m minidsa.cli bench $args --json "$OUT/prefix_on.json" &&
     timeout "$TIMEOUT" $PY -m minidsa.cli bench $args --disable-prefix-caching --json "$OUT/prefix_off.json"
+}
+
+section_fp8_gemm() {   # issue 15: FP8 w8a8 GEMMs vs reference at real shapes, FP8 bench preset (init peak, graphs),
+    # then the GEMM benchmark -> fp8_gemm.md / fp8_gemm.json (about 3 minutes on an H100)
+    timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py -rs -s --durations=10
+    local rc=$?
+    timeout "$TIMEOUT" $PY benchmarks/bench_fp8_gemm.py --out "$OUT" ${BENCH_FP8_ARGS:-} || rc=1
+    return $rc
 }
 
 SECTIONS=${*:-$ALL_SECTIONS}

@@ -344,26 +344,25 @@ class Experts(nn.Module):
         return _dense_experts(x, self.gate_up_proj, self.down_proj, route)
 
     # ---- TEMPORARY FP8 SHIM, to be replaced by the fused FP8 MoE kernels (minidsa/kernels/fused_moe.py) ----
-    # Dequantises the experts a call needs, a few at a time (bounded memory), then runs the high-precision
-    # math above. Correct but slow: it rewrites every used expert in the activation dtype on every call.
-    FP8_SHIM_CHUNK = 4  # experts (or token-expert pairs) dequantised at once
+    # Dequantises the experts a call needs, then runs the high-precision math above: the chosen ones at once
+    # for a few token-expert pairs, else every expert a few at a time (a loop of static length, so compiled
+    # graphs do not specialise on the batch size). Correct but slow: it rewrites the used experts in the
+    # activation dtype on every call.
+    FP8_SHIM_CHUNK = 4  # experts dequantised at once on the dense path
+    FP8_SHIM_MAX_PAIRS = 16  # token-expert pairs dequantised at once on the gathered path
 
     def _forward_fp8_dequantised(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         num_tokens, top_k = ids.shape
         n_experts, chunk = self.gate_up_proj.shape[0], self.FP8_SHIM_CHUNK
-        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-        if 3 * num_tokens * top_k < n_experts:  # few pairs: dequantise only the chosen experts
-            flat_ids, flat_w = ids.reshape(-1), weights.reshape(-1, 1)
-            rows = torch.arange(num_tokens, device=x.device).repeat_interleave(top_k)
-            for p in range(0, flat_ids.numel(), chunk):
-                e, t = flat_ids[p:p + chunk], rows[p:p + chunk]
-                w13 = _dequant_experts(self.gate_up_proj[e], self.gate_up_proj_scale_inv[e], x.dtype)
-                w2 = _dequant_experts(self.down_proj[e], self.down_proj_scale_inv[e], x.dtype)
-                y = _gathered_experts(x[t], w13.unsqueeze(1), w2.unsqueeze(1), flat_w[p:p + chunk])
-                out.index_add_(0, t, y.float())
-            return out.to(x.dtype)
+        if num_tokens * top_k <= self.FP8_SHIM_MAX_PAIRS and 3 * num_tokens * top_k < n_experts:
+            w13 = _dequant_experts(self.gate_up_proj[ids.reshape(-1)], self.gate_up_proj_scale_inv[ids.reshape(-1)],
+                                   x.dtype)
+            w2 = _dequant_experts(self.down_proj[ids.reshape(-1)], self.down_proj_scale_inv[ids.reshape(-1)], x.dtype)
+            return _gathered_experts(x, w13.view(num_tokens, top_k, *w13.shape[1:]),
+                                     w2.view(num_tokens, top_k, *w2.shape[1:]), weights)
         route = torch.zeros(num_tokens, n_experts, dtype=torch.float32, device=x.device)
         route.scatter_(1, ids, weights.float())
+        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
         for e in range(0, n_experts, chunk):
             w13 = _dequant_experts(self.gate_up_proj[e:e + chunk], self.gate_up_proj_scale_inv[e:e + chunk], x.dtype)
             w2 = _dequant_experts(self.down_proj[e:e + chunk], self.down_proj_scale_inv[e:e + chunk], x.dtype)
