@@ -456,3 +456,37 @@ def test_fp8_experts_compute_what_their_dequantised_weights_compute():
         ids = torch.stack([torch.randperm(32, generator=g)[:2] for _ in range(tokens)])
         w = torch.rand(tokens, 2, generator=g)
         assert torch.allclose(f8(x, ids, w), hp(x, ids, w), atol=1e-5)
+
+
+def test_fp8_projections_trace_without_graph_breaks():
+    # The Triton GEMM is an opaque custom op (fake impl gives the shape): Dynamo traces FP8 layers whole.
+    from minidsa.kernels import custom_ops  # noqa: F401
+
+    g = torch.Generator().manual_seed(0)
+    members = []
+    for rows in (128, 80):
+        lin = Linear(256, rows)
+        lin.make_fp8_()
+        q, s = quant_block(torch.randn(rows, 256, generator=g) * 0.05)
+        lin.weight.data.copy_(q)
+        lin.weight_scale_inv.data.copy_(s)
+        lin.gemm = "triton"
+        members.append(lin)
+    fused = FusedLinear(*members)
+    x = torch.randn(3, 256, generator=g)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: fused(t)[1] + members[1](t), fullgraph=True, backend="eager")
+    assert torch.allclose(compiled(x), 2 * members[1](x), atol=1e-5)
+
+
+def test_quantization_flag():
+    import argparse
+
+    from minidsa.cli import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args(["--quantization", "fp8"])).quantization == "fp8"
+    assert engine_config_from_args(parser.parse_args([])).quantization == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int4"])

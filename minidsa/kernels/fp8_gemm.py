@@ -12,7 +12,8 @@ graph keeps whatever M it was captured with, no autotuning at run time):
   leave SMs idle (fused q_a/kv_a/wk has 2240 rows = 35 tiles on 132 SMs): partial sums in fp32,
   added by torch.
 - prefill (M > 64): compute bound. Activations quantised once by `_act_quant_kernel`, then
-  128x128 tiles, 128-deep K steps (one scale pair per step), software-pipelined.
+  64x128 / 128x128 tiles, 128-deep K steps (one scale pair per step), software-pipelined;
+  split-K too while the tiles alone are fewer than the SMs (M of a few hundred, narrow N).
 
 Under Triton's CPU interpreter (tests) the fp32 -> e4m3 cast rounds wrongly near binade edges,
 so `_to_e4m3` rounds explicitly there (to nearest even on 3 mantissa bits) before the cast, which
@@ -132,7 +133,11 @@ def pick_tiles(m: int, n: int, k: int, num_sms: int) -> GemmTiles:
         # Aim at two programs per SM; each K range keeps at least 4 steps to pipeline.
         split = max(1, min(-(-2 * num_sms // n_tiles), num_kb // 4))
         return GemmTiles(block_m, block_n, split, True, 4, 4)
-    return GemmTiles(128, 128, 1, False, 8, 3)
+    block_m = 64 if m <= 128 else 128
+    tiles = -(-m // block_m) * -(-n // 128)
+    # Mid-size M (verify, big decode batches) on a narrow N still leaves SMs idle without split-K.
+    split = max(1, min(-(-num_sms // tiles), num_kb // 4)) if tiles < num_sms else 1
+    return GemmTiles(block_m, 128, split, False, 4 if block_m == 64 else 8, 3)
 
 
 def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -343,31 +343,45 @@ class Experts(nn.Module):
         route.scatter_(1, ids, weights.float())
         return _dense_experts(x, self.gate_up_proj, self.down_proj, route)
 
-    # ---- TEMPORARY FP8 SHIM, to be replaced by the fused FP8 MoE kernels (minidsa/kernels/fused_moe.py) ----
-    # Dequantises the experts a call needs, then runs the high-precision math above: the chosen ones at once
-    # for a few token-expert pairs, else every expert a few at a time (a loop of static length, so compiled
-    # graphs do not specialise on the batch size). Correct but slow: it rewrites the used experts in the
-    # activation dtype on every call.
-    FP8_SHIM_CHUNK = 4  # experts dequantised at once on the dense path
-    FP8_SHIM_MAX_PAIRS = 16  # token-expert pairs dequantised at once on the gathered path
-
     def _forward_fp8_dequantised(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        num_tokens, top_k = ids.shape
-        n_experts, chunk = self.gate_up_proj.shape[0], self.FP8_SHIM_CHUNK
-        if num_tokens * top_k <= self.FP8_SHIM_MAX_PAIRS and 3 * num_tokens * top_k < n_experts:
-            w13 = _dequant_experts(self.gate_up_proj[ids.reshape(-1)], self.gate_up_proj_scale_inv[ids.reshape(-1)],
-                                   x.dtype)
-            w2 = _dequant_experts(self.down_proj[ids.reshape(-1)], self.down_proj_scale_inv[ids.reshape(-1)], x.dtype)
-            return _gathered_experts(x, w13.view(num_tokens, top_k, *w13.shape[1:]),
-                                     w2.view(num_tokens, top_k, *w2.shape[1:]), weights)
-        route = torch.zeros(num_tokens, n_experts, dtype=torch.float32, device=x.device)
-        route.scatter_(1, ids, weights.float())
-        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-        for e in range(0, n_experts, chunk):
-            w13 = _dequant_experts(self.gate_up_proj[e:e + chunk], self.gate_up_proj_scale_inv[e:e + chunk], x.dtype)
-            w2 = _dequant_experts(self.down_proj[e:e + chunk], self.down_proj_scale_inv[e:e + chunk], x.dtype)
-            out += _dense_experts(x, w13, w2, route[:, e:e + chunk]).float()
-        return out.to(x.dtype)
+        return torch.ops.minidsa.fp8_experts_dequantised(x, ids, weights, self.gate_up_proj, self.gate_up_proj_scale_inv,
+                                                         self.down_proj, self.down_proj_scale_inv)
+
+
+# ---- TEMPORARY FP8 SHIM, to be replaced by the fused FP8 MoE kernels (minidsa/kernels/fused_moe.py) ----
+# Dequantises the experts a call needs, then runs the high-precision math of Experts: the chosen ones at once
+# for a few token-expert pairs, else every expert a few at a time. Correct but slow: it rewrites the used
+# experts in the activation dtype on every call. An opaque custom op, so torch.compile neither unrolls its
+# loop nor specialises on the batch size.
+FP8_SHIM_CHUNK = 4  # experts dequantised at once on the dense path
+FP8_SHIM_MAX_PAIRS = 16  # token-expert pairs dequantised at once on the gathered path
+
+
+@torch.library.custom_op("minidsa::fp8_experts_dequantised", mutates_args=())
+def _fp8_experts_dequantised(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
+                             gate_up_scale: torch.Tensor, down_proj: torch.Tensor,
+                             down_scale: torch.Tensor) -> torch.Tensor:
+    num_tokens, top_k = ids.shape
+    n_experts, chunk = gate_up_proj.shape[0], FP8_SHIM_CHUNK
+    if num_tokens * top_k <= FP8_SHIM_MAX_PAIRS and 3 * num_tokens * top_k < n_experts:
+        flat = ids.reshape(-1)
+        w13 = _dequant_experts(gate_up_proj[flat], gate_up_scale[flat], x.dtype)
+        w2 = _dequant_experts(down_proj[flat], down_scale[flat], x.dtype)
+        return _gathered_experts(x, w13.view(num_tokens, top_k, *w13.shape[1:]),
+                                 w2.view(num_tokens, top_k, *w2.shape[1:]), weights)
+    route = torch.zeros(num_tokens, n_experts, dtype=torch.float32, device=x.device)
+    route.scatter_(1, ids, weights.float())
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    for e in range(0, n_experts, chunk):
+        w13 = _dequant_experts(gate_up_proj[e:e + chunk], gate_up_scale[e:e + chunk], x.dtype)
+        w2 = _dequant_experts(down_proj[e:e + chunk], down_scale[e:e + chunk], x.dtype)
+        out += _dense_experts(x, w13, w2, route[:, e:e + chunk]).float()
+    return out.to(x.dtype)
+
+
+@_fp8_experts_dequantised.register_fake
+def _(x, ids, weights, gate_up_proj, gate_up_scale, down_proj, down_scale):
+    return torch.empty_like(x)
 
 
 def _gathered_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
