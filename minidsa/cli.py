@@ -25,7 +25,10 @@ _SKIP_FIELDS = {"extra"}
 # --help text of each engine flag, keyed by EngineConfig field. A field may instead carry its own
 # `metadata={"help": ...}`; choices come from config.ENGINE_CHOICES. test_cli checks every field has one.
 ENGINE_FLAG_HELP: dict[str, str] = {
-    "model": "preset (tiny, bench-dsv32, bench-glm5) or checkpoint directory (default: tiny, the embedded model)",
+    "model": "preset (tiny, bench-dsv32, bench-glm5; NAME:LAYERS sets the layer count, e.g. bench-dsv32:8) or "
+             "checkpoint directory (default: tiny, the embedded model)",
+    "quantization": "weights: auto = as the checkpoint stores them (e4m3 + block scales stay FP8), fp8 = quantise "
+                    "bf16 projections to FP8 at load, none = dequantise to --dtype",
     "dtype": "weights and activations; auto = bfloat16 on GPU, float32 on CPU",
     "device": "torch device (cpu, cuda, cuda:1, ...); auto = cuda when available",
     "page_size": "KV page size in tokens, 1 or a power of two; 0 = auto (64 on GPU, 1 on CPU)",

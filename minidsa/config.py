@@ -120,6 +120,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
     hidden_act: str = "silu"
+    # From `quantization_config`: "fp8" (DeepSeek's e4m3 with 128x128 block scales, dynamic activations) or None.
+    quantization: str | None = None
+    fp8_pow2_scales: bool = False  # scale_fmt "ue8m0": block scales are powers of two
 
     @property
     def kv_cache_dim(self) -> int:
@@ -226,6 +229,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+            **_quantization(raw),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -302,6 +306,30 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
         attention_factor=params.get("attention_factor"),
         truncate=bool(params.get("truncate", True)),
     )
+
+
+def _quantization(raw: dict[str, Any]) -> dict[str, Any]:
+    """`quantization_config` -> ModelConfig fields; only DeepSeek's FP8 block format is served."""
+    q = raw.get("quantization_config")
+    if q is None:
+        return {"quantization": None, "fp8_pow2_scales": False}
+    if not isinstance(q, dict):
+        raise ConfigError("quantization_config", f"must be an object, got {q!r}")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ConfigError("quantization_config.quant_method", f"{method!r} is not supported (only 'fp8')")
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise ConfigError("quantization_config.fmt", f"{q.get('fmt')!r} is not supported (only 'e4m3')")
+    if list(q.get("weight_block_size") or []) != [128, 128]:
+        raise ConfigError("quantization_config.weight_block_size",
+                          f"{q.get('weight_block_size')!r} is not supported (only [128, 128] blocks)")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise ConfigError("quantization_config.activation_scheme",
+                          f"{q.get('activation_scheme')!r} is not supported (only 'dynamic')")
+    scale_fmt = q.get("scale_fmt")
+    if scale_fmt not in (None, "ue8m0"):
+        raise ConfigError("quantization_config.scale_fmt", f"{scale_fmt!r} is not supported (ue8m0 or absent)")
+    return {"quantization": "fp8", "fp8_pow2_scales": scale_fmt == "ue8m0"}
 
 
 def _dense_layers(raw: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
@@ -397,6 +425,7 @@ ENGINE_CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("auto", *DTYPES),
     "indexer_cache_dtype": ("auto", "fp8", "model"),
     "kv_cache_dtype": ("auto", "fp8"),
+    "quantization": ("auto", "fp8", "none"),
     "kernel_backend": ("auto", "torch", "triton"),
 }
 
@@ -407,6 +436,9 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     if name not in DTYPES:
         raise ConfigError("dtype", f"'{name}' is not one of {sorted(DTYPES)}")
     return DTYPES[name]
+
+
+QUANTIZATIONS = ENGINE_CHOICES["quantization"]
 
 
 @dataclass
@@ -426,6 +458,9 @@ class EngineConfig:
     seed: int = 0
     indexer_cache_dtype: str = "auto"  # "fp8" (Hadamard + e4m3) or "model" (full precision); auto = fp8 on GPU
     kv_cache_dtype: str = "auto"  # MLA cache: "auto" = the model dtype, "fp8" = FlashMLA's 656-byte e4m3 layout
+    # Weights: "auto" = as the checkpoint stores them (e4m3 + block scales stay FP8), "fp8" = also quantise
+    # high-precision projections to FP8 at load, "none" = dequantise everything to `dtype`.
+    quantization: str = "auto"
     kernel_backend: str = "auto"  # "auto" | "torch" | "triton"; auto = triton on GPU, torch on CPU
     use_deep_gemm: bool = True  # use DeepGEMM's indexer kernels when importable on SM90/SM100
     speculative_num_steps: int = 0
@@ -464,6 +499,8 @@ class EngineConfig:
             raise ConfigError("indexer_cache_dtype", f"'{self.indexer_cache_dtype}' is not auto, fp8 or model")
         if self.kv_cache_dtype not in ENGINE_CHOICES["kv_cache_dtype"]:
             raise ConfigError("kv_cache_dtype", f"'{self.kv_cache_dtype}' is not auto (the model dtype) or fp8")
+        if self.quantization not in ENGINE_CHOICES["quantization"]:
+            raise ConfigError("quantization", f"'{self.quantization}' is not one of {', '.join(QUANTIZATIONS)}")
         if self.kernel_backend not in ENGINE_CHOICES["kernel_backend"]:
             raise ConfigError("kernel_backend", f"'{self.kernel_backend}' is not auto, torch or triton")
         return self

@@ -37,7 +37,7 @@ import torch
 
 from minidsa.batch import ForwardMode
 from minidsa.config import ConfigError, EngineConfig, ModelConfig
-from minidsa.models.presets import DEFAULT_PRESET, PRESETS, preset_config
+from minidsa.models.presets import DEFAULT_PRESET, PRESETS, is_preset, preset_config
 from minidsa.prefix_cache import PrefixCache
 from minidsa.request import (InvalidRequest, QueueFull, Request, RequestOutput, RequestStatus, SamplingParams,
                              Struct, now)
@@ -121,12 +121,16 @@ def decode_reserve_tokens(cfg: EngineConfig) -> int:
 def resolve_model(name: str | None) -> tuple[ModelConfig, str | None, float, str]:
     """(model config, checkpoint path or None for random weights, init std, served model name)."""
     name = name or DEFAULT_PRESET
-    if name in PRESETS:
-        raw = preset_config(name)
+    if is_preset(name):
+        try:
+            raw = preset_config(name)
+        except ValueError as e:
+            raise ConfigError("model", str(e)) from None
         return ModelConfig.from_dict(raw), None, float(raw.get("initializer_range", 0.02)), f"minidsa-{name}"
     if os.path.isdir(name):
         return ModelConfig.from_pretrained(name), name, 0.02, os.path.basename(os.path.normpath(name))
-    raise ConfigError("model", f"'{name}' is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
+    raise ConfigError("model", f"'{name}' is neither a preset ({', '.join(PRESETS)}, optionally "
+                      "NAME:LAYERS) nor a checkpoint directory")
 
 
 class Engine:

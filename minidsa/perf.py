@@ -70,26 +70,34 @@ def time_cuda(fn, iters: int = 20, warmup: int = 3) -> float:
 
 
 # ----------------------------------------------------------------------------- byte model
-def decode_bytes(cfg: ModelConfig, bs: int, ctx: int, dtype_bytes: int = 2, with_mtp: bool = False) -> dict[str, float]:
-    """Bytes one decode step must read: weights actually used, indexer keys, selected MLA entries."""
+def decode_bytes(cfg: ModelConfig, bs: int, ctx: int, dtype_bytes: int = 2, with_mtp: bool = False,
+                 fp8_weights: bool | None = None) -> dict[str, float]:
+    """Bytes one decode step must read: weights actually used, indexer keys, selected MLA entries.
+
+    FP8 models (`fp8_weights`, default: the config's quantization) read 1 byte per projection weight plus one
+    fp32 scale per 128x128 block; kv_b_proj, the indexer's weights_proj, the router and lm_head stay `dtype_bytes`.
+    """
+    fp8 = cfg.quantization == "fp8" if fp8_weights is None else fp8_weights
+    wb = 1 + 4 / (128 * 128) if fp8 else dtype_bytes
     h, heads = cfg.hidden_size, cfg.num_attention_heads
     attn = (h * cfg.q_lora_rank + cfg.q_lora_rank * heads * cfg.qk_head_dim + h * cfg.kv_cache_dim
-            + cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) + heads * cfg.v_head_dim * h)
-    indexer = cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim + h * cfg.index_head_dim + h * cfg.index_n_heads
-    expert = 3 * h * cfg.moe_intermediate_size
+            + heads * cfg.v_head_dim * h) * wb
+    attn += cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * dtype_bytes  # kv_b_proj
+    indexer = (cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim + h * cfg.index_head_dim) * wb \
+        + h * cfg.index_n_heads * dtype_bytes
+    expert = 3 * h * cfg.moe_intermediate_size * wb
     # expected distinct experts hit by bs tokens choosing k of E uniformly
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     hit = e * (1 - (1 - k / e) ** bs)
     layers = range(cfg.num_hidden_layers)
-    weights = 0
+    weights = 0.0
     for i in layers:
         weights += attn + (indexer if cfg.indexer_full[i] else 0)
         if cfg.dense_layers[i]:
-            weights += 3 * h * cfg.intermediate_size
+            weights += 3 * h * cfg.intermediate_size * wb
         else:
-            weights += hit * expert + cfg.n_shared_experts * expert + e * h
-    weights += cfg.vocab_size * h  # lm_head (embedding: bs rows, negligible)
-    weights *= dtype_bytes
+            weights += hit * expert + cfg.n_shared_experts * expert + e * h * dtype_bytes
+    weights += cfg.vocab_size * h * dtype_bytes  # lm_head (embedding: bs rows, negligible)
     full = sum(cfg.indexer_full)
     index_keys = full * bs * ctx * (cfg.index_head_dim + 4)
     mla = cfg.num_hidden_layers * bs * min(cfg.index_topk, ctx) * cfg.kv_cache_dim * dtype_bytes
@@ -368,12 +376,14 @@ def _transformers(args, result) -> dict:
     if raw["architectures"][0] != "DeepseekV32ForCausalLM":
         return {"error": "transformers comparison implemented for bench-dsv32"}
     raw.pop("initializer_range", None)
-    keep = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    keep = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "torch_dtype", "quantization_config")}
     hf_cfg = DeepseekV32Config(**keep)
     from minidsa.models.loader import build_model
 
     ours_cfg = ModelConfig.from_dict(preset_config(args.preset))
-    ours = build_model(ours_cfg, None, torch.bfloat16, torch.device("cuda"), seed=0, init_std=0.02, progress=False)
+    # HF's modules are bf16: our random weights drawn in bf16 (quantization="none"), not FP8.
+    ours = build_model(ours_cfg, None, torch.bfloat16, torch.device("cuda"), seed=0, init_std=0.02, progress=False,
+                       quantization="none")
     state = {k: v for k, v in ours.state_dict().items()
              if not k.startswith(f"model.layers.{ours_cfg.num_hidden_layers}.")}
     torch.set_default_dtype(torch.bfloat16)

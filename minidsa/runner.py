@@ -27,6 +27,7 @@ from minidsa.kv_cache import (IndexerLayout, KVCache, MLALayout, PageAllocator, 
                                pages_needed, row_slots)
 from minidsa.models.deepseek_v32 import ModelOutput, call_layer
 from minidsa.models.loader import build_model
+from minidsa.layers.linear import choose_fp8_gemm
 from minidsa.request import Request
 from minidsa.speculative.layout import SpecLayout
 
@@ -52,7 +53,8 @@ class ModelRunner:
         except ValueError as e:
             raise ConfigError("kv_cache_dtype", str(e)) from e
         self.model = build_model(model_config, model_path, self.dtype, self.device, seed=config.seed,
-                                 init_std=init_std, progress=progress)
+                                 init_std=init_std, progress=progress, quantization=config.quantization,
+                                 gemm=choose_fp8_gemm(self.device, config.kernel_backend, config.use_deep_gemm))
 
         num_layers = model_config.num_layers_with_mtp
         indexer_layers = list(model_config.indexer_full) + [True] * model_config.num_nextn_predict_layers

@@ -3,7 +3,8 @@
 #
 #   OUT=/tmp/out MINIDSA_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [section ...]
 #
-# Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla.
+# Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla
+# fp8_gemm.
 # Also: bench_indexer (DeepGEMM vs Triton indexer logits side by side); flashmla (builds FlashMLA from a
 # carried .fmla folder first; minutes).
 #
@@ -22,7 +23,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
-ALL_SECTIONS="env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla"
+ALL_SECTIONS="env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla fp8_gemm"
 
 if ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -118,6 +119,14 @@ section_flashmla() {   # issue 18: build FlashMLA (SM90 sparse kernels) from the
     eval "$(timeout "$TIMEOUT" bash scripts/build_flashmla.sh .fmla)" || return 1
     cp "$FLASHMLA_BUILD_DIR"/flash_mla/cuda*.so "$OUT/flashmla_cuda.so" 2>/dev/null || true
     timeout "$TIMEOUT" $PY benchmarks/bench_mla.py --only kernels ${BENCH_MLA_ARGS:-}
+}
+
+section_fp8_gemm() {   # issue 15: FP8 w8a8 GEMMs vs reference at real shapes, FP8 bench preset (init peak, graphs),
+    # then the GEMM benchmark -> fp8_gemm.md / fp8_gemm.json (about 3 minutes on an H100)
+    timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py -rs -s --durations=10
+    local rc=$?
+    timeout "$TIMEOUT" $PY benchmarks/bench_fp8_gemm.py --out "$OUT" ${BENCH_FP8_ARGS:-} || rc=1
+    return $rc
 }
 
 SECTIONS=${*:-$ALL_SECTIONS}

@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from minidsa.kernels import deepgemm, indexer, kv_move as kv_move_mod, mla_store, moe as moe_mod
-from minidsa.kernels import sparse_mla as sparse_mla_mod
+from minidsa.kernels import deepgemm, fp8_gemm as fp8_gemm_mod, indexer, kv_move as kv_move_mod, mla_store
+from minidsa.kernels import moe as moe_mod, sparse_mla as sparse_mla_mod
 from minidsa.kernels import topk as topk_mod
 
 logger = logging.getLogger(__name__)
@@ -162,3 +162,24 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up_proj: Tensor, d
 @moe_experts.register_fake
 def _(x, ids, weights, gate_up_proj, down_proj):
     return x.new_empty(x.shape[0], gate_up_proj.shape[2])
+
+
+@torch.library.custom_op("minidsa::fp8_linear", mutates_args=())
+def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, use_deep_gemm: bool) -> Tensor:
+    """x [M, K] @ e4m3 weight [N, K]^T with 128x128 block scales, w8a8 (layers.linear). Tiles chosen by M inside.
+
+    With `use_deep_gemm` (decided at model build: `dispatch.choose_fp8_gemm`), DeepGEMM's fp8_gemm_nt; a call
+    it cannot serve (or a failure, which switches it off for the process) runs the Triton kernel.
+    """
+    if use_deep_gemm:
+        out = deepgemm.fp8_gemm_nt(x, weight, scale_inv)
+        if out is not None:
+            return out
+        _log_once(f"FP8 linear: Triton GEMM serves {tuple(x.shape)} x {tuple(weight.shape)} "
+                  f"(DeepGEMM: {deepgemm.gemm_disabled_reason() or 'shape or dtype it does not take'})")
+    return fp8_gemm_mod.w8a8_block_gemm(x, weight, scale_inv)
+
+
+@fp8_linear.register_fake
+def _(x, weight, scale_inv, use_deep_gemm):
+    return x.new_empty(x.shape[0], weight.shape[0])

