@@ -148,7 +148,6 @@ def load_checkpoint(model: DeepseekV32ForCausalLM, path: str, device: torch.devi
     finally:
         bar.close()
     _check_complete(path, plan, loaded, expert_slices, ignored, unexpected)
-    _finish(model, dtype)
 
 
 def _load_shards(by_file: dict[str, list[str]], files: dict[str, str], plan: "_Plan", loaded: set[str],
