@@ -22,12 +22,11 @@ from minidsa.attention.dsa import DSABackend
 from minidsa.batch import ForwardBatch, ForwardMode
 from minidsa.config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
 from minidsa.graphs import DEFAULT_BUCKETS, StepGraphs, StepKind
-from minidsa.kernels.choice import choose_kernels
+from minidsa.kernels.choice import choose_fp8_gemm, choose_kernels
 from minidsa.kv_cache import (IndexerLayout, KVCache, MLALayout, PageAllocator, ReqToTokenPool, kv_bytes_per_token,
                                pages_needed, row_slots)
 from minidsa.models.deepseek_v32 import ModelOutput, call_layer
 from minidsa.models.loader import build_model
-from minidsa.layers.linear import choose_fp8_gemm
 from minidsa.request import Request
 from minidsa.speculative.layout import SpecLayout
 

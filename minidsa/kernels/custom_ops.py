@@ -168,7 +168,7 @@ def _(x, ids, weights, gate_up_proj, down_proj):
 def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, use_deep_gemm: bool) -> Tensor:
     """x [M, K] @ e4m3 weight [N, K]^T with 128x128 block scales, w8a8 (layers.linear). Tiles chosen by M inside.
 
-    With `use_deep_gemm` (decided at model build: `dispatch.choose_fp8_gemm`), DeepGEMM's fp8_gemm_nt; a call
+    With `use_deep_gemm` (decided at model build: `choice.choose_fp8_gemm`), DeepGEMM's fp8_gemm_nt; a call
     it cannot serve (or a failure, which switches it off for the process) runs the Triton kernel.
     """
     if use_deep_gemm:

@@ -131,39 +131,3 @@ def _log_fallback(msg: str) -> None:
 
 def ops_for(choice: KernelChoice) -> DSAOps:
     return DSAOps(choice)
-
-
-def choose_fp8_gemm(device: torch.device | str, kernel_backend: str = "auto", use_deep_gemm: bool = True) -> str:
-    """Which GEMM serves FP8 linear layers (`layers.linear.GEMMS`), decided once when the model is built.
-
-    torch reference on CPU (or kernel_backend "torch"); on a GPU DeepGEMM's fp8_gemm_nt when it imports on
-    SM90/SM100 (its calls fall back to Triton per shape), else the Triton w8a8 kernel. MINIDSA_FP8_GEMM
-    (torch | triton | deepgemm) overrides, for measurements.
-    """
-    device = torch.device(device)
-    if kernel_backend == "torch" or (kernel_backend == "auto" and device.type != "cuda"):
-        return "torch"
-    forced = os.environ.get("MINIDSA_FP8_GEMM")  # A/B runs: torch | triton | deepgemm
-    if forced is not None:
-        if forced not in ("torch", "triton", "deepgemm"):
-            raise ValueError(f"MINIDSA_FP8_GEMM must be torch, triton or deepgemm, got {forced!r}")
-        if forced == "deepgemm" and not deepgemm.fp8_gemm_status(device).available:
-            raise ValueError(f"MINIDSA_FP8_GEMM=deepgemm: {deepgemm.fp8_gemm_status(device).reason}")
-        logger.info("FP8 linear: %s (MINIDSA_FP8_GEMM)", forced)
-        if forced != "torch":
-            from minidsa.kernels import custom_ops  # noqa: F401  (registers torch.ops.minidsa.fp8_linear)
-        return forced
-    ok, why = triton_usable(device)
-    if not ok:
-        logger.warning("FP8 linear: torch reference (%s)", why)
-        return "torch"
-    if use_deep_gemm and device.type == "cuda":
-        status = deepgemm.fp8_gemm_status(device)
-        logger.info("FP8 linear: %s (%s)", "DeepGEMM" if status.available else "Triton", status.reason)
-    else:
-        logger.info("FP8 linear: Triton")
-    from minidsa.kernels import custom_ops  # noqa: F401  (registers torch.ops.minidsa.fp8_linear)
-
-    if use_deep_gemm and device.type == "cuda" and status.available:
-        return "deepgemm"
-    return "triton"

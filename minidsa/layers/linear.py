@@ -184,13 +184,3 @@ def set_gemm(model: nn.Module, gemm: str) -> None:
     for mod in model.modules():
         if isinstance(mod, (Linear, FusedLinear)):
             mod.gemm = gemm
-
-
-def choose_fp8_gemm(device: torch.device | str, kernel_backend: str = "auto", use_deep_gemm: bool = True) -> str:
-    """The GEMM for FP8 layers, decided once at model build (`kernels.dispatch.choose_fp8_gemm` on a GPU)."""
-    device = torch.device(device)
-    if kernel_backend == "torch" or (kernel_backend == "auto" and device.type != "cuda"):
-        return "torch"
-    from minidsa.kernels import dispatch  # Triton: imported only when asked for
-
-    return dispatch.choose_fp8_gemm(device, kernel_backend, use_deep_gemm)
