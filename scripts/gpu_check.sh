@@ -24,7 +24,7 @@ section_env() {   # TIMEOUT: seconds for this section, 0 = none
 }
 
 section_kernels() {   # issue 5: Triton kernels vs torch references at real sizes
-    timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py tests/gpu/test_moe_gpu.py -rs --durations=10
+    timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -rs --durations=10
 }
 
 section_bench_kernels() {   # issue 5: kernel benchmark (time, GB/s, TFLOP/s, fractions of ceilings)

@@ -12,7 +12,6 @@ forward mode; the DSA backend decides how the cache is read.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 from minidsa.attention.dsa import DSABackend
 from minidsa.batch import ForwardBatch
 from minidsa.config import ModelConfig
+from minidsa.kernels import custom_ops  # noqa: F401  (registers torch.ops.minidsa.*)
 
 
 class RMSNorm(nn.Module):
@@ -242,31 +242,14 @@ class Router(nn.Module):
         return ids, weights * self.scaling
 
 
-# The Triton expert kernels (minidsa.kernels.moe) serve a few tokens on CUDA in bf16 / fp16: they read only
-# the chosen experts' weights, once each. Up to MOE_KERNEL_MAX_PAIRS (token, expert) pairs; more tokens go
-# to the dense path below (by then nearly every expert is chosen anyway). MINIDSA_MOE_KERNEL=0 switches
-# the kernels off.
-MOE_KERNEL = True
-MOE_KERNEL_MAX_PAIRS = 128
-_moe_kernel_ok: bool | None = None
-
-
-@torch.compiler.assume_constant_result
-def _moe_kernel_on_cuda() -> bool:
-    """Whether the Triton expert kernels serve CUDA tensors; decided once (a constant to torch.compile)."""
-    global _moe_kernel_ok
-    if _moe_kernel_ok is None:
-        _moe_kernel_ok = MOE_KERNEL and os.environ.get("MINIDSA_MOE_KERNEL", "1") != "0"
-        if _moe_kernel_ok:
-            from minidsa.kernels.dispatch import triton_usable
-
-            _moe_kernel_ok = triton_usable(torch.device("cuda"))[0]
-        if _moe_kernel_ok:
-            from minidsa.kernels import custom_ops  # noqa: F401  (registers torch.ops.minidsa.moe_experts)
-    return _moe_kernel_ok
-
-
 class Experts(nn.Module):
+    """The routed experts, stacked: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I].
+
+    FP8 models add gate_up_proj_scale_inv / down_proj_scale_inv (fp32, one per 128x128 block). Every
+    token count goes through one fused MoE op (minidsa.kernels.fused_moe): tokens sorted per expert,
+    grouped GEMMs that read only the chosen experts (Triton on CUDA, the torch reference on CPU).
+    """
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
@@ -274,34 +257,9 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        num_tokens, top_k = ids.shape
-        n_experts = self.gate_up_proj.shape[0]
-        if (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and num_tokens * top_k <= MOE_KERNEL_MAX_PAIRS
-                and _moe_kernel_on_cuda()):
-            return torch.ops.minidsa.moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
-        # Static shapes either way (compile / CUDA-graph friendly). Gathering the chosen experts'
-        # weights materialises a copy (read + write + read again), so it only pays while the
-        # pairs are few against the experts (real DeepSeek decode: 8 of 256). Otherwise run every
-        # expert densely, weighted by a routing matrix that is zero for unchosen experts.
-        if 3 * num_tokens * top_k < n_experts:
-            return self.gathered(x, ids, weights)
-        return self.dense(x, ids, weights)
-
-    def gathered(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        w13 = self.gate_up_proj[ids]  # [T, k, 2I, H]
-        h = torch.einsum("th,tkih->tki", x, w13)
-        g, u = h.chunk(2, dim=-1)
-        y = torch.einsum("tki,tkhi->tkh", F.silu(g) * u, self.down_proj[ids])
-        return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
-
-    def dense(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        num_tokens, n_experts = ids.shape[0], self.gate_up_proj.shape[0]
-        route = torch.zeros(num_tokens, n_experts, dtype=torch.float32, device=x.device)
-        route.scatter_(1, ids, weights.float())
-        h = torch.einsum("th,eih->tei", x, self.gate_up_proj)
-        g, u = h.chunk(2, dim=-1)
-        y = torch.einsum("tei,ehi->teh", F.silu(g) * u, self.down_proj)
-        return torch.einsum("teh,te->th", y, route.to(y.dtype))
+        return torch.ops.minidsa.fused_moe(x, ids, weights, self.gate_up_proj, self.down_proj,
+                                           getattr(self, "gate_up_proj_scale_inv", None),
+                                           getattr(self, "down_proj_scale_inv", None))
 
 
 class MoE(nn.Module):
