@@ -3,7 +3,8 @@
 #
 #   OUT=/tmp/out MINIDSA_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [section ...]
 #
-# Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix.
+# Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix moe.
+# Not in the default list: moe_sweep (other MoE tile configs, for tuning).
 # Add a section: write a function `section_NAME` and append NAME to ALL_SECTIONS. Each section
 # writes $OUT/NAME.log; its exit status goes to $OUT/summary.txt, and the script's exit status is
 # non-zero if any section failed. (At most 8 files come back from $OUT: keep one log per section.)
@@ -14,7 +15,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
-ALL_SECTIONS="env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix"
+ALL_SECTIONS="env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix moe"
 
 section_env() {   # TIMEOUT: seconds for this section, 0 = none
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv || true
@@ -29,6 +30,15 @@ section_kernels() {   # issue 5: Triton kernels vs torch references at real size
 
 section_bench_kernels() {   # issue 5: kernel benchmark (time, GB/s, TFLOP/s, fractions of ceilings)
     timeout "$TIMEOUT" $PY benchmarks/bench_kernels.py --out "$OUT" ${BENCH_KERNELS_ARGS:-}
+}
+
+section_moe() {   # issue 15: fused MoE at DeepSeek-V3.2 expert shapes: GPU tests, then the benchmark (~3 min on H100)
+    timeout "$TIMEOUT" $PY -m pytest -q -s -p no:cacheprovider tests/gpu/test_fused_moe_gpu.py -rs --durations=10 &&
+    timeout "$TIMEOUT" $PY benchmarks/bench_moe.py --json "$OUT/moe.json"
+}
+
+section_moe_sweep() {   # issue 15: the MoE benchmark with a few other tile configs (tuning tile_config)
+    timeout "$TIMEOUT" $PY benchmarks/bench_moe.py --sweep --json "$OUT/moe_sweep.json"
 }
 
 timestamped() { while IFS= read -r line; do echo "$(date +%T) $line"; done; }

@@ -182,10 +182,11 @@ def _expert_gemm_kernel(
             b = tl.load(b_rows[None, :] + k[:, None], mask=k_ok[:, None], other=0.0)
         a_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
         if FP8:  # per-row group scale amax / 448 (1 for an all-zero group), as fp8.quant_act_per_token_group
+            # (IEEE divisions as torch's: `/` on fp32 is an approximate division on the GPU)
             af = a.to(tl.float32)
-            a_scale = tl.max(tl.abs(af), axis=1) / 448.0
+            a_scale = tl.div_rn(tl.max(tl.abs(af), axis=1), 448.0)
             a_scale = tl.where(a_scale > 0, a_scale, 1.0)
-            a = tl.minimum(tl.maximum(af / a_scale[:, None], -448.0), 448.0).to(tl.float8e4nv)
+            a = tl.minimum(tl.maximum(tl.div_rn(af, a_scale[:, None]), -448.0), 448.0).to(tl.float8e4nv)
         if FP8:
             acc += tl.dot(a, b) * a_scale[:, None] * tl.load(s_rows + (k0 // 128) * stride_sk)[None, :]
         else:
