@@ -33,8 +33,10 @@ section_bench_kernels() {   # issue 5: kernel benchmark (time, GB/s, TFLOP/s, fr
 }
 
 section_moe() {   # issue 15: fused MoE at DeepSeek-V3.2 expert shapes: GPU tests, then the benchmark (~3 min on H100)
-    timeout "$TIMEOUT" $PY -m pytest -q -s -p no:cacheprovider tests/gpu/test_fused_moe_gpu.py -rs --durations=10 &&
-    timeout "$TIMEOUT" $PY benchmarks/bench_moe.py --json "$OUT/moe.json"
+    local rc=0
+    timeout "$TIMEOUT" $PY -m pytest -q -s -p no:cacheprovider tests/gpu/test_fused_moe_gpu.py -rs --durations=10 || rc=1
+    timeout "$TIMEOUT" $PY benchmarks/bench_moe.py --json "$OUT/moe.json" || rc=1
+    return $rc
 }
 
 section_moe_sweep() {   # issue 15: the MoE benchmark with a few other tile configs (tuning tile_config)
