@@ -156,7 +156,11 @@ _real_empty = torch.empty
 
 @pytest.fixture
 def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: _real_empty(*a, **k).fill_(float("nan")))
+    def empty(*a, **k):  # NaN in float buffers, a large bogus value in integer ones
+        t = _real_empty(*a, **k)
+        return t.fill_(float("nan") if t.is_floating_point() else 123456789)
+
+    monkeypatch.setattr(torch, "empty", empty)
 
 
 @in_this_process
@@ -220,6 +224,20 @@ def test_align_pairs_to_blocks(block_m):
     assert torch.equal(row_expert[real], ids.flatten()[rows[real]])  # a block holds one expert's pairs
     assert (blocks.block_expert[used // block_m:] == -1).all()
     assert (counts[blocks.block_expert[:used // block_m].long()] > 0).all()  # no block for an unchosen expert
+
+
+@in_this_process
+@pytest.mark.parametrize("num_tokens,block_m", [(1, 16), (33, 16), (100, 64), (128, 128)])
+def test_align_kernel_equals_torch(num_tokens, block_m):
+    """The one-program Triton alignment (decode sizes) gives the torch version's output element for element."""
+    _, ids, _ = route(num_tokens, 32, seed=num_tokens)
+    assert ids.numel() <= fm.ALIGN_KERNEL_MAX_PAIRS
+    want = fm.align_pairs_to_blocks(ids, E, block_m)
+    for topk_ids in (ids, ids.int()):
+        got = fm.align_pairs_to_blocks_triton(topk_ids, E, block_m)
+        assert torch.equal(got.sorted_pair_ids, want.sorted_pair_ids)
+        assert torch.equal(got.block_expert, want.block_expert)
+        assert torch.equal(got.num_padded, want.num_padded)
 
 
 def test_custom_op_fake_and_bad_input():

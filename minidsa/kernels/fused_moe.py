@@ -14,7 +14,8 @@ launch (decode runs inside CUDA graphs where every launch counts) and no fp8 cop
 rows; the A tile is read as 16-bit from L2, where it is hot (one row feeds many N-blocks).
 
 How (the `moe_align_block_size` idea of vLLM / SGLang, written here in torch ops without host sync):
-1. `align_pairs_to_blocks`: the T*k (token, choice) pairs are sorted by expert, each expert's count
+1. `align_pairs_to_blocks` (torch ops; up to ALIGN_KERNEL_MAX_PAIRS pairs, as in decode, one Triton program
+   does the same in one launch): the T*k (token, choice) pairs are sorted by expert, each expert's count
    padded to a multiple of BLOCK_M; `sorted_pair_ids` holds pair ids (t * k + j) with the sentinel
    T*k in padding rows, `block_expert` one expert per M-block (-1 past the end), `num_padded` the
    padded row count. Its length is a static bound, T*k + min(E, T*k) * (BLOCK_M - 1), so shapes
@@ -126,6 +127,72 @@ def align_pairs_to_blocks(topk_ids: torch.Tensor, n_experts: int, block_m: int) 
     block_expert = torch.searchsorted(padded_end, block_start, right=True)
     block_expert = torch.where(block_expert < n_experts, block_expert, -1).to(torch.int32)
     return ExpertBlocks(sorted_pair_ids, block_expert, padded_end[-1:].to(torch.int32), num_pairs, block_m)
+
+
+ALIGN_KERNEL_MAX_PAIRS = 1024  # up to here one Triton program aligns the pairs (decode); torch ops above
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr, sorted_pair_ptr, block_expert_ptr, num_padded_ptr, num_pairs, n_experts, max_rows,
+    BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, TAIL: tl.constexpr,
+):
+    """align_pairs_to_blocks in one program (one launch instead of ~30 small torch ops: decode runs in graphs).
+
+    Same output, element for element: pairs of one expert in pair order, padding and tail = num_pairs.
+    """
+    e = tl.arange(0, E_POW2)
+    e_ok = e < n_experts
+    q = tl.arange(0, CHUNK)
+    counts = tl.zeros([E_POW2], dtype=tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        ids = tl.load(ids_ptr + p0 + q, mask=p0 + q < num_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, axis=0)
+    start = end - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(num_padded_ptr, total)
+
+    fill = start  # next free row of each expert
+    for p0 in range(0, num_pairs, CHUNK):
+        p = p0 + q
+        ok = p < num_pairs
+        ids = tl.load(ids_ptr + p, mask=ok, other=-1).to(tl.int32)
+        onehot = ids[:, None] == e[None, :]  # [CHUNK, E]
+        base = tl.sum(tl.where(onehot, fill[None, :], 0), axis=1)
+        # earlier pairs of this chunk with the same expert (masked pairs are -1 and come last)
+        rank = tl.sum(((ids[:, None] == ids[None, :]) & (q[None, :] < q[:, None])).to(tl.int32), axis=1)
+        tl.store(sorted_pair_ptr + base + rank, p, mask=ok)
+        fill += tl.sum(onehot.to(tl.int32), axis=0)
+
+    # the sentinel in each expert's padding rows and in the rows past the end (no row is written twice)
+    pad_rows = (start + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(sorted_pair_ptr + pad_rows, num_pairs, mask=(pad_rows < end[:, None]) & e_ok[:, None])
+    for r0 in range(0, max_rows, TAIL):
+        r = r0 + tl.arange(0, TAIL)
+        tl.store(sorted_pair_ptr + r, num_pairs, mask=(r >= total) & (r < max_rows))
+
+    num_blocks = max_rows // BLOCK_M
+    for b0 in range(0, num_blocks, CHUNK):
+        b = b0 + q
+        first_row = b * BLOCK_M
+        expert = tl.sum(((end[None, :] <= first_row[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(first_row < total, expert, -1), mask=b < num_blocks)
+
+
+def align_pairs_to_blocks_triton(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> ExpertBlocks:
+    """align_pairs_to_blocks through `_align_kernel` (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    ids = topk_ids.reshape(-1).contiguous()
+    num_pairs = ids.numel()
+    max_rows = max_padded_rows(num_pairs, n_experts, block_m)
+    sorted_pair_ids = torch.empty(max_rows, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=ids.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
+    _align_kernel[(1,)](ids, sorted_pair_ids, block_expert, num_padded, num_pairs, n_experts, max_rows,
+                        BLOCK_M=block_m, E_POW2=triton.next_power_of_2(n_experts), CHUNK=32, TAIL=1024,
+                        num_warps=8)
+    return ExpertBlocks(sorted_pair_ids, block_expert, num_padded, num_pairs, block_m)
 
 
 @triton.jit
@@ -307,7 +374,8 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                          f"step), got {cfg.block_k}")
     # Only the last dim must be dense; the kernels take row strides.
     x, gate_up_proj, down_proj = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, gate_up_proj, down_proj))
-    blocks = align_pairs_to_blocks(topk_ids, n_experts, cfg.block_m)
+    align = align_pairs_to_blocks_triton if topk_ids.numel() <= ALIGN_KERNEL_MAX_PAIRS else align_pairs_to_blocks
+    blocks = align(topk_ids, n_experts, cfg.block_m)
     num_m_blocks = blocks.block_expert.numel()
     route_w = topk_weights.reshape(-1).float().contiguous()
     mid = torch.empty(blocks.num_pairs, inter, dtype=x.dtype, device=x.device)
