@@ -13,7 +13,7 @@ is one quantisation group, and the kernel quantises the A tile it just loaded. T
 launch (decode runs inside CUDA graphs where every launch counts) and no fp8 copy of the gathered
 rows; the A tile is read as 16-bit from L2, where it is hot (one row feeds many N-blocks).
 
-How (the `moe_align_block_size` idea of vLLM / SGLang, written here in torch ops without host sync):
+How (the `moe_align_block_size` idea of vLLM / SGLang, written here; nothing syncs with the host):
 1. `align_pairs_to_blocks` (torch ops; up to ALIGN_KERNEL_MAX_PAIRS pairs, as in decode, one Triton program
    does the same in one launch): the T*k (token, choice) pairs are sorted by expert, each expert's count
    padded to a multiple of BLOCK_M; `sorted_pair_ids` holds pair ids (t * k + j) with the sentinel
