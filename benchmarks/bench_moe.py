@@ -298,8 +298,8 @@ def bench_prefill(rec: Recorder, router: Router, weights: dict, dg, sweep: bool)
                 try:
                     ms = do_bench_ms(fn, rep=200)
                     tf = flops / ms / 1e9
-                    rec.add(**base, impl=impl, us=ms * 1e3, **{"TFLOP/s": tf, "of_mm": tf / ceiling if ceiling else None},
-                            note=note)
+                    rec.add(**base, impl=impl, us=ms * 1e3,
+                            **{"TFLOP/s": tf, "of_mm": tf / ceiling if ceiling else None}, note=note)
                 except Exception as e:
                     rec.add(**base, impl=impl, note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:140]}")
 
@@ -338,7 +338,8 @@ def main() -> int:
     commit = os.environ.get("MINIDSA_COMMIT", "")
     if not commit:
         try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip()
         except OSError:
             pass
     dg, dg_status = load_deep_gemm()

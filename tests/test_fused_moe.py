@@ -139,7 +139,8 @@ def test_reference_matches_per_token(num_tokens, weight_dtype):
     assert torch.equal(torch.ops.minidsa.fused_moe(x, ids, weights, *params), got)
 
 
-# tokens, activation dtype, weight dtype, hidden, intermediate, tiles (block_m, block_n, block_k, group_m, warps, stages)
+# tokens, activation dtype, weight dtype, hidden, intermediate,
+# tiles (block_m, block_n, block_k, group_m, warps, stages)
 TRITON_CASES = [
     (1, torch.float32, torch.float32, 128, 64, fm.TileConfig(16, 64, 128, 1, 4, 2)),
     (4, torch.float32, torch.float32, 96, 48, fm.TileConfig(16, 32, 64, 4, 4, 2)),  # K and N tails
@@ -244,7 +245,8 @@ def test_custom_op_fake_and_bad_input():
     x, ids, weights = route(3, 64, seed=4)
     gu, dn, gu_s, dn_s = make_weights(64, 32, seed=4, dtype=fp8.FP8_DTYPE)
     with torch._subclasses.FakeTensorMode():
-        fake = torch.ops.minidsa.fused_moe(torch.empty(3, 64, dtype=torch.bfloat16), torch.empty(3, 8, dtype=torch.long),
+        fake = torch.ops.minidsa.fused_moe(torch.empty(3, 64, dtype=torch.bfloat16),
+                                           torch.empty(3, 8, dtype=torch.long),
                                            torch.empty(3, 8), torch.empty(E, 64, 64, dtype=fp8.FP8_DTYPE),
                                            torch.empty(E, 64, 32, dtype=fp8.FP8_DTYPE), torch.empty(E, 1, 1),
                                            torch.empty(E, 1, 1))
