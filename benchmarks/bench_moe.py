@@ -258,16 +258,22 @@ def bench_decode(rec: Recorder, router: Router, weights: dict, dg, sweep: bool) 
             nbytes = weight_bytes(params, hit)
             base = dict(phase="decode", dtype=kind, T=t, experts_hit=hit, weight_MB=nbytes / 1e6)
 
-            def add(impl: str, fn, note: str = "", graph: bool = True):
+            def add(impl: str, fn, note: str = "", graph: bool = True, reads_weights: bool = True):
                 try:
                     ms = graph_ms(fn) if graph else do_bench_ms(fn)
-                    gbs = nbytes / ms / 1e6
-                    rec.add(**base, impl=impl, us=ms * 1e3, **{"GB/s": gbs, "of_copy": gbs / copy_bw}, note=note)
+                    gbs = nbytes / ms / 1e6 if reads_weights else None
+                    rec.add(**base, impl=impl, us=ms * 1e3, **{"GB/s": gbs, "of_copy": gbs and gbs / copy_bw},
+                            note=note)
                 except Exception as e:
                     rec.add(**base, impl=impl, note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:140]}")
 
             cfg = fm.tile_config(t, K, E, params[0].dtype, x.dtype)
             add("fused", lambda: fm.fused_moe_triton(x, ids, w, *params), note=f"graph; tiles {_tiles(cfg)}")
+            if kind == "bf16":  # the part of the op that sorts the pairs (the same for both dtypes)
+                align = (fm.align_pairs_to_blocks_triton if ids.numel() <= fm.ALIGN_KERNEL_MAX_PAIRS
+                         else fm.align_pairs_to_blocks)
+                add("fused: alignment only", lambda: align(ids, E, cfg.block_m), reads_weights=False,
+                    note=f"graph; {align.__name__}")
             if kind == "bf16":
                 add("old decode kernel", lambda: decode_kernels.moe_experts(x, ids, w, params[0], params[1]),
                     note="graph")
