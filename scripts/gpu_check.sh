@@ -4,7 +4,7 @@
 #   OUT=/tmp/out MINIDSA_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [section ...]
 #
 # Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla
-# fp8_gemm.
+# fp8_gemm moe. Not in the default list: moe_sweep (other MoE tile configs, for tuning).
 # Also: bench_indexer (DeepGEMM vs Triton indexer logits side by side); flashmla (builds FlashMLA from a
 # carried .fmla folder first; minutes).
 #
@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
-ALL_SECTIONS="env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla fp8_gemm"
+ALL_SECTIONS="env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla fp8_gemm moe"
 
 if ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -48,7 +48,7 @@ section_env() {   # TIMEOUT: seconds for this section, 0 = none
 }
 
 section_kernels() {   # issue 5: Triton kernels vs torch references at real sizes
-    timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py tests/gpu/test_moe_gpu.py -rs --durations=10
+    timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -rs --durations=10
 }
 
 section_bench_indexer() {   # issue 14: DeepGEMM vs Triton indexer logits, kernels alone and served, eager and graph
@@ -57,6 +57,17 @@ section_bench_indexer() {   # issue 14: DeepGEMM vs Triton indexer logits, kerne
 
 section_bench_kernels() {   # issue 5: kernel benchmark (time, GB/s, TFLOP/s, fractions of ceilings)
     timeout "$TIMEOUT" $PY benchmarks/bench_kernels.py --out "$OUT" ${BENCH_KERNELS_ARGS:-}
+}
+
+section_moe() {   # issue 15: fused MoE at DeepSeek-V3.2 expert shapes: GPU tests, then the benchmark (~3 min on H100)
+    local rc=0
+    timeout "$TIMEOUT" $PY -m pytest -q -s -p no:cacheprovider tests/gpu/test_fused_moe_gpu.py -rs --durations=10 || rc=1
+    timeout "$TIMEOUT" $PY benchmarks/bench_moe.py --json "$OUT/moe.json" || rc=1
+    return $rc
+}
+
+section_moe_sweep() {   # issue 15: the MoE benchmark with a few other tile configs (tuning tile_config)
+    timeout "$TIMEOUT" $PY benchmarks/bench_moe.py --sweep --json "$OUT/moe_sweep.json"
 }
 
 timestamped() { while IFS= read -r line; do echo "$(date +%T) $line"; done; }

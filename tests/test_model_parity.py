@@ -17,15 +17,23 @@ from harness import PagedDriver
 from minidsa.config import ModelConfig
 from minidsa.models.loader import build_model
 
-ARCHS = ["deepseek_v32", "glm_moe_dsa"]
+# name -> (architecture, overrides of tests/hf_tiny.tiny_kwargs)
+MODELS = {
+    "deepseek_v32": ("deepseek_v32", {}),
+    "glm_moe_dsa": ("glm_moe_dsa", {}),
+    # the real models' routing: 256 experts, top-8 among 4 of 8 groups (small widths)
+    "deepseek_v32_256_experts": ("deepseek_v32", dict(n_routed_experts=256, num_experts_per_tok=8, n_group=8,
+                                                      topk_group=4)),
+}
 PROMPT_LENS = (21, 34, 17)
 DECODE_STEPS = 16
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=list(MODELS))
 def pair(request, tmp_path_factory):
-    hf, kw = build_hf(request.param, seed=1)
+    arch, overrides = MODELS[request.param]
+    hf, kw = build_hf(arch, seed=1, **overrides)
     path = save_hf(hf, kw, str(tmp_path_factory.mktemp(request.param)))
     config = ModelConfig.from_pretrained(path)
     model = build_model(config, path, torch.float32, torch.device("cpu"), progress=False)

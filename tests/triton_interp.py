@@ -6,8 +6,11 @@ that already imported compiled triton, the tests re-run themselves in a child.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+
+import torch
 
 
 def import_kernels_interpreted() -> bool:
@@ -30,3 +33,47 @@ def import_kernels_interpreted() -> bool:
     from triton.runtime.jit import JITFunction
 
     return not isinstance(indexer._paged_logits_kernel, JITFunction)
+
+
+@contextlib.contextmanager
+def torch_rounded_casts():
+    """Within: the interpreter's narrowing float casts (to fp16, bf16, float8e4nv) round as torch does, and
+    its tl.dot takes bf16 operands (it multiplies their bit patterns otherwise).
+
+    Triton 3.9's interpreter mis-rounds them where rounding carries into the exponent (31.7 -> e4m3 16,
+    not 32; about 2% of random values in e4m3), which the GPU's cvt.rn does not; kernels that quantise
+    activations in-kernel are compared against torch's quantisation under this patch.
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+    torch_of = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16,
+                tl.float8e4nv: torch.float8_e4m3fn}
+    bits = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32}
+
+    def convert(data, input_dtype, output_dtype, rounding_mode):
+        src_t, dst_t = torch_of.get(input_dtype), torch_of.get(output_dtype)
+        if src_t is None or dst_t is None or dst_t.itemsize >= src_t.itemsize or rounding_mode not in (
+                None, interpreter._ir.ROUNDING_MODE.RTNE):
+            return original(data, input_dtype, output_dtype, rounding_mode)
+        src = torch.from_numpy(np.ascontiguousarray(data)).view(src_t)
+        return src.to(dst_t).view(bits[dst_t.itemsize]).numpy().reshape(data.shape)
+
+    original_dot = interpreter.InterpreterBuilder.create_dot
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        # bf16 operands are held as uint16 bit patterns, which numpy would multiply as integers
+        if a.dtype == tl.bfloat16 and b.dtype == tl.bfloat16:
+            a, b = (interpreter.TensorHandle(torch.from_numpy(np.ascontiguousarray(t.data)).view(torch.bfloat16)
+                                             .float().numpy(), tl.float32) for t in (a, b))
+        return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    interpreter._convert_float = convert
+    interpreter.InterpreterBuilder.create_dot = dot
+    try:
+        yield
+    finally:
+        interpreter._convert_float = original
+        interpreter.InterpreterBuilder.create_dot = original_dot

@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from minidsa.kernels import deepgemm, fp8_gemm as fp8_gemm_mod, indexer, kv_move as kv_move_mod, mla_store
-from minidsa.kernels import moe as moe_mod, sparse_mla as sparse_mla_mod
+from minidsa.kernels import deepgemm, fp8_gemm as fp8_gemm_mod, fused_moe as fused_moe_mod, indexer
+from minidsa.kernels import kv_move as kv_move_mod, mla_store, sparse_mla as sparse_mla_mod
 from minidsa.kernels import topk as topk_mod
 
 logger = logging.getLogger(__name__)
@@ -153,14 +153,25 @@ def kv_move(
     kv_move_mod.kv_move(mla_buffer, index_buffer, src, dst, page_size, index_head_dim)
 
 
-@torch.library.custom_op("minidsa::moe_experts", mutates_args=())
-def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
-    """Routed experts of a few tokens, reading only the chosen experts' weights (minidsa.kernels.moe)."""
-    return moe_mod.moe_experts(x, ids, weights, gate_up_proj, down_proj)
+@torch.library.custom_op("minidsa::fused_moe", mutates_args=())
+def fused_moe(
+    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
+    gate_up_scale_inv: Optional[Tensor] = None, down_scale_inv: Optional[Tensor] = None,
+) -> Tensor:
+    """Routed experts for any token count (minidsa.kernels.fused_moe): the torch reference on CPU."""
+    return fused_moe_mod.fused_moe_reference(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv,
+                                             down_scale_inv)
 
 
-@moe_experts.register_fake
-def _(x, ids, weights, gate_up_proj, down_proj):
+@fused_moe.register_kernel("cuda")
+def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv=None, down_scale_inv=None):
+    # Tiles are picked inside on the concrete token count: compiled graphs see one opaque op, no guards.
+    return fused_moe_mod.fused_moe_triton(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv,
+                                          down_scale_inv)
+
+
+@fused_moe.register_fake
+def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv=None, down_scale_inv=None):
     return x.new_empty(x.shape[0], gate_up_proj.shape[2])
 
 

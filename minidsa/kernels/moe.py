@@ -1,5 +1,10 @@
 """Routed experts for a few tokens (decode), reading only the experts the tokens chose.
 
+Not used by the model any more: minidsa.kernels.fused_moe serves every token count. Kept only as the
+decode baseline of benchmarks/bench_moe.py; delete it (and tests/test_moe_kernel.py) once that GPU
+measurement shows the fused MoE at least as fast at decode sizes, or wire it back into the fused op for
+the sizes where it wins.
+
 `moe_experts(x, ids, weights, gate_up_proj, down_proj)` computes what
 `Experts.forward` computes: for each token t and each of its top-k choices j,
 weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])), e = ids[t, j],

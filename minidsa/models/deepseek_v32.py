@@ -13,10 +13,8 @@ forward mode; the DSA backend decides how the cache is read.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +23,8 @@ from torch import nn
 from minidsa.attention.dsa import DSABackend, LayerCaches
 from minidsa.batch import ForwardBatch
 from minidsa.config import ModelConfig
-from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape, dequant_block
+from minidsa.kernels import custom_ops  # noqa: F401  (registers torch.ops.minidsa.*)
+from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape
 from minidsa.layers.linear import FusedLinear, Linear, WeightLoadError, load_block_scaled
 
 logger = logging.getLogger(__name__)
@@ -240,30 +239,6 @@ class Router(nn.Module):
         return ids, weights * self.scaling
 
 
-# The Triton expert kernels (minidsa.kernels.moe) serve a few tokens on CUDA in bf16 / fp16: they read only
-# the chosen experts' weights, once each. Up to MOE_KERNEL_MAX_PAIRS (token, expert) pairs; more tokens go
-# to the dense path below (by then nearly every expert is chosen anyway). MINIDSA_MOE_KERNEL=0 switches
-# the kernels off.
-MOE_KERNEL = True
-MOE_KERNEL_MAX_PAIRS = 128
-_moe_kernel_ok: bool | None = None
-
-
-@torch.compiler.assume_constant_result
-def _moe_kernel_on_cuda() -> bool:
-    """Whether the Triton expert kernels serve CUDA tensors; decided once (a constant to torch.compile)."""
-    global _moe_kernel_ok
-    if _moe_kernel_ok is None:
-        _moe_kernel_ok = MOE_KERNEL and os.environ.get("MINIDSA_MOE_KERNEL", "1") != "0"
-        if _moe_kernel_ok:
-            from minidsa.kernels.choice import triton_usable
-
-            _moe_kernel_ok = triton_usable(torch.device("cuda"))[0]
-        if _moe_kernel_ok:
-            from minidsa.kernels import custom_ops  # noqa: F401  (registers torch.ops.minidsa.moe_experts)
-    return _moe_kernel_ok
-
-
 class Experts(nn.Module):
     """Routed experts stacked per layer: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I].
 
@@ -271,6 +246,8 @@ class Experts(nn.Module):
     and down_proj_scale_inv [E, ceil(H/128), ceil(I/128)]. The checkpoint's per-expert tensors
     (`experts.E.{gate,up,down}_proj.weight` + `.weight_scale_inv`) load through the stacked parameters'
     `weight_loader(param, tensor, scale_inv, name, expert=E, shard="gate" | "up" | "down")`.
+    Every token count goes through one fused MoE op (minidsa.kernels.fused_moe): tokens sorted per expert,
+    grouped GEMMs that read only the chosen experts (Triton on CUDA, the torch reference on CPU).
     """
 
     def __init__(self, config: ModelConfig):
@@ -322,94 +299,9 @@ class Experts(nn.Module):
                           self.pow2_scale)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if self.is_fp8:
-            return self._forward_fp8_dequantised(x, ids, weights)
-        num_tokens, top_k = ids.shape
-        n_experts = self.gate_up_proj.shape[0]
-        if (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and num_tokens * top_k <= MOE_KERNEL_MAX_PAIRS
-                and _moe_kernel_on_cuda()):
-            return torch.ops.minidsa.moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
-        # Static shapes either way (compile / CUDA-graph friendly). Gathering the chosen experts'
-        # weights materialises a copy (read + write + read again), so it only pays while the
-        # pairs are few against the experts (real DeepSeek decode: 8 of 256). Otherwise run every
-        # expert densely, weighted by a routing matrix that is zero for unchosen experts.
-        if 3 * num_tokens * top_k < n_experts:
-            return self.gathered(x, ids, weights)
-        return self.dense(x, ids, weights)
-
-    def gathered(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return _gathered_experts(x, self.gate_up_proj[ids], self.down_proj[ids], weights)
-
-    def dense(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        num_tokens, n_experts = ids.shape[0], self.gate_up_proj.shape[0]
-        route = torch.zeros(num_tokens, n_experts, dtype=torch.float32, device=x.device)
-        route.scatter_(1, ids, weights.float())
-        return _dense_experts(x, self.gate_up_proj, self.down_proj, route)
-
-    def _forward_fp8_dequantised(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return torch.ops.minidsa.fp8_experts_dequantised(x, ids, weights, self.gate_up_proj, self.gate_up_proj_scale_inv,
-                                                         self.down_proj, self.down_proj_scale_inv)
-
-
-# ---- TEMPORARY FP8 SHIM, to be replaced by the fused FP8 MoE kernels (minidsa/kernels/fused_moe.py) ----
-# Dequantises the experts a call needs, then runs the high-precision math of Experts: the chosen ones at once
-# for a few token-expert pairs, else every expert a few at a time. Correct but slow: it rewrites the used
-# experts in the activation dtype on every call. An opaque custom op, so torch.compile neither unrolls its
-# loop nor specialises on the batch size.
-FP8_SHIM_CHUNK = 4  # experts dequantised at once on the dense path
-FP8_SHIM_MAX_PAIRS = 16  # token-expert pairs dequantised at once on the gathered path
-
-
-@torch.library.custom_op("minidsa::fp8_experts_dequantised", mutates_args=())
-def _fp8_experts_dequantised(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
-                             gate_up_scale: torch.Tensor, down_proj: torch.Tensor,
-                             down_scale: torch.Tensor) -> torch.Tensor:
-    num_tokens, top_k = ids.shape
-    n_experts, chunk = gate_up_proj.shape[0], FP8_SHIM_CHUNK
-    if num_tokens * top_k <= FP8_SHIM_MAX_PAIRS and 3 * num_tokens * top_k < n_experts:
-        flat = ids.reshape(-1)
-        w13 = _dequant_experts(gate_up_proj[flat], gate_up_scale[flat], x.dtype)
-        w2 = _dequant_experts(down_proj[flat], down_scale[flat], x.dtype)
-        return _gathered_experts(x, w13.view(num_tokens, top_k, *w13.shape[1:]),
-                                 w2.view(num_tokens, top_k, *w2.shape[1:]), weights)
-    route = torch.zeros(num_tokens, n_experts, dtype=torch.float32, device=x.device)
-    route.scatter_(1, ids, weights.float())
-    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-    for e in range(0, n_experts, chunk):
-        w13 = _dequant_experts(gate_up_proj[e:e + chunk], gate_up_scale[e:e + chunk], x.dtype)
-        w2 = _dequant_experts(down_proj[e:e + chunk], down_scale[e:e + chunk], x.dtype)
-        out += _dense_experts(x, w13, w2, route[:, e:e + chunk]).float()
-    return out.to(x.dtype)
-
-
-@_fp8_experts_dequantised.register_fake
-def _(x, ids, weights, gate_up_proj, gate_up_scale, down_proj, down_scale):
-    return torch.empty_like(x)
-
-
-def _gathered_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """x [T, H], each token's chosen experts' weights w13 [T, k, 2I, H], w2 [T, k, H, I], weights [T, k]."""
-    h = torch.einsum("th,tkih->tki", x, w13)
-    g, u = h.chunk(2, dim=-1)
-    y = torch.einsum("tki,tkhi->tkh", F.silu(g) * u, w2)
-    return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
-
-
-def _dense_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
-    """Every expert of w13 [E, 2I, H] / w2 [E, H, I] on every token, weighted by route [T, E] (0 = not chosen)."""
-    h = torch.einsum("th,eih->tei", x, w13)
-    g, u = h.chunk(2, dim=-1)
-    y = torch.einsum("tei,ehi->teh", F.silu(g) * u, w2)
-    return torch.einsum("teh,te->th", y, route.to(y.dtype))
-
-
-def _dequant_experts(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """e4m3 [n, R, C] with scales [n, R/128, C/128] -> dtype, broadcasting the scales (no expanded copy)."""
-    n, rows, cols = w.shape
-    if rows % FP8_BLOCK or cols % FP8_BLOCK:
-        return dequant_block(w, scale, dtype=dtype)
-    blocks = w.to(dtype).view(n, rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
-    return (blocks * scale.to(dtype)[:, :, None, :, None]).view(n, rows, cols)
+        return torch.ops.minidsa.fused_moe(x, ids, weights, self.gate_up_proj, self.down_proj,
+                                           getattr(self, "gate_up_proj_scale_inv", None),
+                                           getattr(self, "down_proj_scale_inv", None))
 
 
 class MoE(nn.Module):

@@ -1,0 +1,406 @@
+"""Routed experts for any number of tokens: tokens sorted per expert, two grouped GEMMs (Triton).
+
+`fused_moe(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv)`
+computes, for each token t, sum_j w[t, j] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])) with
+e = topk_ids[t, j]. Shapes: x [T, H]; topk_ids / topk_weights [T, k]; gate_up_proj [E, 2I, H] (gate
+rows first, then up); down_proj [E, H, I]; output [T, H] in x's dtype.
+
+Weights are either x's dtype (bf16 / fp16; fp32 for CPU tests) or FP8 e4m3 with one fp32 scale per
+128x128 block (`*_scale_inv` [E, ceil(rows/128), ceil(cols/128)], minidsa.kernels.fp8). With FP8
+weights the activations are quantised per token per 128-channel group (w8a8, DeepSeek's recipe, the
+semantics of `fp8.quant_act_per_token_group`) INSIDE the GEMM kernels: BLOCK_K is 128, so one K step
+is one quantisation group, and the kernel quantises the A tile it just loaded. That costs no extra
+launch (decode runs inside CUDA graphs where every launch counts) and no fp8 copy of the gathered
+rows; the A tile is read as 16-bit from L2, where it is hot (one row feeds many N-blocks).
+
+How (the `moe_align_block_size` idea of vLLM / SGLang, written here; nothing syncs with the host):
+1. `align_pairs_to_blocks` (torch ops; up to ALIGN_KERNEL_MAX_PAIRS pairs, as in decode, one Triton program
+   does the same in one launch): the T*k (token, choice) pairs are sorted by expert, each expert's count
+   padded to a multiple of BLOCK_M; `sorted_pair_ids` holds pair ids (t * k + j) with the sentinel
+   T*k in padding rows, `block_expert` one expert per M-block (-1 past the end), `num_padded` the
+   padded row count. Its length is a static bound, T*k + min(E, T*k) * (BLOCK_M - 1), so shapes
+   never depend on the routing (CUDA graphs, torch.compile).
+2. `_expert_gemm_kernel` (gate/up): M-block x N-block programs; rows of x gathered through
+   pair // k; gate and up accumulated side by side and silu(gate) * up stored per pair [T*k, I].
+3. The same kernel (down) over that intermediate, times the routing weight, stored per pair [T*k, H].
+4. torch sums each token's k pair rows (fp32 accumulation, deterministic: no atomics).
+
+M-blocks past `num_padded` return before reading anything, so only the chosen experts' weights are
+read. Memory: O(T * k * (I + H)); the Triton wrapper goes through the tokens in chunks of
+MAX_CHUNK_TOKENS to bound it.
+
+`fused_moe_reference` is the same math in torch (a loop over the experts that got tokens, the same
+rounding points: intermediate and per-pair outputs in x's dtype, FP8 through
+`fp8.w8a8_block_matmul_reference`): the CPU path and the test oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from minidsa.kernels import fp8
+
+MAX_CHUNK_TOKENS = 8192  # tokens per pass: bounds the [T*k, H] per-pair buffer (~0.9 GiB in bf16 at H 7168)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tiles of both GEMM launches (BLOCK_M rows of sorted pairs per program)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int  # M-blocks that walk the N-blocks together (weight tiles stay in L2)
+    num_warps: int
+    num_stages: int
+
+
+def tile_config(num_tokens: int, top_k: int, n_experts: int, weight_dtype: torch.dtype,
+                act_dtype: torch.dtype) -> TileConfig:
+    """Fixed tiles by pairs per expert (no autotuning: the choice must be cheap and bounded).
+
+    Few pairs per expert (decode): BLOCK_M 16, the smallest tl.dot takes, narrow N for more programs.
+    Many (prefill): larger M tiles, so each weight tile is reused by more rows. Shared memory per stage
+    stays under ~64 KiB (gate and up tiles are both in flight in the first GEMM).
+    """
+    pairs_per_expert = num_tokens * top_k / max(n_experts, 1)
+    if weight_dtype == fp8.FP8_DTYPE:
+        if pairs_per_expert <= 16:
+            return TileConfig(16, 64, 128, 1, 4, 4)
+        if pairs_per_expert <= 32:
+            return TileConfig(32, 128, 128, 8, 4, 4)
+        if pairs_per_expert <= 128:
+            return TileConfig(64, 128, 128, 8, 4, 3)
+        return TileConfig(128, 128, 128, 8, 8, 3)
+    if act_dtype == torch.float32:  # the parity / debug dtype: 4-byte tiles, less K per stage
+        if pairs_per_expert <= 16:
+            return TileConfig(16, 64, 32, 1, 4, 2)
+        return TileConfig(64, 64, 32, 8, 4, 2)
+    if pairs_per_expert <= 16:
+        return TileConfig(16, 64, 128, 1, 4, 3)
+    if pairs_per_expert <= 32:
+        return TileConfig(32, 128, 64, 8, 4, 4)
+    if pairs_per_expert <= 128:
+        return TileConfig(64, 128, 64, 8, 4, 4)
+    return TileConfig(128, 128, 64, 8, 8, 3)
+
+
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """The (token, choice) pairs sorted by expert and padded to whole M-blocks (all on the device)."""
+
+    sorted_pair_ids: torch.Tensor  # [max_rows] int32: pair id t * k + j; padding = num_pairs
+    block_expert: torch.Tensor  # [max_rows // block_m] int32: expert of each M-block, -1 past the end
+    num_padded: torch.Tensor  # [1] int32: rows in use (a multiple of block_m)
+    num_pairs: int
+    block_m: int
+
+
+def max_padded_rows(num_pairs: int, n_experts: int, block_m: int) -> int:
+    """Static bound on the padded rows: each expert that got pairs (at most min(E, pairs)) pads < block_m."""
+    bound = num_pairs + min(n_experts, num_pairs) * (block_m - 1)
+    return -(-bound // block_m) * block_m
+
+
+def align_pairs_to_blocks(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> ExpertBlocks:
+    """Sort pairs by expert, pad each expert's rows to a multiple of block_m; no host sync, static shapes."""
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    counts = torch.zeros(n_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    count_start = counts.cumsum(0) - counts
+    order = torch.sort(flat, stable=True).indices  # pair ids grouped by expert, in pair order within one
+    sorted_expert = flat[order]
+    rank = torch.arange(num_pairs, device=device) - count_start[sorted_expert]  # position among its expert's
+    dest = padded_end[sorted_expert] - padded[sorted_expert] + rank
+    max_rows = max_padded_rows(num_pairs, n_experts, block_m)
+    sorted_pair_ids = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pair_ids[dest] = order.to(torch.int32)
+    block_start = torch.arange(0, max_rows, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)
+    block_expert = torch.where(block_expert < n_experts, block_expert, -1).to(torch.int32)
+    return ExpertBlocks(sorted_pair_ids, block_expert, padded_end[-1:].to(torch.int32), num_pairs, block_m)
+
+
+ALIGN_KERNEL_MAX_PAIRS = 1024  # up to here one Triton program aligns the pairs (decode); torch ops above
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr, sorted_pair_ptr, block_expert_ptr, num_padded_ptr, num_pairs, n_experts, max_rows,
+    BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, TAIL: tl.constexpr,
+):
+    """align_pairs_to_blocks in one program (one launch instead of ~30 small torch ops: decode runs in graphs).
+
+    Same output, element for element: pairs of one expert in pair order, padding and tail = num_pairs.
+    """
+    e = tl.arange(0, E_POW2)
+    e_ok = e < n_experts
+    q = tl.arange(0, CHUNK)
+    counts = tl.zeros([E_POW2], dtype=tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        ids = tl.load(ids_ptr + p0 + q, mask=p0 + q < num_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, axis=0)
+    start = end - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(num_padded_ptr, total)
+
+    fill = start  # next free row of each expert
+    for p0 in range(0, num_pairs, CHUNK):
+        p = p0 + q
+        ok = p < num_pairs
+        ids = tl.load(ids_ptr + p, mask=ok, other=-1).to(tl.int32)
+        onehot = ids[:, None] == e[None, :]  # [CHUNK, E]
+        base = tl.sum(tl.where(onehot, fill[None, :], 0), axis=1)
+        # earlier pairs of this chunk with the same expert (masked pairs are -1 and come last)
+        rank = tl.sum(((ids[:, None] == ids[None, :]) & (q[None, :] < q[:, None])).to(tl.int32), axis=1)
+        tl.store(sorted_pair_ptr + base + rank, p, mask=ok)
+        fill += tl.sum(onehot.to(tl.int32), axis=0)
+
+    # the sentinel in each expert's padding rows and in the rows past the end (no row is written twice)
+    pad_rows = (start + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(sorted_pair_ptr + pad_rows, num_pairs, mask=(pad_rows < end[:, None]) & e_ok[:, None])
+    for r0 in range(0, max_rows, TAIL):
+        r = r0 + tl.arange(0, TAIL)
+        tl.store(sorted_pair_ptr + r, num_pairs, mask=(r >= total) & (r < max_rows))
+
+    num_blocks = max_rows // BLOCK_M
+    for b0 in range(0, num_blocks, CHUNK):
+        b = b0 + q
+        first_row = b * BLOCK_M
+        expert = tl.sum(((end[None, :] <= first_row[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(first_row < total, expert, -1), mask=b < num_blocks)
+
+
+def align_pairs_to_blocks_triton(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> ExpertBlocks:
+    """align_pairs_to_blocks through `_align_kernel` (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    ids = topk_ids.reshape(-1).contiguous()
+    num_pairs = ids.numel()
+    max_rows = max_padded_rows(num_pairs, n_experts, block_m)
+    sorted_pair_ids = torch.empty(max_rows, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=ids.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
+    _align_kernel[(1,)](ids, sorted_pair_ids, block_expert, num_padded, num_pairs, n_experts, max_rows,
+                        BLOCK_M=block_m, E_POW2=triton.next_power_of_2(n_experts), CHUNK=32, TAIL=1024,
+                        num_warps=8)
+    return ExpertBlocks(sorted_pair_ids, block_expert, num_padded, num_pairs, block_m)
+
+
+@triton.jit
+def _expert_gemm_kernel(
+    a_ptr, b_ptr, b_scale_ptr, c_ptr, route_w_ptr,
+    sorted_pair_ptr, block_expert_ptr, num_padded_ptr,
+    N, K, num_pairs, pairs_per_a_row, num_m_blocks,
+    stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sn, stride_sk,
+    GATED: tl.constexpr, APPLY_ROUTE_W: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """C[pair, n] = sum_k A[pair // pairs_per_a_row, k] * B[expert, n, k] for the pairs of one M-block.
+
+    GATED: B holds gate rows [0, N) then up rows [N, 2N); C = silu(A @ gate^T) * (A @ up^T).
+    APPLY_ROUTE_W: C is multiplied by the pair's routing weight. FP8: B is e4m3 with per-128x128
+    block scales; A is quantised per row per K step (BLOCK_K == 128 == the quantisation group).
+    """
+    pid = tl.program_id(0)
+    num_n_blocks = tl.cdiv(N, BLOCK_N)
+    # GROUP_M M-blocks (mostly one expert's) take each N-block in turn: its weight tile stays in L2.
+    per_group = GROUP_M * num_n_blocks
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return  # past the padded rows: nothing to read
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pair_ptr + offs_m)
+    row_ok = pair < num_pairs
+    a_rows = a_ptr + (pair // pairs_per_a_row).to(tl.int64) * stride_am
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    n_row = tl.where(n_ok, offs_n, 0)  # columns past N read row 0 (discarded): unmasked weight loads
+    b_rows = b_ptr + expert * stride_be + n_row.to(tl.int64) * stride_bn
+    up_rows = b_rows + N * stride_bn
+    s_rows = b_scale_ptr + expert * stride_se + (n_row // 128) * stride_sn
+    s_up_rows = b_scale_ptr + expert * stride_se + ((n_row + N) // 128) * stride_sn
+    kk = tl.arange(0, BLOCK_K)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        if EVEN_K:
+            a = tl.load(a_rows[:, None] + k[None, :], mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_rows[None, :] + k[:, None])
+        else:
+            k_ok = k < K
+            a = tl.load(a_rows[:, None] + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_rows[None, :] + k[:, None], mask=k_ok[:, None], other=0.0)
+        a_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if FP8:  # per-row group scale amax / 448 (1 for an all-zero group), as fp8.quant_act_per_token_group
+            # (IEEE divisions as torch's: `/` on fp32 is an approximate division on the GPU)
+            af = a.to(tl.float32)
+            a_scale = tl.div_rn(tl.max(tl.abs(af), axis=1), 448.0)
+            a_scale = tl.where(a_scale > 0, a_scale, 1.0)
+            a = tl.minimum(tl.maximum(tl.div_rn(af, a_scale[:, None]), -448.0), 448.0).to(tl.float8e4nv)
+        if FP8:
+            acc += tl.dot(a, b) * a_scale[:, None] * tl.load(s_rows + (k0 // 128) * stride_sk)[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if GATED:
+            if EVEN_K:
+                b_up = tl.load(up_rows[None, :] + k[:, None])
+            else:
+                b_up = tl.load(up_rows[None, :] + k[:, None], mask=k_ok[:, None], other=0.0)
+            if FP8:
+                acc_up += tl.dot(a, b_up) * a_scale[:, None] * tl.load(s_up_rows + (k0 // 128) * stride_sk)[None, :]
+            else:
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if APPLY_ROUTE_W:
+        acc = acc * tl.load(route_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    c = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up_proj: torch.Tensor,
+                 down_proj: torch.Tensor, gate_up_scale_inv: torch.Tensor | None,
+                 down_scale_inv: torch.Tensor | None) -> None:
+    """Clear errors for shapes and dtypes the kernels (and the reference) do not take."""
+    if x.dim() != 2 or topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"fused_moe: want x [T, H], topk_ids and topk_weights [T, k]; got x {tuple(x.shape)}, "
+                         f"topk_ids {tuple(topk_ids.shape)}, topk_weights {tuple(topk_weights.shape)}")
+    if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
+        raise ValueError(f"fused_moe: want gate_up_proj [E, 2I, H] and down_proj [E, H, I]; got "
+                         f"{tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}")
+    e, two_i, h = gate_up_proj.shape
+    if h != x.shape[1] or two_i % 2 or tuple(down_proj.shape) != (e, h, two_i // 2):
+        raise ValueError(f"fused_moe: want gate_up_proj [E, 2I, H] and down_proj [E, H, I] with H = "
+                         f"{x.shape[1]}; got {tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"fused_moe: topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"fused_moe: x must be bf16, fp16 or fp32, got {x.dtype}")
+    fp8_weights = gate_up_proj.dtype == fp8.FP8_DTYPE
+    if fp8_weights != (down_proj.dtype == fp8.FP8_DTYPE):
+        raise ValueError(f"fused_moe: gate_up_proj and down_proj must both be FP8 or neither; got "
+                         f"{gate_up_proj.dtype} and {down_proj.dtype}")
+    if not fp8_weights:
+        if gate_up_scale_inv is not None or down_scale_inv is not None:
+            raise ValueError(f"fused_moe: *_scale_inv given for {gate_up_proj.dtype} weights (FP8 e4m3 only)")
+        if not (x.dtype == gate_up_proj.dtype == down_proj.dtype):
+            raise ValueError(f"fused_moe: x, gate_up_proj and down_proj must share a dtype; got {x.dtype}, "
+                             f"{gate_up_proj.dtype}, {down_proj.dtype}")
+        return
+    for name, w, s in (("gate_up_proj", gate_up_proj, gate_up_scale_inv), ("down_proj", down_proj, down_scale_inv)):
+        want = (e, *fp8.block_scale_shape(w.shape[1], w.shape[2]))
+        if s is None or tuple(s.shape) != want or s.dtype != torch.float32:
+            got = "missing" if s is None else f"{tuple(s.shape)} {s.dtype}"
+            raise ValueError(f"fused_moe: FP8 {name} {tuple(w.shape)} needs {name}_scale_inv {want} float32; "
+                             f"got {got}")
+
+
+def _expert_matmul(a: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None) -> torch.Tensor:
+    """a [R, K] @ weight[N, K]^T in fp32 (w8a8 block-scaled when scale_inv is given)."""
+    if scale_inv is None:
+        return a.float() @ weight.float().t()
+    return fp8.w8a8_block_matmul_reference(a, weight, scale_inv, out_dtype=torch.float32)
+
+
+def fused_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                        gate_up_scale_inv: torch.Tensor | None = None,
+                        down_scale_inv: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused MoE in torch: a loop over the experts that got pairs, the kernels' rounding points."""
+    check_inputs(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv)
+    num_tokens, top_k = topk_ids.shape
+    n_experts, two_i, hidden = gate_up_proj.shape
+    inter = two_i // 2
+    flat = topk_ids.reshape(-1).long()
+    route_w = topk_weights.reshape(-1).float()
+    per_pair = x.new_zeros(num_tokens * top_k, hidden)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=n_experts).tolist()
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        gate_up = _expert_matmul(x[pairs // top_k], gate_up_proj[e],
+                                 None if gate_up_scale_inv is None else gate_up_scale_inv[e])
+        h = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
+        y = _expert_matmul(h, down_proj[e], None if down_scale_inv is None else down_scale_inv[e])
+        per_pair[pairs] = (y * route_w[pairs, None]).to(x.dtype)
+    return per_pair.view(num_tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                     gate_up_scale_inv: torch.Tensor | None = None, down_scale_inv: torch.Tensor | None = None,
+                     config: TileConfig | None = None, max_chunk_tokens: int = MAX_CHUNK_TOKENS) -> torch.Tensor:
+    """The fused MoE through the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1); tiles by token count."""
+    check_inputs(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv)
+    num_tokens, top_k = topk_ids.shape
+    hidden = x.shape[1]
+    if num_tokens == 0 or top_k == 0:
+        return x.new_zeros(num_tokens, hidden)
+    if num_tokens > max_chunk_tokens:
+        return torch.cat([
+            fused_moe_triton(x[s:s + max_chunk_tokens], topk_ids[s:s + max_chunk_tokens],
+                             topk_weights[s:s + max_chunk_tokens], gate_up_proj, down_proj, gate_up_scale_inv,
+                             down_scale_inv, config, max_chunk_tokens)
+            for s in range(0, num_tokens, max_chunk_tokens)
+        ])
+    n_experts, two_i, _ = gate_up_proj.shape
+    inter = two_i // 2
+    is_fp8 = gate_up_proj.dtype == fp8.FP8_DTYPE
+    cfg = config or tile_config(num_tokens, top_k, n_experts, gate_up_proj.dtype, x.dtype)
+    if is_fp8 and cfg.block_k != fp8.FP8_BLOCK:
+        raise ValueError(f"fused_moe: FP8 weights need block_k == {fp8.FP8_BLOCK} (one activation scale per K "
+                         f"step), got {cfg.block_k}")
+    # Only the last dim must be dense; the kernels take row strides.
+    x, gate_up_proj, down_proj = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, gate_up_proj, down_proj))
+    align = align_pairs_to_blocks_triton if topk_ids.numel() <= ALIGN_KERNEL_MAX_PAIRS else align_pairs_to_blocks
+    blocks = align(topk_ids, n_experts, cfg.block_m)
+    num_m_blocks = blocks.block_expert.numel()
+    route_w = topk_weights.reshape(-1).float().contiguous()
+    mid = torch.empty(blocks.num_pairs, inter, dtype=x.dtype, device=x.device)
+    per_pair = torch.empty(blocks.num_pairs, hidden, dtype=x.dtype, device=x.device)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    launch = dict(GROUP_M=cfg.group_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  FP8=is_fp8, PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def scale_args(s: torch.Tensor | None) -> tuple:
+        return (s, s.stride(0), s.stride(1), s.stride(2)) if s is not None else (route_w, 0, 0, 0)
+
+    gu_scale, gu_se, gu_sn, gu_sk = scale_args(gate_up_scale_inv)
+    _expert_gemm_kernel[(num_m_blocks * triton.cdiv(inter, cfg.block_n),)](
+        x, gate_up_proj, gu_scale, mid, route_w,
+        blocks.sorted_pair_ids, blocks.block_expert, blocks.num_padded,
+        inter, hidden, blocks.num_pairs, top_k, num_m_blocks,
+        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), mid.stride(0), gu_se, gu_sn, gu_sk,
+        GATED=True, APPLY_ROUTE_W=False, EVEN_K=hidden % cfg.block_k == 0, **launch,
+    )
+    dn_scale, dn_se, dn_sn, dn_sk = scale_args(down_scale_inv)
+    _expert_gemm_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
+        mid, down_proj, dn_scale, per_pair, route_w,
+        blocks.sorted_pair_ids, blocks.block_expert, blocks.num_padded,
+        hidden, inter, blocks.num_pairs, 1, num_m_blocks,
+        mid.stride(0), down_proj.stride(0), down_proj.stride(1), per_pair.stride(0), dn_se, dn_sn, dn_sk,
+        GATED=False, APPLY_ROUTE_W=True, EVEN_K=inter % cfg.block_k == 0, **launch,
+    )
+    return per_pair.view(num_tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)

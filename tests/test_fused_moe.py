@@ -1,0 +1,264 @@
+"""The fused MoE (minidsa.kernels.fused_moe) against a per-token reference, on CPU.
+
+Routing is the model's Router on random inputs with the real models' shape: 256 experts, top-8 among
+4 of 8 groups. The per-token reference below runs, for each token, only its own chosen experts.
+Both implementations are checked: the torch reference (the CPU path of the custom op) for 1 to 1000
+tokens, and the Triton kernels through Triton's interpreter (tiny widths, explicit tiles so the
+interpreter runs few programs; outputs poisoned with NaN so a row the kernels forget shows).
+
+Tolerances (relative Frobenius error against the per-token reference):
+- fp32: 1e-5 (only the summation order differs).
+- bf16 / fp16: 1e-2 (the intermediate and each pair's output are rounded to the model dtype).
+- FP8 w8a8: the reference quantises activations exactly as fp8.quant_act_per_token_group (the same
+  quantisation, done in torch), so with fp32 activations it agrees to 1e-4 (a summation-order
+  difference can still move an intermediate value across an e4m3 rounding edge) and with bf16 to 1e-2;
+  the result must also differ from the same weights without activation quantisation by far more
+  than that (proof that the activations are quantised).
+The interpreter's own float casts mis-round at binade carries; `torch_rounded_casts` makes them round
+as the GPU (and torch) do.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/gpu/test_fused_moe_gpu.py checks the compiled kernels", allow_module_level=True)
+
+from triton_interp import import_kernels_interpreted, torch_rounded_casts  # noqa: E402
+
+INTERPRETED = import_kernels_interpreted()
+in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
+
+from minidsa.kernels import fp8  # noqa: E402
+from minidsa.kernels import fused_moe as fm  # noqa: E402
+from minidsa.models.deepseek_v32 import Router  # noqa: E402
+
+E, TOP_K, N_GROUP, TOPK_GROUP = 256, 8, 8, 4
+
+
+@pytest.mark.skipif(INTERPRETED, reason="kernels are interpreted in this process")
+def test_fused_moe_kernels_in_child_process():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+
+
+def route(num_tokens: int, hidden: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, H] fp32 and the model Router's (ids, weights) for it (random gate and correction bias)."""
+    g = torch.Generator().manual_seed(seed)
+    router = Router(SimpleNamespace(num_experts_per_tok=TOP_K, n_routed_experts=E, n_group=N_GROUP,
+                                    topk_group=TOPK_GROUP, norm_topk_prob=True, routed_scaling_factor=2.5,
+                                    hidden_size=hidden))
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(E, hidden, generator=g) * hidden**-0.5)
+        router.e_score_correction_bias.copy_(torch.rand(E, generator=g) * 0.1)
+        x = torch.randn(num_tokens, hidden, generator=g)
+        ids, weights = router(x)
+    return x, ids, weights
+
+
+def make_weights(hidden: int, inter: int, seed: int, dtype: torch.dtype):
+    """(gate_up [E, 2I, H], down [E, H, I], gate_up_scale_inv, down_scale_inv); FP8 when dtype is e4m3."""
+    return tuple(None if t is None else t.clone() for t in _make_weights(hidden, inter, seed, dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _make_weights(hidden: int, inter: int, seed: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(E, 2 * inter, hidden, generator=g) * hidden**-0.5
+    down = torch.randn(E, hidden, inter, generator=g) * inter**-0.5
+    if dtype != fp8.FP8_DTYPE:
+        return gate_up.to(dtype), down.to(dtype), None, None
+    (gu, gu_s), (dn, dn_s) = fp8.quant_block(gate_up), fp8.quant_block(down)
+    # blocks of different magnitudes, so a scale read from the wrong block shows
+    gu_s = gu_s * torch.rand(gu_s.shape, generator=g).add(0.5)
+    dn_s = dn_s * torch.rand(dn_s.shape, generator=g).add(0.5)
+    return gu, dn, gu_s, dn_s
+
+
+def per_token_reference(x, ids, weights, gate_up, down, gate_up_s=None, down_s=None, quant_act=True):
+    """For each token alone: sum over its chosen experts e of w * down_e(silu(gate_e x) * up_e x), fp32.
+
+    The intermediate is rounded to x's dtype (the model's activation dtype); FP8 weights are dequantised
+    and (quant_act) activations quantised per token per 128 channels, as fp8.quant_act_per_token_group.
+    """
+    if gate_up_s is not None:
+        gate_up, down = fp8.dequant_block(gate_up, gate_up_s), fp8.dequant_block(down, down_s)
+
+    def act(a):
+        if gate_up_s is None or not quant_act:
+            return a.float()
+        q, s = fp8.quant_act_per_token_group(a)
+        return q.float() * s.repeat_interleave(fp8.FP8_BLOCK, 1)[:, :a.shape[1]]
+
+    inter = down.shape[2]
+    out = torch.zeros(x.shape[0], x.shape[1])
+    for t in range(x.shape[0]):
+        chosen = ids[t]  # this token's k experts, one row each below
+        gu = torch.einsum("h,kih->ki", act(x[t:t + 1])[0], gate_up[chosen].float())
+        h = (F.silu(gu[:, :inter]) * gu[:, inter:]).to(x.dtype)
+        y = torch.einsum("ki,khi->kh", act(h), down[chosen].float())
+        out[t] = (y * weights[t, :, None].float()).sum(0)
+    return out
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+FP8_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+
+
+def tolerance(act_dtype: torch.dtype, weight_dtype: torch.dtype) -> float:
+    return FP8_TOL[act_dtype] if weight_dtype == fp8.FP8_DTYPE else TOL[act_dtype]
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 130, 600, 1000])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, fp8.FP8_DTYPE], ids=["fp32", "bf16", "fp8"])
+def test_reference_matches_per_token(num_tokens, weight_dtype):
+    hidden, inter = (256, 128) if weight_dtype == fp8.FP8_DTYPE else (128, 64)
+    act_dtype = torch.float32 if weight_dtype == fp8.FP8_DTYPE else weight_dtype
+    x, ids, weights = route(num_tokens, hidden, seed=num_tokens)
+    x = x.to(act_dtype)
+    params = make_weights(hidden, inter, seed=1, dtype=weight_dtype)
+    got = fm.fused_moe_reference(x, ids, weights, *params)
+    assert got.shape == x.shape and got.dtype == act_dtype
+    assert rel_err(got, per_token_reference(x, ids, weights, *params)) < tolerance(act_dtype, weight_dtype)
+    # the custom op's CPU implementation is this reference
+    assert torch.equal(torch.ops.minidsa.fused_moe(x, ids, weights, *params), got)
+
+
+# tokens, activation dtype, weight dtype, hidden, intermediate,
+# tiles (block_m, block_n, block_k, group_m, warps, stages)
+TRITON_CASES = [
+    (1, torch.float32, torch.float32, 128, 64, fm.TileConfig(16, 64, 128, 1, 4, 2)),
+    (4, torch.float32, torch.float32, 96, 48, fm.TileConfig(16, 32, 64, 4, 4, 2)),  # K and N tails
+    (12, torch.float16, torch.float16, 128, 64, fm.TileConfig(32, 64, 128, 8, 4, 2)),
+    (9, torch.bfloat16, torch.bfloat16, 128, 64, fm.TileConfig(16, 64, 128, 2, 4, 2)),
+    (600, torch.float32, torch.float32, 64, 32, fm.TileConfig(32, 64, 64, 8, 4, 2)),  # busiest experts: 2 blocks
+    (3, torch.float32, fp8.FP8_DTYPE, 256, 128, fm.TileConfig(16, 128, 128, 1, 4, 2)),  # 2 K groups, 2 scale rows
+    (6, torch.bfloat16, fp8.FP8_DTYPE, 256, 128, fm.TileConfig(16, 128, 128, 4, 4, 2)),
+    (2, torch.float32, fp8.FP8_DTYPE, 200, 72, fm.TileConfig(16, 64, 128, 1, 4, 2)),  # partial K groups
+]
+
+_real_empty = torch.empty
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    def empty(*a, **k):  # NaN in float buffers, a large bogus value in integer ones
+        t = _real_empty(*a, **k)
+        return t.fill_(float("nan") if t.is_floating_point() else 123456789)
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@in_this_process
+@pytest.mark.parametrize("case", range(len(TRITON_CASES)),
+                         ids=[f"T{c[0]}-{str(c[2]).split('.')[-1]}-{str(c[1]).split('.')[-1]}" for c in TRITON_CASES])
+def test_triton_matches_per_token(case, poisoned_outputs):
+    num_tokens, act_dtype, weight_dtype, hidden, inter, tiles = TRITON_CASES[case]
+    x, ids, weights = route(num_tokens, hidden, seed=100 + case)
+    x = x.to(act_dtype)
+    if num_tokens * TOP_K > 2 * E:  # the many-token case must fill several M-blocks of one expert
+        assert torch.bincount(ids.flatten(), minlength=E).max() > tiles.block_m
+    gate_up, down, gate_up_s, down_s = make_weights(hidden, inter, seed=case, dtype=weight_dtype)
+    # experts nobody chose: NaN weights, so reading them would show
+    unchosen = torch.ones(E, dtype=torch.bool)
+    unchosen[ids.unique()] = False
+    if weight_dtype == fp8.FP8_DTYPE:
+        gate_up_s, down_s = gate_up_s.clone(), down_s.clone()
+        gate_up_s[unchosen], down_s[unchosen] = float("nan"), float("nan")
+    else:
+        gate_up[unchosen], down[unchosen] = float("nan"), float("nan")
+    with torch_rounded_casts():
+        got = fm.fused_moe_triton(x, ids.int(), weights, gate_up, down, gate_up_s, down_s, config=tiles)
+    assert got.shape == x.shape and got.dtype == act_dtype
+    want = per_token_reference(x, ids, weights, gate_up, down, gate_up_s, down_s)
+    assert rel_err(got, want) < tolerance(act_dtype, weight_dtype)
+    if weight_dtype == fp8.FP8_DTYPE:
+        no_act_quant = per_token_reference(x, ids, weights, gate_up, down, gate_up_s, down_s, quant_act=False)
+        assert rel_err(got, no_act_quant) > 3 * tolerance(act_dtype, weight_dtype)
+
+
+@in_this_process
+def test_triton_chunks_and_chosen_tiles_agree(poisoned_outputs):
+    """Tokens in chunks (bounded buffers) and the tiles tile_config picks give the same result."""
+    x, ids, weights = route(6, 64, seed=5)
+    params = make_weights(64, 32, seed=5, dtype=torch.float32)
+    whole = fm.fused_moe_triton(x, ids, weights, *params, config=fm.TileConfig(16, 64, 64, 2, 4, 2))
+    chunked = fm.fused_moe_triton(x, ids, weights, *params, config=fm.TileConfig(16, 64, 64, 2, 4, 2),
+                                  max_chunk_tokens=4)
+    assert torch.allclose(whole, chunked, rtol=1e-6, atol=1e-6)
+    x, ids, weights = route(1, 128, seed=6)
+    x, params = x.bfloat16(), make_weights(128, 64, seed=6, dtype=torch.bfloat16)
+    with torch_rounded_casts():
+        default_tiles = fm.fused_moe_triton(x, ids, weights, *params)
+    assert rel_err(default_tiles, per_token_reference(x, ids, weights, *params)) < 1e-2
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_align_pairs_to_blocks(block_m):
+    _, ids, _ = route(50, 32, seed=3)
+    blocks = fm.align_pairs_to_blocks(ids.int(), E, block_m)
+    num_pairs = ids.numel()
+    assert blocks.sorted_pair_ids.numel() == fm.max_padded_rows(num_pairs, E, block_m)  # static, routing-free
+    used = int(blocks.num_padded)
+    counts = torch.bincount(ids.flatten(), minlength=E)
+    assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
+    rows = blocks.sorted_pair_ids[:used].long()
+    real = rows < num_pairs
+    assert sorted(rows[real].tolist()) == list(range(num_pairs))  # every pair exactly once
+    assert (blocks.sorted_pair_ids[used:] == num_pairs).all()  # the rest is the sentinel
+    row_expert = blocks.block_expert[:used // block_m].long().repeat_interleave(block_m)
+    assert torch.equal(row_expert[real], ids.flatten()[rows[real]])  # a block holds one expert's pairs
+    assert (blocks.block_expert[used // block_m:] == -1).all()
+    assert (counts[blocks.block_expert[:used // block_m].long()] > 0).all()  # no block for an unchosen expert
+
+
+@in_this_process
+@pytest.mark.parametrize("num_tokens,block_m", [(1, 16), (33, 16), (100, 64), (128, 128)])
+def test_align_kernel_equals_torch(num_tokens, block_m):
+    """The one-program Triton alignment (decode sizes) gives the torch version's output element for element."""
+    _, ids, _ = route(num_tokens, 32, seed=num_tokens)
+    assert ids.numel() <= fm.ALIGN_KERNEL_MAX_PAIRS
+    want = fm.align_pairs_to_blocks(ids, E, block_m)
+    for topk_ids in (ids, ids.int()):
+        got = fm.align_pairs_to_blocks_triton(topk_ids, E, block_m)
+        assert torch.equal(got.sorted_pair_ids, want.sorted_pair_ids)
+        assert torch.equal(got.block_expert, want.block_expert)
+        assert torch.equal(got.num_padded, want.num_padded)
+
+
+def test_custom_op_fake_and_bad_input():
+    x, ids, weights = route(3, 64, seed=4)
+    gu, dn, gu_s, dn_s = make_weights(64, 32, seed=4, dtype=fp8.FP8_DTYPE)
+    with torch._subclasses.FakeTensorMode():
+        fake = torch.ops.minidsa.fused_moe(torch.empty(3, 64, dtype=torch.bfloat16),
+                                           torch.empty(3, 8, dtype=torch.long),
+                                           torch.empty(3, 8), torch.empty(E, 64, 64, dtype=fp8.FP8_DTYPE),
+                                           torch.empty(E, 64, 32, dtype=fp8.FP8_DTYPE), torch.empty(E, 1, 1),
+                                           torch.empty(E, 1, 1))
+        assert fake.shape == (3, 64) and fake.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="down_proj_scale_inv"):
+        fm.fused_moe_reference(x, ids, weights, gu, dn, gu_s, None)
+    with pytest.raises(ValueError, match="gate_up_proj_scale_inv"):
+        fm.fused_moe_reference(x, ids, weights, gu, dn, gu_s.repeat(1, 2, 1), dn_s)
+    f32 = make_weights(64, 32, seed=4, dtype=torch.float32)
+    with pytest.raises(ValueError, match="share a dtype"):
+        fm.fused_moe_reference(x.bfloat16(), ids, weights, *f32)
+    with pytest.raises(ValueError, match="topk_ids and topk_weights"):
+        fm.fused_moe_reference(x, ids, weights[:, :2], *f32)
+    with pytest.raises(ValueError, match="block_k == 128"):
+        fm.fused_moe_triton(x, ids, weights, gu, dn, gu_s, dn_s, config=fm.TileConfig(16, 64, 64, 1, 4, 2))
