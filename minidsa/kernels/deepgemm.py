@@ -218,14 +218,16 @@ def paged_index_logits(
     return indexer.mask_invisible_(logits, kv_lens, tree_mask)
 
 
-# Where DeepGEMM's paged kernel beats the Triton one, from benchmarks/bench_indexer.py on an H100 (the tables
-# in benchmarks/KERNELS.md): (min tokens, max tokens, min context, max context) ranges in which DeepGEMM
-# serves; everything else goes to Triton. The kernel alone is faster everywhere measured (0.61-0.94x of
-# Triton's time), but what it adds per layer, the in-place mask of its undefined tail (about 3-13 us),
-# makes it lose below ~32 query tokens at short and middle contexts (batch 1 / 8k: 8.1 + ~6 us vs 10.7 us).
-DEEPGEMM_PAGED_WINS: tuple[tuple[int, int, int, int], ...] = ((32, 1 << 30, 0, 1 << 30), (8, 1 << 30, 65536, 1 << 30))
-# fp8_mqa_logits (one request's prefill chunk, keys gathered) vs the Triton paged kernel as served: 237 vs
-# 471 us for a 2048-token chunk at 8k (H100).
+# Where DeepGEMM's paged kernel beats the Triton one as a step serves them (per layer, with the step's
+# metadata made once; CUDA graphs), from benchmarks/bench_indexer.py on an H100, commit 0644555 (the table in
+# benchmarks/KERNELS.md): (min tokens, max tokens, min context, max context) ranges in which DeepGEMM serves,
+# Triton elsewhere. The kernel alone is faster everywhere measured (0.61-0.95x of Triton's time); with the
+# in-place mask of its undefined tail (3-16 us) it ties at 1-8 tokens below 16k (1.00-1.02x) and wins from
+# 16 tokens (0.64-0.97x), from 8 tokens at 16k+ (0.88-0.90x) and at 64k+ for any batch (0.95x at batch 1).
+DEEPGEMM_PAGED_WINS: tuple[tuple[int, int, int, int], ...] = (
+    (16, 1 << 30, 0, 1 << 30), (8, 1 << 30, 16384, 1 << 30), (1, 1 << 30, 65536, 1 << 30))
+# fp8_mqa_logits (one request's prefill chunk, keys gathered, copied to the op's layout) vs the Triton paged
+# kernel as served: 396 vs 474 us for a 2048-token chunk at 8k, 2302 vs 3954 us for 4096 at 32k (H100).
 DEEPGEMM_RAGGED_WINS = True
 
 

@@ -8,10 +8,9 @@ rows first, then up); down_proj [E, H, I]; output [T, H] in x's dtype.
 Weights are either x's dtype (bf16 / fp16; fp32 for CPU tests) or FP8 e4m3 with one fp32 scale per
 128x128 block (`*_scale_inv` [E, ceil(rows/128), ceil(cols/128)], minidsa.kernels.fp8). With FP8
 weights the activations are quantised per token per 128-channel group (w8a8, DeepSeek's recipe, the
-semantics of `fp8.quant_act_per_token_group`) INSIDE the GEMM kernels: BLOCK_K is 128, so one K step
-is one quantisation group, and the kernel quantises the A tile it just loaded. That costs no extra
-launch (decode runs inside CUDA graphs where every launch counts) and no fp8 copy of the gathered
-rows; the A tile is read as 16-bit from L2, where it is hot (one row feeds many N-blocks).
+semantics of `fp8.quant_act_per_token_group`) before each GEMM, once, by `fp8_gemm.quant_act` (one
+launch over the rows); the kernels load e4m3 A tiles and their per-row scales. (Quantising inside the
+GEMM, per N-block program, measured 20x slower at prefill sizes on an H100: every program re-did it.)
 
 How (the `moe_align_block_size` idea of vLLM / SGLang, written here; nothing syncs with the host):
 1. `align_pairs_to_blocks` (torch ops; up to ALIGN_KERNEL_MAX_PAIRS pairs, as in decode, one Triton program
@@ -44,6 +43,7 @@ import triton
 import triton.language as tl
 
 from minidsa.kernels import fp8
+from minidsa.kernels.fp8_gemm import quant_act
 
 MAX_CHUNK_TOKENS = 8192  # tokens per pass: bounds the [T*k, H] per-pair buffer (~0.9 GiB in bf16 at H 7168)
 
@@ -197,10 +197,10 @@ def align_pairs_to_blocks_triton(topk_ids: torch.Tensor, n_experts: int, block_m
 
 @triton.jit
 def _expert_gemm_kernel(
-    a_ptr, b_ptr, b_scale_ptr, c_ptr, route_w_ptr,
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, route_w_ptr,
     sorted_pair_ptr, block_expert_ptr, num_padded_ptr,
     N, K, num_pairs, pairs_per_a_row, num_m_blocks,
-    stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sn, stride_sk,
+    stride_am, stride_asm, stride_be, stride_bn, stride_cm, stride_se, stride_sn, stride_sk,
     GATED: tl.constexpr, APPLY_ROUTE_W: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -209,7 +209,8 @@ def _expert_gemm_kernel(
 
     GATED: B holds gate rows [0, N) then up rows [N, 2N); C = silu(A @ gate^T) * (A @ up^T).
     APPLY_ROUTE_W: C is multiplied by the pair's routing weight. FP8: B is e4m3 with per-128x128
-    block scales; A is quantised per row per K step (BLOCK_K == 128 == the quantisation group).
+    block scales; A is e4m3 too, quantised beforehand per row per 128 channels (scales [rows, K/128];
+    BLOCK_K == 128 == the quantisation group).
     """
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
@@ -226,7 +227,9 @@ def _expert_gemm_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_pair_ptr + offs_m)
     row_ok = pair < num_pairs
-    a_rows = a_ptr + (pair // pairs_per_a_row).to(tl.int64) * stride_am
+    a_row = (pair // pairs_per_a_row).to(tl.int64)
+    a_rows = a_ptr + a_row * stride_am
+    a_scale_rows = a_scale_ptr + a_row * stride_asm
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     n_row = tl.where(n_ok, offs_n, 0)  # columns past N read row 0 (discarded): unmasked weight loads
@@ -248,12 +251,8 @@ def _expert_gemm_kernel(
             a = tl.load(a_rows[:, None] + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_rows[None, :] + k[:, None], mask=k_ok[:, None], other=0.0)
         a_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        if FP8:  # per-row group scale amax / 448 (1 for an all-zero group), as fp8.quant_act_per_token_group
-            # (IEEE divisions as torch's: `/` on fp32 is an approximate division on the GPU)
-            af = a.to(tl.float32)
-            a_scale = tl.div_rn(tl.max(tl.abs(af), axis=1), 448.0)
-            a_scale = tl.where(a_scale > 0, a_scale, 1.0)
-            a = tl.minimum(tl.maximum(tl.div_rn(af, a_scale[:, None]), -448.0), 448.0).to(tl.float8e4nv)
+        if FP8:  # this K step's activation scale of each row
+            a_scale = tl.load(a_scale_rows + k0 // 128, mask=row_ok, other=0.0)
         if FP8:
             acc += tl.dot(a, b) * a_scale[:, None] * tl.load(s_rows + (k0 // 128) * stride_sk)[None, :]
         else:
@@ -379,6 +378,9 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     num_m_blocks = blocks.block_expert.numel()
     route_w = topk_weights.reshape(-1).float().contiguous()
     mid = torch.empty(blocks.num_pairs, inter, dtype=x.dtype, device=x.device)
+    # FP8: each GEMM's input quantised once, per row per 128 channels (fp8.quant_act_per_token_group's values),
+    # not in every N-block's program: at prefill sizes that re-quantisation cost 20x the GEMM.
+    a, a_scale = quant_act(x) if is_fp8 else (x, route_w)
     per_pair = torch.empty(blocks.num_pairs, hidden, dtype=x.dtype, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     launch = dict(GROUP_M=cfg.group_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -389,18 +391,21 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
 
     gu_scale, gu_se, gu_sn, gu_sk = scale_args(gate_up_scale_inv)
     _expert_gemm_kernel[(num_m_blocks * triton.cdiv(inter, cfg.block_n),)](
-        x, gate_up_proj, gu_scale, mid, route_w,
+        a, a_scale, gate_up_proj, gu_scale, mid, route_w,
         blocks.sorted_pair_ids, blocks.block_expert, blocks.num_padded,
         inter, hidden, blocks.num_pairs, top_k, num_m_blocks,
-        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), mid.stride(0), gu_se, gu_sn, gu_sk,
+        a.stride(0), a_scale.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), mid.stride(0),
+        gu_se, gu_sn, gu_sk,
         GATED=True, APPLY_ROUTE_W=False, EVEN_K=hidden % cfg.block_k == 0, **launch,
     )
     dn_scale, dn_se, dn_sn, dn_sk = scale_args(down_scale_inv)
+    a, a_scale = quant_act(mid) if is_fp8 else (mid, route_w)
     _expert_gemm_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
-        mid, down_proj, dn_scale, per_pair, route_w,
+        a, a_scale, down_proj, dn_scale, per_pair, route_w,
         blocks.sorted_pair_ids, blocks.block_expert, blocks.num_padded,
         hidden, inter, blocks.num_pairs, 1, num_m_blocks,
-        mid.stride(0), down_proj.stride(0), down_proj.stride(1), per_pair.stride(0), dn_se, dn_sn, dn_sk,
+        a.stride(0), a_scale.stride(0), down_proj.stride(0), down_proj.stride(1), per_pair.stride(0),
+        dn_se, dn_sn, dn_sk,
         GATED=False, APPLY_ROUTE_W=True, EVEN_K=inter % cfg.block_k == 0, **launch,
     )
     return per_pair.view(num_tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
