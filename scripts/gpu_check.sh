@@ -5,7 +5,7 @@
 #
 # Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla
 # fp8_gemm moe. Not in the default list: moe_sweep (other MoE tile configs, for tuning).
-# Also: bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (4 vs 61 layers); flashmla (builds FlashMLA from a
+# Also: bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (4 vs 61 layers); bench_prefill; flashmla (builds FlashMLA from a
 # carried .fmla folder first; minutes).
 #
 # DeepGEMM: DEEPGEMM=on builds it from the folder .dg (carried; made on the CPU machine with
@@ -49,6 +49,10 @@ section_env() {   # TIMEOUT: seconds for this section, 0 = none
 
 section_kernels() {   # issue 5: Triton kernels vs torch references at real sizes
     timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -rs --durations=10
+}
+
+section_bench_prefill() {   # issue 15: prefill tok/s and MFU (chosen experts' FLOPs) for 8k / 32k prompts, real shapes
+    timeout "$TIMEOUT" $PY benchmarks/bench_prefill.py --out "$OUT" ${BENCH_PREFILL_ARGS:-}
 }
 
 section_startup() {   # issue 15: start-up by depth (fresh process and inductor cache each): 4 vs 61 layers
