@@ -182,7 +182,7 @@ def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, use_deep_gemm: bool
     With `use_deep_gemm` (decided at model build: `choice.choose_fp8_gemm`), DeepGEMM's fp8_gemm_nt; a call
     it cannot serve (or a failure, which switches it off for the process) runs the Triton kernel.
     """
-    if use_deep_gemm:
+    if use_deep_gemm and x.shape[0] >= deepgemm.FP8_GEMM_MIN_ROWS:
         out = deepgemm.fp8_gemm_nt(x, weight, scale_inv)
         if out is not None:
             return out

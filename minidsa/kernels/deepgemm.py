@@ -272,6 +272,10 @@ def extend_index_logits(
 # `fp8_gemm_nt((a e4m3 [M, K], a_scale fp32 [M, K/128]), (b e4m3 [N, K], b_scale fp32 [N/128, K/128]), d [M, N] bf16)`:
 # d = a @ b^T with DeepSeek's 1x128 activation / 128x128 weight scales; the scale layout DeepGEMM wants is made
 # inside it. Used only where `fp8_gemm_status` said yes at model build.
+# Rows from which fp8_gemm_nt beats the Triton w8a8 GEMM (benchmarks/bench_fp8_gemm.py on an H100, commit
+# 19c07cc): slower at every decode size measured (M <= 256: e.g. 167 vs 128 us for V3.2's fused q_a|wk|kv_a
+# at M = 1), faster from M = 2048 on (185 vs 229 us there; 1542 vs 2682 us for GLM-5's o_proj at M = 8192).
+FP8_GEMM_MIN_ROWS = 1024
 _gemm_module: ModuleType | None = None
 _gemm_disabled: str | None = None  # set when fp8_gemm_nt failed: Triton serves FP8 linears from then on
 
