@@ -262,6 +262,24 @@ def plot_result(result: dict[str, Any], path: str) -> str:
     return path
 
 
+def make_workload(workload: str, num_requests: int | None, input_len: tuple[int, int] | None,
+                  output_len: tuple[int, int] | None, seed: int, shared_prefix_len: int | None, gpu: bool,
+                  vocab_size: int, max_model_len: int) -> Workload:
+    """The benchmark's workload; sizes left None take the device's defaults (offline and online bench alike)."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
+    shared = workload == "shared-prefix"
+    defaults = (SHARED_GPU_DEFAULTS if gpu else SHARED_CPU_DEFAULTS) if shared else \
+        (GPU_DEFAULTS if gpu else CPU_DEFAULTS)
+    num_requests = num_requests or defaults["num_requests"]
+    input_len = input_len or defaults["input_len"]
+    output_len = output_len or defaults["output_len"]
+    if shared:
+        return Workload.shared_prefix(num_requests, shared_prefix_len or SHARED_PREFIX_LEN, input_len, output_len,
+                                      seed, vocab_size, max_model_len)
+    return Workload.synthetic(num_requests, input_len, output_len, seed, vocab_size, max_model_len)
+
+
 def run_bench(engine: Engine, num_requests: int | None = None, input_len: tuple[int, int] | None = None,
               output_len: tuple[int, int] | None = None, seed: int = 0, warmup: bool = True,
               progress: bool = True, workload: str = "random", shared_prefix_len: int | None = None) -> dict[str, Any]:
@@ -270,21 +288,10 @@ def run_bench(engine: Engine, num_requests: int | None = None, input_len: tuple[
     workload "random": independent random prompts; "shared-prefix": one system prompt of `shared_prefix_len`
     tokens (default 2048) + a question of `input_len` tokens per request.
     """
-    if workload not in WORKLOADS:
-        raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
     gpu = engine.runner.device.type == "cuda"
+    w = make_workload(workload, num_requests, input_len, output_len, seed, shared_prefix_len, gpu,
+                      engine.vocab_size, engine.max_model_len)
     shared = workload == "shared-prefix"
-    defaults = (SHARED_GPU_DEFAULTS if gpu else SHARED_CPU_DEFAULTS) if shared else \
-        (GPU_DEFAULTS if gpu else CPU_DEFAULTS)
-    num_requests = num_requests or defaults["num_requests"]
-    input_len = input_len or defaults["input_len"]
-    output_len = output_len or defaults["output_len"]
-    if shared:
-        shared_prefix_len = shared_prefix_len or SHARED_PREFIX_LEN
-        w = Workload.shared_prefix(num_requests, shared_prefix_len, input_len, output_len, seed, engine.vocab_size,
-                                   engine.max_model_len)
-    else:
-        w = Workload.synthetic(num_requests, input_len, output_len, seed, engine.vocab_size, engine.max_model_len)
     if warmup:  # first-call costs (allocator, kernels' autotuning) stay out of the numbers
         run_workload(engine, Workload.synthetic(2, (16, 64), (4, 8), seed + 1, engine.vocab_size,
                                                 engine.max_model_len), progress=False)
@@ -301,8 +308,8 @@ def run_bench(engine: Engine, num_requests: int | None = None, input_len: tuple[
         "commit": _git_commit(),
         "torch": torch.__version__,
         "engine_config": {k: v for k, v in dataclasses.asdict(engine.config).items() if k != "extra"},
-        "workload": {"type": workload, "num_requests": num_requests, "input_len": list(input_len),
-                     "output_len": list(output_len), "seed": seed, "shared_prefix_len": w.shared_prefix_len},
+        "workload": {"type": workload, "num_requests": w.num_requests, "input_len": list(w.input_len),
+                     "output_len": list(w.output_len), "seed": seed, "shared_prefix_len": w.shared_prefix_len},
         "results": results,
     }
 

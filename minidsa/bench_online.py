@@ -25,8 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from minidsa.bench import (CPU_DEFAULTS, GPU_DEFAULTS, PERCENTILES, SHARED_CPU_DEFAULTS, SHARED_GPU_DEFAULTS,
-                           SHARED_PREFIX_LEN, WORKLOADS, Workload, _git_commit, _percentiles)
+from minidsa.bench import PERCENTILES, Workload, _git_commit, _percentiles, make_workload
 
 REMOTE_VOCAB = 32000  # prompts for a server whose tokenizer is unknown use ids below this
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
@@ -225,23 +224,6 @@ def summarise(results: list[RequestResult], duration: float, slos: dict[str, flo
     }
 
 
-def _workload(workload: str, num_requests: int | None, input_len: tuple[int, int] | None,
-              output_len: tuple[int, int] | None, seed: int, shared_prefix_len: int | None, gpu: bool,
-              vocab_size: int, max_model_len: int) -> Workload:
-    if workload not in WORKLOADS:
-        raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
-    shared = workload == "shared-prefix"
-    defaults = (SHARED_GPU_DEFAULTS if gpu else SHARED_CPU_DEFAULTS) if shared else \
-        (GPU_DEFAULTS if gpu else CPU_DEFAULTS)
-    num_requests = num_requests or defaults["num_requests"]
-    input_len = input_len or defaults["input_len"]
-    output_len = output_len or defaults["output_len"]
-    if shared:
-        return Workload.shared_prefix(num_requests, shared_prefix_len or SHARED_PREFIX_LEN, input_len, output_len,
-                                      seed, vocab_size, max_model_len)
-    return Workload.synthetic(num_requests, input_len, output_len, seed, vocab_size, max_model_len)
-
-
 def run_online_bench(engine_config: Any | None, *, base_url: str | None = None, num_requests: int | None = None,
                      input_len: tuple[int, int] | None = None, output_len: tuple[int, int] | None = None,
                      seed: int = 0, request_rate: float = float("inf"), max_concurrency: int | None = None,
@@ -261,7 +243,7 @@ def run_online_bench(engine_config: Any | None, *, base_url: str | None = None, 
     from minidsa.engine import Engine
 
     engine = Engine(engine_config, progress=progress)
-    w = _workload(workload, num_requests, input_len, output_len, seed, shared_prefix_len,
+    w = make_workload(workload, num_requests, input_len, output_len, seed, shared_prefix_len,
                   engine.runner.device.type == "cuda", engine.vocab_size, engine.max_model_len)
 
     async def local() -> tuple[str, list[RequestResult], float]:
@@ -296,7 +278,7 @@ async def _remote(base_url: str, num_requests: int | None, input_len: tuple[int,
         except aiohttp.ClientError as e:
             raise OSError(f"cannot reach {base_url}: {e}") from None
     # The remote GPU/CPU is unknown: the GPU-sized default workload, unless sizes are given.
-    w = _workload(workload, num_requests, input_len, output_len, seed, shared_prefix_len, True, REMOTE_VOCAB,
+    w = make_workload(workload, num_requests, input_len, output_len, seed, shared_prefix_len, True, REMOTE_VOCAB,
                   max_model_len or 1 << 30)
     model, results, duration = await drive(base_url, w, request_rate, max_concurrency, model_name or listed,
                                            api_key, warmup, progress)
