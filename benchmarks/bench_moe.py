@@ -8,8 +8,8 @@ expert intermediate 2048; bf16 weights and the same weights in FP8 (e4m3, 128x12
 
 - Decode (T = 1, 8, 32, 128, 256): the whole op (alignment, both GEMMs, k-sum) timed inside a CUDA graph
   (20 calls per replay); GB/s of the chosen experts' weight bytes (each read once) against a device copy's
-  bandwidth (bytes read + written) measured in the same run. Beside it: the earlier decode kernels
-  (minidsa.kernels.moe, bf16 only), and DeepGEMM's m_grouped_fp8_gemm_nt_masked (the two GEMMs only: no
+  bandwidth (bytes read + written) measured in the same run. Beside it: DeepGEMM's
+  m_grouped_fp8_gemm_nt_masked (the two GEMMs only: no
   routing, activation quantisation, SiLU or k-sum) when `import deep_gemm` works.
 - Prefill (T = 2048, 8192, 16384): TFLOP/s of the chosen experts' FLOPs (6 * T * k * H * I) against the
   same run's matmul ceiling for the dtype (torch.mm bf16; torch._scaled_mm FP8 per-tensor scaled, fast
@@ -36,7 +36,6 @@ import triton
 
 from minidsa.kernels import fp8
 from minidsa.kernels import fused_moe as fm
-from minidsa.kernels import moe as decode_kernels
 from minidsa.models.deepseek_v32 import Router
 
 DEV = torch.device("cuda")
@@ -274,9 +273,6 @@ def bench_decode(rec: Recorder, router: Router, weights: dict, dg, sweep: bool) 
                          else fm.align_pairs_to_blocks)
                 add("fused: alignment only", lambda: align(ids, E, cfg.block_m), reads_weights=False,
                     note=f"graph; {align.__name__}")
-            if kind == "bf16":
-                add("old decode kernel", lambda: decode_kernels.moe_experts(x, ids, w, params[0], params[1]),
-                    note="graph")
             if kind == "fp8" and dg is not None:
                 try:
                     fn = deepgemm_masked(dg, params, ids)
