@@ -1,9 +1,10 @@
-"""DSA attention backend: the one place that picks kernel implementations.
+"""DSA attention backend: everything the model does with the paged caches.
 
-The model calls `DSABackend` for everything that touches the paged caches:
-storing MLA / indexer keys, indexer scores + top-k, sparse MLA attention.
-Implementations: pure torch (`minidsa.kernels.reference`, CPU and oracle),
-Triton, and DeepGEMM's indexer kernels when importable.
+The model calls `DSABackend` to store MLA / indexer keys, score and pick the
+top-k, and run sparse MLA attention, handing each layer its `LayerCaches`.
+Which implementation serves each op (pure torch `minidsa.kernels.reference`,
+Triton, DeepGEMM) was decided at start-up (`minidsa.kernels.choice`); this
+backend only follows that `KernelChoice`.
 """
 
 from __future__ import annotations
