@@ -151,12 +151,7 @@ def run_workload(engine: Engine, w: Workload, progress: bool = True, use_prefix_
     return {
         "duration_s": duration,
         "num_requests": len(ids),
-        "input_tokens": in_tok,
-        "output_tokens": out_tok,
-        "requests_per_s": len(ids) / duration,
-        "input_tokens_per_s": in_tok / duration,
-        "output_tokens_per_s": out_tok / duration,
-        "total_tokens_per_s": (in_tok + out_tok) / duration,
+        **throughput(duration, len(ids), in_tok, out_tok),
         "ttft_s": _percentiles(ttft),
         "itl_s": _percentiles(itl),
         "num_steps": len(steps),
@@ -260,6 +255,18 @@ def plot_result(result: dict[str, Any], path: str) -> str:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def throughput(duration: float, completed: int, in_tok: int, out_tok: int) -> dict[str, float]:
+    """Token counts and rates of a run (offline and online bench alike)."""
+    return {
+        "input_tokens": in_tok,
+        "output_tokens": out_tok,
+        "requests_per_s": completed / duration,
+        "input_tokens_per_s": in_tok / duration,
+        "output_tokens_per_s": out_tok / duration,
+        "total_tokens_per_s": (in_tok + out_tok) / duration,
+    }
 
 
 def make_workload(workload: str, num_requests: int | None, input_len: tuple[int, int] | None,

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from minidsa.bench import PERCENTILES, Workload, _git_commit, _percentiles, make_workload
+from minidsa.bench import PERCENTILES, Workload, _git_commit, _percentiles, make_workload, throughput
 
 REMOTE_VOCAB = 32000  # prompts for a server whose tokenizer is unknown use ids below this
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
@@ -205,12 +205,7 @@ def summarise(results: list[RequestResult], duration: float, slos: dict[str, flo
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "first_error": errors[0] if errors else None,
-        "input_tokens": in_tok,
-        "output_tokens": out_tok,
-        "requests_per_s": len(ok) / duration,
-        "input_tokens_per_s": in_tok / duration,
-        "output_tokens_per_s": out_tok / duration,
-        "total_tokens_per_s": (in_tok + out_tok) / duration,
+        **throughput(duration, len(ok), in_tok, out_tok),
         "ttft_s": _percentiles([r.ttft for r in ok]),
         "itl_s": _percentiles(itl),
         "tpot_s": _percentiles([r.tpot for r in ok if r.tpot is not None]),

@@ -6,6 +6,7 @@ import json
 import os
 
 import torch
+from safetensors.torch import load_file, save_file
 
 ROPE_YARN = {
     "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
@@ -62,3 +63,25 @@ def save_hf(model, kw: dict, path: str) -> str:
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=2)
     return path
+
+
+def rewrite_checkpoint(src: str, dst: str, transform, shards: int = 1, config_update: dict | None = None) -> str:
+    """Copy a checkpoint, passing its tensors through `transform(dict) -> dict`, split in `shards` files."""
+    os.makedirs(dst, exist_ok=True)
+    tensors = transform(load_file(os.path.join(src, "model.safetensors")))
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(config_update or {})
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    names = sorted(tensors)
+    weight_map = {}
+    for s in range(shards):
+        part = names[s::shards]
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in part}, os.path.join(dst, fname))
+        weight_map.update({n: fname for n in part})
+    if shards > 1:
+        with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return dst

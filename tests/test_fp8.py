@@ -6,23 +6,22 @@ Widths are small (hidden 256) but every FP8 dimension is cut in 128-blocks, part
 from __future__ import annotations
 
 import gc
-import json
 import os
 import weakref
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_tiny import build_hf, save_hf
+from hf_tiny import build_hf, rewrite_checkpoint, save_hf
 from harness import PagedDriver
 from minidsa.config import ConfigError, EngineConfig, ModelConfig
 from minidsa.kernels.fp8 import (FP8_DTYPE, dequant_block, quant_act_per_token_group, quant_block,
                                  w8a8_block_matmul_reference)
 from minidsa.layers.linear import FusedLinear, Linear
 from minidsa.models.deepseek_v32 import DeepseekV32ForCausalLM, Experts
-from minidsa.models.loader import CheckpointError, build_model, init_random_weights, materialize, serving_dtypes_
+from minidsa.models.loader import CheckpointError, build_model, init_random_weights, serving_dtypes_
 from minidsa.models.presets import preset_config
 
 WIDE = dict(hidden_size=256, intermediate_size=384, moe_intermediate_size=128, q_lora_rank=128, kv_lora_rank=64,
@@ -133,19 +132,8 @@ def _dequantised(tensors: dict) -> dict:
 
 
 def _write(src: str, dst: str, tensors: dict, config_update: dict | None = None) -> str:
-    os.makedirs(dst, exist_ok=True)
-    with open(os.path.join(src, "config.json")) as f:
-        cfg = json.load(f)
-    cfg.update(config_update or {})
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    names = sorted(tensors)
-    save_file({n: tensors[n].contiguous() for n in names[0::2]}, os.path.join(dst, "model-00001-of-00002.safetensors"))
-    save_file({n: tensors[n].contiguous() for n in names[1::2]}, os.path.join(dst, "model-00002-of-00002.safetensors"))
-    weight_map = {n: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, n in enumerate(names)}
-    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    return dst
+    """A two-shard checkpoint (with its index) holding `tensors`, config.json from `src` updated."""
+    return rewrite_checkpoint(src, dst, lambda _: tensors, shards=2, config_update=config_update)
 
 
 FP8_QCONFIG = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from hf_tiny import build_hf, save_hf
+from hf_tiny import build_hf, rewrite_checkpoint, save_hf
 from harness import PagedDriver
 from minidsa.config import ModelConfig
 from minidsa.kernels.fp8 import FP8_BLOCK
@@ -36,28 +34,6 @@ def prefill_logits(model, config, tokens):
     return logits
 
 
-def rewrite(src: str, dst: str, transform, shards: int = 1, config_update: dict | None = None) -> str:
-    """Copy a checkpoint, passing its tensors through `transform(dict) -> dict`, split in `shards` files."""
-    os.makedirs(dst, exist_ok=True)
-    tensors = transform(load_file(os.path.join(src, "model.safetensors")))
-    with open(os.path.join(src, "config.json")) as f:
-        cfg = json.load(f)
-    cfg.update(config_update or {})
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    names = sorted(tensors)
-    weight_map = {}
-    for s in range(shards):
-        part = names[s::shards]
-        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({n: tensors[n].contiguous() for n in part}, os.path.join(dst, fname))
-        weight_map.update({n: fname for n in part})
-    if shards > 1:
-        with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    return dst
-
-
 def to_fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = w.shape
     br, bc = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
@@ -70,7 +46,7 @@ def to_fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_sharded_checkpoint_with_index_loads_identically(checkpoint, tmp_path):
-    path = rewrite(checkpoint, str(tmp_path / "sharded"), lambda t: t, shards=3)
+    path = rewrite_checkpoint(checkpoint, str(tmp_path / "sharded"), lambda t: t, shards=3)
     assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
     a, config = load(checkpoint)
     b, _ = load(path)
@@ -92,7 +68,7 @@ def test_fp8_block_scaled_checkpoint_matches_its_source(checkpoint, tmp_path):
                 out[name] = w
         return out
 
-    path = rewrite(checkpoint, str(tmp_path / "fp8"), quantize, shards=2)
+    path = rewrite_checkpoint(checkpoint, str(tmp_path / "fp8"), quantize, shards=2)
     src, config = load(checkpoint)
     fp8, _ = load(path, quantization="none")  # dequantised at load (test_fp8.py: kept FP8)
     assert len(quantized) > 20
@@ -103,7 +79,7 @@ def test_fp8_block_scaled_checkpoint_matches_its_source(checkpoint, tmp_path):
             continue
         assert torch.equal(params[name], deq), name
     # The fp8 model computes exactly what the dequantised weights compute...
-    deq_path = rewrite(checkpoint, str(tmp_path / "deq"), lambda t: {**t, **quantized})
+    deq_path = rewrite_checkpoint(checkpoint, str(tmp_path / "deq"), lambda t: {**t, **quantized})
     deq, _ = load(deq_path)
     tokens = list(range(5, 45))
     a, b, c = prefill_logits(src, config, tokens), prefill_logits(fp8, config, tokens), prefill_logits(deq, config, tokens)
@@ -114,11 +90,11 @@ def test_fp8_block_scaled_checkpoint_matches_its_source(checkpoint, tmp_path):
 
 def test_missing_tensor_is_named(checkpoint, tmp_path):
     victim = "model.layers.2.self_attn.kv_b_proj.weight"
-    path = rewrite(checkpoint, str(tmp_path / "missing"), lambda t: {k: v for k, v in t.items() if k != victim})
+    path = rewrite_checkpoint(checkpoint, str(tmp_path / "missing"), lambda t: {k: v for k, v in t.items() if k != victim})
     with pytest.raises(CheckpointError, match=r"missing 1 tensors: model\.layers\.2\.self_attn\.kv_b_proj\.weight"):
         load(path)
     expert = "model.layers.1.mlp.experts.5.up_proj.weight"
-    path = rewrite(checkpoint, str(tmp_path / "missing_expert"), lambda t: {k: v for k, v in t.items() if k != expert})
+    path = rewrite_checkpoint(checkpoint, str(tmp_path / "missing_expert"), lambda t: {k: v for k, v in t.items() if k != expert})
     with pytest.raises(CheckpointError, match=expert.replace(".", r"\.")):
         load(path)
 
@@ -132,13 +108,13 @@ def test_unexpected_tensor_is_named_and_shared_layer_indexer_is_ignored(checkpoi
         t[f"model.layers.{shared}.self_attn.indexer.wk.weight"] = torch.zeros(config.index_head_dim, config.hidden_size)
         return t
 
-    load(rewrite(checkpoint, str(tmp_path / "shared_extra"), add_shared_indexer))  # ignored with a note
+    load(rewrite_checkpoint(checkpoint, str(tmp_path / "shared_extra"), add_shared_indexer))  # ignored with a note
 
     def add_junk(t):
         return {**t, "model.layers.0.self_attn.surprise.weight": torch.zeros(2)}
 
     with pytest.raises(CheckpointError, match=r"unexpected 1 tensors: model\.layers\.0\.self_attn\.surprise\.weight"):
-        load(rewrite(checkpoint, str(tmp_path / "junk"), add_junk))
+        load(rewrite_checkpoint(checkpoint, str(tmp_path / "junk"), add_junk))
 
 
 def test_mtp_layer_loads_from_nextn_position(checkpoint, tmp_path):
@@ -154,13 +130,13 @@ def test_mtp_layer_loads_from_nextn_position(checkpoint, tmp_path):
                      "shared_head.norm.weight": (h,), "embed_tokens.weight": (config.vocab_size, h),
                      "shared_head.head.weight": (config.vocab_size, h)}.items():
         extra[f"model.layers.{n}.{k}"] = torch.randn(shape, generator=g)
-    path = rewrite(checkpoint, str(tmp_path / "mtp"), lambda t: {**t, **extra}, shards=2,
+    path = rewrite_checkpoint(checkpoint, str(tmp_path / "mtp"), lambda t: {**t, **extra}, shards=2,
                    config_update={"num_nextn_predict_layers": 1})
     mtp_model, mtp_config = load(path)
     assert mtp_config.num_nextn_predict_layers == 1
     assert torch.equal(mtp_model.mtp_layer.eh_proj.weight, extra[f"model.layers.{n}.eh_proj.weight"])
     # Without the nextn tensors the same config is an error naming them.
-    path = rewrite(checkpoint, str(tmp_path / "mtp_missing"), lambda t: t, config_update={"num_nextn_predict_layers": 1})
+    path = rewrite_checkpoint(checkpoint, str(tmp_path / "mtp_missing"), lambda t: t, config_update={"num_nextn_predict_layers": 1})
     with pytest.raises(CheckpointError, match=rf"model\.layers\.{n}\.\* \(the whole layer \(the MTP / nextn layer\)\)"):
         load(path)
 
