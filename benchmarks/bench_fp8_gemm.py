@@ -44,25 +44,69 @@ SHAPES = {  # name -> (N, K): the FP8 projections of one layer
 }
 
 
-def bench(fn, budget_s: float) -> float:
-    """Median seconds of fn() (CUDA events, L2 not flushed: the weight is re-read from HBM at these sizes)."""
-    fn()
+ROTATE_BYTES = 256 << 20  # weights cycled through per timing: several times the 50 MB L2
+
+
+def copies_for(weight_bytes: int) -> int:
+    """How many copies of a weight make a rotation larger than L2 (each call then reads it from HBM)."""
+    return max(1, min(16, -(-ROTATE_BYTES // weight_bytes)))
+
+
+def graph_time(fns: list, budget_s: float) -> float:
+    """Median seconds per call of fns (one per weight copy, called in turn), replayed from a CUDA graph.
+
+    A graph removes the host launch cost, which an eager loop timed with events adds to every small-M call
+    (each call then measures the launch, not the kernel: 40-160 us here before); decode steps replay graphs
+    too, so this is the time a step pays."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:  # warm-up on the capture stream (allocator pools, lazy inits)
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    fn()
+    graph.replay()
     torch.cuda.synchronize()
     once = max(time.perf_counter() - t0, 1e-6)
-    reps = int(max(5, min(200, budget_s / once)))
+    reps = int(max(5, min(100, budget_s / once)))
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / len(fns))
     times.sort()
+    del graph
     return times[len(times) // 2]
+
+
+def decode_tile_candidates(m: int, n: int, k: int, num_sms: int):
+    """Tile configs tried for small M by --sweep (the default pick first)."""
+    from minidsa.kernels import fp8_gemm
+    seen = [fp8_gemm.pick_tiles(m, n, k, num_sms)]
+    block_m = max(16, 1 << (m - 1).bit_length()) if m > 1 else 16
+    num_kb = -(-k // 128)
+    for block_n in (32, 64, 128):
+        n_tiles = -(-n // block_n)
+        for split in sorted({1, 2, 4, 8, max(1, -(-2 * num_sms // n_tiles)), max(1, -(-4 * num_sms // n_tiles))}):
+            if split > num_kb:
+                continue
+            for warps, stages in ((4, 3), (4, 5), (8, 4), (2, 4)):
+                t = fp8_gemm.GemmTiles(block_m, block_n, split, True, warps, stages)
+                if t not in seen:
+                    seen.append(t)
+    return seen
 
 
 def main(argv=None) -> int:
@@ -71,6 +115,8 @@ def main(argv=None) -> int:
     p.add_argument("--ms", type=int, nargs="+", default=[1, 8, 32, 128, 256, 2048, 8192])
     p.add_argument("--shapes", nargs="+", default=["dsv32", "glm5"], choices=sorted(SHAPES))
     p.add_argument("--budget", type=float, default=0.05, help="seconds of timed repeats per measurement")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time other Triton tile configs at M <= 64 (best one reported per shape)")
     args = p.parse_args(argv)
 
     from minidsa.kernels import deepgemm, fp8_gemm
@@ -83,51 +129,70 @@ def main(argv=None) -> int:
     for family in args.shapes:
         for name, n, k in SHAPES[family]:
             w = torch.randn(n, k, device=dev) * 0.02
-            wq, ws = quant_block(w, pow2_scale=True)
-            w_bf16 = w.bfloat16()
+            nc = copies_for(n * k)
+            wq, ws = zip(*[quant_block(w, pow2_scale=True) for _ in range(nc)])
+            w_bf16 = [w.bfloat16() for _ in range(copies_for(2 * n * k))]
             w_scale = (w.abs().amax() / FP8_MAX).float()
-            w_pt = (w / w_scale).to(torch.float8_e4m3fn)
+            w_pt = [(w / w_scale).to(torch.float8_e4m3fn) for _ in range(nc)]
             del w
             for m in args.ms:
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 impls = {
-                    "triton": lambda: fp8_gemm.w8a8_block_gemm(x, wq, ws),
-                    "bf16": lambda: torch.mm(x, w_bf16.t()),
+                    "triton": [lambda i=i: fp8_gemm.w8a8_block_gemm(x, wq[i], ws[i]) for i in range(nc)],
+                    "bf16": [lambda i=i: torch.mm(x, w_bf16[i].t()) for i in range(len(w_bf16))],
                 }
                 m16 = -(-m // 16) * 16  # _scaled_mm wants multiples of 16
                 x_pt = torch.zeros(m16, k, device=dev, dtype=torch.float8_e4m3fn)
                 x_pt[:m] = x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
                 one = torch.ones((), device=dev)
-                impls["scaled_mm"] = lambda: torch._scaled_mm(x_pt, w_pt.t(), scale_a=one, scale_b=w_scale,
-                                                              out_dtype=torch.bfloat16)
+                impls["scaled_mm"] = [lambda i=i: torch._scaled_mm(x_pt, w_pt[i].t(), scale_a=one, scale_b=w_scale,
+                                                                   out_dtype=torch.bfloat16) for i in range(nc)]
                 if dg.available:
-                    impls["deepgemm"] = lambda: deepgemm.fp8_gemm_nt(x, wq, ws)
+                    impls["deepgemm"] = [lambda i=i: deepgemm.fp8_gemm_nt(x, wq[i], ws[i]) for i in range(nc)]
+                num_sms = fp8_gemm._sm_count(dev)
                 row = {"family": family, "shape": name, "N": n, "K": k, "M": m,
-                       "tiles": fp8_gemm.pick_tiles(m, n, k, fp8_gemm._sm_count(dev)).__dict__}
-                for impl, fn in impls.items():
+                       "tiles": fp8_gemm.pick_tiles(m, n, k, num_sms).__dict__}
+                for impl, fns in impls.items():
                     try:
-                        if impl == "deepgemm" and fn() is None:
+                        if impl == "deepgemm" and fns[0]() is None:
                             row[impl] = None
                             continue
-                        t = bench(fn, args.budget)
+                        t = graph_time(fns, args.budget)
                     except Exception as e:  # report, keep measuring the rest
                         row[impl] = None
                         row[f"{impl}_error"] = f"{type(e).__name__}: {e}"[:200]
                         continue
                     wbytes = n * k * (2 if impl == "bf16" else 1)
                     row[impl] = {"us": t * 1e6, "GBps": wbytes / t / 1e9, "TFLOPs": 2 * m * n * k / t / 1e12}
+                if args.sweep and m <= 64:
+                    best = None
+                    for tiles in decode_tile_candidates(m, n, k, num_sms):
+                        try:
+                            t = graph_time([lambda i=i: fp8_gemm.w8a8_block_gemm(x, wq[i], ws[i], tiles)
+                                            for i in range(nc)], args.budget / 4)
+                        except Exception:
+                            continue
+                        if best is None or t < best[0]:
+                            best = (t, tiles)
+                    if best:
+                        row["sweep_best"] = {"us": best[0] * 1e6, "GBps": n * k / best[0] / 1e9,
+                                             "tiles": best[1].__dict__}
                 rows.append(row)
-                cells = " ".join(f"{i}={row[i]['us']:.1f}us" for i in impls if row.get(i))
+                cells = " ".join(f"{i}={row[i]['us']:.1f}us" for i in [*impls, "sweep_best"] if row.get(i))
                 print(f"{family} {name:24s} M={m:5d} {cells}", flush=True)
                 del x, x_pt
             del wq, ws, w_bf16, w_pt
             torch.cuda.empty_cache()
 
-    impls = ["triton", "bf16", "scaled_mm"] + (["deepgemm"] if dg.available else [])
+    impls = ["triton", "bf16", "scaled_mm"] + (["deepgemm"] if dg.available else []) \
+        + (["sweep_best"] if args.sweep else [])
     lines = [f"# FP8 block-scaled GEMM ({torch.cuda.get_device_name()})", "",
              f"torch {torch.__version__}; DeepGEMM: {dg.reason}. Time in us; small M (<= 256): weight GB/s "
              "(FP8 1 B/weight, bf16 2 B); large M: TFLOP/s. triton and deepgemm include the per-token activation "
-             "quantisation; scaled_mm is per-tensor FP8 (no block scales), a ceiling.", "",
+             "quantisation; scaled_mm is per-tensor FP8 (no block scales), a ceiling. Timed in CUDA graphs over "
+             "copies of the weight that exceed L2 (the time a decode step pays; no host launch cost)."
+             + (" sweep_best: the fastest Triton tile config tried at M <= 64 (in the JSON)." if args.sweep else ""),
+             "",
              "| model | projection | N x K | M | " + " | ".join(impls) + " | triton tiles |",
              "|---|---|---|---|" + "---|" * len(impls) + "---|"]
     for r in rows:

@@ -127,21 +127,20 @@ FP8_SWEEP = [(64, 64, 8, 2), (64, 32, 8, 3), (64, 64, 8, 1), (64, 32, 4, 2), (32
 
 
 def bench_fp8_sweep(rec: Recorder, ceil: dict, fp8: torch.Tensor, quick: bool) -> None:
-    """Launch parameters x scale application of the FP8 path at batch 128, 128 heads: pick the defaults."""
+    """Launch parameters of the FP8 path at batch 128, 128 heads: pick the default."""
     g = torch.Generator(device=DEV).manual_seed(7)
     q = (torch.randn(128, 128, D_KV, device=DEV, generator=g) * 0.3).bfloat16()
     idx = torch.randint(0, NUM_SLOTS, (128, TOPK), device=DEV, generator=g, dtype=torch.int32)
     nb, fl = _cost(128, 128, FP8.bytes_per_token)
     best, best_ms = None, float("inf")
-    for scales in ("gather", "reshape"):
-        for cfg in FP8_SWEEP[: 2 if quick else None]:
-            ms, err = bk.try_time(lambda: sparse_mla.sparse_mla(q, fp8, idx, 0.05, D_V, config=cfg, fp8_scales=scales))
-            rec.add(bk.row("sparse_mla", "fp8 sweep B=128 H=128", f"triton {cfg} {scales}", ms, nb, fl, ceil, err))
-            if ms and ms < best_ms:
-                best, best_ms = (cfg, scales), ms
+    for cfg in FP8_SWEEP[: 2 if quick else None]:
+        ms, err = bk.try_time(lambda: sparse_mla.sparse_mla(q, fp8, idx, 0.05, D_V, config=cfg))
+        rec.add(bk.row("sparse_mla", "fp8 sweep B=128 H=128", f"triton {cfg}", ms, nb, fl, ceil, err))
+        if ms and ms < best_ms:
+            best, best_ms = cfg, ms
     rec.meta["sparse_mla_fp8_best"] = best
-    rec.add(bk.row("sparse_mla", "fp8 sweep B=128 H=128", f"best {best} (defaults: "
-                   f"{sparse_mla.SPARSE_MLA_FP8_CONFIG} {sparse_mla.FP8_SCALES})", best_ms, nb, fl, ceil))
+    rec.add(bk.row("sparse_mla", "fp8 sweep B=128 H=128", f"best {best} (default: "
+                   f"{sparse_mla.SPARSE_MLA_FP8_CONFIG})", best_ms, nb, fl, ceil))
 
 
 def bench_kernels_section(rec: Recorder, ceil: dict, quick: bool) -> None:

@@ -32,7 +32,7 @@ def _sparse_mla_kernel(
     num_heads, topk, split_len, qk_scale,
     stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_os, stride_lt, stride_ls,
     DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    OFFSET_64: tl.constexpr, IS_FP8: tl.constexpr, GROUP: tl.constexpr, SCALES_BY_RESHAPE: tl.constexpr,
+    OFFSET_64: tl.constexpr, IS_FP8: tl.constexpr, GROUP: tl.constexpr,
 ):
     # IS_FP8: kv_ptr is the cache's bytes (row stride_kv bytes, e4m3 latent first); scale_ptr / rope_ptr are
     # fp32 / bf16 views of the same rows starting at their parts (row strides stride_kv / 4, / 2).
@@ -64,13 +64,10 @@ def _sparse_mla_kernel(
         if IS_FP8:
             k8 = tl.load(kv_ptr + row_off[:, None] + dv[None, :])
             kf = k8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            if SCALES_BY_RESHAPE:
-                # [BLOCK_N, DV / GROUP] scales, broadcast over each group through a reshape of the tile.
-                sc = tl.load(scale_ptr + (row_off // 4)[:, None] + tl.arange(0, DV // GROUP)[None, :])
-                kf = tl.reshape(tl.reshape(kf, (BLOCK_N, DV // GROUP, GROUP)) * sc[:, :, None], (BLOCK_N, DV))
-            else:
-                # One (cached) scale load per element: no layout change of the tile.
-                kf = kf * tl.load(scale_ptr + (row_off // 4)[:, None] + (dv // GROUP)[None, :])
+            # [BLOCK_N, DV / GROUP] scales, broadcast over each group through a reshape of the tile (a scale
+            # load per element instead ran 10x slower on an H100 and overflowed shared memory at this tile).
+            sc = tl.load(scale_ptr + (row_off // 4)[:, None] + tl.arange(0, DV // GROUP)[None, :])
+            kf = tl.reshape(tl.reshape(kf, (BLOCK_N, DV // GROUP, GROUP)) * sc[:, :, None], (BLOCK_N, DV))
             k_nope = kf.to(q_nope.dtype)
             k_rope = tl.load(rope_ptr + (row_off // 2)[:, None] + dr[None, :]).to(q_rope.dtype)
         else:
@@ -124,13 +121,9 @@ def _combine_kernel(
 
 # (BLOCK_H, BLOCK_N, num_warps, num_stages), set from measurements on H100 (benchmarks/KERNELS.md).
 SPARSE_MLA_CONFIG = (64, 64, 8, 2)
-# The FP8 cache: launch parameters and how each tile's scales are applied ("gather": a scale load per
-# element; "reshape": one per group, broadcast through a reshape). Measured on an H100 (benchmarks/bench_mla.py,
-# commit b19a8d1, B=128, 128 heads, top-k 2048): (64, 64, 8, 2) reshape 0.371 ms = 197 TFLOP/s (the bf16 cache:
-# 178); (64, 32, 8, 3) reshape 144 TFLOP/s; gather 19 TFLOP/s at (64, 32, 8, 3), and over the shared-memory
-# limit at (64, 64, 8, 2).
+# The FP8 cache's launch parameters. Measured on an H100 (benchmarks/bench_mla.py, commit b19a8d1, B=128,
+# 128 heads, top-k 2048): (64, 64, 8, 2) 0.371 ms = 197 TFLOP/s (the bf16 cache: 178); (64, 32, 8, 3) 144.
 SPARSE_MLA_FP8_CONFIG = (64, 64, 8, 2)
-FP8_SCALES = "reshape"
 
 
 def sparse_mla(
@@ -141,7 +134,6 @@ def sparse_mla(
     v_dim: int,
     num_splits: int | None = None,
     config: tuple[int, int, int, int] | None = None,
-    fp8_scales: str | None = None,
 ) -> torch.Tensor:
     """q [T, H, Dk] x kv_cache [S, Dk] at topk_slots [T, K] (-1 = none) -> [T, H, v_dim] (q's dtype).
 
@@ -168,9 +160,6 @@ def sparse_mla(
         return out.zero_()
     q = q if q.stride(2) == 1 else q.contiguous()
     block_h, block_n, num_warps, num_stages = config or (SPARSE_MLA_FP8_CONFIG if is_fp8 else SPARSE_MLA_CONFIG)
-    fp8_scales = fp8_scales or FP8_SCALES
-    if fp8_scales not in ("gather", "reshape"):
-        raise ValueError(f"sparse_mla: fp8_scales must be 'gather' or 'reshape', got {fp8_scales!r}")
     block_h = min(block_h, max(16, triton.next_power_of_2(num_heads)))
     head_blocks = triton.cdiv(num_heads, block_h)
     if num_splits is None:
@@ -201,7 +190,7 @@ def sparse_mla(
             q.stride(0), q.stride(1), kv_cache.stride(0), topk_slots.stride(0),
             out.stride(0), out.stride(1), 0, 0, 0,
             DV=v_dim, DR=rope, BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=False, OFFSET_64=offset_64,
-            IS_FP8=is_fp8, GROUP=group, SCALES_BY_RESHAPE=fp8_scales == "reshape",
+            IS_FP8=is_fp8, GROUP=group,
             num_warps=num_warps, num_stages=num_stages,
         )
         return out
@@ -213,7 +202,7 @@ def sparse_mla(
         q.stride(0), q.stride(1), kv_cache.stride(0), topk_slots.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         DV=v_dim, DR=rope, BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=True, OFFSET_64=offset_64,
-        IS_FP8=is_fp8, GROUP=group, SCALES_BY_RESHAPE=fp8_scales == "reshape",
+        IS_FP8=is_fp8, GROUP=group,
         num_warps=num_warps, num_stages=num_stages,
     )
     _combine_kernel[(num_tokens, num_heads)](

@@ -61,7 +61,9 @@ def test_store_mla_fp8_writes_the_reference_bytes(num_tokens):
     ref.store_mla(want, loc, kv, D_V)
     g_lat, g_sc, g_rope = LAYOUT.fp8_views(got)
     w_lat, w_sc, w_rope = LAYOUT.fp8_views(want)
-    assert torch.equal(g_sc, w_sc) and torch.equal(g_rope.view(torch.int16), w_rope.view(torch.int16))
+    # Bytes, not floats: slots the store skips keep random bytes, some of which read as NaN scales.
+    assert torch.equal(g_sc.view(torch.int32), w_sc.view(torch.int32))
+    assert torch.equal(g_rope.view(torch.int16), w_rope.view(torch.int16))
     # e4m3 bytes: the same rounding (ties to even) on both sides; allow a handful of ties resolved apart.
     mismatch = (g_lat.view(torch.uint8) != w_lat.view(torch.uint8)).float().mean().item()
     assert mismatch <= 1e-5, mismatch
@@ -94,17 +96,16 @@ def test_sparse_mla_over_fp8_cache_real_size(heads, batch, tokens_per_req):
     assert _rel(got, bf16) < 1e-2
 
 
-@pytest.mark.parametrize("scales", ["gather", "reshape"])
-@pytest.mark.parametrize("config", [(64, 64, 8, 2), (64, 32, 8, 3), (32, 64, 4, 2)])
-def test_fp8_scale_modes_and_configs_agree(scales, config):
-    """Every variant benchmarks/bench_mla.py sweeps computes the same attention."""
+@pytest.mark.parametrize("config", [(64, 64, 8, 2), (64, 32, 8, 3), (64, 64, 8, 1), (32, 64, 4, 2)])
+def test_fp8_launch_configs_agree(config):
+    """Every launch configuration benchmarks/bench_mla.py sweeps computes the same attention."""
     g = _gen(21)
     num_slots = 16384
     cache = _fp8_cache(num_slots, seed=21)
     q = (torch.randn(128, 128, D_KV, device=DEV, generator=g) * 0.3).bfloat16()
     idx = torch.randint(0, num_slots, (128, TOPK), device=DEV, generator=g, dtype=torch.int32)
     idx[3, ::5] = -1
-    got = sparse_mla.sparse_mla(q, cache, idx, 0.06, D_V, config=config, fp8_scales=scales)
+    got = sparse_mla.sparse_mla(q, cache, idx, 0.06, D_V, config=config)
     bf16 = sparse_mla.sparse_mla(q, ref.load_mla(cache, torch.arange(num_slots, device=DEV), D_V).bfloat16(), idx,
                                  0.06, D_V)
     assert _rel(got, bf16) < 1e-2
