@@ -95,14 +95,15 @@ def decode_tile_candidates(m: int, n: int, k: int, num_sms: int):
     """Tile configs tried for small M by --sweep (the default pick first)."""
     from minidsa.kernels import fp8_gemm
     seen = [fp8_gemm.pick_tiles(m, n, k, num_sms)]
-    block_m = max(16, 1 << (m - 1).bit_length()) if m > 1 else 16
     num_kb = -(-k // 128)
-    for block_n in (32, 64, 128):
+    for block_m, block_n in ((16, 64), (16, 128), (32, 64), (32, 128), (64, 64)):
+        if block_m < m // 2 or block_m > max(16, 1 << (m - 1).bit_length()):
+            continue
         n_tiles = -(-n // block_n)
-        for split in sorted({1, 2, 4, 8, max(1, -(-2 * num_sms // n_tiles)), max(1, -(-4 * num_sms // n_tiles))}):
+        for split in sorted({1, 2, 4, max(1, -(-2 * num_sms // n_tiles))}):
             if split > num_kb:
                 continue
-            for warps, stages in ((4, 3), (4, 5), (8, 4), (2, 4)):
+            for warps, stages in ((4, 3), (8, 4)):
                 t = fp8_gemm.GemmTiles(block_m, block_n, split, True, warps, stages)
                 if t not in seen:
                     seen.append(t)

@@ -89,7 +89,7 @@ graph_tests() {   # $1: pytest -k expression over tests/gpu/test_graphs_gpu.py
 }
 
 section_graphs() {   # issue 6: graph replay / compile == eager in every mode, spec lossless with graphs (tiny)
-    graph_tests "not bench_preset"
+    graph_tests "${GRAPHS_K:-not bench_preset}"   # GRAPHS_K: a narrower -k expression (e.g. spec_lossless)
 }
 
 section_graphs_bench() {   # issue 6: graphs + compile == eager token for token on the bench preset (fp32)
@@ -146,6 +146,10 @@ section_fp8_gemm() {   # issue 15: FP8 w8a8 GEMMs vs reference at real shapes, F
     local rc=$?
     timeout "$TIMEOUT" $PY benchmarks/bench_fp8_gemm.py --out "$OUT" ${BENCH_FP8_ARGS:-} || rc=1
     return $rc
+}
+
+section_bench_fp8_gemm() {   # issue 15: the FP8 GEMM benchmark alone (BENCH_FP8_ARGS), no tests
+    timeout "$TIMEOUT" $PY benchmarks/bench_fp8_gemm.py --out "$OUT" ${BENCH_FP8_ARGS:-}
 }
 
 SECTIONS=${*:-$ALL_SECTIONS}

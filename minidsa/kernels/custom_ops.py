@@ -179,10 +179,11 @@ def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv=None
 def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, use_deep_gemm: bool) -> Tensor:
     """x [M, K] @ e4m3 weight [N, K]^T with 128x128 block scales, w8a8 (layers.linear). Tiles chosen by M inside.
 
-    With `use_deep_gemm` (decided at model build: `choice.choose_fp8_gemm`), DeepGEMM's fp8_gemm_nt; a call
-    it cannot serve (or a failure, which switches it off for the process) runs the Triton kernel.
+    With `use_deep_gemm` (decided at model build: `choice.choose_fp8_gemm`), DeepGEMM's fp8_gemm_nt where it
+    is measured faster (`deepgemm.fp8_gemm_wins`); a call it cannot serve (or a failure, which switches it off
+    for the process) runs the Triton kernel.
     """
-    if use_deep_gemm and x.shape[0] >= deepgemm.FP8_GEMM_MIN_ROWS:
+    if use_deep_gemm and deepgemm.fp8_gemm_wins(x.shape[0], weight.shape[0], weight.shape[1]):
         out = deepgemm.fp8_gemm_nt(x, weight, scale_inv)
         if out is not None:
             return out

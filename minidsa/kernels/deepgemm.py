@@ -272,10 +272,19 @@ def extend_index_logits(
 # `fp8_gemm_nt((a e4m3 [M, K], a_scale fp32 [M, K/128]), (b e4m3 [N, K], b_scale fp32 [N/128, K/128]), d [M, N] bf16)`:
 # d = a @ b^T with DeepSeek's 1x128 activation / 128x128 weight scales; the scale layout DeepGEMM wants is made
 # inside it. Used only where `fp8_gemm_status` said yes at model build.
-# Rows from which fp8_gemm_nt beats the Triton w8a8 GEMM (benchmarks/bench_fp8_gemm.py on an H100, commit
-# 19c07cc): slower at every decode size measured (M <= 256: e.g. 167 vs 128 us for V3.2's fused q_a|wk|kv_a
-# at M = 1), faster from M = 2048 on (185 vs 229 us there; 1542 vs 2682 us for GLM-5's o_proj at M = 8192).
-FP8_GEMM_MIN_ROWS = 1024
+# Where fp8_gemm_nt beats the Triton w8a8 GEMM, timed as a decode step pays it (CUDA-graph replays over
+# weight copies larger than L2; benchmarks/bench_fp8_gemm.py on an H100, commit 4b8cc62, fp8_gemm_h100.md):
+# - from 17 rows on, DeepGEMM is faster on every V3.2 / GLM-5 projection at M = 32, 2048 and 8192 (e.g. V3.2's
+#   dense gate|up at 32 rows: 101 vs 201 us; at 8192: 3313 vs 6420 us), and on most at 128;
+# - up to 16 rows it is faster only on the large weights (gate|up, down, o_proj: 98 vs 113 us, 54 vs 73,
+#   49 vs 58 at M = 1), slower on the small ones (fused q_a|wk|kv_a 17.1 vs 15.4 us, q_b 22.4 vs 21.9).
+FP8_GEMM_DEEPGEMM_MIN_ROWS = 17
+FP8_GEMM_DEEPGEMM_MIN_WEIGHT = 96 << 20  # N x K (bytes of the e4m3 weight)
+
+
+def fp8_gemm_wins(m: int, n: int, k: int) -> bool:
+    """Is fp8_gemm_nt measured faster than the Triton GEMM for x [m, k] @ w [n, k]^T? (Concrete ints.)"""
+    return m >= FP8_GEMM_DEEPGEMM_MIN_ROWS or n * k >= FP8_GEMM_DEEPGEMM_MIN_WEIGHT
 _gemm_module: ModuleType | None = None
 _gemm_disabled: str | None = None  # set when fp8_gemm_nt failed: Triton serves FP8 linears from then on
 

@@ -124,15 +124,23 @@ def _sm_count(device: torch.device) -> int:
 
 
 def pick_tiles(m: int, n: int, k: int, num_sms: int) -> GemmTiles:
-    """Tile config by M (see the module docstring). Starting points; benchmarks/bench_fp8_gemm.py measures."""
+    """Tile config by M (see the module docstring), from benchmarks/bench_fp8_gemm.py --sweep on an H100.
+
+    Decode sizes (commit 4b8cc62, best of ~70 configs per V3.2 / GLM-5 projection at M = 1 and 8): a short K
+    (<= 16 blocks: q_b, indexer wq_b, shared down) is fastest unsplit in 64-wide tiles with 8 warps; an N of at
+    least one 128-wide tile per SM (dense gate|up, V3.2's q_b) unsplit in 64-wide tiles; the rest (fused
+    q_a|wk|kv_a, o_proj, down, shared gate|up) in 128-wide tiles split along K to about two programs per SM.
+    """
     num_kb = -(-k // FP8_BLOCK)
     if m <= 64:
         block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-        block_n = 64
-        n_tiles = -(-n // block_n)
-        # Aim at two programs per SM; each K range keeps at least 4 steps to pipeline.
+        if num_kb <= 16:
+            return GemmTiles(block_m, 64, 1, True, 8, 4)
+        n_tiles = -(-n // 128)
+        if n_tiles >= num_sms:
+            return GemmTiles(block_m, 64, 1, True, 4, 3)
         split = max(1, min(-(-2 * num_sms // n_tiles), num_kb // 4))
-        return GemmTiles(block_m, block_n, split, True, 4, 4)
+        return GemmTiles(block_m, 128, split, True, 4, 3)
     block_m = 64 if m <= 128 else 128
     tiles = -(-m // block_m) * -(-n // 128)
     # Mid-size M (verify, big decode batches) on a narrow N still leaves SMs idle without split-K.

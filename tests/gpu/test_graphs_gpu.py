@@ -72,15 +72,42 @@ def test_spec_lossless_with_graphs_tiny_bf16_fp8():
 
 
 def test_bench_preset_graphs_and_compile_equal_eager():
-    """Bench shapes in fp32 with the full-precision indexer: token for token.
+    """Bench shapes (FP8 weights, fp32 activations, full-precision indexer): graphs + compile follow eager.
 
-    (In bf16 with random weights greedy paths diverge after a few tokens between any two
-    numerically different but correct paths — padding, compile fusion — see benchmarks/RESULTS.md.)
+    The preset's weights are FP8, so activations are quantised to e4m3 before each linear: a difference in
+    the last fp32 bit (compile fuses and reorders) can move a value across an e4m3 rounding boundary, and
+    random weights put many next tokens within such a margin. So the exact claim is: the paths agree on every
+    token until a step where eager's two likeliest tokens were a near-tie, and the logprobs on the shared
+    prefix agree closely. (In bf16, greedy paths diverge the same way, see benchmarks/RESULTS.md.)
     """
     prompts = _prompts(4, 300)
     exact = dict(dtype="float32", indexer_cache_dtype="model", max_total_tokens=16384, max_model_len=2048)
-    eager, _ = _run("bench-dsv32", prompts, enable_cuda_graph=False, enable_compile=False, **exact)
-    fast, replays = _run("bench-dsv32", prompts, enable_cuda_graph=True, enable_compile=True, **exact)
-    same = sum(a == b for a, b in zip(eager, fast))
+    params = dict(logprobs=True, top_logprobs=2)
+    eager, _, eager_out = _run_outputs("bench-dsv32", prompts, params, enable_cuda_graph=False,
+                                       enable_compile=False, **exact)
+    fast, replays, fast_out = _run_outputs("bench-dsv32", prompts, params, enable_cuda_graph=True,
+                                           enable_compile=True, **exact)
     assert replays["decode"] > 0
-    assert same == len(prompts), f"{same}/{len(prompts)} prompts token-identical; eager {eager}\nfast {fast}"
+    for e, f in zip(eager_out, fast_out):
+        shared = next((i for i, (a, b) in enumerate(zip(e.token_ids, f.token_ids)) if a != b), len(e.token_ids))
+        assert shared >= 2, f"diverged at token {shared}: eager {e.token_ids}, fast {f.token_ids}"
+        gaps = torch.tensor(e.logprobs[:shared]) - torch.tensor(f.logprobs[:shared])
+        assert gaps.abs().max() < 0.05, gaps
+        if shared < len(e.token_ids):
+            top2 = list(e.top_logprobs[shared].values())
+            assert top2[0] - top2[1] < 0.1, f"diverged at token {shared} without a near-tie: {e.top_logprobs[shared]}"
+
+
+def _run_outputs(model, prompts, extra, **kw):
+    """_run, keeping the RequestOutputs (logprobs) too."""
+    from minidsa import LLM, SamplingParams
+
+    llm = LLM(model=model, progress=False, max_running_requests=8, cuda_graph_max_bs=8, **kw)
+    outs = llm.generate(prompts, SamplingParams(**PARAMS, **extra))
+    graphs = llm.engine.runner.graphs
+    replays = dict(graphs.replays) if graphs is not None else {}
+    llm.engine.check_no_leaks()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return [o.token_ids for o in outs], replays, outs
