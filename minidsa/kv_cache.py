@@ -215,13 +215,11 @@ def row_slots(req_to_token: torch.Tensor, rows: list[int], starts: list[int], le
     return torch.cat(parts).long()
 
 
-class ReqToTokenPool:
-    """Rows of row-position -> slot, one per running request."""
+class RowAllocator:
+    """Which req_to_token rows are free: host bookkeeping of the control plane (the table is the worker's)."""
 
-    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device | str):
+    def __init__(self, max_reqs: int):
         self.max_reqs = max_reqs
-        self.max_context_len = max_context_len
-        self.req_to_token = torch.zeros(max_reqs, max_context_len, dtype=torch.int32, device=device)
         self._free = list(range(max_reqs - 1, -1, -1))
 
     @property
@@ -234,8 +232,41 @@ class ReqToTokenPool:
         return self._free.pop()
 
     def free(self, row: int) -> None:
-        self.req_to_token[row].zero_()
+        if row in self._free:
+            raise RuntimeError(f"req_to_token row {row} freed twice")
         self._free.append(row)
+
+    def check_all_free(self) -> None:
+        if len(self._free) != self.max_reqs:
+            raise AssertionError(f"req_to_token leak: {self.max_reqs - len(self._free)} rows still allocated")
+
+
+class ReqToTokenPool:
+    """The req->token table (row position -> slot, one row per running request) and its row allocator.
+
+    Rows are handed out by the scheduler (`rows`); the table is written only by the worker, from the
+    step plan's page writes (`write_pages`). A freed row keeps stale slots: a new owner maps every
+    position it reads before reading it.
+    """
+
+    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device | str):
+        self.max_reqs = max_reqs
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros(max_reqs, max_context_len, dtype=torch.int32, device=device)
+        self.rows = RowAllocator(max_reqs)
+
+    @property
+    def num_free(self) -> int:
+        return self.rows.num_free
+
+    def alloc(self) -> int:
+        return self.rows.alloc()
+
+    def free(self, row: int) -> None:
+        self.rows.free(row)
+
+    def check_all_free(self) -> None:
+        self.rows.check_all_free()
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         end = start + slots.numel()
@@ -243,11 +274,12 @@ class ReqToTokenPool:
             raise ValueError(f"row position {end} exceeds the table width {self.max_context_len}")
         self.req_to_token[row, start:end] = slots.to(self.req_to_token.device, torch.int32)
 
-    def check_all_free(self) -> None:
-        if len(self._free) != self.max_reqs:
-            raise AssertionError(f"req_to_token leak: {self.max_reqs - len(self._free)} rows still allocated")
-
-
+    def write_pages(self, row: int, first_page: int, pages: list[int] | tuple[int, ...], page_size: int) -> None:
+        """Map row positions [first_page * page_size, ...) onto `pages` (clipped to the table width)."""
+        start = first_page * page_size
+        end = min(start + len(pages) * page_size, self.max_context_len)
+        if end > start:
+            self.write(row, start, slots_of(list(pages), 0, end - start, page_size))
 
 
 @dataclass(frozen=True)

@@ -185,8 +185,10 @@ class Request(Struct):
     emitted: int = 0
     prefix_offset: int = 0
     read_offset: int = 0
-    # Private state of the speculator (draft hidden states, ...); reset when the request is preempted.
-    spec_state: Any = None
+    # Overlapped scheduling: tokens of this request planned into steps whose results have not been
+    # processed yet (0 or 1), and how many prompt positions have been planned for prompt-logprob scoring.
+    num_pending: int = 0
+    prompt_scored: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -200,6 +202,11 @@ class Request(Struct):
     @property
     def finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    @property
+    def all_tokens_planned(self) -> bool:
+        """Every token max_tokens allows is generated or in flight: nothing more to plan."""
+        return len(self.output_ids) + self.num_pending >= self.params.max_tokens
 
     @property
     def last_token(self) -> int:

@@ -14,6 +14,36 @@ from minidsa.config import ModelConfig
 from minidsa.kv_cache import IndexerLayout, KVCache, MLALayout, PageAllocator, ReqToTokenPool, pages_needed, slots_of
 
 
+class TopkRecorder:
+    """Records the row positions each full layer's indexer selects, by wrapping a DSABackend's `index_topk`
+    (a test-side collaborator: the backend itself has no recording hook). `records` is a list of
+    (layer id, positions [T, index_topk] int32, -1 padded) while `active`; positions are recovered from the
+    selected slots through the batch's req_to_token rows."""
+
+    def __init__(self, attn: DSABackend):
+        self.records: list[tuple[int, torch.Tensor]] | None = None
+        inner = attn.index_topk
+
+        def index_topk(layer, batch, q, weights, step_meta=None):
+            slots = inner(layer, batch, q, weights, step_meta)
+            if self.records is not None:
+                self.records.append((layer.layer_id, slots_to_positions(attn.req_to_token, batch.token_rows, slots)))
+            return slots
+
+        attn.index_topk = index_topk
+
+    def start(self) -> None:
+        self.records = []
+
+
+def slots_to_positions(req_to_token: torch.Tensor, token_rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Row position of each selected slot (-1 stays -1): the first position of the token's row mapping to it."""
+    table = req_to_token[token_rows].long()  # [T, W]
+    hit = table.unsqueeze(1) == slots.long().unsqueeze(2)  # [T, k, W]
+    pos = hit.int().argmax(dim=2)
+    return torch.where(slots >= 0, pos, -1).to(torch.int32)
+
+
 class PagedDriver:
     def __init__(self, model, config: ModelConfig, page_size: int = 1, num_pages: int = 0,
                  max_reqs: int = 8, max_len: int = 256, indexer_fp8: bool = False, dtype=torch.float32,
@@ -27,6 +57,7 @@ class PagedDriver:
         index = IndexerLayout(config.index_head_dim, dtype, indexer_fp8, page_size)
         self.kv = KVCache(config.num_layers_with_mtp, num_pages, mla, index, "cpu", layers)
         self.attn = DSABackend(self.kv, self.pool.req_to_token, config.index_topk, kernels)
+        self.topk = TopkRecorder(self.attn)  # call self.topk.start() to record
         self.reqs: list[dict] = []
         self.last_topk: dict[int, torch.Tensor] = {}  # layer -> positions of the last step, when recording
 
@@ -42,11 +73,11 @@ class PagedDriver:
                          for i, p, n in zip(idx, prefix, extend)])
         batch = ForwardBatch.build(mode, ids, [self.reqs[i]["row"] for i in idx], prefix, extend, loc, "cpu",
                                    logits=logits)
-        if self.attn.topk_recorder is not None:
-            self.attn.topk_recorder = []
+        if self.topk.records is not None:
+            self.topk.records = []
         with torch.no_grad():
             out = self.model(batch, self.attn)
-        self.last_topk = dict(self.attn.topk_recorder or [])
+        self.last_topk = dict(self.topk.records or [])
         return out, batch
 
     def prefill(self, idx: list[int], chunk: int = 0, logits: str = "last"):
@@ -87,3 +118,16 @@ class PagedDriver:
         self.reqs = []
         self.alloc.check_all_free()
         self.pool.check_all_free()
+
+
+def count_replays(graphs) -> dict[str, int]:
+    """Replays per step kind from now on (wraps StepGraphs.replay on this instance)."""
+    counts = {name: 0 for name in graphs.kinds}
+    replay = graphs.replay
+
+    def counted(kind_name, *args, **kwargs):
+        counts[kind_name] += 1
+        return replay(kind_name, *args, **kwargs)
+
+    graphs.replay = counted
+    return counts

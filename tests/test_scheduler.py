@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minidsa.batch import ForwardMode
+from minidsa.step_plan import StepMode as ForwardMode
 from minidsa.kv_cache import PageAllocator, ReqToTokenPool
 from minidsa.request import Request, RequestStatus, SamplingParams
 from minidsa.scheduler import Scheduler
@@ -32,15 +32,18 @@ def check_rows(s: Scheduler) -> None:
 
 
 def run_step(s: Scheduler) -> tuple:
-    """Plan a step and play the engine's part: cache the tokens, append one to requests that completed."""
+    """Plan a step and play the engine's and the worker's part: write the page table, cache the tokens,
+    append one to requests that completed."""
     sched = s.schedule()
     if sched is None:
         return None
+    for w in s.take_table_writes():
+        s.req_pool.write_pages(w.row, w.first_page, w.pages, s.page_size)
     check_rows(s)
     s.check_consistent()
-    for r, n in zip(sched.reqs, sched.extend_lens):
+    for b, (r, n) in enumerate(zip(sched.reqs, sched.extend_lens)):
         assert r.status == RequestStatus.RUNNING and r.row >= 0
-        if sched.mode == ForwardMode.EXTEND:
+        if b >= sched.num_decode:
             assert len(r.pages) * s.page_size >= r.seq_len + n
             r.seq_len += n
         else:

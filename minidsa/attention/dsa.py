@@ -45,8 +45,6 @@ class DSABackend:
         self.req_to_token = req_to_token
         self.topk_width = index_topk
         self.kernels = kernels or KernelChoice()
-        # Tests and the notebook set this to a list to see which positions each layer selected.
-        self.topk_recorder: list[tuple[int, torch.Tensor]] | None = None
         # The fp8 indexer's query rotation, built once on the cache's device (an input to compiled steps).
         self.hadamard = (ref.hadamard_matrix(kv_cache.index_head_dim, str(kv_cache.device))
                          if kv_cache.indexer_fp8 else None)
@@ -109,11 +107,9 @@ class DSABackend:
             logits = ref.index_logits(q, weights, buf, self.page_size, self.req_to_token, rows,
                                       batch.kv_lens, batch.max_kv_len, batch.tree_mask)
         if self._ops is not None and self.kernels.topk != "torch":
-            slots, positions = self._ops.topk(logits, self.topk_width, self.req_to_token, rows)
+            slots, _ = self._ops.topk(logits, self.topk_width, self.req_to_token, rows)
         else:
-            slots, positions = ref.topk_slots(logits, self.topk_width, self.req_to_token, rows)
-        if self.topk_recorder is not None:
-            self.topk_recorder.append((layer.layer_id, positions))
+            slots, _ = ref.topk_slots(logits, self.topk_width, self.req_to_token, rows)
         return slots
 
     # -- attention ----------------------------------------------------------

@@ -15,6 +15,19 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 PARAMS = dict(max_tokens=16, ignore_eos=True, detokenize=False)
 
 
+def count_replays(graphs) -> dict[str, int]:
+    """Replays per step kind from now on (wraps StepGraphs.replay on this instance)."""
+    counts = {name: 0 for name in graphs.kinds}
+    replay = graphs.replay
+
+    def counted(kind_name, *args, **kwargs):
+        counts[kind_name] += 1
+        return replay(kind_name, *args, **kwargs)
+
+    graphs.replay = counted
+    return counts
+
+
 def _run(model, prompts, **kw):
     from torch._dynamo.utils import counters
 
@@ -22,9 +35,10 @@ def _run(model, prompts, **kw):
 
     compiled_before = counters["stats"]["unique_graphs"]
     llm = LLM(model=model, progress=False, max_running_requests=8, cuda_graph_max_bs=8, **kw)
-    outs = [o.token_ids for o in llm.generate(prompts, SamplingParams(**PARAMS))]
     graphs = llm.engine.runner.graphs
-    replays = dict(graphs.replays) if graphs is not None else {}
+    counted = count_replays(graphs) if graphs is not None else {}
+    outs = [o.token_ids for o in llm.generate(prompts, SamplingParams(**PARAMS))]
+    replays = dict(counted)
     # Graphs torch.compile produced for this engine, and how many step kinds it captured (a speculative
     # engine also captures plain decode, its fallback).
     replays["compiled_graphs"] = counters["stats"]["unique_graphs"] - compiled_before
