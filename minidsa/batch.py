@@ -27,9 +27,6 @@ class ForwardMode(enum.IntEnum):
     TARGET_VERIFY = 2  # the target model scores all draft tokens at once
     DRAFT_EXTEND = 3  # the draft model catches up on accepted tokens
 
-    def is_decode_like(self) -> bool:
-        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
-
 
 def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """Copy a host tensor to `device` without making the host wait for the device's queued work

@@ -99,9 +99,6 @@ class PageAllocator:
     def is_cached(self, page: int) -> bool:
         return bool(self._cached[page])
 
-    def can_alloc(self, n: int) -> bool:
-        return n <= self.num_available_pages
-
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free) and self.cache is not None and self.num_evictable_pages:
             self.cache.evict(n - len(self._free))
@@ -424,17 +421,3 @@ class KVCache:
     def persistent_tensors(self) -> list[torch.Tensor]:
         """Every tensor the forward reads from this cache: the buffers and their per-layer views."""
         return [self.mla_buffer, *self.mla, self.index_buffer, *(k for k in self.index_k if k is not None)]
-
-    def index_k_fp8_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys [num_pages, page_size, D] float8_e4m3fn, scales [num_pages, page_size] fp32) views of one layer."""
-        buf = self.index_k[layer]
-        assert buf is not None
-        return self.index_layout.fp8_views(buf)
-
-    def write_mla(self, layer: int, loc: torch.Tensor, kv: torch.Tensor) -> None:
-        """Reference write of MLA rows (quantised for the fp8 layout)."""
-        self.mla_layout.store(self.mla[layer], loc, kv)
-
-    def read_mla(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """fp32 MLA rows at `slots` (dequantised for the fp8 layout)."""
-        return self.mla_layout.load(self.mla[layer], slots)

@@ -18,10 +18,7 @@ try:
     import msgspec
 
     Struct = msgspec.Struct
-    HAVE_MSGSPEC = True
 except ImportError:  # pragma: no cover - exercised only on machines without msgspec
-    HAVE_MSGSPEC = False
-
     class Struct:  # type: ignore[no-redef]
         """Dataclass stand-in for msgspec.Struct: `x: list = []` gives each instance its own list."""
 
@@ -32,13 +29,6 @@ except ImportError:  # pragma: no cover - exercised only on machines without msg
                 if isinstance(value, (list, dict, set)):
                     setattr(cls, name, dataclasses.field(default_factory=lambda v=value: copy.copy(v)))
             dataclasses.dataclass(cls)
-
-
-def struct_to_dict(obj: Any) -> dict[str, Any]:
-    """A Struct's fields as a plain dict (works with and without msgspec)."""
-    if HAVE_MSGSPEC and isinstance(obj, msgspec.Struct):
-        return {f: getattr(obj, f) for f in obj.__struct_fields__}
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
 MAX_TOP_LOGPROBS = 20  # most alternatives per position (OpenAI's limit)
@@ -198,10 +188,6 @@ class Request(Struct):
     @property
     def in_prefill(self) -> bool:
         return self.seq_len < self.prefill_len
-
-    @property
-    def finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED
 
     @property
     def all_tokens_planned(self) -> bool:

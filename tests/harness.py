@@ -12,36 +12,7 @@ from minidsa.attention.dsa import DSABackend
 from minidsa.batch import ForwardBatch, ForwardMode
 from minidsa.config import ModelConfig
 from minidsa.kv_cache import IndexerLayout, KVCache, MLALayout, PageAllocator, ReqToTokenPool, pages_needed, slots_of
-
-
-class TopkRecorder:
-    """Records the row positions each full layer's indexer selects, by wrapping a DSABackend's `index_topk`
-    (a test-side collaborator: the backend itself has no recording hook). `records` is a list of
-    (layer id, positions [T, index_topk] int32, -1 padded) while `active`; positions are recovered from the
-    selected slots through the batch's req_to_token rows."""
-
-    def __init__(self, attn: DSABackend):
-        self.records: list[tuple[int, torch.Tensor]] | None = None
-        inner = attn.index_topk
-
-        def index_topk(layer, batch, q, weights, step_meta=None):
-            slots = inner(layer, batch, q, weights, step_meta)
-            if self.records is not None:
-                self.records.append((layer.layer_id, slots_to_positions(attn.req_to_token, batch.token_rows, slots)))
-            return slots
-
-        attn.index_topk = index_topk
-
-    def start(self) -> None:
-        self.records = []
-
-
-def slots_to_positions(req_to_token: torch.Tensor, token_rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Row position of each selected slot (-1 stays -1): the first position of the token's row mapping to it."""
-    table = req_to_token[token_rows].long()  # [T, W]
-    hit = table.unsqueeze(1) == slots.long().unsqueeze(2)  # [T, k, W]
-    pos = hit.int().argmax(dim=2)
-    return torch.where(slots >= 0, pos, -1).to(torch.int32)
+from minidsa.topk_recording import TopkRecorder
 
 
 class PagedDriver:

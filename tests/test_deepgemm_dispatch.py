@@ -27,7 +27,8 @@ from triton_interp import import_kernels_interpreted  # noqa: E402
 INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
 
-from harness import count_replays, slots_to_positions  # noqa: E402
+from harness import count_replays  # noqa: E402
+from minidsa.topk_recording import slots_to_positions  # noqa: E402
 from minidsa.attention.dsa import DSABackend  # noqa: E402
 from minidsa.kernels import choice as kernel_choice  # noqa: E402
 from minidsa.kernels.choice import KernelChoice, choose_kernels  # noqa: E402

@@ -169,3 +169,21 @@ def test_decode_reserve_for_multi_token_steps(page_size):
     for i in range(4):
         s.add(req(i, 9, max_tokens=10))
     drain(s)
+
+
+def test_mixed_steps_run_every_decoder_beside_prefill_chunks_under_the_budget():
+    s = make(chunked_prefill_size=16, max_prefill_tokens=24, mixed=True)
+    a = req(0, 10, max_tokens=20)
+    s.add(a)
+    assert run_step(s).mode == ForwardMode.EXTEND  # nothing decodes yet: a plain prefill
+    b = req(1, 50)
+    s.add(b)
+    chunks = []
+    while b.seq_len < 50:
+        sched = run_step(s)
+        assert sched.mode == ForwardMode.MIXED and sched.num_decode == 1 and sched.reqs[0] is a  # decode rows first
+        assert sum(sched.extend_lens) <= 24  # one token budget for decode rows and chunks
+        chunks.append(sched.extend_lens[1])
+    assert chunks == [16, 16, 16, 2]
+    assert run_step(s).mode == ForwardMode.DECODE  # both decode: a pure decode step (CUDA graphs)
+    drain(s)

@@ -117,15 +117,6 @@ class SpecStats:
     accepted_tokens: int = 0  # draft tokens accepted
     per_request: dict[str, list[int]] = field(default_factory=dict)  # request id -> accepted length per round
 
-    @property
-    def mean_accept_length(self) -> float:
-        """Tokens emitted per verify (accepted drafts + the bonus token)."""
-        return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
 
 class MTPSpeculator:
     def __init__(self, runner, options: SpecOptions, sampler: Sampler):
