@@ -187,3 +187,26 @@ def test_penalised_requests_run_without_overlap_and_match(tiny_llm, long_prompts
         engine = cpu_engine(overlap_schedule=overlap)
         finals, _ = run_all(engine, long_prompts[:2], params)
         assert [o.token_ids for o in finals] == want
+
+
+def test_a_second_worker_fed_the_same_plans_produces_the_same_results(long_prompts):
+    """The tensor-parallel contract: plans are all a worker needs. Another engine's worker, fed only the
+    (pickled) plans of the first, returns the same tokens and logprobs, greedy, seeded and unseeded alike."""
+    first = cpu_engine(chunked_prefill_size=32, max_prefill_tokens=48)
+    steps = []
+    launch = first.worker.launch
+
+    def recording(plan):
+        pending = launch(plan)
+        steps.append((pickle.dumps(plan), pending))
+        return pending
+
+    first.worker.launch = recording
+    params = [SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=2),
+              SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.9, seed=3),
+              SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.9, prompt_logprobs=1)]
+    run_all(first, long_prompts[:3], params)
+    second = cpu_engine(chunked_prefill_size=32, max_prefill_tokens=48)
+    assert any(pickle.loads(p).mode == StepMode.MIXED for p, _ in steps)
+    for blob, pending in steps:
+        assert second.worker.execute(pickle.loads(blob)) == pending.result()

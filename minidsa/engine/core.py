@@ -143,6 +143,7 @@ class Engine:
         # With MTP speculation a page's last MTP slot depends on the token after the page: it is part of the key.
         self.prefix_cache = PrefixCache(runner.allocator, lookahead=1 if cfg.speculative_num_steps else 0) \
             if cfg.enable_prefix_caching else None
+        self.sampler = Sampler(self.vocab_size, runner.device, cfg.seed)
         speculator = self._build_speculator(runner)
         # The speculator verifies pure decode batches: with it, prefill and decode steps alternate.
         self.mixed_steps = cfg.enable_mixed_chunk and speculator is None
@@ -183,7 +184,6 @@ class Engine:
 
     def _build_speculator(self, runner: ModelRunner) -> Any:
         cfg = self.config
-        self.sampler = Sampler(self.vocab_size, runner.device, cfg.seed)
         if cfg.speculative_num_steps == 0 and cfg.speculative_num_draft_tokens == 0 and cfg.speculative_topk == 1:
             return None
         from minidsa.speculative.mtp import MTPSpeculator, resolve_spec_options
