@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minidsa.batch import host_to_device
 from minidsa.kernels import reference as ref
 
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -269,7 +270,8 @@ class ReqToTokenPool:
         end = start + slots.numel()
         if end > self.max_context_len:
             raise ValueError(f"row position {end} exceeds the table width {self.max_context_len}")
-        self.req_to_token[row, start:end] = slots.to(self.req_to_token.device, torch.int32)
+        # non-blocking from pinned memory: a page-table write inside a decode step must not wait for the device
+        self.req_to_token[row, start:end] = host_to_device(slots.to(torch.int32), self.req_to_token.device)
 
     def write_pages(self, row: int, first_page: int, pages: list[int] | tuple[int, ...], page_size: int) -> None:
         """Map row positions [first_page * page_size, ...) onto `pages` (clipped to the table width)."""
