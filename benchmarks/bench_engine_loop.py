@@ -8,7 +8,8 @@ Part 1, per setting (overlap on / off), one engine, same process:
 Part 2: `minidsa bench` (the default workload, offline) in a fresh process per setting: ITL p50 / p99,
   output tok/s, TTFT.
 
-    python benchmarks/bench_engine_loop.py --out /tmp/out [--model bench-dsv32] [--skip-bench]
+    python benchmarks/bench_engine_loop.py --out /tmp/out [--model bench-dsv32] [--skip-bench] [--bench-args ...]
+    (--allow-cpu: a smoke run of the script on the tiny model without a GPU; its figures mean nothing)
 
 Writes engine_loop.json and engine_loop.md under --out and prints the table.
 """
@@ -31,20 +32,28 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(1000, vocab - 1, (n, length), generator=g).tolist()
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _generate_s(llm, prompts, max_tokens: int) -> float:
     from minidsa import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
-    torch.cuda.synchronize()
+    _sync()
     assert all(len(o.token_ids) == max_tokens for o in outs)
     return time.perf_counter() - start
 
 
 def _replay_ms(graphs, bs: int, context: int, iters: int = 50) -> float:
-    """Median replay time of the decode graph the last generate used (its static buffers hold that batch)."""
+    """Median replay time of the decode graph the last generate used (its static buffers hold that batch);
+    nan without graphs (CPU smoke runs)."""
+    if graphs is None:
+        return float("nan")
     bucket = graphs.bucket_for("decode", bs)
     st = graphs.static[("decode", bucket, graphs.ctx_bucket_for(context + 1))]
     times = []
@@ -80,7 +89,8 @@ def measure_itl(model: str, overlap: bool, batches: list[int], context: int, dec
               f"ratio {itl_ms / replay_ms:.3f}", flush=True)
     del llm
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -126,13 +136,15 @@ def main(argv=None) -> int:
     p.add_argument("--cuda-graph-max-bs", type=int, default=32, help="largest captured batch (start-up time)")
     p.add_argument("--skip-bench", action="store_true", help="only the ITL comparison")
     p.add_argument("--bench-args", default="", help="extra `minidsa bench` arguments, e.g. '--num-requests 128'")
+    p.add_argument("--allow-cpu", action="store_true", help="run without a GPU (a smoke run of this script)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU")
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        print("needs a CUDA GPU (--allow-cpu for a smoke run)")
         return 1
     os.makedirs(args.out, exist_ok=True)
     batches = [int(b) for b in args.batches.split(",")]
-    result = {"model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    result = {"model": args.model, "device": device, "torch": torch.__version__,
               "itl": [], "bench": []}
     for overlap in (True, False):
         result["itl"] += measure_itl(args.model, overlap, batches, args.context, args.decode_tokens,
