@@ -15,6 +15,7 @@ Layout conventions (all tensors on the model's device):
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -25,10 +26,20 @@ class ForwardMode(enum.IntEnum):
     DECODE = 1  # one token per request (also the draft model's steps)
     TARGET_VERIFY = 2  # the target model scores all draft tokens at once
     DRAFT_EXTEND = 3  # the draft model catches up on accepted tokens
-    IDLE = 4
 
-    def is_decode_like(self) -> bool:
-        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+
+def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Copy a host tensor to `device` without making the host wait for the device's queued work
+    (a plain `.to("cuda")` of pageable memory synchronises the stream): pinned staging, non-blocking copy."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def ints_to_device(values: list[int], device: torch.device | str) -> torch.Tensor:
+    """int64 tensor of `values` on `device` (non-blocking)."""
+    return host_to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
 @dataclass
@@ -90,28 +101,41 @@ class ForwardBatch:
             pos += range(p, p + n)
             kv += range(p + 1, p + n + 1)
         num_tokens = len(token_req)
-        ids = torch.as_tensor(input_ids, dtype=torch.int64)
-        assert ids.numel() == num_tokens, (ids.numel(), num_tokens)
+        assert len(input_ids) == num_tokens, (len(input_ids), num_tokens)
         assert out_cache_loc.numel() == num_tokens, (out_cache_loc.numel(), num_tokens)
         if logits == "last":
-            ends = torch.tensor(extend_lens, dtype=torch.int64).cumsum(0) - 1
-            logits_idx = ends
+            logits_idx = list(itertools.accumulate(extend_lens))
+            logits_idx = [e - 1 for e in logits_idx]
         elif logits == "all":
-            logits_idx = torch.arange(num_tokens, dtype=torch.int64)
+            logits_idx = list(range(num_tokens))
         else:
-            logits_idx = torch.zeros(0, dtype=torch.int64)
+            logits_idx = []
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+        # Every host-built field in one pinned buffer, one non-blocking copy.
+        host: dict[str, list[int] | torch.Tensor] = {
+            "req_pool_indices": list(req_pool_indices), "seq_lens": seq_lens, "extend_lens": list(extend_lens),
+            "token_req": token_req, "logits_indices": logits_idx}
+        on_device: dict[str, torch.Tensor] = {}
+        for name, value in (("input_ids", input_ids), ("positions", pos if positions is None else positions),
+                            ("kv_lens", kv if kv_lens is None else kv_lens)):
+            if isinstance(value, torch.Tensor):
+                on_device[name] = value.to(device=device, dtype=torch.int64)
+            else:
+                host[name] = list(value)
+        sizes = [len(v) for v in host.values()]
+        flat = ints_to_device([x for v in host.values() for x in v], device).split(sizes)
+        fields = dict(zip(host, flat), **on_device)
         return cls(
             mode=mode,
-            input_ids=ids.to(device),
-            positions=torch.as_tensor(pos if positions is None else positions, dtype=torch.int64).to(device),
+            input_ids=fields["input_ids"],
+            positions=fields["positions"],
             out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
-            req_pool_indices=torch.tensor(req_pool_indices, dtype=torch.int64, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            extend_lens=torch.tensor(extend_lens, dtype=torch.int64, device=device),
-            token_req=torch.tensor(token_req, dtype=torch.int64, device=device),
-            kv_lens=torch.as_tensor(kv if kv_lens is None else kv_lens, dtype=torch.int64).to(device),
-            logits_indices=logits_idx.to(device),
+            req_pool_indices=fields["req_pool_indices"],
+            seq_lens=fields["seq_lens"],
+            extend_lens=fields["extend_lens"],
+            token_req=fields["token_req"],
+            kv_lens=fields["kv_lens"],
+            logits_indices=fields["logits_indices"],
             max_kv_len=max(seq_lens, default=0) if max_kv_len is None else max_kv_len,
             tree_mask=None if tree_mask is None else tree_mask.to(device),
         )

@@ -56,6 +56,11 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "enable_cuda_graph": "run decode eagerly instead of replaying CUDA graphs",
     "enable_compile": "capture CUDA graphs of the eager modules instead of torch.compile'd ones",
     "cuda_graph_max_bs": "largest batch captured as a CUDA graph",
+    "overlap_schedule": "plan and launch each step only after the previous step's tokens reached the host "
+                        "(default: the next step is planned while the device runs the current one; speculative "
+                        "rounds and penalised requests never overlap)",
+    "enable_mixed_chunk": "alternate prefill and decode steps instead of running prefill chunks in the decode "
+                          "steps' forward (mixed steps are off under speculative decoding)",
     "max_queued_requests": "waiting requests beyond this are refused (HTTP 503)",
     "tokenizer": "tokenizer directory or name; default: the checkpoint's, or the DeepSeek-V3 tokenizer for presets",
     "trust_remote_code": "allow a checkpoint's tokenizer to run its own code",

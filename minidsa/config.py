@@ -471,6 +471,10 @@ class EngineConfig:
     enable_cuda_graph: bool = True
     enable_compile: bool = True
     cuda_graph_max_bs: int = 64
+    # Plan and launch step N+1 before step N's tokens reach the host (off: one step at a time, for comparison).
+    overlap_schedule: bool = True
+    # Decode rows and prefill chunks in one forward (off: prefill and decode steps alternate).
+    enable_mixed_chunk: bool = True
     max_queued_requests: int = 4096
     tokenizer: str | None = None
     trust_remote_code: bool = False

@@ -68,7 +68,6 @@ class StepGraphs:
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
         self.capture = capture
         self.static: dict[tuple[str, int, int], _Static] = {}
-        self.replays: dict[str, int] = {k.name: 0 for k in kinds}  # per kind, for stats and tests
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         for kind in kinds:
             for ctx in reversed(self.ctx_buckets):  # largest first: later graphs reuse its pool memory
@@ -141,7 +140,6 @@ class StepGraphs:
         ctx = self.ctx_bucket_for(batch.max_kv_len)
         assert ctx is not None, f"context {batch.max_kv_len} exceeds the graphs' {self.max_kv_len}"
         st = self.static[(kind_name, bucket, ctx)]
-        self.replays[kind_name] += 1
         s, t = st.batch, batch.num_tokens
         # Refresh every per-step tensor: real rows, then padding rows at the dummy slot / row 0.
         for name in ("input_ids", "positions", "out_cache_loc", "kv_lens"):

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minidsa.batch import host_to_device
 from minidsa.kernels import reference as ref
 
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -98,9 +99,6 @@ class PageAllocator:
 
     def is_cached(self, page: int) -> bool:
         return bool(self._cached[page])
-
-    def can_alloc(self, n: int) -> bool:
-        return n <= self.num_available_pages
 
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free) and self.cache is not None and self.num_evictable_pages:
@@ -215,13 +213,11 @@ def row_slots(req_to_token: torch.Tensor, rows: list[int], starts: list[int], le
     return torch.cat(parts).long()
 
 
-class ReqToTokenPool:
-    """Rows of row-position -> slot, one per running request."""
+class RowAllocator:
+    """Which req_to_token rows are free: host bookkeeping of the control plane (the table is the worker's)."""
 
-    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device | str):
+    def __init__(self, max_reqs: int):
         self.max_reqs = max_reqs
-        self.max_context_len = max_context_len
-        self.req_to_token = torch.zeros(max_reqs, max_context_len, dtype=torch.int32, device=device)
         self._free = list(range(max_reqs - 1, -1, -1))
 
     @property
@@ -234,20 +230,55 @@ class ReqToTokenPool:
         return self._free.pop()
 
     def free(self, row: int) -> None:
-        self.req_to_token[row].zero_()
+        if row in self._free:
+            raise RuntimeError(f"req_to_token row {row} freed twice")
         self._free.append(row)
-
-    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        end = start + slots.numel()
-        if end > self.max_context_len:
-            raise ValueError(f"row position {end} exceeds the table width {self.max_context_len}")
-        self.req_to_token[row, start:end] = slots.to(self.req_to_token.device, torch.int32)
 
     def check_all_free(self) -> None:
         if len(self._free) != self.max_reqs:
             raise AssertionError(f"req_to_token leak: {self.max_reqs - len(self._free)} rows still allocated")
 
 
+class ReqToTokenPool:
+    """The req->token table (row position -> slot, one row per running request) and its row allocator.
+
+    Rows are handed out by the scheduler (`rows`); the table is written only by the worker, from the
+    step plan's page writes (`write_pages`). A freed row keeps stale slots: a new owner maps every
+    position it reads before reading it.
+    """
+
+    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device | str):
+        self.max_reqs = max_reqs
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros(max_reqs, max_context_len, dtype=torch.int32, device=device)
+        self.rows = RowAllocator(max_reqs)
+
+    @property
+    def num_free(self) -> int:
+        return self.rows.num_free
+
+    def alloc(self) -> int:
+        return self.rows.alloc()
+
+    def free(self, row: int) -> None:
+        self.rows.free(row)
+
+    def check_all_free(self) -> None:
+        self.rows.check_all_free()
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        end = start + slots.numel()
+        if end > self.max_context_len:
+            raise ValueError(f"row position {end} exceeds the table width {self.max_context_len}")
+        # non-blocking from pinned memory: a page-table write inside a decode step must not wait for the device
+        self.req_to_token[row, start:end] = host_to_device(slots.to(torch.int32), self.req_to_token.device)
+
+    def write_pages(self, row: int, first_page: int, pages: list[int] | tuple[int, ...], page_size: int) -> None:
+        """Map row positions [first_page * page_size, ...) onto `pages` (clipped to the table width)."""
+        start = first_page * page_size
+        end = min(start + len(pages) * page_size, self.max_context_len)
+        if end > start:
+            self.write(row, start, slots_of(list(pages), 0, end - start, page_size))
 
 
 @dataclass(frozen=True)
@@ -392,17 +423,3 @@ class KVCache:
     def persistent_tensors(self) -> list[torch.Tensor]:
         """Every tensor the forward reads from this cache: the buffers and their per-layer views."""
         return [self.mla_buffer, *self.mla, self.index_buffer, *(k for k in self.index_k if k is not None)]
-
-    def index_k_fp8_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys [num_pages, page_size, D] float8_e4m3fn, scales [num_pages, page_size] fp32) views of one layer."""
-        buf = self.index_k[layer]
-        assert buf is not None
-        return self.index_layout.fp8_views(buf)
-
-    def write_mla(self, layer: int, loc: torch.Tensor, kv: torch.Tensor) -> None:
-        """Reference write of MLA rows (quantised for the fp8 layout)."""
-        self.mla_layout.store(self.mla[layer], loc, kv)
-
-    def read_mla(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """fp32 MLA rows at `slots` (dequantised for the fp8 layout)."""
-        return self.mla_layout.load(self.mla[layer], slots)

@@ -18,10 +18,7 @@ try:
     import msgspec
 
     Struct = msgspec.Struct
-    HAVE_MSGSPEC = True
 except ImportError:  # pragma: no cover - exercised only on machines without msgspec
-    HAVE_MSGSPEC = False
-
     class Struct:  # type: ignore[no-redef]
         """Dataclass stand-in for msgspec.Struct: `x: list = []` gives each instance its own list."""
 
@@ -32,13 +29,6 @@ except ImportError:  # pragma: no cover - exercised only on machines without msg
                 if isinstance(value, (list, dict, set)):
                     setattr(cls, name, dataclasses.field(default_factory=lambda v=value: copy.copy(v)))
             dataclasses.dataclass(cls)
-
-
-def struct_to_dict(obj: Any) -> dict[str, Any]:
-    """A Struct's fields as a plain dict (works with and without msgspec)."""
-    if HAVE_MSGSPEC and isinstance(obj, msgspec.Struct):
-        return {f: getattr(obj, f) for f in obj.__struct_fields__}
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
 MAX_TOP_LOGPROBS = 20  # most alternatives per position (OpenAI's limit)
@@ -185,8 +175,10 @@ class Request(Struct):
     emitted: int = 0
     prefix_offset: int = 0
     read_offset: int = 0
-    # Private state of the speculator (draft hidden states, ...); reset when the request is preempted.
-    spec_state: Any = None
+    # Overlapped scheduling: tokens of this request planned into steps whose results have not been
+    # processed yet (0 or 1), and how many prompt positions have been planned for prompt-logprob scoring.
+    num_pending: int = 0
+    prompt_scored: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -198,8 +190,9 @@ class Request(Struct):
         return self.seq_len < self.prefill_len
 
     @property
-    def finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED
+    def all_tokens_planned(self) -> bool:
+        """Every token max_tokens allows is generated or in flight: nothing more to plan."""
+        return len(self.output_ids) + self.num_pending >= self.params.max_tokens
 
     @property
     def last_token(self) -> int:

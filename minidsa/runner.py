@@ -1,7 +1,7 @@
 """ModelRunner: decides HOW a batch runs. Owns the model, the KV pools and the DSA backend.
 
-The scheduler hands it requests with their KV already allocated; the runner
-turns them into a `ForwardBatch` and runs the model. `forward` /
+The worker (worker.py) builds a `ForwardBatch` from a step plan and hands it
+here. `forward` /
 `forward_mtp` are the entry points: a batch whose shape has a captured CUDA
 graph (decode, target verify, the draft's steps and its padded draft
 extend; see graphs.py) replays it, anything else runs `forward_eager` /
@@ -24,10 +24,9 @@ from minidsa.config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
 from minidsa.graphs import DEFAULT_BUCKETS, StepGraphs, StepKind
 from minidsa.kernels.choice import choose_fp8_gemm, choose_kernels
 from minidsa.kv_cache import (IndexerLayout, KVCache, MLALayout, PageAllocator, ReqToTokenPool, kv_bytes_per_token,
-                               pages_needed, row_slots)
+                               pages_needed)
 from minidsa.models.deepseek_v32 import ModelOutput, call_layer
 from minidsa.models.loader import build_model
-from minidsa.request import Request
 from minidsa.speculative.layout import SpecLayout
 
 logger = logging.getLogger(__name__)
@@ -113,24 +112,6 @@ class ModelRunner:
                               f"{free / 2**30:.2f} GiB free after loading the weights is too little for a KV cache")
         return tokens
 
-    # -- batches --------------------------------------------------------------
-    # The scheduler has written every request's slots into req_to_token: read them from there.
-    def extend_batch(self, reqs: list[Request], extend_lens: list[int]) -> ForwardBatch:
-        """Prefill (or chunk) of `extend_lens[b]` tokens after the `seq_len` already cached tokens."""
-        ids: list[int] = []
-        for req, n in zip(reqs, extend_lens):
-            ids += req.token_slice(req.seq_len, req.seq_len + n)
-        rows, starts = [r.row for r in reqs], [r.seq_len for r in reqs]
-        loc = row_slots(self.req_to_token, rows, starts, list(extend_lens))
-        return ForwardBatch.build(ForwardMode.EXTEND, ids, rows, starts, list(extend_lens), loc, self.device)
-
-    def decode_batch(self, reqs: list[Request]) -> ForwardBatch:
-        """One token per request: its last token, written at row position seq_len."""
-        rows, starts = [r.row for r in reqs], [r.seq_len for r in reqs]
-        loc = row_slots(self.req_to_token, rows, starts, [1] * len(reqs))
-        return ForwardBatch.build(ForwardMode.DECODE, [r.last_token for r in reqs], rows, starts, [1] * len(reqs),
-                                  loc, self.device)
-
     # -- compile and graphs -------------------------------------------------------
     def prepare_fast_paths(self, spec_layout: SpecLayout | None, static_on_cpu: bool = False,
                            compile_backend: str | None = None) -> None:
@@ -213,7 +194,7 @@ class ModelRunner:
 
     def _graph_kind(self, batch: ForwardBatch, mtp: bool) -> str | None:
         g = self.graphs
-        if g is None or self.attn.topk_recorder is not None:  # recording appends in Python: replays would skip it
+        if g is None:
             return None
         mode, tree = batch.mode, batch.tree_mask
         if not mtp and mode == ForwardMode.DECODE and tree is None:

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from minidsa.batch import host_to_device
 from minidsa.request import SamplingParams
 
 _M32 = 0xFFFFFFFF
@@ -130,14 +131,17 @@ class SamplingBatch:
         keys = [as_int64(k) for k in keys]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         sampling = [p for p in params if not p.greedy]
+
+        def dev(values: list, dtype: torch.dtype) -> torch.Tensor:  # no host sync with the device's queue
+            return host_to_device(torch.tensor(values, dtype=dtype), device)
+
         return cls(
-            temperature=torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32,
-                                     device=device),
-            greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-            keys=torch.tensor(keys, dtype=torch.int64, device=device),
+            temperature=dev([p.temperature if not p.greedy else 1.0 for p in params], torch.float32),
+            greedy=dev([p.greedy for p in params], torch.bool),
+            top_k=dev(top_k, torch.int64),
+            top_p=dev([p.top_p for p in params], torch.float32),
+            min_p=dev([p.min_p for p in params], torch.float32),
+            keys=dev(keys, torch.int64),
             all_greedy=not sampling,
             any_greedy=len(sampling) < len(params),
             use_top_k=any(0 < p.top_k < vocab_size for p in sampling),

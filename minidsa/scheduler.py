@@ -32,8 +32,24 @@ A waiting request whose next pages a request of the same batch is about to
 compute (a long common prefix of requests arriving together) is passed
 over for one step, then hits them (see `_shares_pending`).
 
-Decode stalls while prefills run; that is the price of one mode per step
-(CUDA graphs and the speculator see pure decode batches).
+Mixed steps (`mixed=True`, the engine's default without speculation): every
+decode row runs in each step, and prefill chunks ride along in the same
+forward under the budget left (`max_prefill_tokens` minus the decode rows),
+so decoders never stall behind a prefill. A step with decode rows only is a
+pure DECODE step (CUDA graphs); one with both is MIXED (compiled / eager).
+Without `mixed` (speculation: the speculator needs pure decode batches)
+prefill and decode alternate as above.
+
+Overlapped scheduling: the engine plans step N+1 before step N's tokens
+reach the host. Planning therefore advances `seq_len` when a step is planned
+(positions below it are cached by the time a later step reads them), a
+request whose last allowed token is in flight is not planned again
+(`Request.all_tokens_planned`), and a preempted request with a token in
+flight is not re-admitted until that token has arrived.
+
+The scheduler never touches device tensors: the req_to_token entries it
+decides are queued as `TableWrite`s (`take_table_writes`) that travel in the
+step plan to the worker.
 
 Any request of up to `max_model_len` tokens fits in an otherwise empty
 cache (the engine sizes max_model_len so), so the oldest running request
@@ -46,28 +62,31 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from minidsa.batch import ForwardMode
-from minidsa.kv_cache import PageAllocator, ReqToTokenPool, pages_needed, slots_of
+from minidsa.kv_cache import PageAllocator, RowAllocator, pages_needed
 from minidsa.prefix_cache import Node, PrefixCache
 from minidsa.request import Request, RequestStatus
+from minidsa.step_plan import StepMode, TableWrite
 
 
 @dataclass
 class ScheduledBatch:
-    """What runs this step: a prefill (EXTEND) batch with chunk lengths, or a DECODE batch."""
+    """What runs this step: decode rows first (`num_decode` of them, one token each), then prefill chunks."""
 
-    mode: ForwardMode
+    mode: StepMode  # EXTEND (chunks only), DECODE (decode rows only) or MIXED
     reqs: list[Request]
-    extend_lens: list[int]  # EXTEND: tokens of each request this step; DECODE: 1 each
+    extend_lens: list[int]  # tokens of each request this step (1 for decode rows)
+    num_decode: int = 0
     preempted: list[Request] = field(default_factory=list)  # preempted while planning this step
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, req_pool: ReqToTokenPool, *, max_running_requests: int,
+    def __init__(self, allocator: PageAllocator, req_pool: RowAllocator, *, max_running_requests: int,
                  max_prefill_tokens: int, chunked_prefill_size: int, decode_reserve: int = 1,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, mixed: bool = False):
         self.allocator = allocator
-        self.req_pool = req_pool
+        self.req_pool = req_pool  # req_to_token rows (alloc / free / num_free / max_reqs)
+        self.mixed = mixed
+        self._table_writes: list[TableWrite] = []
         self.page_size = allocator.page_size
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
@@ -102,17 +121,31 @@ class Scheduler:
         self._release(req)
         req.status = RequestStatus.FINISHED
 
+    def take_table_writes(self) -> list[TableWrite]:
+        """The req_to_token writes decided since the last call, in order (for the next step plan)."""
+        writes, self._table_writes = self._table_writes, []
+        return writes
+
     # -- planning ------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
-        if self.prefix_cache is not None:  # the last step's tokens are cached in every layer by now
+        if self.prefix_cache is not None:  # planned steps cache their tokens before any later step reads them
             for req in self.running:
                 self._cache_pages(req)
-        return self._schedule_prefill() or self._schedule_decode()
+        if not self.mixed:
+            return self._schedule_prefill() or self._schedule_decode()
+        decode = self._schedule_decode()
+        if decode is None:
+            return self._schedule_prefill()
+        prefill = self._schedule_prefill(self.max_prefill_tokens - len(decode.reqs))
+        if prefill is None:
+            return decode
+        return ScheduledBatch(StepMode.MIXED, decode.reqs + prefill.reqs, decode.extend_lens + prefill.extend_lens,
+                              len(decode.reqs), decode.preempted)
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
+    def _schedule_prefill(self, budget: int | None = None) -> ScheduledBatch | None:
         reqs: list[Request] = []
         lens: list[int] = []
-        budget = self.max_prefill_tokens
+        budget = self.max_prefill_tokens if budget is None else budget
         computing: set[int] = set()  # pages this batch completes (chain hashes): see _shares_pending
         for req in self.running:  # the partially prefilled request, if any
             if req.in_prefill and budget > 0:
@@ -124,7 +157,7 @@ class Scheduler:
                 lens.append(got)
                 budget -= got
                 if got < req.prefill_len - req.seq_len:
-                    return ScheduledBatch(ForwardMode.EXTEND, reqs, lens)
+                    return ScheduledBatch(StepMode.EXTEND, reqs, lens)
                 if self.prefix_cache is not None:
                     node, done = self._cached_upto[req.request_id]
                     computing.update(self._chain_hashes(req, node, done, (req.seq_len + got) // self.page_size))
@@ -133,6 +166,8 @@ class Scheduler:
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_running_requests \
                 and self.req_pool.num_free > 0:
             req = self.waiting[i]
+            if req.num_pending:
+                break  # preempted with a token in flight: recompute once it has arrived
             total = req.num_tokens  # prompt + tokens generated before a preemption
             hit: list[Node] = []
             # always leave the last token to compute: it gives the logits; prompt logprobs need every position
@@ -161,7 +196,7 @@ class Scheduler:
                                                     total // self.page_size))
         if not reqs:
             return None
-        return ScheduledBatch(ForwardMode.EXTEND, reqs, lens)
+        return ScheduledBatch(StepMode.EXTEND, reqs, lens)
 
     # In-batch prefix sharing: requests arriving together with a common prefix would all miss the cache and
     # compute it side by side. A waiting request whose next pages (past its cache hit) are pages that a request
@@ -187,7 +222,7 @@ class Scheduler:
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         preempted: list[Request] = []
-        for req in [r for r in self.running if not r.in_prefill]:  # oldest first
+        for req in [r for r in self.running if self._decodes(r)]:  # oldest first
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             while self._grow(req, req.seq_len + self.decode_reserve) < req.seq_len + self.decode_reserve:
@@ -196,18 +231,23 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is req:
                     break
-        reqs = [r for r in self.running if not r.in_prefill]
+        reqs = [r for r in self.running if self._decodes(r)]
         if not reqs:
-            if preempted:  # everything got preempted (cannot happen with a sane max_model_len)
+            if preempted and not self.running:  # everything got preempted (not with a sane max_model_len)
                 raise RuntimeError("KV cache too small to decode a single request")
             return None
-        return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), preempted)
+        return ScheduledBatch(StepMode.DECODE, reqs, [1] * len(reqs), len(reqs), preempted)
+
+    @staticmethod
+    def _decodes(req: Request) -> bool:
+        """The request decodes this step: its prefill is planned and it may still produce a token."""
+        return not req.in_prefill and not req.all_tokens_planned
 
     def _decode_headroom_pages(self) -> int:
         """Pages the running decoders still need for their next step."""
         need = 0
         for r in self.running:
-            if not r.in_prefill:
+            if self._decodes(r):
                 need += max(0, pages_needed(r.seq_len + self.decode_reserve, self.page_size) - len(r.pages))
         return need
 
@@ -227,7 +267,7 @@ class Scheduler:
         if hit:
             req.pages = self.prefix_cache.lock(hit)
             req.seq_len = len(hit) * self.page_size  # prefill starts after the cached prefix
-            self.req_pool.write(req.row, 0, slots_of(req.pages, 0, req.seq_len, self.page_size))
+            self._table_writes.append(TableWrite(req.row, 0, tuple(req.pages)))
             self.cache_hit_tokens += req.seq_len
 
     def _grow(self, req: Request, num_positions: int, partial: bool = False) -> int:
@@ -245,10 +285,9 @@ class Scheduler:
                     return have * ps
                 need = available
             if need > 0:
-                req.pages.extend(self.allocator.alloc(need))
-                end = min(len(req.pages) * ps, self.req_pool.max_context_len)
-                if end > have * ps:
-                    self.req_pool.write(req.row, have * ps, slots_of(req.pages, have * ps, end, ps))
+                new = self.allocator.alloc(need)
+                req.pages.extend(new)
+                self._table_writes.append(TableWrite(req.row, have, tuple(new)))
         return len(req.pages) * ps
 
     def _cache_pages(self, req: Request) -> None:
@@ -273,7 +312,7 @@ class Scheduler:
                 self.allocator.share([page])
                 self.allocator.free([req.pages[k]])
                 req.pages[k] = page
-                self.req_pool.write(req.row, k * ps, slots_of([page], 0, ps, ps))
+                self._table_writes.append(TableWrite(req.row, k, (page,)))
         self._cached_upto[req.request_id] = (node, full)
 
     def _release(self, req: Request) -> None:
@@ -294,7 +333,6 @@ class Scheduler:
         """Free the request's KV; it is recomputed from prompt + generated tokens when re-admitted."""
         self._release(req)
         req.status = RequestStatus.WAITING
-        req.spec_state = None
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

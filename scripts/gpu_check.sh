@@ -152,6 +152,17 @@ section_bench_fp8_gemm() {   # issue 15: the FP8 GEMM benchmark alone (BENCH_FP8
     timeout "$TIMEOUT" $PY benchmarks/bench_fp8_gemm.py --out "$OUT" ${BENCH_FP8_ARGS:-}
 }
 
+section_engine_loop() {   # issue 16: overlapped scheduling on the bench preset (~5 minutes on an H100): GPU tests
+    # (overlap = plain loop tokens, no host sync when a decode step is launched), then end-to-end ITL through
+    # LLM.generate at batch 1 and 32 beside the same decode step's graph replay, and `minidsa bench` (default
+    # workload) ITL p50/p99, output tok/s, TTFT, overlap on and off -> engine_loop.md / engine_loop.json.
+    # Real shapes: ENGINE_LOOP_ARGS="--model bench-dsv32:4".
+    timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_loop_gpu.py -rs --durations=5
+    local rc=$?
+    timeout "$TIMEOUT" $PY benchmarks/bench_engine_loop.py --out "$OUT" ${ENGINE_LOOP_ARGS:-} || rc=1
+    return $rc
+}
+
 SECTIONS=${*:-$ALL_SECTIONS}
 : > "$OUT/summary.txt"
 status=0

@@ -33,7 +33,7 @@ _SHARED_ENGINES: list = []  # fixture engines that outlive a test: checked after
 @pytest.fixture(autouse=True)
 def _check_kv_leaks():
     try:
-        from minidsa.engine import track_engines
+        from engine_tracking import track_engines
     except ImportError:  # the engine is not importable: nothing to check
         yield
         return

@@ -12,6 +12,7 @@ from minidsa.attention.dsa import DSABackend
 from minidsa.batch import ForwardBatch, ForwardMode
 from minidsa.config import ModelConfig
 from minidsa.kv_cache import IndexerLayout, KVCache, MLALayout, PageAllocator, ReqToTokenPool, pages_needed, slots_of
+from minidsa.topk_recording import TopkRecorder
 
 
 class PagedDriver:
@@ -27,6 +28,7 @@ class PagedDriver:
         index = IndexerLayout(config.index_head_dim, dtype, indexer_fp8, page_size)
         self.kv = KVCache(config.num_layers_with_mtp, num_pages, mla, index, "cpu", layers)
         self.attn = DSABackend(self.kv, self.pool.req_to_token, config.index_topk, kernels)
+        self.topk = TopkRecorder(self.attn)  # call self.topk.start() to record
         self.reqs: list[dict] = []
         self.last_topk: dict[int, torch.Tensor] = {}  # layer -> positions of the last step, when recording
 
@@ -42,11 +44,11 @@ class PagedDriver:
                          for i, p, n in zip(idx, prefix, extend)])
         batch = ForwardBatch.build(mode, ids, [self.reqs[i]["row"] for i in idx], prefix, extend, loc, "cpu",
                                    logits=logits)
-        if self.attn.topk_recorder is not None:
-            self.attn.topk_recorder = []
+        if self.topk.records is not None:
+            self.topk.records = []
         with torch.no_grad():
             out = self.model(batch, self.attn)
-        self.last_topk = dict(self.attn.topk_recorder or [])
+        self.last_topk = dict(self.topk.records or [])
         return out, batch
 
     def prefill(self, idx: list[int], chunk: int = 0, logits: str = "last"):
@@ -87,3 +89,16 @@ class PagedDriver:
         self.reqs = []
         self.alloc.check_all_free()
         self.pool.check_all_free()
+
+
+def count_replays(graphs) -> dict[str, int]:
+    """Replays per step kind from now on (wraps StepGraphs.replay on this instance)."""
+    counts = {name: 0 for name in graphs.kinds}
+    replay = graphs.replay
+
+    def counted(kind_name, *args, **kwargs):
+        counts[kind_name] += 1
+        return replay(kind_name, *args, **kwargs)
+
+    graphs.replay = counted
+    return counts

@@ -20,7 +20,7 @@ def test_bench_on_the_embedded_model_writes_json(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "minidsa.cli", "bench", "--num-requests", "6", "--input-len", "40-120",
+        [sys.executable, "-m", "minidsa", "bench", "--num-requests", "6", "--input-len", "40-120",
          "--output-len", "8-24", "--json", str(out), "--no-progress"],
         capture_output=True, text=True, timeout=120, env=env)
     elapsed = time.perf_counter() - start

@@ -27,6 +27,8 @@ from triton_interp import import_kernels_interpreted  # noqa: E402
 INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
 
+from harness import count_replays  # noqa: E402
+from minidsa.topk_recording import slots_to_positions  # noqa: E402
 from minidsa.attention.dsa import DSABackend  # noqa: E402
 from minidsa.kernels import choice as kernel_choice  # noqa: E402
 from minidsa.kernels.choice import KernelChoice, choose_kernels  # noqa: E402
@@ -320,9 +322,9 @@ def test_dsa_backend_ops_match_reference_backend(sm90, monkeypatch, with_deep_ge
             be.store_kv(layer, batch, kv)
             be.store_index_k(layer, batch, k)
             if attend:
-                be.topk_recorder = []
                 slots = be.index_topk(layer, batch, q, w)
-                out.append((slots, be.topk_recorder[0][1], be.sparse_mla(layer, qm, slots, 0.2, 32)))
+                positions = slots_to_positions(be.req_to_token, batch.token_rows, slots)
+                out.append((slots, positions, be.sparse_mla(layer, qm, slots, 0.2, 32)))
         if not attend:
             return
         (fs, fp, fo), (ss, sp, so) = out
@@ -417,7 +419,8 @@ def test_engine_with_deep_gemm_importable_compiles_and_generates(sm90, monkeypat
 
     runner = llm.engine.runner
     runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=backend)
+    replays = count_replays(runner.graphs)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == want
-    assert runner.graphs.replays["decode"] > 0 and calls["paged"] > 0
+    assert replays["decode"] > 0 and calls["paged"] > 0
     assert any("minidsa.deepgemm_index_logits" in t for g in traced for t in g)

@@ -12,7 +12,8 @@ import pytest
 
 from minidsa import LLM, SamplingParams
 from minidsa.config import ConfigError
-from minidsa.engine import Engine, track_engines
+from engine_tracking import track_engines
+from minidsa.engine import Engine
 from minidsa.request import InvalidRequest, QueueFull, Request
 
 MAX_TOKENS = 12
@@ -212,7 +213,7 @@ def test_stop_token_ids_and_eos(tiny_llm, long_prompts, alone, monkeypatch):
     cut = ref.index(stop) + 1
     out = tiny_llm.generate([long_prompts[1]], SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=[stop]))[0]
     assert out.token_ids == ref[:cut] and out.finish_reason == "stop"
-    monkeypatch.setattr(tiny_llm.engine, "eos_token_ids", frozenset({stop}))
+    monkeypatch.setattr(tiny_llm.engine.outputs, "eos_token_ids", frozenset({stop}))
     out = tiny_llm.generate([long_prompts[1]], SamplingParams(max_tokens=MAX_TOKENS))[0]
     assert out.token_ids == ref[:cut] and out.finish_reason == "stop"
     out = tiny_llm.generate([long_prompts[1]], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0]

@@ -33,6 +33,9 @@ def example_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", os.environ.get("MINIDSA_TEST_THREADS", "1"))
     env.pop("MINIDSA_MODEL", None)
+    # README commands type `minidsa ...`: the interpreter's bin directory first, as in an activated virtualenv
+    # (tests start the CLI themselves as `python -m minidsa`, which needs no PATH).
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     env.update(extra)
     return env
 
@@ -200,7 +203,7 @@ def test_offline_batch():
 
 def test_stream_client_against_live_server(tmp_path):
     port = free_port()
-    cmd = [sys.executable, "-m", "minidsa.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "minidsa", "serve", "--host", "127.0.0.1", "--port", str(port)]
     with running_server(cmd, port, str(tmp_path / "server.log")) as url:
         for extra in ([], ["--chat"]):
             proc = run_script(["examples/stream_client.py", "--url", url, "--prompt", "Hello", "--max-tokens", "6",
@@ -254,7 +257,8 @@ def _load_and_generate(path: str, arch: str) -> None:
 
 def test_glm_checkpoint_loads_and_generates(glm_checkpoint):
     _load_and_generate(glm_checkpoint, "glm_moe_dsa")
-    proc = subprocess.run(["minidsa", "generate", "--model", glm_checkpoint, "--prompt", "hi", "--max-tokens", "4"],
+    proc = subprocess.run([sys.executable, "-m", "minidsa", "generate", "--model", glm_checkpoint, "--prompt", "hi",
+                           "--max-tokens", "4"],
                           cwd=REPO, env=example_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "output:" in proc.stdout, proc.stdout + proc.stderr
 

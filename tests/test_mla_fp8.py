@@ -213,7 +213,7 @@ def _teacher_forced(model, config, kv_cache_dtype: str, prompts, forced, dtype=t
     """fp32 logits [requests, steps, V] (prefill's last + every decode step) and per-step per-layer top-k."""
     driver = PagedDriver(model, config, page_size=4, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
     idx = [driver.add(p, reserve=DECODE_STEPS + 1) for p in prompts]
-    driver.attn.topk_recorder = []
+    driver.topk.start()
     logits = [[] for _ in idx]
     topks = []
     (which, out, _, rec), = driver.prefill(idx)
@@ -312,15 +312,15 @@ def test_engine_builds_the_fp8_layout_and_generates(fp8_reference):
                                   dict(speculative_num_steps=3, speculative_topk=2, speculative_num_draft_tokens=6,
                                        page_size=1)])
 def test_speculation_with_the_fp8_cache_is_lossless(fp8_reference, spec):
-    from test_speculative import forced_override
+    from test_speculative import force_drafts, forced_override
 
     prompts, want, _ = fp8_reference
     llm = _llm(kv_cache_dtype="fp8", **spec)
     ids = [llm.engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False),
                                   request_id=f"r{i}") for i, p in enumerate(prompts)]
     # Drafts forced to the known continuation up to a random depth: long accepted paths, tree compaction.
-    llm.engine.speculator.draft_override = forced_override(
-        {f"r{i}": w for i, w in enumerate(want)}, spec.get("speculative_topk", 1), random.Random(3))
+    force_drafts(llm.engine.speculator, forced_override(
+        {f"r{i}": w for i, w in enumerate(want)}, spec.get("speculative_topk", 1), random.Random(3)))
     out = {}
     while llm.engine.has_unfinished():
         for o in llm.engine.step():

@@ -72,7 +72,7 @@ def test_prefill_and_decode_logits_and_topk_match_transformers(pair, page_size, 
     driver = PagedDriver(model, config, page_size=page_size)
     batch_prompts = prompts(config)
     idx = [driver.add(p, reserve=DECODE_STEPS) for p in batch_prompts]
-    driver.attn.topk_recorder = []
+    driver.topk.start()
     outs = driver.prefill(idx, chunk=chunk, logits="all")
 
     # Prefill: every position's logits and top-k sets.

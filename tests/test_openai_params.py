@@ -95,8 +95,9 @@ def test_preempted_request_keeps_its_prompt_logprobs(tiny_llm):
     """Scoring resumes where it stopped: a request re-prefilled after preemption is not scored twice."""
     engine = tiny_llm.engine
     rid = engine.add_request(PROMPT, SamplingParams(max_tokens=3, prompt_logprobs=1, ignore_eos=True))
-    engine.step()  # prefill: prompt scored, first token sampled
     req = engine.requests[rid]
+    while not req.output_ids:  # prefill: prompt scored, first token sampled (and delivered)
+        engine.step()
     first = list(req.prompt_logprobs)
     engine.scheduler._preempt(req)  # as the scheduler does under KV pressure
     outs = {}

@@ -19,7 +19,7 @@ import types
 import pytest
 import torch
 
-from minidsa.batch import ForwardMode
+from minidsa.step_plan import StepMode
 from minidsa.engine import Engine
 from minidsa.kv_cache import OutOfPages, PageAllocator, ReqToTokenPool
 from minidsa.prefix_cache import PrefixCache
@@ -169,10 +169,12 @@ class FakeEngine:
         if sched is None:
             return False
         self.steps += 1
+        for w in s.take_table_writes():  # the worker's part: the page table
+            s.req_pool.write_pages(w.row, w.first_page, w.pages, s.page_size)
         s.check_consistent()
         self.check_reads()
         for r, n in zip(sched.reqs, sched.extend_lens):
-            if sched.mode == ForwardMode.EXTEND:
+            if sched.mode == StepMode.EXTEND:
                 start = r.seq_len
                 r.seq_len += n
                 toks = r.token_slice(0, r.num_tokens)

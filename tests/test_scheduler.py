@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minidsa.batch import ForwardMode
+from minidsa.step_plan import StepMode as ForwardMode
 from minidsa.kv_cache import PageAllocator, ReqToTokenPool
 from minidsa.request import Request, RequestStatus, SamplingParams
 from minidsa.scheduler import Scheduler
@@ -32,15 +32,18 @@ def check_rows(s: Scheduler) -> None:
 
 
 def run_step(s: Scheduler) -> tuple:
-    """Plan a step and play the engine's part: cache the tokens, append one to requests that completed."""
+    """Plan a step and play the engine's and the worker's part: write the page table, cache the tokens,
+    append one to requests that completed."""
     sched = s.schedule()
     if sched is None:
         return None
+    for w in s.take_table_writes():
+        s.req_pool.write_pages(w.row, w.first_page, w.pages, s.page_size)
     check_rows(s)
     s.check_consistent()
-    for r, n in zip(sched.reqs, sched.extend_lens):
+    for b, (r, n) in enumerate(zip(sched.reqs, sched.extend_lens)):
         assert r.status == RequestStatus.RUNNING and r.row >= 0
-        if sched.mode == ForwardMode.EXTEND:
+        if b >= sched.num_decode:
             assert len(r.pages) * s.page_size >= r.seq_len + n
             r.seq_len += n
         else:
@@ -165,4 +168,22 @@ def test_decode_reserve_for_multi_token_steps(page_size):
     s = make(num_pages=128 // page_size + 1, page_size=page_size, decode_reserve=4)
     for i in range(4):
         s.add(req(i, 9, max_tokens=10))
+    drain(s)
+
+
+def test_mixed_steps_run_every_decoder_beside_prefill_chunks_under_the_budget():
+    s = make(chunked_prefill_size=16, max_prefill_tokens=24, mixed=True)
+    a = req(0, 10, max_tokens=20)
+    s.add(a)
+    assert run_step(s).mode == ForwardMode.EXTEND  # nothing decodes yet: a plain prefill
+    b = req(1, 50)
+    s.add(b)
+    chunks = []
+    while b.seq_len < 50:
+        sched = run_step(s)
+        assert sched.mode == ForwardMode.MIXED and sched.num_decode == 1 and sched.reqs[0] is a  # decode rows first
+        assert sum(sched.extend_lens) <= 24  # one token budget for decode rows and chunks
+        chunks.append(sched.extend_lens[1])
+    assert chunks == [16, 16, 16, 2]
+    assert run_step(s).mode == ForwardMode.DECODE  # both decode: a pure decode step (CUDA graphs)
     drain(s)

@@ -1,8 +1,8 @@
 """MTP speculative decoding through the engine: lossless, every accepted length, exact compaction.
 
 Random MTP weights rarely agree with the target, so tests that need long
-accepted paths use the speculator's test-only draft mode
-(`MTPSpeculator.draft_override`): it replaces draft proposals with the
+accepted paths force the drafts (`force_drafts`, a test-side wrapper of
+`MTPSpeculator.propose`): it replaces draft proposals with the
 target's known greedy continuation (from a run without speculation), up to a
 randomly chosen depth per round, and with a wrong token after it. Replaced
 proposals rank first in the tree, and on trees they are placed on a
@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from harness import PagedDriver
+from harness import PagedDriver, count_replays
 from hf_tiny import build_hf, save_hf
 from minidsa import LLM, SamplingParams
 from minidsa.config import ConfigError, ModelConfig
@@ -74,13 +74,15 @@ def make(model, **kw) -> LLM:
 
 
 def forced_override(reference: dict[str, list[int]], topk: int, rng: random.Random):
-    """Draft the target's continuation up to a random depth each round, a wrong token after it."""
+    """Draft the target's continuation up to a random depth each round, a wrong token after it.
+
+    override(request id, output index of the round's first token, depth >= 1, proposed tokens) -> tokens."""
     cut: dict[tuple[str, int], int] = {}
 
-    def override(req, depth, toks):
-        ref = reference[req.request_id]
-        pos = len(req.output_ids) - 1 + depth  # output index of the depth-`depth` token
-        good = cut.setdefault((req.request_id, len(req.output_ids)), rng.randint(0, 5))
+    def override(request_id, first_output, depth, toks):
+        ref = reference[request_id]
+        pos = first_output - 1 + depth  # output index of the depth-`depth` token
+        good = cut.setdefault((request_id, first_output), rng.randint(0, 5))
         out = list(toks)
         for beam in range(len(out) // topk):
             slot = beam * topk + depth % topk
@@ -93,10 +95,26 @@ def forced_override(reference: dict[str, list[int]], topk: int, rng: random.Rand
     return override
 
 
+def force_drafts(speculator, override) -> None:
+    """Replace the speculator's draft proposals through `override` (see forced_override); replaced tokens get
+    log-prob 0, so they rank first in the tree."""
+    propose = speculator.propose
+
+    def forced(reqs, depth, logits):
+        toks, logp = propose(reqs, depth, logits)
+        new = torch.tensor([list(override(rid, pos, depth, toks[b].tolist()))
+                            for b, (rid, pos) in enumerate(zip(reqs.request_ids, reqs.output_positions))],
+                           dtype=toks.dtype, device=toks.device)
+        assert new.shape == toks.shape, "the override must return as many tokens as proposed"
+        return new, torch.where(new != toks, torch.zeros_like(logp), logp)
+
+    speculator.propose = forced
+
+
 def run(llm: LLM, prompts, params=GREEDY, override=None) -> list[list[int]]:
     ids = [llm.engine.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
     if override is not None:
-        llm.engine.speculator.draft_override = override
+        force_drafts(llm.engine.speculator, override)
     out: dict[str, list[int]] = {}
     while llm.engine.has_unfinished():
         for o in llm.engine.step():
@@ -146,7 +164,7 @@ def test_tree_compaction_leaves_exactly_what_plain_decode_writes():
     llm = make(None, **SPEC_CONFIGS["tree"])
     eng = llm.engine
     eng.add_request(prompt, SamplingParams(max_tokens=30, ignore_eos=True, detokenize=False), request_id="r0")
-    eng.speculator.draft_override = forced_override({"r0": reference}, 2, random.Random(0))
+    force_drafts(eng.speculator, forced_override({"r0": reference}, 2, random.Random(0)))
     moved = []
     real_move = eng.runner.attn.kv_move
     eng.runner.attn.kv_move = lambda src, dst: (moved.append(len(src)), real_move(src, dst))[1]
@@ -203,6 +221,6 @@ def test_static_graph_buffers_keep_speculation_lossless():
     for spec in ("chain2", "tree"):
         llm = make(None, **SPEC_CONFIGS[spec])
         llm.engine.runner.prepare_fast_paths(llm.engine.speculator.layout, static_on_cpu=True)
+        replays = count_replays(llm.engine.runner.graphs)
         assert run(llm, prompts) == reference
-        replays = llm.engine.runner.graphs.replays
         assert replays["verify"] > 0 and replays["draft_extend"] > 0 and replays["draft"] > 0

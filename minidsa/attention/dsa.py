@@ -45,8 +45,6 @@ class DSABackend:
         self.req_to_token = req_to_token
         self.topk_width = index_topk
         self.kernels = kernels or KernelChoice()
-        # Tests and the notebook set this to a list to see which positions each layer selected.
-        self.topk_recorder: list[tuple[int, torch.Tensor]] | None = None
         # The fp8 indexer's query rotation, built once on the cache's device (an input to compiled steps).
         self.hadamard = (ref.hadamard_matrix(kv_cache.index_head_dim, str(kv_cache.device))
                          if kv_cache.indexer_fp8 else None)
@@ -58,6 +56,17 @@ class DSABackend:
         self.layer_caches = [LayerCaches(i, kv_cache.mla[i], kv_cache.index_k[i]) for i in range(kv_cache.num_layers)]
         # A host constant for DeepGEMM's schedule, read once here (never from a traced step).
         self._num_sms = num_sms(kv_cache.device)
+        # Each op's implementation, bound once from the start-up choice: no per-call re-check.
+        ops = self._ops
+        served = lambda op: ops is not None and getattr(self.kernels, op) != "torch"  # noqa: E731
+        mla = kv_cache.mla_layout
+        self._store_mla = (lambda c, loc, x: ops.store_mla(c, loc, x, mla.latent_dim)) if served("store_mla") \
+            else mla.store
+        self._store_index_k = ops.store_index_k if served("store_index_k") else ref.store_index_k
+        self._index_logits = ops.index_logits if served("index_logits") else None  # None: the reference
+        self._topk = ops.topk if served("topk") else ref.topk_slots
+        self._sparse_mla = ops.sparse_mla if served("sparse_mla") else ref.sparse_mla
+        self._kv_move = served("kv_move")
 
     def persistent_tensors(self) -> list[torch.Tensor]:
         """The tensors that live as long as the engine (caches, req_to_token, Hadamard matrix): fixed shapes."""
@@ -71,17 +80,10 @@ class DSABackend:
     # -- cache writes -------------------------------------------------------
     def store_kv(self, layer: LayerCaches, batch: ForwardBatch, latent_rope: torch.Tensor) -> None:
         """MLA rows [T, latent + rope] at the step's slots; the FP8 layout quantises in the store kernel."""
-        if self._ops is not None and self.kernels.store_mla != "torch":
-            self._ops.store_mla(layer.mla, batch.out_cache_loc, latent_rope, self.kv_cache.mla_layout.latent_dim)
-        else:
-            self.kv_cache.mla_layout.store(layer.mla, batch.out_cache_loc, latent_rope)
+        self._store_mla(layer.mla, batch.out_cache_loc, latent_rope)
 
     def store_index_k(self, layer: LayerCaches, batch: ForwardBatch, k: torch.Tensor) -> None:
-        buf = layer.index_k
-        if self._ops is not None and self.kernels.store_index_k != "torch":
-            self._ops.store_index_k(buf, batch.out_cache_loc, k, self.page_size)
-        else:
-            ref.store_index_k(buf, batch.out_cache_loc, k, self.page_size)
+        self._store_index_k(layer.index_k, batch.out_cache_loc, k, self.page_size)
 
     # -- indexer ------------------------------------------------------------
     def index_metadata(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...] | None:
@@ -101,33 +103,25 @@ class DSABackend:
         if buf.dtype == torch.uint8:
             q, weights = ref.quant_index_q(q, weights, self.hadamard)
         rows = batch.token_rows
-        if self._ops is not None and self.kernels.index_logits != "torch":
-            logits = self._ops.index_logits(q, weights, buf, self.page_size, self.req_to_token, rows,
-                                            batch.kv_lens, batch.max_kv_len, batch.tree_mask, batch.batch_size,
-                                            step_meta)
+        if self._index_logits is not None:
+            logits = self._index_logits(q, weights, buf, self.page_size, self.req_to_token, rows,
+                                        batch.kv_lens, batch.max_kv_len, batch.tree_mask, batch.batch_size,
+                                        step_meta)
         else:
             logits = ref.index_logits(q, weights, buf, self.page_size, self.req_to_token, rows,
                                       batch.kv_lens, batch.max_kv_len, batch.tree_mask)
-        if self._ops is not None and self.kernels.topk != "torch":
-            slots, positions = self._ops.topk(logits, self.topk_width, self.req_to_token, rows)
-        else:
-            slots, positions = ref.topk_slots(logits, self.topk_width, self.req_to_token, rows)
-        if self.topk_recorder is not None:
-            self.topk_recorder.append((layer.layer_id, positions))
+        slots, _ = self._topk(logits, self.topk_width, self.req_to_token, rows)
         return slots
 
     # -- attention ----------------------------------------------------------
     def sparse_mla(self, layer: LayerCaches, q: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
                    v_dim: int) -> torch.Tensor:
-        cache = layer.mla
-        if self._ops is not None and self.kernels.sparse_mla != "torch":
-            return self._ops.sparse_mla(q, cache, topk_slots, sm_scale, v_dim)
-        return ref.sparse_mla(q, cache, topk_slots, sm_scale, v_dim)
+        return self._sparse_mla(q, layer.mla, topk_slots, sm_scale, v_dim)
 
     def kv_move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's MLA and indexer rows from slots `src` to `dst` (tree compaction)."""
         kv = self.kv_cache
-        if self._ops is not None and self.kernels.kv_move != "torch":
+        if self._kv_move:
             # One launch over every layer of both caches (KVCache keeps each kind in one buffer).
             self._ops.kv_move_buffers(kv.mla_buffer, kv.index_buffer, src, dst, kv.page_size, kv.index_head_dim)
         else:

@@ -34,7 +34,7 @@ import torch
 from minidsa.batch import ForwardBatch, ForwardMode
 from minidsa.config import ConfigError, EngineConfig, ModelConfig
 from minidsa.models.deepseek_v32 import ModelOutput
-from minidsa.request import Request
+from minidsa.request import SamplingParams
 from minidsa.sampling import Sampler, probabilities, row_key
 from minidsa.speculative.layout import SpecLayout
 from minidsa.speculative.tree import DraftTree, accept_greedy, accept_sampled, grow_tree
@@ -88,10 +88,26 @@ def resolve_spec_options(engine: EngineConfig, model: ModelConfig, page_size: in
 
 @dataclass
 class DraftState:
-    """Per request, what the next round starts from (stored on Request.spec_state)."""
+    """Per request, what the next round starts from (kept by the speculator per req_to_token row: a row's
+    state is replaced whenever a prefill completes on it, so a preempted request never sees a stale one)."""
 
     logits: torch.Tensor  # [V] draft logits for the token after the root
     hidden: torch.Tensor  # [H] MTP hidden state at the last committed cached position
+
+
+@dataclass(frozen=True)
+class SpecRows:
+    """The requests of one speculative round, as plain data (from the step plan)."""
+
+    rows: list[int]  # req_to_token rows
+    seq_lens: list[int]  # cached positions; the root sits at row position seq_len
+    roots: list[int]  # the last committed token of each request (not yet cached)
+    params: list[SamplingParams]
+    output_positions: list[int]  # index among the request's outputs of the first token this round emits
+    request_ids: list[str]
+
+    def __len__(self) -> int:
+        return len(self.rows)
 
 
 @dataclass
@@ -101,15 +117,6 @@ class SpecStats:
     accepted_tokens: int = 0  # draft tokens accepted
     per_request: dict[str, list[int]] = field(default_factory=dict)  # request id -> accepted length per round
 
-    @property
-    def mean_accept_length(self) -> float:
-        """Tokens emitted per verify (accepted drafts + the bonus token)."""
-        return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
 
 class MTPSpeculator:
     def __init__(self, runner, options: SpecOptions, sampler: Sampler):
@@ -118,11 +125,7 @@ class MTPSpeculator:
         self.sampler = sampler
         self.layout = SpecLayout(options.num_steps, options.topk, options.num_draft_tokens)
         self.stats = SpecStats()
-        # Test-only draft mode: when set, replaces the draft's proposals at each depth (e.g. with
-        # the target's own continuation, or a wrong token) so tests can force every accepted
-        # length and tree paths off the front. Signature: (request, depth >= 1, proposed tokens:
-        # the k root children at depth 1, k*k beam-major candidates deeper) -> tokens.
-        self.draft_override = None
+        self.states: dict[int, DraftState] = {}  # req_to_token row -> what its next round starts from
 
     @property
     def reserved_tokens(self) -> int:
@@ -130,70 +133,72 @@ class MTPSpeculator:
         return self.layout.reserved_tokens
 
     # ------------------------------------------------------------------ prefill
-    def on_extend(self, reqs: list[Request], batch: ForwardBatch, out: ModelOutput,
-                  next_tokens: list[int | None]) -> None:
+    def on_extend(self, rows: list[int], batch: ForwardBatch, out: ModelOutput,
+                  lookahead: list[int | None]) -> None:
         """Run the MTP layer over the positions an EXTEND forward just cached.
 
-        Call it before the sampled tokens are appended. The MTP input at position
-        i pairs the target's hidden state at i with the token at i + 1: a known
-        token, or, for the last position of a request's known tokens,
-        `next_tokens[b]` (just sampled). Such a request gets its draft state.
+        The MTP input at position i pairs the target's hidden state at i with the token at i + 1:
+        the next token of the chunk, then `lookahead[b]`: the first token of the request's next chunk,
+        or (prefill complete) the token just sampled, or None (nothing follows: max_tokens 0). A request
+        whose prefill completed gets its draft state.
         """
         ids, prefix, extend, hidden_rows, finals = [], [], [], [], []
         start = 0
-        for b, req in enumerate(reqs):
+        token_ids = batch.input_ids.tolist()
+        for b in range(len(rows)):
             n = int(batch.extend_lens[b])
             p = int(batch.seq_lens[b]) - n
-            shifted = req.token_slice(p + 1, min(p + n + 1, req.num_tokens))
-            final = p + n >= req.num_tokens and next_tokens[b] is not None
-            if final:
-                shifted = shifted + [int(next_tokens[b])]
+            shifted = token_ids[start + 1:start + n]
+            nxt = lookahead[b]
+            if nxt is not None:
+                shifted = shifted + [int(nxt)]
             if shifted:
                 ids += shifted
                 prefix.append(p)
                 extend.append(len(shifted))
                 hidden_rows.append(torch.arange(start, start + len(shifted)))
-                finals.append((b, final))
+                finals.append(b)
             start += n
         if not extend:
             return
-        rows = [reqs[b].row for b, _ in finals]
-        loc = SpecLayout.draft_extend_cache_loc(self.runner.req_to_token, rows, prefix, extend)
-        mtp_batch = ForwardBatch.build(ForwardMode.DRAFT_EXTEND, ids, rows, prefix, extend, loc,
+        mtp_rows = [rows[b] for b in finals]
+        loc = SpecLayout.draft_extend_cache_loc(self.runner.req_to_token, mtp_rows, prefix, extend)
+        mtp_batch = ForwardBatch.build(ForwardMode.DRAFT_EXTEND, ids, mtp_rows, prefix, extend, loc,
                                        self.runner.device, logits="last")
         sel = torch.cat(hidden_rows).to(out.hidden.device)
         reuse = out.topk[sel] if out.topk is not None else None  # same positions, same visibility
         mout = self.runner.forward_mtp(mtp_batch, out.hidden[sel], reuse)
         last = mtp_batch.logits_indices
-        for i, (b, final) in enumerate(finals):
-            if final:
-                reqs[b].spec_state = DraftState(logits=mout.logits[i], hidden=mout.hidden[last[i]])
+        for i, b in enumerate(finals):
+            # the last state is what the next round needs; a partial chunk's is overwritten by its next chunk
+            self.states[rows[b]] = DraftState(logits=mout.logits[i], hidden=mout.hidden[last[i]])
 
     # ------------------------------------------------------------------ decode
     @torch.no_grad()
-    def decode(self, reqs: list[Request]) -> list[list[int]]:
-        """One speculative round for `reqs`; returns the new tokens of each (accepted drafts + 1)."""
+    def decode(self, reqs: SpecRows) -> list[list[int]]:
+        """One speculative round; returns the new tokens of each request (accepted drafts + 1). The root and
+        the accepted drafts are cached afterwards: the caller advances each request by len(tokens)."""
         dev = self.runner.device
-        for r in reqs:
-            assert r.seq_len == r.num_tokens - 1, "speculation starts from a cached context + one root token"
-            assert isinstance(r.spec_state, DraftState), f"request {r.request_id} has no draft state"
-        rows = torch.tensor([r.row for r in reqs], device=dev)
-        seq = torch.tensor([r.seq_len for r in reqs], device=dev)
+        for row, rid in zip(reqs.rows, reqs.request_ids):
+            assert row in self.states, f"request {rid} (row {row}) has no draft state"
+        rows = torch.tensor(reqs.rows, device=dev)
+        seq = torch.tensor(reqs.seq_lens, device=dev)
         trees = self._draft(reqs, rows, seq)
-        target = self._verify(reqs, rows, seq, trees)
-        return target
+        return self._verify(reqs, rows, seq, trees)
 
-    def _topk_children(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose(self, reqs: SpecRows, depth: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's proposals at `depth` (1 = the root's children): (tokens, log-probs), each [bs, m] with
+        m = k at depth 1 and k*k (beam-major) deeper: the top-k children of every row of `logits`."""
         logp = torch.log_softmax(logits.float(), dim=-1)
         vals, toks = logp.topk(self.opts.topk, dim=-1)
-        return vals, toks
+        bs = len(reqs)
+        return toks.reshape(bs, -1), vals.reshape(bs, -1)
 
-    def _draft(self, reqs: list[Request], rows: torch.Tensor, seq: torch.Tensor) -> list[DraftTree]:
+    def _draft(self, reqs: SpecRows, rows: torch.Tensor, seq: torch.Tensor) -> list[DraftTree]:
         runner, lay, opts = self.runner, self.layout, self.opts
         bs, k, dev = len(reqs), opts.topk, runner.device
-        root_logits = torch.stack([r.spec_state.logits for r in reqs])
-        vals, toks = self._topk_children(root_logits)  # [bs, k]
-        toks, vals = self._override(reqs, 1, toks, vals)
+        states = [self.states[row] for row in reqs.rows]
+        toks, vals = self.propose(reqs, 1, torch.stack([st.logits for st in states]))  # [bs, k]
         step_lp = [[vals[b:b + 1]] for b in range(bs)]
         step_tok = [[toks[b:b + 1]] for b in range(bs)]
         # beams feeding each depth, as flat candidate ids of the depth before (depth 1: all k)
@@ -201,7 +206,7 @@ class MTPSpeculator:
         if opts.num_steps > 1:
             flat = lay.draft_cache_loc(runner.req_to_token, rows, seq)
             steps_loc = lay.draft_steps_view(flat, bs)
-            hidden = torch.stack([r.spec_state.hidden for r in reqs]).repeat_interleave(k, 0)  # [bs*k, H]
+            hidden = torch.stack([st.hidden for st in states]).repeat_interleave(k, 0)  # [bs*k, H]
             beam_tok, beam_score = toks.reshape(-1), vals.reshape(-1)  # [bs*k]
             # scratch ancestry of each beam: [bs*k, steps*k] bits over the draft region
             ancestry = torch.zeros(bs * k, lay.draft_width, dtype=torch.bool, device=dev)
@@ -217,8 +222,7 @@ class MTPSpeculator:
                 out = runner.forward_mtp(batch, hidden, prev_topk if opts.share_topk_across_steps else None)
                 if opts.share_topk_across_steps:
                     prev_topk = out.topk
-                lp, ch = self._topk_children(out.logits)  # [bs*k, k]
-                ch, lp = self._override(reqs, f + 2, ch.view(bs, k * k), lp.view(bs, k * k))
+                ch, lp = self.propose(reqs, f + 2, out.logits)  # [bs, k*k]
                 cum = beam_score.unsqueeze(1) + lp.view(bs * k, k)
                 cum_b, ch_b = cum.view(bs, k, k), ch.view(bs, k, k)
                 for b in range(bs):
@@ -235,22 +239,12 @@ class MTPSpeculator:
                 hidden = out.hidden[gather]
                 ancestry = ancestry[gather].clone()
         trees = []
-        for b, r in enumerate(reqs):
-            tree = grow_tree(r.last_token, step_lp[b], step_par[b], step_tok[b], opts.num_draft_tokens)
+        for b, root in enumerate(reqs.roots):
+            tree = grow_tree(root, step_lp[b], step_par[b], step_tok[b], opts.num_draft_tokens)
             trees.append(tree.padded(opts.num_draft_tokens, pad_token=0) if tree.size < opts.num_draft_tokens else tree)
         return trees
 
-    def _override(self, reqs: list[Request], depth: int, toks: torch.Tensor,
-                  logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Apply the test-only draft override to [bs, m] proposals; replaced tokens get log-prob 0 (ranked first)."""
-        if self.draft_override is None:
-            return toks, logp
-        new = torch.tensor([list(self.draft_override(r, depth, toks[b].tolist())) for b, r in enumerate(reqs)],
-                           dtype=toks.dtype, device=toks.device)
-        assert new.shape == toks.shape, "draft_override must return as many tokens as proposed"
-        return new, torch.where(new != toks, torch.zeros_like(logp), logp)
-
-    def _verify(self, reqs: list[Request], rows: torch.Tensor, seq: torch.Tensor,
+    def _verify(self, reqs: SpecRows, rows: torch.Tensor, seq: torch.Tensor,
                 trees: list[DraftTree]) -> list[list[int]]:
         runner, lay = self.runner, self.layout
         dev, bs, nd = runner.device, len(reqs), self.opts.num_draft_tokens
@@ -273,12 +267,11 @@ class MTPSpeculator:
             runner.attn.kv_move(src, dst)
         hid_rows = torch.cat([torch.tensor(p, device=dev) + b * nd for b, p in enumerate(paths)])
         hidden = out.hidden[hid_rows]
-        for r, p in zip(reqs, paths):
-            r.seq_len += len(p)  # the root and the accepted drafts are now cached
+        for rid, p in zip(reqs.request_ids, paths):
             self.stats.verify_steps += 1
             self.stats.draft_tokens += nd - 1
             self.stats.accepted_tokens += len(p) - 1
-            self.stats.per_request.setdefault(r.request_id, []).append(len(p) - 1)
+            self.stats.per_request.setdefault(rid, []).append(len(p) - 1)
 
         # Draft extend: pair target hidden at n + m with the token at n + m + 1.
         ext_batch, hidden = self._draft_extend_batch(rows.tolist(), seq.tolist(), new_tokens, hidden)
@@ -287,8 +280,8 @@ class MTPSpeculator:
             reuse = out.topk[hid_rows]  # chain: verify rows sit at their final positions already
         mout = runner.forward_mtp(ext_batch, hidden, reuse)
         last = ext_batch.logits_indices
-        for i, r in enumerate(reqs):
-            r.spec_state = DraftState(logits=mout.logits[i], hidden=mout.hidden[last[i]])
+        for i, row in enumerate(reqs.rows):
+            self.states[row] = DraftState(logits=mout.logits[i], hidden=mout.hidden[last[i]])
         return new_tokens
 
     def _draft_extend_batch(self, rows: list[int], seq: list[int], new_tokens: list[list[int]],
@@ -322,27 +315,27 @@ class MTPSpeculator:
         pad_hidden[real] = hidden
         return batch, pad_hidden
 
-    def _accept(self, reqs: list[Request], trees: list[DraftTree],
+    def _accept(self, reqs: SpecRows, trees: list[DraftTree],
                 logits: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
         paths, new_tokens = [], []
-        greedy_rows = [b for b, r in enumerate(reqs) if r.params.greedy]
+        greedy_rows = [b for b, p in enumerate(reqs.params) if p.greedy]
         argmax = logits[greedy_rows].argmax(-1).tolist() if greedy_rows else []
-        sampled_rows = [b for b, r in enumerate(reqs) if not r.params.greedy]
+        sampled_rows = [b for b, p in enumerate(reqs.params) if not p.greedy]
         probs = {}
         if sampled_rows:
             nd = logits.shape[1]
-            params = [reqs[b].params for b in sampled_rows for _ in range(nd)]
-            positions = [len(reqs[b].output_ids) for b in sampled_rows for _ in range(nd)]
+            params = [reqs.params[b] for b in sampled_rows for _ in range(nd)]
+            positions = [reqs.output_positions[b] for b in sampled_rows for _ in range(nd)]
             sb = self.sampler.batch(params, positions)
             p = probabilities(logits[sampled_rows].reshape(len(sampled_rows) * nd, -1), sb)
             for i, b in enumerate(sampled_rows):
                 probs[b] = p[i * nd:(i + 1) * nd].cpu()
         g = iter(argmax)
-        for b, (r, tree) in enumerate(zip(reqs, trees)):
-            if r.params.greedy:
+        for b, (p, pos, tree) in enumerate(zip(reqs.params, reqs.output_positions, trees)):
+            if p.greedy:
                 path, nxt = accept_greedy(tree, next(g))
             else:
-                key = row_key(r.params.seed, len(r.output_ids)) if r.params.seed is not None \
+                key = row_key(p.seed, pos) if p.seed is not None \
                     else self.sampler.rng.getrandbits(63)
                 gen = torch.Generator().manual_seed(key & ((1 << 63) - 1))
                 path, nxt = accept_sampled(tree, probs[b], gen)

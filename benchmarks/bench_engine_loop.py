@@ -1,0 +1,165 @@
+"""Issue 16 on the GPU: host time in the engine loop, overlapped scheduling on and off.
+
+Part 1, per setting (overlap on / off), one engine, same process:
+  end-to-end decode inter-token latency through `LLM.generate` at batch 1 and 32 (context ~1k), next to the
+  CUDA-graph replay time of that same decode step (the graph's static buffers still hold the last real
+  batch). ITL through generate = (time of generate with 1 + M tokens - time with 1 token) / M on fresh
+  prompts (prefix caching off), so prefill and start-up cancel out.
+Part 2: `minidsa bench` (the default workload, offline) in a fresh process per setting: ITL p50 / p99,
+  output tok/s, TTFT.
+
+    python benchmarks/bench_engine_loop.py --out /tmp/out [--model bench-dsv32] [--skip-bench] [--bench-args ...]
+    (--allow-cpu: a smoke run of the script on the tiny model without a GPU; its figures mean nothing)
+
+Writes engine_loop.json and engine_loop.md under --out and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1000, vocab - 1, (n, length), generator=g).tolist()
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _generate_s(llm, prompts, max_tokens: int) -> float:
+    from minidsa import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    _sync()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    _sync()
+    assert all(len(o.token_ids) == max_tokens for o in outs)
+    return time.perf_counter() - start
+
+
+def _replay_ms(graphs, bs: int, context: int, iters: int = 50) -> float:
+    """Median replay time of the decode graph the last generate used (its static buffers hold that batch);
+    nan without graphs (CPU smoke runs)."""
+    if graphs is None:
+        return float("nan")
+    bucket = graphs.bucket_for("decode", bs)
+    st = graphs.static[("decode", bucket, graphs.ctx_bucket_for(context + 1))]
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        st.graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def measure_itl(model: str, overlap: bool, batches: list[int], context: int, decode_tokens: int,
+                max_bs: int) -> list[dict]:
+    from minidsa import LLM
+
+    llm = LLM(model=model, progress=False, overlap_schedule=overlap, enable_prefix_caching=False,
+              max_running_requests=max(batches), cuda_graph_max_bs=max_bs)
+    vocab = llm.engine.vocab_size
+    rows = []
+    seed = 0
+    for bs in batches:
+        _generate_s(llm, _prompts(bs, context, vocab, seed := seed + 1), 4)  # warm-up at this batch size
+        t1 = min(_generate_s(llm, _prompts(bs, context, vocab, seed := seed + 1), 1) for _ in range(2))
+        tn = min(_generate_s(llm, _prompts(bs, context, vocab, seed := seed + 1), 1 + decode_tokens)
+                 for _ in range(2))
+        itl_ms = (tn - t1) / decode_tokens * 1e3
+        replay_ms = _replay_ms(llm.engine.runner.graphs, bs, context + decode_tokens)
+        rows.append({"overlap": overlap, "batch": bs, "context": context, "itl_generate_ms": itl_ms,
+                     "graph_replay_ms": replay_ms, "ratio": itl_ms / replay_ms})
+        print(f"overlap={overlap} bs={bs}: ITL through generate {itl_ms:.3f} ms, graph replay {replay_ms:.3f} ms, "
+              f"ratio {itl_ms / replay_ms:.3f}", flush=True)
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run_bench(model: str, overlap: bool, out: str, extra: list[str]) -> dict:
+    path = os.path.join(out, f"engine_loop_bench_{'overlap' if overlap else 'no_overlap'}.json")
+    cmd = [sys.executable, "-m", "minidsa", "bench", "--model", model, "--no-progress", "--json", path, *extra]
+    if not overlap:
+        cmd.append("--disable-overlap-schedule")
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    with open(path) as f:
+        r = json.load(f)["results"]
+    os.remove(path)  # summarised below: few files come back from the GPU machine
+    return {"overlap": overlap, "output_tokens_per_s": r["output_tokens_per_s"],
+            "itl_p50_ms": r["itl_s"]["p50"] * 1e3, "itl_p99_ms": r["itl_s"]["p99"] * 1e3,
+            "ttft_p50_ms": r["ttft_s"]["p50"] * 1e3, "ttft_p99_ms": r["ttft_s"]["p99"] * 1e3,
+            "duration_s": r["duration_s"], "num_requests": r["num_requests"]}
+
+
+def to_markdown(result: dict) -> str:
+    lines = [f"# Engine loop ({result['model']}, {result['device']})", "",
+             "| overlap | batch | ITL via generate (ms) | graph replay (ms) | ratio |", "|---|---|---|---|---|"]
+    for r in result["itl"]:
+        lines.append(f"| {r['overlap']} | {r['batch']} | {r['itl_generate_ms']:.3f} | {r['graph_replay_ms']:.3f} | "
+                     f"{r['ratio']:.3f} |")
+    if result.get("bench"):
+        lines += ["", "| overlap | output tok/s | ITL p50 (ms) | ITL p99 (ms) | p99/p50 | TTFT p50 (ms) | "
+                  "TTFT p99 (ms) |", "|---|---|---|---|---|---|---|"]
+        for r in result["bench"]:
+            lines.append(f"| {r['overlap']} | {r['output_tokens_per_s']:.0f} | {r['itl_p50_ms']:.2f} | "
+                         f"{r['itl_p99_ms']:.2f} | {r['itl_p99_ms'] / r['itl_p50_ms']:.2f} | "
+                         f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="bench-dsv32", help="preset or checkpoint (default: bench-dsv32)")
+    p.add_argument("--out", default=".", help="folder for engine_loop.json / engine_loop.md")
+    p.add_argument("--batches", default="1,32", help="decode batch sizes for the ITL comparison")
+    p.add_argument("--context", type=int, default=1024, help="prompt length of the ITL comparison")
+    p.add_argument("--decode-tokens", type=int, default=64, help="decode steps timed per ITL measurement")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=32, help="largest captured batch (start-up time)")
+    p.add_argument("--skip-bench", action="store_true", help="only the ITL comparison")
+    p.add_argument("--bench-args", default="", help="extra `minidsa bench` arguments, e.g. '--num-requests 128'")
+    p.add_argument("--allow-cpu", action="store_true", help="run without a GPU (a smoke run of this script)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        print("needs a CUDA GPU (--allow-cpu for a smoke run)")
+        return 1
+    os.makedirs(args.out, exist_ok=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    result = {"model": args.model, "device": device, "torch": torch.__version__,
+              "itl": [], "bench": []}
+    for overlap in (True, False):
+        result["itl"] += measure_itl(args.model, overlap, batches, args.context, args.decode_tokens,
+                                     args.cuda_graph_max_bs)
+    if not args.skip_bench:
+        for overlap in (True, False):
+            result["bench"].append(run_bench(args.model, overlap, args.out, args.bench_args.split()))
+    with open(os.path.join(args.out, "engine_loop.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    md = to_markdown(result)
+    with open(os.path.join(args.out, "engine_loop.md"), "w") as f:
+        f.write(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

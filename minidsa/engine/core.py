@@ -1,0 +1,485 @@
+"""Engine: the control plane. Requests in (add / abort), one step at a time, outputs out.
+
+A step: the scheduler decides which requests run (scheduler.py); the engine turns that into a `StepPlan`
+(plain data: rows, positions, input tokens, sampling parameters, page-table writes; step_plan.py) and
+hands it to the `Worker` (worker.py), the only owner of device state, which returns a `StepResult`
+(tokens, logprobs). The tokens enter their requests through the `OutputProcessor` (outputs.py: stop
+conditions, detokenising, RequestOutput).
+
+Overlapped scheduling (`EngineConfig.overlap_schedule`, on by default): `step()` plans and launches step
+N+1 *before* it waits for step N's tokens, then processes them while the device runs N+1. A decode row's
+input token is the one the worker sampled for it, kept on the device, so planning needs no token from the
+host. Stops stay exact: a request that stopped in step N may already be planned into step N+1; its token
+from N+1 is dropped (its KV was freed once, when step N's result finished it). Tokens a step plans past
+max_tokens are never planned (`Request.all_tokens_planned`). Outputs come one step later than without
+overlap. Steps run without overlap (the previous step's tokens are processed first) when the plan needs
+host data the in-flight step has not delivered: speculative rounds (the speculator builds trees on the
+host) and requests with presence / frequency / repetition penalties (they need every output id).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from minidsa.config import ConfigError, EngineConfig, ModelConfig
+from minidsa.engine.outputs import OutputProcessor
+from minidsa.models.presets import DEFAULT_PRESET, PRESETS, is_preset, preset_config
+from minidsa.prefix_cache import PrefixCache
+from minidsa.request import (InvalidRequest, QueueFull, Request, RequestOutput, RequestStatus, SamplingParams,
+                             Struct, now)
+from minidsa.runner import ModelRunner
+from minidsa.sampling import Sampler
+from minidsa.scheduler import ScheduledBatch, Scheduler
+from minidsa.step_plan import PromptScoring, StepMode, StepPlan
+from minidsa.tokenizer import Tokenizer, load_tokenizer
+from minidsa.worker import PendingStep, Worker
+
+logger = logging.getLogger(__name__)
+
+
+class EngineMetrics(Struct):
+    num_running: int
+    num_waiting: int
+    kv_used_tokens: int
+    kv_total_tokens: int
+    kv_usage: float
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    requests_finished_total: int
+    preemptions_total: int
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    spec_verify_steps_total: int = 0
+    prefix_cache_query_tokens_total: int = 0  # prompt (+ recomputed) tokens looked up at admission
+    prefix_cache_hit_tokens_total: int = 0  # of which were found in the cache and not prefilled
+    prefix_cache_pages: int = 0  # pages the prefix cache holds now (shared or evictable)
+    prefix_cache_tokens: int = 0  # the same in token slots
+
+
+def resolve_engine_config(config: EngineConfig) -> EngineConfig:
+    """A validated copy with every "auto" replaced by what this machine gets."""
+    cfg = dataclasses.replace(config, extra=dict(config.extra))
+    cfg.validate()
+    if cfg.device == "auto":
+        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        on_gpu = torch.device(cfg.device).type == "cuda"
+    except RuntimeError as e:
+        raise ConfigError("device", f"'{cfg.device}' is not a torch device: {e}") from e
+    if on_gpu and not torch.cuda.is_available():
+        raise ConfigError("device", f"'{cfg.device}' asked for but CUDA is not available")
+    if cfg.dtype == "auto":
+        cfg.dtype = "bfloat16" if on_gpu else "float32"
+    if cfg.page_size == 0:  # 64 = DeepGEMM's paged indexer block; tree drafts move single slots
+        cfg.page_size = 64 if on_gpu and cfg.speculative_topk == 1 else 1
+    if cfg.indexer_cache_dtype == "auto":
+        cfg.indexer_cache_dtype = "fp8" if on_gpu else "model"
+    return cfg
+
+
+def decode_reserve_tokens(cfg: EngineConfig) -> int:
+    """KV positions one decode step may write past a request's cached tokens: 1, or the speculator's
+    draft / verify width (a chain of n steps verifies n + 1 tokens; a tree drafts steps * topk)."""
+    if cfg.speculative_num_steps == 0:
+        return 1
+    steps, topk = cfg.speculative_num_steps, cfg.speculative_topk
+    return max(steps * topk, cfg.speculative_num_draft_tokens or steps + 1)
+
+
+def resolve_model(name: str | None) -> tuple[ModelConfig, str | None, float, str]:
+    """(model config, checkpoint path or None for random weights, init std, served model name)."""
+    name = name or DEFAULT_PRESET
+    if is_preset(name):
+        try:
+            raw = preset_config(name)
+        except ValueError as e:
+            raise ConfigError("model", str(e)) from None
+        return ModelConfig.from_dict(raw), None, float(raw.get("initializer_range", 0.02)), f"minidsa-{name}"
+    if os.path.isdir(name):
+        return ModelConfig.from_pretrained(name), name, 0.02, os.path.basename(os.path.normpath(name))
+    raise ConfigError("model", f"'{name}' is neither a preset ({', '.join(PRESETS)}, optionally "
+                      "NAME:LAYERS) nor a checkpoint directory")
+
+
+@dataclass
+class _InFlight:
+    """A launched step and what the control plane needs to process its result."""
+
+    plan: StepPlan
+    reqs: list[Request]
+    completes: list[bool]  # the step completes the request's prefill (or is a decode row)
+    pending: PendingStep
+
+
+class Engine:
+    """Step-level engine. Used from one thread at a time (the server runs it in one background thread)."""
+
+    def __init__(self, config: EngineConfig | None = None, progress: bool = True, **engine_args: Any):
+        if config is None:
+            config = make_engine_config(**engine_args)
+        elif engine_args:
+            config = dataclasses.replace(config, **engine_args)
+        self.config = resolve_engine_config(config)
+        cfg = self.config
+        self.model_config, model_path, init_std, self.model_name = resolve_model(cfg.model)
+        self._model_path = model_path
+        self._tokenizer: Tokenizer | None = None  # loaded on first use: token-id workloads run without one
+        self.vocab_size = self.model_config.vocab_size
+        eos_token_ids = frozenset(self.model_config.eos_token_ids or self._tokenizer_eos())
+        self.decode_reserve = decode_reserve_tokens(cfg)
+        t0 = time.perf_counter()
+        runner = ModelRunner(cfg, self.model_config, model_path, init_std, self.decode_reserve, progress)
+        t_load = time.perf_counter()
+        self.max_model_len: int = runner.max_model_len
+        # With MTP speculation a page's last MTP slot depends on the token after the page: it is part of the key.
+        self.prefix_cache = PrefixCache(runner.allocator, lookahead=1 if cfg.speculative_num_steps else 0) \
+            if cfg.enable_prefix_caching else None
+        self.sampler = Sampler(self.vocab_size, runner.device, cfg.seed)
+        speculator = self._build_speculator(runner)
+        # The speculator verifies pure decode batches: with it, prefill and decode steps alternate.
+        self.mixed_steps = cfg.enable_mixed_chunk and speculator is None
+        self.scheduler = Scheduler(runner.allocator, runner.req_to_token_pool.rows,
+                                   max_running_requests=cfg.max_running_requests,
+                                   max_prefill_tokens=cfg.max_prefill_tokens,
+                                   chunked_prefill_size=cfg.chunked_prefill_size,
+                                   decode_reserve=self.decode_reserve, prefix_cache=self.prefix_cache,
+                                   mixed=self.mixed_steps)
+        self.worker = Worker(runner, self.sampler, speculator)
+        t_ready = time.perf_counter()
+        runner.prepare_fast_paths(speculator.layout if speculator is not None else None)
+        t_graphs = time.perf_counter()
+        # Compilation happens during the graphs' warm-up calls: one figure for both.
+        logger.info("start-up %.1f s: weights and KV cache %.1f s, engine %.1f s, compile + CUDA graph capture %.1f s",
+                    t_graphs - t0, t_load - t0, t_ready - t_load, t_graphs - t_ready)
+        self.outputs = OutputProcessor(lambda: self.tokenizer, eos_token_ids, self.max_model_len)
+        # Speculative rounds need the previous round's tokens on the host: no overlap with them.
+        self.overlap = cfg.overlap_schedule and speculator is None
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self._pending: list[RequestOutput] = []  # abort outputs handed out by the next step()
+        self._in_flight: _InFlight | None = None
+        self._ids = itertools.count()
+        self._prompt_tokens_total = 0
+        self._finished_total = 0
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.outputs.eos_token_ids
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.worker.runner
+
+    @property
+    def speculator(self) -> Any:
+        return self.worker.speculator
+
+    def _build_speculator(self, runner: ModelRunner) -> Any:
+        cfg = self.config
+        if cfg.speculative_num_steps == 0 and cfg.speculative_num_draft_tokens == 0 and cfg.speculative_topk == 1:
+            return None
+        from minidsa.speculative.mtp import MTPSpeculator, resolve_spec_options
+
+        options = resolve_spec_options(cfg, self.model_config, cfg.page_size)
+        if options is None:
+            return None
+        speculator = MTPSpeculator(runner, options, self.sampler)
+        if speculator.reserved_tokens > self.decode_reserve:
+            raise RuntimeError(f"speculator needs {speculator.reserved_tokens} KV positions per decode step, "
+                               f"the scheduler reserves {self.decode_reserve}")
+        return speculator
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self._model_path, self.config.tokenizer)
+        return self._tokenizer
+
+    def _tokenizer_eos(self) -> tuple[int, ...]:
+        try:
+            return self.tokenizer.eos_token_ids
+        except (RuntimeError, OSError) as e:
+            logger.warning("no eos token: config.json names none and the tokenizer is unavailable (%s)", e)
+            return ()
+
+    def __repr__(self) -> str:
+        return (f"Engine(model={self.model_name!r}, device={self.config.device}, dtype={self.config.dtype}, "
+                f"running={self.num_running()}, waiting={self.num_waiting()})")
+
+    # -- requests -----------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, *, use_prefix_cache: bool = True) -> str:
+        """Queue a request; raises InvalidRequest (nothing changed) when it cannot be served.
+
+        `use_prefix_cache=False`: the request neither reuses cached KV pages nor adds its own (the baseline
+        `minidsa bench --workload shared-prefix` measures beside the cached run)."""
+        params = copy.copy(params) if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if self.speculator is not None:
+            # the speculator's verify samples by its own rules: no logprobs and no penalties there (yet)
+            for name, on in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs is not None),
+                             ("presence_penalty", params.presence_penalty != 0.0),
+                             ("frequency_penalty", params.frequency_penalty != 0.0),
+                             ("repetition_penalty", params.repetition_penalty != 1.0)):
+                if on:
+                    raise InvalidRequest(f"SamplingParams.{name} is not supported with speculative decoding")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"SamplingParams.stop_token_ids {bad} are outside the vocabulary "
+                                 f"(size {self.vocab_size})")
+        if params.detokenize or isinstance(prompt, str):
+            self.tokenizer  # noqa: B018 - fails here, before anything changed, if there is no tokenizer
+        text = None
+        if isinstance(prompt, str):
+            text = prompt
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise InvalidRequest(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise InvalidRequest("prompt is empty")
+        out_of_vocab = [t for t in ids if not 0 <= t < self.vocab_size]
+        if out_of_vocab:
+            raise InvalidRequest(f"prompt token ids {out_of_vocab[:8]} are outside the vocabulary "
+                                 f"(size {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(f"prompt is too long: {len(ids)} tokens, max_model_len is {self.max_model_len} "
+                                 f"(prompt + max_tokens must fit)")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                                 f"{len(ids) + params.max_tokens} exceeds max_model_len {self.max_model_len}")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self.requests:
+                request_id = f"req-{next(self._ids)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise InvalidRequest(f"request_id must be a non-empty string, got {request_id!r}")
+        elif request_id in self.requests:
+            raise InvalidRequest(f"request_id '{request_id}' is already in use")
+        if len(self.scheduler.waiting) >= self.config.max_queued_requests:
+            raise QueueFull(f"queue full: {len(self.scheduler.waiting)} requests waiting "
+                            f"(max_queued_requests {self.config.max_queued_requests})")
+        if self._pending:  # an id reused right after its abort must not receive the old abort output
+            self._pending = [o for o in self._pending if o.request_id != request_id]
+        req = Request(request_id=request_id, prompt_ids=ids, params=params, prompt=text, arrival_time=now(),
+                      use_prefix_cache=bool(use_prefix_cache))
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs, req.prompt_top_logprobs = [None], [None]  # the first prompt token has none
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str, report: bool = True) -> bool:
+        """Drop a request now and free its KV. With `report`, its final output (finish_reason "abort")
+        comes with the next step(). False if the id is unknown or already finished.
+
+        A step in flight may still compute a token for it: that token is dropped (the request is finished),
+        and the freed pages are only written by steps launched after it."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.abort(req)
+        req.finish_reason = "abort"
+        self._finished_total += 1
+        if report:
+            self._pending.append(self.outputs.make_output(req, [], ""))
+        return True
+
+    def has_unfinished(self) -> bool:
+        # A step still in flight once every request is finished holds only tokens that will be dropped.
+        return bool(self.requests) or bool(self._pending)
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- the step -----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Plan and launch the next step; return the outputs of the previous one (overlap) or of this one.
+
+        Outputs: every request that got tokens or finished (and aborts since the last call)."""
+        outputs, self._pending = self._pending, []
+        if self._in_flight is not None and not self._can_overlap():
+            outputs += self._finish(self._take_in_flight())
+        previous = self._take_in_flight()
+        launched = self._launch_next()
+        if previous is not None:  # the device runs `launched` meanwhile
+            outputs += self._finish(previous)
+        if launched is not None:
+            if self.overlap and self._can_overlap():
+                self._in_flight = launched
+            else:
+                outputs += self._finish(launched)
+        elif previous is None and self.requests and not self.scheduler.running:
+            raise RuntimeError(f"scheduler made no progress with {len(self.requests)} requests waiting "
+                               f"and {self.runner.allocator.num_free_pages} free KV pages")
+        return outputs
+
+    def _take_in_flight(self) -> _InFlight | None:
+        step, self._in_flight = self._in_flight, None
+        return step
+
+    def _can_overlap(self) -> bool:
+        """Planning the next step needs nothing the in-flight step has not delivered to the host."""
+        return self.overlap and not any(r.params.penalised for r in self.requests.values())
+
+    def _launch_next(self) -> _InFlight | None:
+        sched = self.scheduler.schedule()
+        if sched is None:
+            return None
+        plan, completes = self._plan(sched)
+        return _InFlight(plan, list(sched.reqs), completes, self.worker.launch(plan))
+
+    def _plan(self, sched: ScheduledBatch) -> tuple[StepPlan, list[bool]]:
+        """The step plan of a scheduled batch; advances each request's planned state (seq_len, num_pending)."""
+        reqs = sched.reqs
+        spec = self.speculator is not None and sched.mode == StepMode.DECODE
+        mode = StepMode.SPEC if spec else sched.mode
+        input_ids: list[int] = []
+        from_device, sample, positions, completes = [], [], [], []
+        scoring: list[PromptScoring | None] = []
+        lookahead: list[int | None] = []
+        for b, (r, n) in enumerate(zip(reqs, sched.extend_lens)):
+            decode_row = b < sched.num_decode
+            complete = decode_row or r.seq_len + n >= r.prefill_len
+            completes.append(complete)
+            from_device.append(decode_row and not spec)
+            sample.append(complete and not spec and r.params.max_tokens > 0)
+            positions.append(len(r.output_ids) + r.num_pending)
+            if not decode_row:
+                input_ids += r.token_slice(r.seq_len, r.seq_len + n)
+                lookahead.append(r.token_slice(r.seq_len + n, r.seq_len + n + 1)[0]
+                                 if r.seq_len + n < r.num_tokens else None)
+            else:
+                lookahead.append(None)
+            scoring.append(self._prompt_scoring(r, n) if not decode_row else None)
+        plan = StepPlan(
+            mode=mode, rows=[r.row for r in reqs], prefix_lens=[r.seq_len for r in reqs],
+            extend_lens=list(sched.extend_lens), input_ids=input_ids, from_device=from_device, sample=sample,
+            params=[r.params for r in reqs], output_positions=positions,
+            table_writes=self.scheduler.take_table_writes(), request_ids=[r.request_id for r in reqs],
+            penalty_context=([(r.prompt_ids, list(r.output_ids)) if r.params.penalised else None for r in reqs]
+                             if any(r.params.penalised for r in reqs) else None),
+            prompt_scoring=scoring if any(s is not None for s in scoring) else None,
+            spec_roots=[r.last_token for r in reqs] if spec else None,
+            spec_lookahead=lookahead if self.speculator is not None and not spec else None)
+        for r, n, s in zip(reqs, sched.extend_lens, sample):
+            if spec:
+                r.num_pending += 1  # the round's tokens (>= 1): seq_len advances when they arrive
+                continue
+            r.seq_len += n  # cached by the time any later step reads them
+            r.num_pending += s
+        return plan, completes
+
+    @staticmethod
+    def _prompt_scoring(req: Request, n: int) -> PromptScoring | None:
+        """Prompt positions of this chunk whose successors are not scored yet (none twice after a preemption)."""
+        if req.params.prompt_logprobs is None:
+            return None
+        first = max(req.seq_len, req.prompt_scored)
+        end = min(req.seq_len + n, len(req.prompt_ids) - 1)
+        req.prompt_scored = max(req.prompt_scored, end)
+        targets = tuple(req.prompt_ids[first + 1:end + 1]) if end > first else ()
+        return PromptScoring(first - req.seq_len, targets, req.params.prompt_logprobs)
+
+    def _finish(self, step: _InFlight) -> list[RequestOutput]:
+        """Take a launched step's result: tokens into their requests, finished requests freed."""
+        result = step.pending.result()
+        plan = step.plan
+        outputs: list[RequestOutput] = []
+        for b, req in enumerate(step.reqs):
+            toks = result.tokens[b]
+            if plan.sample[b] or plan.mode == StepMode.SPEC:
+                req.num_pending -= 1
+            if plan.mode == StepMode.SPEC and req.status == RequestStatus.RUNNING:
+                req.seq_len += len(toks)  # the root and the accepted drafts are cached
+            if req.finish_reason is not None:
+                continue  # stopped in an earlier step, or aborted, after this step was planned: dropped
+            if result.prompt_logprobs is not None and result.prompt_logprobs[b] is not None:
+                values, tops = result.prompt_logprobs[b]
+                req.prompt_logprobs += values
+                req.prompt_top_logprobs += tops
+            if toks:
+                if req.first_token_time is None:
+                    self._prompt_tokens_total += len(req.prompt_ids)
+                kept, text = self.outputs.append_tokens(
+                    req, toks, None if result.logprobs is None else result.logprobs[b],
+                    None if result.top_logprobs is None else result.top_logprobs[b])
+                outputs.append(self.outputs.make_output(req, kept, text))
+            elif step.completes[b] and req.params.max_tokens == 0:  # the prompt scored, no token wanted
+                self._prompt_tokens_total += len(req.prompt_ids)
+                req.finish_reason = "length"
+                outputs.append(self.outputs.make_output(req, [], ""))
+            if req.finish_reason is not None:
+                self._retire(req)
+        return outputs
+
+    def _retire(self, req: Request) -> None:
+        """A request finished: free its KV now (exactly once; later steps' tokens for it are dropped)."""
+        if req.status == RequestStatus.RUNNING:
+            self.scheduler.finish(req)
+        elif req.status == RequestStatus.WAITING:  # preempted while its last token was in flight
+            self.scheduler.abort(req)
+        if self.requests.get(req.request_id) is req:
+            del self.requests[req.request_id]
+        self._finished_total += 1
+
+    # -- tokens in (tests and tools call these directly) -------------------------
+    def append_tokens(self, req: Request, tokens: list[int], logprobs: list[float] | None = None,
+                      top_logprobs: list[dict[int, float]] | None = None) -> tuple[list[int], str]:
+        return self.outputs.append_tokens(req, tokens, logprobs, top_logprobs)
+
+    # -- introspection ------------------------------------------------------------
+    def metrics(self) -> EngineMetrics:
+        alloc = self.runner.allocator
+        used = alloc.num_held_pages * alloc.page_size  # evictable cached pages are free for the taking
+        total = alloc.num_usable_pages * alloc.page_size
+        spec = getattr(self.speculator, "stats", None)
+        return EngineMetrics(
+            num_running=self.num_running(),
+            num_waiting=self.num_waiting(),
+            kv_used_tokens=used,
+            kv_total_tokens=total,
+            kv_usage=used / total if total else 0.0,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self.outputs.generation_tokens_total,
+            requests_finished_total=self._finished_total,
+            preemptions_total=self.scheduler.num_preemptions,
+            spec_draft_tokens_total=getattr(spec, "draft_tokens", 0),
+            spec_accepted_tokens_total=getattr(spec, "accepted_tokens", 0),
+            spec_verify_steps_total=getattr(spec, "verify_steps", 0),
+            prefix_cache_query_tokens_total=self.scheduler.cache_query_tokens,
+            prefix_cache_hit_tokens_total=self.scheduler.cache_hit_tokens,
+            prefix_cache_pages=alloc.num_cached_pages,
+            prefix_cache_tokens=alloc.num_cached_pages * alloc.page_size,
+        )
+
+    def check_no_leaks(self) -> None:
+        """AssertionError if KV pages or req_to_token rows are held by no running request, or a page's
+        reference count is not the number of running requests holding it (prefix-cache pages aside)."""
+        self.scheduler.check_consistent()
+        if not self.requests:
+            self.runner.check_all_free()
+
+
+def make_engine_config(model: str | None = None, **engine_args: Any) -> EngineConfig:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(engine_args) - names)
+    if unknown:
+        raise ConfigError(unknown[0], f"is not an engine argument (known: {', '.join(sorted(names))})")
+    return EngineConfig(model=model, **engine_args)
+
+

@@ -1,0 +1,98 @@
+"""The offline Python API: `LLM(model=path_or_preset, **engine_args).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from minidsa.engine.core import Engine, make_engine_config
+from minidsa.request import InvalidRequest, RequestOutput, SamplingParams
+from minidsa.tokenizer import Tokenizer
+
+
+class LLM:
+    """Offline Python API: `LLM(model=path_or_preset, **engine_args).generate(prompts, SamplingParams(...))`.
+
+    Synchronous (no event loop), so it works as is in a Jupyter notebook.
+    """
+
+    def __init__(self, model: str | None = None, progress: bool = True, **engine_args: Any):
+        self.engine = Engine(make_engine_config(model, **engine_args), progress=progress)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def __repr__(self) -> str:
+        return f"LLM({self.engine!r})"
+
+    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in order."""
+        batch = _as_prompt_list(prompts)
+        if isinstance(params, list):
+            if len(params) != len(batch):
+                raise InvalidRequest(f"got {len(params)} SamplingParams for {len(batch)} prompts")
+            plist = params
+        else:
+            plist = [params] * len(batch)
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(batch, plist):
+                ids.append(self.engine.add_request(prompt, p))
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid, report=False)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Generating", unit="req")
+        wanted = set(ids)
+        try:
+            while len(results) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            for rid in ids:  # interrupted (KeyboardInterrupt in a notebook): free what is left
+                if rid not in results:
+                    self.engine.abort(rid, report=False)
+        return [results[rid] for rid in ids]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield an output each step the request produces tokens; the last one has finished=True.
+
+        Closing the generator early aborts the request.
+        """
+        rid = self.engine.add_request(prompt, params)
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.engine.abort(rid, report=False)
+
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None) -> RequestOutput:
+        return self.generate([self.engine.tokenizer.apply_chat_template(messages)], params)[0]
+
+
+def _as_prompt_list(prompts: Any) -> list[str | list[int]]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]
+        return list(prompts)
+    raise InvalidRequest(f"prompts must be a string, token ids, or a list of them; got {type(prompts).__name__}")

@@ -1,0 +1,196 @@
+"""Worker: the only owner of device state. Executes a `StepPlan`, returns a `StepResult`.
+
+It holds the model runner (model, KV caches, req_to_token, CUDA graphs), the sampler and the speculator,
+and one more device tensor: `next_input_ids[row]`, the token last sampled for each req_to_token row. A
+decode row's input is read from there, so the control plane can plan step N+1 while step N runs
+(overlapped scheduling) without knowing step N's tokens.
+
+`launch(plan)` enqueues the step's device work (page-table writes, forward, sampling, the copy of the
+sampled ids to pinned host memory) and records one CUDA event; `PendingStep.result()` waits on that
+event, the only host sync of a plain step, and turns the ids into lists. `execute(plan)` is both at
+once, the entry point every tensor-parallel rank calls with the same plan.
+
+Steps that need host data mid-step synchronise inside `launch`: a speculative round (trees are built
+from draft tokens on the host), prompt logprobs, and the speculator's draft extend after a prefill.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minidsa.batch import ForwardBatch, ForwardMode, host_to_device, ints_to_device
+from minidsa.kv_cache import row_slots
+from minidsa.models.deepseek_v32 import ModelOutput
+from minidsa.runner import ModelRunner
+from minidsa.sampling import SampledTokens, Sampler
+from minidsa.speculative.mtp import SpecRows
+from minidsa.step_plan import PromptScoring, StepMode, StepPlan, StepResult
+
+
+class PendingStep:
+    """A launched step: its sampled tokens are on their way to the host."""
+
+    def __init__(self, plan: StepPlan, sampled: list[int], tokens: SampledTokens | None,
+                 prompt_logprobs: list | None, event: "torch.cuda.Event | None",
+                 done: StepResult | None = None):
+        self.plan = plan
+        self._sampled = sampled  # plan indices of the rows that sampled, in the order of `tokens`
+        self._tokens = tokens
+        self._prompt_logprobs = prompt_logprobs
+        self._event = event
+        self._done = done
+
+    def result(self) -> StepResult:
+        if self._done is not None:
+            return self._done
+        if self._event is not None:
+            self._event.synchronize()  # the one host sync of the step: the tokens are needed now
+        n = self.plan.batch_size
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logprobs = top = None
+        t = self._tokens
+        if t is not None:
+            for b, tok in zip(self._sampled, t.ids.tolist()):
+                tokens[b] = [tok]
+            if t.logprobs is not None:
+                logprobs = [[] for _ in range(n)]
+                for b, lp in zip(self._sampled, t.logprobs.tolist()):
+                    logprobs[b] = [lp]
+            if t.top_ids is not None:
+                top = [[] for _ in range(n)]
+                for b, ids, lps, p in zip(self._sampled, t.top_ids.tolist(), t.top_logprobs.tolist(),
+                                          [self.plan.params[b] for b in self._sampled]):
+                    top[b] = [dict(zip(ids[:p.top_logprobs], lps[:p.top_logprobs]))]
+        self._done = StepResult(tokens, logprobs, top, self._prompt_logprobs)
+        return self._done
+
+
+def _to_host(x: torch.Tensor | None) -> torch.Tensor | None:
+    """Start copying a device tensor to pinned host memory (no sync); CPU tensors stay as they are."""
+    if x is None or x.device.type != "cuda":
+        return x
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    return host
+
+
+class Worker:
+    def __init__(self, runner: ModelRunner, sampler: Sampler, speculator=None):
+        self.runner = runner
+        self.sampler = sampler
+        self.speculator = speculator
+        self.device = runner.device
+        self.page_size = runner.page_size
+        # The token last sampled for each req_to_token row: the next decode step's input.
+        self.next_input_ids = torch.zeros(runner.req_to_token_pool.max_reqs, dtype=torch.int64, device=self.device)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.launch(plan).result()
+
+    def launch(self, plan: StepPlan) -> PendingStep:
+        pool = self.runner.req_to_token_pool
+        for w in plan.table_writes:
+            pool.write_pages(w.row, w.first_page, w.pages, self.page_size)
+        if plan.mode == StepMode.SPEC:
+            return PendingStep(plan, [], None, None, None, done=self._speculate(plan))
+        batch = self._batch(plan)
+        out = self.runner.forward(batch)
+        prompt_logprobs = self._score_prompts(plan, out.hidden) if plan.prompt_scoring else None
+        sampled = [b for b, s in enumerate(plan.sample) if s]
+        tokens = None
+        if sampled:
+            logits = out.logits if len(sampled) == plan.batch_size else \
+                out.logits[ints_to_device(sampled, self.device)]
+            params = [plan.params[b] for b in sampled]
+            penalty = plan.penalty_context
+            penalised = penalty is not None and any(penalty[b] is not None for b in sampled)
+            tokens = self.sampler(logits, params, [plan.output_positions[b] for b in sampled],
+                                  [penalty[b][0] if penalty[b] else [] for b in sampled] if penalised else None,
+                                  [penalty[b][1] if penalty[b] else [] for b in sampled] if penalised else None)
+            rows = batch.req_pool_indices if len(sampled) == plan.batch_size else \
+                ints_to_device([plan.rows[b] for b in sampled], self.device)
+            self.next_input_ids[rows] = tokens.ids
+        if self.speculator is not None and plan.mode != StepMode.DECODE:
+            self._draft_extend_after_prefill(plan, batch, out, sampled, tokens)
+        event = None
+        if tokens is not None:
+            tokens = SampledTokens(*(_to_host(t) for t in tokens))
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+        return PendingStep(plan, sampled, tokens, prompt_logprobs, event)
+
+    # -- batches ------------------------------------------------------------------
+    def _batch(self, plan: StepPlan) -> ForwardBatch:
+        dev, r2t = self.device, self.runner.req_to_token
+        rows, starts, lens = plan.rows, plan.prefix_lens, plan.extend_lens
+        if plan.mode == StepMode.DECODE:
+            rows_t, starts_t = ints_to_device(rows + starts, dev).split(len(rows))
+            loc = r2t[rows_t, starts_t].long()
+            return ForwardBatch.build(ForwardMode.DECODE, self.next_input_ids[rows_t], rows, starts, lens, loc, dev)
+        ids = torch.zeros(plan.num_tokens, dtype=torch.int64)
+        host_pos, dev_pos, dev_rows = [], [], []
+        offset = 0
+        for b, n in enumerate(lens):
+            if plan.from_device[b]:
+                assert n == 1, "a device-fed row runs one token"
+                dev_pos.append(offset)
+                dev_rows.append(rows[b])
+            else:
+                host_pos += range(offset, offset + n)
+            offset += n
+        assert len(host_pos) == len(plan.input_ids), (len(host_pos), len(plan.input_ids))
+        if host_pos:
+            ids[torch.tensor(host_pos, dtype=torch.int64)] = torch.tensor(plan.input_ids, dtype=torch.int64)
+        ids = host_to_device(ids, dev)
+        if dev_pos:
+            at, from_rows = ints_to_device(dev_pos + dev_rows, dev).split(len(dev_pos))
+            ids[at] = self.next_input_ids[from_rows]
+        loc = row_slots(r2t, rows, starts, lens)
+        return ForwardBatch.build(ForwardMode.EXTEND, ids, rows, starts, lens, loc, dev)
+
+    # -- host-data steps ------------------------------------------------------------
+    def _score_prompts(self, plan: StepPlan, hidden: torch.Tensor
+                       ) -> list[tuple[list[float], list[dict[int, float]]] | None]:
+        """Log-probabilities of the prompt tokens this step's chunks predict, for the requests that asked."""
+        rows: list[int] = []
+        targets: list[int] = []
+        owners: list[tuple[int, PromptScoring]] = []
+        offset = 0
+        for b, n in enumerate(plan.extend_lens):
+            s = plan.prompt_scoring[b]
+            if s is not None and s.targets:
+                rows += range(offset + s.first_row, offset + s.first_row + len(s.targets))
+                targets += s.targets
+                owners.append((b, s))
+            offset += n
+        result: list = [None] * plan.batch_size
+        if not rows:
+            return result
+        k = max(s.top for _, s in owners)
+        values, tops = self.runner.token_logprobs(hidden, rows, targets, k)
+        at = 0
+        for b, s in owners:
+            m = len(s.targets)
+            result[b] = (values[at:at + m], [dict(list(t.items())[:s.top]) for t in tops[at:at + m]])
+            at += m
+        return result
+
+    def _draft_extend_after_prefill(self, plan: StepPlan, batch: ForwardBatch, out: ModelOutput,
+                                    sampled: list[int], tokens: SampledTokens | None) -> None:
+        """The MTP layer catches up on the prefill chunks (speculation runs unmixed: no decode rows here)."""
+        ids = dict(zip(sampled, tokens.ids.tolist())) if tokens is not None else {}
+        lookahead: list[int | None] = []
+        for b in range(plan.batch_size):
+            nxt = plan.spec_lookahead[b] if plan.spec_lookahead is not None else None
+            lookahead.append(ids.get(b, nxt))
+        self.speculator.on_extend(plan.rows, batch, out, lookahead)
+
+    def _speculate(self, plan: StepPlan) -> StepResult:
+        spec = SpecRows(plan.rows, plan.prefix_lens, plan.spec_roots, plan.params, plan.output_positions,
+                        plan.request_ids)
+        tokens = self.speculator.decode(spec)
+        assert len(tokens) == plan.batch_size and all(tokens), "speculator must return >= 1 token per request"
+        rows, last = ints_to_device(plan.rows + [t[-1] for t in tokens], self.device).split(plan.batch_size)
+        self.next_input_ids[rows] = last
+        return StepResult(tokens)
