@@ -41,7 +41,7 @@ from minidsa.models.presets import DEFAULT_PRESET, PRESETS, is_preset, preset_co
 from minidsa.prefix_cache import PrefixCache
 from minidsa.request import (InvalidRequest, QueueFull, Request, RequestOutput, RequestStatus, SamplingParams,
                              Struct, now)
-from minidsa.runner import ModelRunner
+from minidsa.distributed.executor import make_runner
 from minidsa.sampling import Sampler
 from minidsa.scheduler import ScheduledBatch, Scheduler
 from minidsa.tokenizer import Tokenizer, load_tokenizer
@@ -150,7 +150,8 @@ class Engine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids or self._tokenizer_eos())
         self.decode_reserve = decode_reserve_tokens(cfg)
         t0 = time.perf_counter()
-        self.runner = ModelRunner(cfg, self.model_config, model_path, init_std, self.decode_reserve, progress)
+        # tensor_parallel_size > 1: rank 0 of a group of processes (minidsa.distributed), same interface
+        self.runner = make_runner(cfg, self.model_config, model_path, init_std, self.decode_reserve, progress)
         t_load = time.perf_counter()
         self.max_model_len: int = self.runner.max_model_len
         # With MTP speculation a page's last MTP slot depends on the token after the page: it is part of the key.
@@ -534,6 +535,13 @@ class Engine:
             prefix_cache_tokens=alloc.num_cached_pages * alloc.page_size,
         )
 
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks and leave their process group (nothing to do in one process).
+        They also stop when the engine is garbage collected or the interpreter exits."""
+        close_ranks = getattr(self.runner, "close", None)  # only a DistributedModelRunner holds ranks
+        if close_ranks is not None:
+            close_ranks()
+
     def check_no_leaks(self) -> None:
         """AssertionError if KV pages or req_to_token rows are held by no running request, or a page's
         reference count is not the number of running requests holding it (prefix-cache pages aside)."""
@@ -576,6 +584,16 @@ class LLM:
 
     def __repr__(self) -> str:
         return f"LLM({self.engine!r})"
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (also done at exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,

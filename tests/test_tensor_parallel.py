@@ -1,0 +1,126 @@
+"""Tensor parallelism on CPU (gloo): two processes produce exactly the tokens of one.
+
+Each TP=2 engine spawns a real second process (slow on a small machine), so one engine per configuration
+serves several checks: greedy tokens over prompts longer than index_topk, a second round that hits the prefix
+cache, MTP speculation (a chain on DeepSeek-V3.2, a tree with KV compaction on GLM-5), expert parallelism,
+prompt / sampled-token logprobs through the vocab-parallel head. Plus: a killed rank ends the run with an
+error naming it, and the layers' checkpoint slicing on its own (no processes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hf_tiny import build_hf, save_hf
+from minidsa import LLM, SamplingParams
+from minidsa.config import ConfigError, EngineConfig, ModelConfig
+from minidsa.distributed.launch import RankFailedError
+
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True, detokenize=False)
+COMMON = dict(device="cpu", dtype="float32", max_total_tokens=2048, max_running_requests=4, progress=False)
+
+
+def checkpoint_with_mtp(arch: str, path: str) -> str:
+    """A tiny HF checkpoint of `arch` plus random nextn-layer (MTP) weights."""
+    over = dict(num_hidden_layers=3)
+    if arch == "glm_moe_dsa":
+        over.update(index_topk_freq=2, index_skip_topk_offset=1)
+    hf, kw = build_hf(arch, seed=7, **over)
+    save_hf(hf, kw, path)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    n, h = kw["num_hidden_layers"], kw["hidden_size"]
+    g = torch.Generator().manual_seed(0)
+    for k, v in list(tensors.items()):
+        if k.startswith("model.layers.2."):  # a MoE layer with an indexer: the nextn block's tensors
+            tensors[k.replace("layers.2.", f"layers.{n}.")] = torch.randn(v.shape, generator=g) * 0.1
+    for k, shape in {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
+                     "shared_head.norm.weight": (h,)}.items():
+        tensors[f"model.layers.{n}.{k}"] = torch.randn(shape, generator=g) * 0.1 + (1.0 if "norm" in k else 0.0)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_nextn_predict_layers"] = 1
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def prompts_for(config: ModelConfig) -> list[list[int]]:
+    """Longer than index_topk (sparse attention), two sharing a long prefix (prefix cache)."""
+    rng = random.Random(3)
+    k = config.index_topk
+    shared = [rng.randint(2, config.vocab_size - 1) for _ in range(2 * k)]
+    return [[rng.randint(2, config.vocab_size - 1) for _ in range(k + 5)], shared + [5, 6, 7], shared + [9]]
+
+
+def generate(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+SPEC = {"deepseek_v32": dict(speculative_num_steps=2),
+        "glm_moe_dsa": dict(speculative_num_steps=2, speculative_topk=2, speculative_num_draft_tokens=4)}
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_two_ranks_equal_one_process(arch, tmp_path):
+    path = checkpoint_with_mtp(arch, str(tmp_path / arch))
+    single = LLM(path, **COMMON)
+    prompts = prompts_for(single.engine.model_config)
+    reference = generate(single, prompts)
+    logprobs = SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False, logprobs=True, top_logprobs=2,
+                              prompt_logprobs=1)
+    ref_lp = single.generate(prompts[:2], logprobs)
+
+    # Tensor parallel + MTP speculation (lossless: the plain greedy tokens), twice: the second round
+    # reuses cached prefixes.
+    with LLM(path, tensor_parallel_size=2, **SPEC[arch], **COMMON) as tp:
+        assert generate(tp, prompts) == reference
+        assert generate(tp, prompts) == reference
+        assert tp.engine.metrics().prefix_cache_hit_tokens_total > 0
+        tp.engine.check_no_leaks()
+
+    # Expert parallelism: each rank holds half the routed experts.
+    with LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, **COMMON) as ep:
+        experts = ep.engine.runner.model.model.layers[1].mlp.experts
+        assert experts.num_local_experts == experts.n_experts // 2
+        assert generate(ep, prompts) == reference
+        for got, want in zip(ep.generate(prompts[:2], logprobs), ref_lp):
+            assert got.token_ids == want.token_ids
+            assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+            assert got.prompt_logprobs[1:] == pytest.approx(want.prompt_logprobs[1:], abs=1e-4)
+            assert [t.keys() for t in got.top_logprobs] == [t.keys() for t in want.top_logprobs]
+        ep.engine.check_no_leaks()
+
+
+def test_killed_rank_is_named_and_the_run_ends():
+    llm = LLM(tensor_parallel_size=2, **COMMON)
+    try:
+        assert generate(llm, [[5, 6, 7, 8]], SamplingParams(max_tokens=2, detokenize=False))
+        child = llm.engine.runner.ranks.processes.procs[1]
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(30)
+        with pytest.raises(RankFailedError, match="rank 1 .*killed by signal 9"):
+            generate(llm, [[5, 6, 7, 8]] * 2, SamplingParams(max_tokens=4, detokenize=False))
+    finally:
+        llm.close()
+    # every process of the group is gone and a new group can start in this process
+    assert llm.engine.runner.ranks.processes.procs[1].poll() is not None
+    for rid in list(llm.engine.requests):  # the failed run's requests: nothing can serve them any more
+        llm.engine.abort(rid, report=False)
+
+
+def test_model_shapes_that_do_not_split_are_refused():
+    from minidsa.engine import resolve_model
+
+    model = resolve_model(None)[0]  # the tiny preset: 4 heads
+    with pytest.raises(ConfigError, match="tensor_parallel_size.*3 does not divide the model's num_attention_heads"):
+        EngineConfig(tensor_parallel_size=3).validate_parallel(model)
+    with pytest.raises(ConfigError, match="distributed_executor_backend"):
+        EngineConfig(tensor_parallel_size=2, distributed_executor_backend="uni").validate()
