@@ -22,6 +22,8 @@ from hf_tiny import build_hf, save_hf
 from minidsa import LLM, SamplingParams
 from minidsa.config import ConfigError, EngineConfig, ModelConfig
 from minidsa.distributed.launch import RankFailedError
+from minidsa.kernels.choice import triton_usable
+from test_speculative import forced_override, run as run_with_draft_override
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True, detokenize=False)
 COMMON = dict(device="cpu", dtype="float32", max_total_tokens=2048, max_running_requests=4, progress=False)
@@ -78,12 +80,16 @@ def test_two_ranks_equal_one_process(arch, tmp_path):
                               prompt_logprobs=1)
     ref_lp = single.generate(prompts[:2], logprobs)
 
-    # Tensor parallel + MTP speculation (lossless: the plain greedy tokens), twice: the second round
-    # reuses cached prefixes.
+    # Tensor parallel + MTP speculation (lossless: the plain greedy tokens), twice: the second round reuses
+    # cached prefixes, and its drafts are forced to the right tokens up to a random depth (on a non-first
+    # tree branch), so long paths are accepted and the tree's KV compaction runs on both ranks.
     with LLM(path, tensor_parallel_size=2, **SPEC[arch], **COMMON) as tp:
         assert generate(tp, prompts) == reference
-        assert generate(tp, prompts) == reference
-        assert tp.engine.metrics().prefix_cache_hit_tokens_total > 0
+        override = forced_override({f"r{i}": r for i, r in enumerate(reference)}, SPEC[arch].get("speculative_topk", 1),
+                                   random.Random(0))
+        assert run_with_draft_override(tp, prompts, GREEDY, override) == reference
+        metrics = tp.engine.metrics()
+        assert metrics.prefix_cache_hit_tokens_total > 0 and metrics.spec_accepted_tokens_total > 0
         tp.engine.check_no_leaks()
 
     # Expert parallelism: each rank holds half the routed experts.
@@ -124,3 +130,26 @@ def test_model_shapes_that_do_not_split_are_refused():
         EngineConfig(tensor_parallel_size=3).validate_parallel(model)
     with pytest.raises(ConfigError, match="distributed_executor_backend"):
         EngineConfig(tensor_parallel_size=2, distributed_executor_backend="uni").validate()
+
+
+@pytest.mark.skipif(not triton_usable(torch.device("cpu"))[0], reason="needs Triton's interpreter on CPU")
+def test_single_rank_group_compiles_its_collectives_into_the_layer_graphs():
+    """tensor_parallel_size 1 through the distributed path (a process group of one, in this process): the
+    compiled decoder layers trace the all-reduces (no graph break with fullgraph=True), and the tokens are
+    the plain engine's."""
+    from test_compile import RecordingBackend
+
+    kw = dict(COMMON, kernel_backend="triton", cuda_graph_max_bs=1, max_running_requests=1)
+    plain = LLM(**kw)
+    prompts = [[3 + i for i in range(24)]]
+    params = SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False)
+    reference = generate(plain, prompts, params)
+    backend = RecordingBackend()
+    with LLM(distributed_executor_backend="mp", **kw) as one:
+        runner = one.engine.runner
+        assert runner.ranks.world_size == 1 and runner.model.tp.collectives
+        runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=backend)
+        assert generate(one, prompts, params) == reference
+        assert runner.graphs.replays["decode"] > 0
+    graphs = [g for g in backend.graphs if len(g.graph.nodes) > 0]
+    assert graphs and all(any("all_reduce" in str(n.target) for n in g.graph.nodes) for g in graphs)
