@@ -1,0 +1,71 @@
+"""GPU: the tensor-parallel path with CUDA graphs and torch.compile (NCCL collectives inside the graphs).
+
+- One GPU: tensor_parallel_size 1 through the distributed path (an NCCL group of one, all-reduces and the
+  vocab all-gather in every captured graph) gives the plain engine's tokens on the bench preset.
+- Two or more GPUs: TP=2 (with MTP speculation; with expert parallelism) gives one GPU's tokens on a tiny
+  checkpoint (random presets are drawn per shard, so TP=2 and TP=1 presets are different models).
+
+Skipped without CUDA (CPU CI); run by `scripts/gpu_check.sh tp`.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+PARAMS = dict(max_tokens=12, ignore_eos=True, detokenize=False)
+
+
+def _run(model, prompts, **kw):
+    from minidsa import LLM, SamplingParams
+
+    llm = LLM(model=model, progress=False, max_running_requests=8, cuda_graph_max_bs=8, **kw)
+    try:
+        outs = [o.token_ids for o in llm.generate(prompts, SamplingParams(**PARAMS))]
+        graphs = llm.engine.runner.graphs
+        replays = dict(graphs.replays) if graphs is not None else {}
+        llm.engine.check_no_leaks()
+        runner = type(llm.engine.runner).__name__
+    finally:
+        llm.close()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return outs, replays, runner
+
+
+def _prompts(n, length, vocab):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(2, vocab, (length + 7 * i,), generator=g).tolist() for i in range(n)]
+
+
+def test_single_rank_distributed_path_equals_plain_engine_on_bench_preset():
+    """fp32, full-precision indexer, graphs + compile: uni (one process) and mp (NCCL group of one)."""
+    prompts = _prompts(3, 300, 120000)
+    exact = dict(dtype="float32", indexer_cache_dtype="model", max_total_tokens=16384, max_model_len=2048,
+                 speculative_num_steps=2)
+    plain, plain_replays, _ = _run("bench-dsv32:4", prompts, **exact)
+    dist, replays, runner = _run("bench-dsv32:4", prompts, distributed_executor_backend="mp", **exact)
+    assert runner == "DistributedModelRunner"
+    assert replays.get("verify", 0) > 0 and replays.get("draft_extend", 0) > 0, replays
+    same = sum(a == b for a, b in zip(plain, dist))
+    assert same == len(prompts), f"{same}/{len(prompts)} prompts token-identical; plain {plain}\nmp {dist}"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("extra", [{"speculative_num_steps": 2}, {"enable_expert_parallel": True}],
+                         ids=["mtp", "expert_parallel"])
+def test_two_gpus_equal_one(extra, tmp_path):
+    from test_tensor_parallel import checkpoint_with_mtp
+
+    path = checkpoint_with_mtp("deepseek_v32", str(tmp_path / "ckpt"))
+    prompts = _prompts(4, 40, 320)
+    exact = dict(dtype="float32", indexer_cache_dtype="model", max_total_tokens=4096)
+    one, _, _ = _run(path, prompts, **exact)
+    two, replays, runner = _run(path, prompts, tensor_parallel_size=2, **exact, **extra)
+    assert runner == "DistributedModelRunner" and sum(replays.values()) > 0, replays
+    assert two == one
