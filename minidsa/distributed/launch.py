@@ -332,7 +332,7 @@ def single_rank_group(device: str, expert_parallel: bool = False) -> RankGroup:
     """A group of one (tensor_parallel_size 1 through the distributed path): same layers, collectives and
     plan path as N ranks, no children. Its store is private to this process."""
     backend = _backend(device)
-    if torch.device(device).type == "cuda":
+    if torch.device(device).index is not None:  # "cuda" alone: the current device
         torch.cuda.set_device(torch.device(device))
     store = dist.HashStore()
     return _init_groups(0, 1, backend, device, store, None, expert_parallel)
