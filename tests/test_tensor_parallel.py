@@ -122,6 +122,22 @@ def test_killed_rank_is_named_and_the_run_ends():
         llm.engine.abort(rid, report=False)
 
 
+def test_a_rank_that_fails_to_start_is_named(monkeypatch, tmp_path):
+    """The child exits before joining the group (here: a stand-in interpreter that exits 3): rank 0 names it
+    at once instead of waiting for the rendezvous timeout, and no process group is left behind."""
+    import sys
+
+    import torch.distributed as dist
+
+    failing = tmp_path / "python"
+    failing.write_text("#!/bin/sh\nexit 3\n")
+    failing.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(failing))
+    with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) exited with code 3 while starting"):
+        LLM(tensor_parallel_size=2, **COMMON)
+    assert not dist.is_initialized()
+
+
 def test_model_shapes_that_do_not_split_are_refused():
     from minidsa.engine import resolve_model
 

@@ -100,7 +100,7 @@ class RankGroup:
         self.check()
         watch = self.processes
         if watch is not None:
-            watch.in_step += 1
+            watch.state.in_step += 1
         try:
             yield
         except RankFailedError:
@@ -109,11 +109,11 @@ class RankGroup:
             failure = watch.wait_for_failure(2.0) if watch is not None else None
             if failure is None:
                 raise
-            watch.acknowledged.set()
+            watch.state.acknowledged.set()
             raise RankFailedError(failure) from e
         finally:
             if watch is not None:
-                watch.in_step -= 1
+                watch.state.in_step -= 1
 
     def shutdown(self) -> None:
         """Stop the children (EOF on their stdin) and leave the process groups."""
@@ -124,69 +124,75 @@ class RankGroup:
                 dist.destroy_process_group()
 
 
+@dataclass
+class _WatchState:
+    """What the watch thread and rank 0's main thread share (the thread holds this, not the RankProcesses, so
+    dropping the engine lets the finaliser stop the children)."""
+
+    failure: str | None = None
+    failed: threading.Event = field(default_factory=threading.Event)
+    acknowledged: threading.Event = field(default_factory=threading.Event)  # the main thread raised it
+    in_step: int = 0  # > 0 while rank 0 is inside collectives (see STUCK_EXIT_S)
+    on_failure: list = field(default_factory=list)  # run once by the watch thread (abort the device group)
+    stopping: bool = False  # set before a deliberate stop: those exits are not failures
+
+
 class RankProcesses:
     """Rank 0's children: a watch thread that names the first one to exit unexpectedly."""
 
     def __init__(self, procs: dict[int, subprocess.Popen]):
         self.procs = procs
-        self.failure: str | None = None
-        self.failed = threading.Event()
-        self.acknowledged = threading.Event()  # rank 0's main thread has raised the failure
-        self.in_step = 0  # > 0 while rank 0 is inside collectives (see STUCK_EXIT_S)
-        self.on_failure: list = []  # callables run once by the watch thread (abort the device group)
-        self._stopping = [False]  # shared with the finaliser: an exit it causes is not a failure
-        self._thread = threading.Thread(target=self._watch, name="minidsa-rank-watch", daemon=True)
-        self._thread.start()
+        self.state = _WatchState()
+        threading.Thread(target=_watch, args=(procs, self.state), name="minidsa-rank-watch", daemon=True).start()
         # Notebook or script: the children go when this object does, or at interpreter exit.
-        self._finalizer = weakref.finalize(self, _stop_children, procs, 10.0, self._stopping)
+        self._finalizer = weakref.finalize(self, _stop_children, procs, 10.0, self.state)
 
-    def _watch(self) -> None:
-        while not self._stopping[0]:
-            for rank, proc in self.procs.items():
-                code = proc.poll()
-                if code is not None and not self._stopping[0]:
-                    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                    self.failure = (f"tensor-parallel rank {rank} (pid {proc.pid}) {how}; the engine cannot "
-                                    "continue (its own error, if any, is printed above)")
-                    logger.error("%s", self.failure)
-                    self.failed.set()
-                    for fn in self.on_failure:
-                        with contextlib.suppress(Exception):
-                            fn()
-                    self._kill_rest()
-                    self._exit_if_stuck()
-                    return
-            time.sleep(0.05)
-
-    def _kill_rest(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(OSError):
-                    proc.kill()
-
-    def _exit_if_stuck(self) -> None:
-        if self.acknowledged.wait(STUCK_EXIT_S) or self.in_step == 0:
-            return
-        logger.critical("%s; rank 0 is stuck in a collective: exiting", self.failure)
-        os._exit(1)
+    @property
+    def failure(self) -> str | None:
+        return self.state.failure
 
     def wait_for_failure(self, timeout: float) -> str | None:
-        self.failed.wait(timeout)
-        return self.failure
+        self.state.failed.wait(timeout)
+        return self.state.failure
 
     def check(self) -> None:
-        if self.failure is not None:
-            self.acknowledged.set()
-            raise RankFailedError(self.failure)
+        if self.state.failure is not None:
+            self.state.acknowledged.set()
+            raise RankFailedError(self.state.failure)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._finalizer.detach()
-        _stop_children(self.procs, timeout, self._stopping)
+        _stop_children(self.procs, timeout, self.state)
 
 
-def _stop_children(procs: dict[int, subprocess.Popen], timeout: float = 10.0, stopping: list | None = None) -> None:
-    if stopping is not None:
-        stopping[0] = True
+def _watch(procs: dict[int, subprocess.Popen], state: _WatchState) -> None:
+    while not state.stopping:
+        for rank, proc in procs.items():
+            code = proc.poll()
+            if code is None or state.stopping:
+                continue
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            state.failure = (f"tensor-parallel rank {rank} (pid {proc.pid}) {how}; the engine cannot continue "
+                             "(its own error, if any, is printed above)")
+            logger.error("%s", state.failure)
+            state.failed.set()
+            for fn in state.on_failure:
+                with contextlib.suppress(Exception):
+                    fn()
+            for other in procs.values():
+                if other.poll() is None:
+                    with contextlib.suppress(OSError):
+                        other.kill()
+            if not state.acknowledged.wait(STUCK_EXIT_S) and state.in_step > 0:
+                logger.critical("%s; rank 0 is stuck in a collective: exiting", state.failure)
+                os._exit(1)
+            return
+        time.sleep(0.05)
+
+
+def _stop_children(procs: dict[int, subprocess.Popen], timeout: float = 10.0, state: _WatchState | None = None) -> None:
+    if state is not None:
+        state.stopping = True
     for proc in procs.values():
         with contextlib.suppress(OSError, ValueError):
             if proc.stdin is not None:
@@ -257,8 +263,9 @@ def start_ranks(engine_config: Any, model_config: Any, model_path: str | None, i
                               model_config=model_config, model_path=model_path, init_std=init_std,
                               decode_reserve=decode_reserve, log_level=logging.getLogger("minidsa").getEffectiveLevel())
             procs[r] = subprocess.Popen([sys.executable, "-m", "minidsa.distributed.worker"], stdin=subprocess.PIPE,
-                                        env={**os.environ, "MINIDSA_RANK": str(r)})
-            _write_spec(procs[r], spec)
+                                        env=_child_env())
+            with contextlib.suppress(BrokenPipeError):  # it exited at once: the watch below names it
+                _write_spec(procs[r], spec)
         watch = RankProcesses(procs)
         _wait_for_check_in(store, watch, world)
         return _init_groups(0, world, backend, device, store, watch, engine_config.enable_expert_parallel)
@@ -268,6 +275,15 @@ def start_ranks(engine_config: Any, model_config: Any, model_path: str | None, i
         else:
             _stop_children(procs, timeout=2.0)
         raise
+
+
+def _child_env() -> dict[str, str]:
+    """The children import the minidsa this process runs (a notebook's sys.path may differ from PYTHONPATH)."""
+    import minidsa
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(minidsa.__file__)))
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
 
 
 def _with_device(engine_config: Any, device: str) -> Any:
@@ -281,8 +297,8 @@ def _wait_for_check_in(store: Any, watch: RankProcesses, world: int) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while not store.check(keys):
         if watch.failure is not None:
-            watch.acknowledged.set()
-            raise RankFailedError(watch.failure.replace("the engine cannot continue", "while starting"))
+            watch.state.acknowledged.set()
+            raise RankFailedError(watch.failure.replace("; the engine cannot continue", " while starting"))
         if time.monotonic() > deadline:
             late = [r for r in range(1, world) if not store.check([_JOIN_KEY.format(r)])]
             raise RankFailedError(f"tensor-parallel ranks {late} did not start within {STARTUP_TIMEOUT_S:.0f} s "
@@ -323,7 +339,7 @@ def _init_groups(rank: int, world: int, backend: str, device: str, store: Any, w
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     if watch is not None and backend == "nccl":
-        watch.on_failure.append(lambda: dist.distributed_c10d._abort_process_group(device_group))
+        watch.state.on_failure.append(lambda: dist.distributed_c10d._abort_process_group(device_group))
     tp = TensorParallel(rank=rank, size=world, group_name=device_group.group_name, expert_parallel=expert_parallel)
     return RankGroup(tp=tp, device_group=device_group, control_group=control_group, device=dev, processes=watch)
 
