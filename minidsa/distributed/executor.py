@@ -21,6 +21,7 @@ broadcasts the step plan, every rank executes it, and this module shrinks to `se
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -182,7 +183,9 @@ class DistributedModelRunner(RankModelRunner):
             raise
         self.attn = _BroadcastKVMoves(self, self.kv_cache, self.req_to_token_pool.req_to_token,
                                       model_config.index_topk, self.kernels)
-        self._closed = False
+        # Dropped without close() (a notebook's `del llm`), or at interpreter exit: the ranks stop and the
+        # process group goes, so another distributed engine can start in this process.
+        self._release = weakref.finalize(self, ranks.shutdown)
         logger.info("tensor parallel: %d ranks (%s), expert parallel %s; rank 0 runs the engine",
                     ranks.world_size, ranks.device_group.name(), config.enable_expert_parallel)
 
@@ -224,15 +227,14 @@ class DistributedModelRunner(RankModelRunner):
 
     def close(self) -> None:
         """Stop the other ranks and leave the process groups (also at exit, or when the runner goes away)."""
-        if self._closed:
+        if not self._release.alive:
             return
-        self._closed = True
         try:
             if self.ranks.processes is None or self.ranks.processes.failure is None:
                 self.channel.send(StopPlan())
         except Exception as e:  # a rank already gone: stopping the rest is all that is left to do
             logger.debug("stop plan not delivered: %s", e)
-        self.ranks.shutdown()
+        self._release()
 
 
 def execute_plan(runner: RankModelRunner, channel: PlanChannel, plan: object) -> None:
