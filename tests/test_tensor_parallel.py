@@ -169,3 +169,31 @@ def test_single_rank_group_compiles_its_collectives_into_the_layer_graphs():
         assert runner.graphs.replays["decode"] > 0
     graphs = [g for g in backend.graphs if len(g.graph.nodes) > 0]
     assert graphs and all(any("all_reduce" in str(n.target) for n in g.graph.nodes) for g in graphs)
+
+
+def test_a_batch_travels_as_plain_data_and_one_tensor():
+    """pack_batch / unpack_batch: the layout pickles, and the rebuilt batch and req->token rows (shipped as
+    pages) are rank 0's, tree mask included."""
+    import pickle
+
+    from minidsa.batch import ForwardBatch, ForwardMode
+    from minidsa.distributed.executor import BATCH_FIELDS, pack_batch, unpack_batch
+
+    ps, width = 4, 32
+    table = torch.zeros(5, width, dtype=torch.int32)
+    for row, pages in ((1, [7, 2, 5]), (3, [4, 9])):  # whole pages, as the scheduler maps them
+        slots = torch.tensor([p * ps + o for p in pages for o in range(ps)], dtype=torch.int32)
+        table[row, :slots.numel()] = slots
+    mask = torch.tensor([[1, 0], [1, 1], [1, 0], [1, 1]], dtype=torch.bool)
+    batch = ForwardBatch.build(ForwardMode.TARGET_VERIFY, [11, 12, 13, 14], [1, 3], [9, 5], [2, 2],
+                               torch.tensor([table[1, 9], table[1, 10], table[3, 5], table[3, 6]]), "cpu",
+                               logits="all", tree_mask=mask, max_kv_len=11)
+    layout, packed = pack_batch(batch, table, ps)
+    layout = pickle.loads(pickle.dumps(layout))
+    mirror = torch.zeros_like(table)
+    got = unpack_batch(layout, packed.clone(), mirror)
+    for name in BATCH_FIELDS:
+        assert torch.equal(getattr(got, name), getattr(batch, name)), name
+    assert torch.equal(got.tree_mask, mask) and got.mode == batch.mode and got.max_kv_len == 11
+    assert torch.equal(mirror[1, :12], table[1, :12]) and torch.equal(mirror[3, :8], table[3, :8])
+    assert packed.numel() < sum(getattr(batch, n).numel() for n in BATCH_FIELDS) + 2 * 13 + mask.numel()

@@ -49,26 +49,30 @@ class BatchLayout:
     sizes: tuple[int, ...]  # numel of each BATCH_FIELDS tensor
     max_kv_len: int
     tree_mask_shape: tuple[int, int] | None
-    table_cols: int  # req->token positions shipped per request row
+    table_pages: int  # req->token pages shipped per request row
+    page_size: int
 
     @property
     def packed_numel(self) -> int:
         tree = self.tree_mask_shape[0] * self.tree_mask_shape[1] if self.tree_mask_shape else 0
-        return sum(self.sizes) + self.sizes[3] * self.table_cols + tree
+        return sum(self.sizes) + self.sizes[3] * self.table_pages + tree
 
 
-def pack_batch(batch: ForwardBatch, req_to_token: torch.Tensor) -> tuple[BatchLayout, torch.Tensor]:
-    """(layout, one int64 device tensor): the batch's tensors, then its requests' req->token rows (the
-    positions attention may read: up to max_kv_len, plus the tree's draft positions), then the tree mask."""
+def pack_batch(batch: ForwardBatch, req_to_token: torch.Tensor, page_size: int) -> tuple[BatchLayout, torch.Tensor]:
+    """(layout, one int64 device tensor): the batch's tensors, then its requests' req->token rows, then the
+    tree mask. A row maps position p to slot page * page_size + p % page_size (the scheduler maps whole
+    pages), so only the page of every page_size-th position travels, over the positions attention may read
+    (up to max_kv_len, plus the tree's draft positions)."""
     tree = batch.tree_mask
     cols = min(req_to_token.shape[1], batch.max_kv_len + (tree.shape[1] if tree is not None else 0))
     parts = [getattr(batch, name).reshape(-1) for name in BATCH_FIELDS]
-    parts.append(req_to_token[batch.req_pool_indices, :cols].reshape(-1).long())
+    pages = req_to_token[batch.req_pool_indices, :cols:page_size].long() // page_size
+    parts.append(pages.reshape(-1))
     if tree is not None:
         parts.append(tree.reshape(-1).long())
     layout = BatchLayout(mode=int(batch.mode), sizes=tuple(p.numel() for p in parts[:len(BATCH_FIELDS)]),
                          max_kv_len=batch.max_kv_len, tree_mask_shape=None if tree is None else tuple(tree.shape),
-                         table_cols=cols)
+                         table_pages=pages.shape[1], page_size=page_size)
     return layout, torch.cat(parts)
 
 
@@ -80,10 +84,12 @@ def unpack_batch(layout: BatchLayout, packed: torch.Tensor, req_to_token: torch.
         fields[name] = packed[offset:offset + n]
         offset += n
     rows = fields["req_pool_indices"]
-    table_numel = rows.numel() * layout.table_cols
+    table_numel = rows.numel() * layout.table_pages
     if table_numel:
-        req_to_token[rows, :layout.table_cols] = packed[offset:offset + table_numel].view(
-            rows.numel(), layout.table_cols).to(req_to_token.dtype)
+        ps = layout.page_size
+        pages = packed[offset:offset + table_numel].view(rows.numel(), layout.table_pages, 1)
+        slots = (pages * ps + torch.arange(ps, device=pages.device)).view(rows.numel(), -1)
+        req_to_token[rows, :slots.shape[1]] = slots.to(req_to_token.dtype)
     offset += table_numel
     tree = None
     if layout.tree_mask_shape is not None:
@@ -210,7 +216,7 @@ class DistributedModelRunner(RankModelRunner):
                       prev_topk: torch.Tensor | None = None) -> None:
         if self.channel.receivers == 0:
             return
-        layout, packed = pack_batch(batch, self.req_to_token)
+        layout, packed = pack_batch(batch, self.req_to_token, self.page_size)
         self.channel.send(ForwardPlan(layout, mtp, tensor_spec(hidden_prev), tensor_spec(prev_topk)))
         self.channel.broadcast_tensor(packed, (packed.numel(),), torch.int64)
         for t in (hidden_prev, prev_topk):
