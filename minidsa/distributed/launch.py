@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from minidsa.config import ConfigError
 from minidsa.distributed.parallel_state import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -247,7 +248,8 @@ def start_ranks(engine_config: Any, model_config: Any, model_path: str | None, i
     backend = _backend(device)
     if torch.device(device).type == "cuda":
         if torch.cuda.device_count() < world:
-            raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs, {torch.cuda.device_count()} visible")
+            raise ConfigError("tensor_parallel_size", f"{world} needs {world} GPUs, {torch.cuda.device_count()} "
+                              "visible (CUDA_VISIBLE_DEVICES)")
         torch.cuda.set_device(torch.device(device))
     if mode == "torchrun":
         return _init_groups(rank, world, backend, device, None, None, engine_config.enable_expert_parallel)
