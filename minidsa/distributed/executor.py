@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -270,13 +271,15 @@ def execute_plan(runner: RankModelRunner, channel: PlanChannel, plan: object) ->
         raise TypeError(f"rank {runner.ranks.rank}: unknown plan {type(plan).__name__}")
 
 
-def serve_plans(runner: RankModelRunner, channel: PlanChannel) -> None:
-    """Ranks > 0: execute rank 0's plans until it sends StopPlan."""
+def serve_plans(channel: PlanChannel, execute: Callable[[object], object]) -> None:
+    """Ranks > 0: `execute(plan)` for each of rank 0's plans until it sends StopPlan (today
+    `functools.partial(execute_plan, runner, channel)`; after the control plane / worker split,
+    `Worker.execute`)."""
     while True:
         plan = channel.receive()
         if isinstance(plan, StopPlan):
             return
-        execute_plan(runner, channel, plan)
+        execute(plan)
 
 
 def make_runner(config: EngineConfig, model_config: ModelConfig, model_path: str | None, init_std: float = 0.02,

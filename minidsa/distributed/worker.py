@@ -28,11 +28,14 @@ def _configure_logging(rank: int, level: int) -> None:
 
 
 def _serve(ranks, config, model_config, model_path, init_std, decode_reserve) -> None:
-    from minidsa.distributed.executor import RankModelRunner, serve_plans
+    import functools
+
+    from minidsa.distributed.executor import RankModelRunner, execute_plan, serve_plans
     from minidsa.distributed.plan import PlanChannel
 
     runner = RankModelRunner(ranks, config, model_config, model_path, init_std, decode_reserve, progress=False)
-    serve_plans(runner, PlanChannel(ranks))
+    channel = PlanChannel(ranks)
+    serve_plans(channel, functools.partial(execute_plan, runner, channel))
 
 
 def main() -> int:
