@@ -37,11 +37,11 @@ import torch
 
 from minidsa.batch import ForwardMode
 from minidsa.config import ConfigError, EngineConfig, ModelConfig
+from minidsa.distributed.executor import make_runner
 from minidsa.models.presets import DEFAULT_PRESET, PRESETS, is_preset, preset_config
 from minidsa.prefix_cache import PrefixCache
 from minidsa.request import (InvalidRequest, QueueFull, Request, RequestOutput, RequestStatus, SamplingParams,
                              Struct, now)
-from minidsa.distributed.executor import make_runner
 from minidsa.sampling import Sampler
 from minidsa.scheduler import ScheduledBatch, Scheduler
 from minidsa.tokenizer import Tokenizer, load_tokenizer

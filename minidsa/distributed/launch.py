@@ -324,7 +324,8 @@ def _init_groups(rank: int, world: int, backend: str, device: str, store: Any, w
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group already exists in this process: one distributed "
                            "minidsa engine per process at a time (close the other one first: LLM.close())")
-    kwargs = dict(backend=backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    kwargs = dict(backend=backend, rank=rank, world_size=world,
+                  timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     if store is not None:
         kwargs["store"] = store
     else:  # torchrun: env:// rendezvous

@@ -304,7 +304,8 @@ class Experts(nn.Module):
     def make_fp8_(self, pow2_scale: bool = False) -> None:
         """Switch to e4m3 + block scales (empty; meant for the meta device, before loading)."""
         if self.inter % FP8_BLOCK:
-            per_rank = f" ({self.full_inter} over tensor_parallel_size {self.tp.size})" if self.inter != self.full_inter else ""
+            split = self.inter != self.full_inter
+            per_rank = f" ({self.full_inter} over tensor_parallel_size {self.tp.size})" if split else ""
             raise ValueError(f"FP8 experts need moe_intermediate_size divisible by {FP8_BLOCK}, got "
                              f"{self.inter}{per_rank}")
         for name in ("gate_up_proj", "down_proj"):
@@ -334,7 +335,8 @@ class Experts(nn.Module):
             return  # another rank's expert
         local = expert - self.first_expert
         dim = -1 if shard == "down" else -2
-        loaded, scale_inv = checkpoint_shard(loaded, scale_inv, dim, self.inter_start, self.inter, self.full_inter, name)
+        loaded, scale_inv = checkpoint_shard(loaded, scale_inv, dim, self.inter_start, self.inter, self.full_inter,
+                                             name)
         rows = {"gate": slice(0, self.inter), "up": slice(self.inter, 2 * self.inter), "down": slice(None)}[shard]
         scale = None
         if scale_param is not None:
