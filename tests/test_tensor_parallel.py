@@ -105,10 +105,12 @@ def test_two_ranks_equal_one_process(arch, tmp_path):
         ep.engine.check_no_leaks()
 
 
-def test_killed_rank_is_named_and_the_run_ends():
+def test_killed_rank_is_named_and_the_run_ends(tiny_llm):
+    """Also: the random-weight preset at TP=2 is the one-process preset (drawn whole, then sharded)."""
+    prompt = [[3 + 5 * i for i in range(40)]]
     llm = LLM(tensor_parallel_size=2, **COMMON)
     try:
-        assert generate(llm, [[5, 6, 7, 8]], SamplingParams(max_tokens=2, detokenize=False))
+        assert generate(llm, prompt) == generate(tiny_llm, prompt)
         child = llm.engine.runner.ranks.processes.procs[1]
         os.kill(child.pid, signal.SIGKILL)
         child.wait(30)
@@ -197,3 +199,39 @@ def test_a_batch_travels_as_plain_data_and_one_tensor():
     assert torch.equal(got.tree_mask, mask) and got.mode == batch.mode and got.max_kv_len == 11
     assert torch.equal(mirror[1, :12], table[1, :12]) and torch.equal(mirror[3, :8], table[3, :8])
     assert packed.numel() < sum(getattr(batch, n).numel() for n in BATCH_FIELDS) + 2 * 13 + mask.numel()
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+def test_each_rank_holds_its_slice_of_the_one_process_weights(expert_parallel):
+    """Built for rank r of 2 (no processes needed), every parameter is rank r's slice of the one-process
+    model's: column-parallel rows, row-parallel columns, vocab rows, experts' intermediate slices or whole
+    experts; replicated ones equal."""
+    from minidsa.distributed.parallel_state import TensorParallel, building_with
+    from minidsa.engine import resolve_model
+    from minidsa.models.loader import build_model
+
+    cfg, _, std, _ = resolve_model(None)
+    build = lambda: build_model(cfg, None, torch.float32, torch.device("cpu"), seed=0, init_std=std,  # noqa: E731
+                                progress=False)
+    full = dict(build().named_parameters())
+    for rank in range(2):
+        with building_with(TensorParallel(rank=rank, size=2, expert_parallel=expert_parallel)):
+            shard = build()
+        layer = shard.model.layers[1]
+        experts = layer.mlp.experts
+        for name, p in shard.named_parameters():
+            want = full[name]
+            if name.endswith("experts.gate_up_proj") and not expert_parallel:
+                inter, k = want.shape[1] // 2, p.shape[1] // 2
+                want = torch.cat([want[:, rank * k:(rank + 1) * k], want[:, inter + rank * k:inter + (rank + 1) * k]], 1)
+            elif ".mlp.experts." in name and expert_parallel:
+                want = want[experts.first_expert:experts.first_expert + experts.num_local_experts]
+            elif p.shape[-1] != want.shape[-1]:  # row-parallel, experts' down_proj
+                k = p.shape[-1]
+                want = want[..., rank * k:(rank + 1) * k]
+            elif p.shape != want.shape:  # column-parallel, vocab-parallel
+                k = p.shape[-2]
+                want = want[..., rank * k:(rank + 1) * k, :]
+            assert torch.equal(p, want), name
+        assert layer.self_attn.num_heads == cfg.num_attention_heads // 2
+        assert shard.lm_head.weight.shape[0] == cfg.vocab_size // 2

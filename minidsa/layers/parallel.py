@@ -15,6 +15,9 @@ FP8 block-scaled tensors (e4m3 + `weight_scale_inv` per 128x128 block) are cut o
 scale rows / columns of a slice are the slice's blocks. A split that would cut a block is an error naming the
 tensor (`checkpoint_shard`), and a parallel FP8 parameter whose local size is not whole blocks refuses to
 become FP8 (`make_fp8_`).
+
+Every sharded parameter records `full_shape`, the checkpoint tensor's shape: random weights are drawn at that
+shape and loaded like a checkpoint tensor, so a preset is the same model at every tensor_parallel_size.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class ColumnParallelLinear(Linear):
         start, part = self.tp.split(out_features, what)
         super().__init__(in_features, part, quantizable)
         self.full_out_features, self.shard_start, self.what = out_features, start, what
+        self.weight.full_shape = (out_features, in_features)
 
     def make_fp8_(self, pow2_scale: bool = False) -> None:
         if self.tp.size > 1 and self.out_features % FP8_BLOCK:
@@ -82,6 +86,7 @@ class RowParallelLinear(Linear):
         start, part = self.tp.split(in_features, what)
         super().__init__(part, out_features, quantizable)
         self.full_in_features, self.shard_start, self.what = in_features, start, what
+        self.weight.full_shape = (out_features, in_features)
         self.reduce_output = reduce_output
 
     def make_fp8_(self, pow2_scale: bool = False) -> None:
@@ -111,6 +116,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight = nn.Parameter(torch.empty(self.vocab_part, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.load_weight
+        self.weight.full_shape = (num_embeddings, embedding_dim)
 
     def load_weight(self, param, loaded, scale_inv=None, name: str = "") -> None:
         loaded, scale_inv = checkpoint_shard(loaded, scale_inv, -2, self.vocab_start, self.vocab_part,

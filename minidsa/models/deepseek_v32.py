@@ -291,6 +291,7 @@ class Experts(nn.Module):
             # Which checkpoint experts this rank reads (the loader skips the others without reading them).
             p.local_experts = range(self.first_expert, self.first_expert + e_local)
             p.num_experts = e
+        self.gate_up_proj.full_shape, self.down_proj.full_shape = (e, 2 * i, h), (e, h, i)
         self.register_parameter("gate_up_proj_scale_inv", None)
         self.register_parameter("down_proj_scale_inv", None)
         self.gate_up_proj.weight_loader = self.load_expert_weight

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from torch import nn
 
 from minidsa.config import QUANTIZATIONS, ConfigError, ModelConfig
-from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, quant_block
+from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape, quant_block
 from minidsa.layers.linear import WeightLoadError, default_weight_loader, set_gemm
 from minidsa.models.deepseek_v32 import DeepseekV32ForCausalLM, RMSNorm, Rotary
 
@@ -394,7 +394,10 @@ def init_random_weights(model: DeepseekV32ForCausalLM, seed: int, std: float, de
             for pname, p in mod.named_parameters(recurse=False):
                 if pname.endswith("_scale_inv"):
                     continue  # drawn with its weight
-                if p.dtype == FP8_DTYPE:
+                full = getattr(p, "full_shape", None)
+                if full is not None and tuple(full) != tuple(p.shape):  # a tensor-parallel shard
+                    _random_shard_(mod, p, tuple(full), std, gen, chunk_elems)
+                elif p.dtype == FP8_DTYPE:
                     _random_fp8_(p, getattr(mod, f"{pname}_scale_inv"), std, gen, chunk_elems, mod.pow2_scale)
                 elif pname == "weight" and isinstance(mod, (RMSNorm, nn.LayerNorm)):
                     p.fill_(1.0)
@@ -407,6 +410,36 @@ def init_random_weights(model: DeepseekV32ForCausalLM, seed: int, std: float, de
         if hasattr(mod, "e_score_correction_bias"):
             bias = mod.e_score_correction_bias
             bias.copy_(torch.rand(bias.shape, generator=gen, device=device) * 0.1)
+
+
+def _random_shard_(mod: nn.Module, param: torch.Tensor, full: tuple[int, ...], std: float, gen: torch.Generator,
+                   chunk_elems: int) -> None:
+    """A shard's random values: the whole tensor drawn as one process draws it (same order, same generator),
+    then loaded like a checkpoint tensor (the parameter keeps its slice). Experts one at a time, as
+    `_random_fp8_` goes, so the temporary is one expert."""
+    loader, dev = param.weight_loader, param.device
+    if param.dtype != FP8_DTYPE:
+        loader(param, torch.empty(full, dtype=param.dtype, device=dev).normal_(0.0, std, generator=gen))
+        return
+    pow2 = mod.pow2_scale
+    if len(full) == 2:
+        weight = torch.empty(full, dtype=FP8_DTYPE, device=dev)
+        scale = torch.empty(block_scale_shape(*full), dtype=torch.float32, device=dev)
+        _random_fp8_(weight, scale, std, gen, chunk_elems, pow2)
+        loader(param, weight, scale)
+        return
+    experts, rows, cols = full
+    gate_up = param is mod.gate_up_proj
+    for e in range(experts):
+        weight = torch.empty(rows, cols, dtype=FP8_DTYPE, device=dev)
+        scale = torch.empty(block_scale_shape(rows, cols), dtype=torch.float32, device=dev)
+        _random_fp8_(weight, scale, std, gen, chunk_elems, pow2)
+        if gate_up:
+            half, half_blocks = rows // 2, rows // 2 // FP8_BLOCK
+            loader(param, weight[:half], scale[:half_blocks], expert=e, shard="gate")
+            loader(param, weight[half:], scale[half_blocks:], expert=e, shard="up")
+        else:
+            loader(param, weight, scale, expert=e, shard="down")
 
 
 def _random_fp8_(weight: torch.Tensor, scale: torch.Tensor, std: float, gen: torch.Generator, chunk_elems: int,

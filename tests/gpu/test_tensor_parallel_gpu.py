@@ -2,8 +2,9 @@
 
 - One GPU: tensor_parallel_size 1 through the distributed path (an NCCL group of one, all-reduces and the
   vocab all-gather in every captured graph) gives the plain engine's tokens on the bench preset.
-- Two or more GPUs: TP=2 (with MTP speculation; with expert parallelism) gives one GPU's tokens on a tiny
-  checkpoint (random presets are drawn per shard, so TP=2 and TP=1 presets are different models).
+- Two or more GPUs: TP=2 gives one GPU's tokens: MTP speculation on a tiny checkpoint (read in slices), and
+  expert parallelism on the bench preset in FP8 (real shapes: 128x128 blocks cut at rank boundaries; random
+  presets are drawn whole and sharded, so they are the same model at every size).
 
 Skipped without CUDA (CPU CI); run by `scripts/gpu_check.sh tp`.
 """
@@ -57,15 +58,24 @@ def test_single_rank_distributed_path_equals_plain_engine_on_bench_preset():
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("extra", [{"speculative_num_steps": 2}, {"enable_expert_parallel": True}],
-                         ids=["mtp", "expert_parallel"])
-def test_two_gpus_equal_one(extra, tmp_path):
+def test_two_gpus_equal_one_with_speculation(tmp_path):
     from test_tensor_parallel import checkpoint_with_mtp
 
     path = checkpoint_with_mtp("deepseek_v32", str(tmp_path / "ckpt"))
     prompts = _prompts(4, 40, 320)
-    exact = dict(dtype="float32", indexer_cache_dtype="model", max_total_tokens=4096)
+    exact = dict(dtype="float32", indexer_cache_dtype="model", max_total_tokens=4096, speculative_num_steps=2)
     one, _, _ = _run(path, prompts, **exact)
-    two, replays, runner = _run(path, prompts, tensor_parallel_size=2, **exact, **extra)
-    assert runner == "DistributedModelRunner" and sum(replays.values()) > 0, replays
+    two, replays, runner = _run(path, prompts, tensor_parallel_size=2, **exact)
+    assert runner == "DistributedModelRunner" and replays.get("verify", 0) > 0, replays
     assert two == one
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_equal_one_with_expert_parallelism_on_the_fp8_bench_preset():
+    prompts = _prompts(3, 300, 120000)
+    exact = dict(dtype="float32", indexer_cache_dtype="model", max_total_tokens=16384, max_model_len=2048)
+    one, _, _ = _run("bench-dsv32:4", prompts, **exact)
+    two, replays, _ = _run("bench-dsv32:4", prompts, tensor_parallel_size=2, enable_expert_parallel=True, **exact)
+    assert replays.get("decode", 0) > 0, replays
+    same = sum(a == b for a, b in zip(one, two))
+    assert same == len(prompts), f"{same}/{len(prompts)} prompts token-identical; TP=1 {one}\nTP=2 {two}"
