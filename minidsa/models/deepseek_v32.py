@@ -21,6 +21,7 @@ Embedding and lm_head are vocab-parallel (logits all-gathered).
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,11 +33,12 @@ from torch import nn
 from minidsa.attention.dsa import DSABackend, LayerCaches
 from minidsa.batch import ForwardBatch
 from minidsa.config import ModelConfig
-from minidsa.kernels import custom_ops  # noqa: F401  (registers torch.ops.minidsa.*)
 from minidsa.distributed.parallel_state import building_tp
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape
 from minidsa.layers.linear import FusedLinear, Linear, WeightLoadError, as_tensor, load_block_scaled
 from minidsa.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, checkpoint_shard
+
+importlib.import_module("minidsa.kernels.custom_ops")  # registers torch.ops.minidsa.* (fused_moe below)
 
 logger = logging.getLogger(__name__)
 

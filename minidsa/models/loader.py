@@ -309,12 +309,12 @@ def fp8_modules(model: DeepseekV32ForCausalLM, quantization: str, files: dict[st
         raise ConfigError("quantization", f"'{quantization}' is not one of {', '.join(QUANTIZATIONS)}")
     if quantization == "none" or (quantization == "auto" and files is None and config.quantization != "fp8"):
         return []
-    which = None
-    if quantization == "auto" and files is not None:
-        def which(module: str) -> bool:
-            weight = f"{module}.0.gate_proj.weight" if module.endswith(".experts") else f"{module}.weight"
-            # The MTP layer sits at model.layers.{num_hidden_layers} in model and checkpoint alike.
-            return weight[: -len("weight")] + SCALE_SUFFIX in files
+    def stored_in_fp8(module: str) -> bool:
+        weight = f"{module}.0.gate_proj.weight" if module.endswith(".experts") else f"{module}.weight"
+        # The MTP layer sits at model.layers.{num_hidden_layers} in model and checkpoint alike.
+        return weight[: -len("weight")] + SCALE_SUFFIX in files
+
+    which = stored_in_fp8 if quantization == "auto" and files is not None else None
     try:
         return model.make_fp8_(which, pow2_scale=config.fp8_pow2_scales)
     except ValueError as e:
