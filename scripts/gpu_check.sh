@@ -164,8 +164,9 @@ section_engine_loop() {   # issue 16: overlapped scheduling on the bench preset 
 }
 
 section_tp() {   # issue 17: tensor_parallel_size 1 through the distributed path (NCCL group of one, collectives in
-    # the graphs) == the plain engine on the bench preset; TP=2 == TP=1 when 2+ GPUs; then the decode suite both
-    # ways (uni = one process, mp = the distributed path): compare the two tables at the end of tp.log.
+    # the graphs, rank 0's TensorParallelWorker) == the plain engine on the bench preset (MTP, and overlap); TP=2 ==
+    # TP=1 when 2+ GPUs; then the decode suite both ways (uni = one process, mp = the distributed path): compare
+    # the two tables; then ITL through LLM.generate (overlap on / off) both ways, and at TP=2 with 2+ GPUs.
     timeout "$TIMEOUT" $PY -m pytest -v -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py -rs --durations=5 -x \
         2>&1 | timestamped
     local rc=${PIPESTATUS[0]}
@@ -173,6 +174,14 @@ section_tp() {   # issue 17: tensor_parallel_size 1 through the distributed path
     for backend in uni mp; do
         echo "--- decode suite, --distributed-executor-backend $backend"
         timeout "$TIMEOUT" $PY -m minidsa.perf $args --distributed-executor-backend $backend 2>&1 | grep -v " INFO "
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    done
+    local loop=${TP_LOOP_ARGS:-"--skip-bench --cuda-graph-max-bs 32"}
+    local runs="--distributed-executor-backend=uni --distributed-executor-backend=mp"
+    [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] && runs="$runs --tp=2"
+    for run in $runs; do
+        echo "--- ITL through LLM.generate, $run"
+        timeout "$TIMEOUT" $PY benchmarks/bench_engine_loop.py --out /tmp/tp_loop $loop $run 2>&1 | grep -v " INFO "
         [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     done
     return $rc
