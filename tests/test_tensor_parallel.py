@@ -25,7 +25,7 @@ from minidsa import LLM, SamplingParams
 from minidsa.config import ConfigError, EngineConfig, ModelConfig
 from minidsa.distributed.launch import RankFailedError
 from minidsa.kernels.choice import triton_usable
-from test_speculative import forced_override, run as run_with_draft_override
+from test_speculative import forced_override, run as run_with_forced_drafts
 from tp_forced_rank import ENV as FORCED_DRAFTS_ENV
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True, detokenize=False)
@@ -132,7 +132,7 @@ def test_two_ranks_equal_one_process(arch, tmp_path, monkeypatch):
     with tp:
         assert generate(tp, prompts) == reference
         override = forced_override(by_id, topk, random.Random(0))
-        assert run_with_draft_override(tp, prompts, GREEDY, override) == reference
+        assert run_with_forced_drafts(tp, prompts, GREEDY, override) == reference
         metrics = tp.engine.metrics()
         assert metrics.prefix_cache_hit_tokens_total > 0 and metrics.spec_accepted_tokens_total > 0
         tp.engine.check_no_leaks()

@@ -141,21 +141,25 @@ class Engine:
         # this engine hands its own)
         self.worker: Worker = start_worker(cfg, self.model_config, model_path, init_std, self.decode_reserve, progress)
         runner, speculator = self.worker.runner, self.worker.speculator
-        t_load = time.perf_counter()
-        self.max_model_len: int = runner.max_model_len
-        # With MTP speculation a page's last MTP slot depends on the token after the page: it is part of the key.
-        self.prefix_cache = PrefixCache(runner.allocator, lookahead=1 if cfg.speculative_num_steps else 0) \
-            if cfg.enable_prefix_caching else None
-        # The speculator verifies pure decode batches: with it, prefill and decode steps alternate.
-        self.mixed_steps = cfg.enable_mixed_chunk and speculator is None
-        self.scheduler = Scheduler(runner.allocator, runner.req_to_token_pool.rows,
-                                   max_running_requests=cfg.max_running_requests,
-                                   max_prefill_tokens=cfg.max_prefill_tokens,
-                                   chunked_prefill_size=cfg.chunked_prefill_size,
-                                   decode_reserve=self.decode_reserve, prefix_cache=self.prefix_cache,
-                                   mixed=self.mixed_steps)
-        t_ready = time.perf_counter()
-        self.worker.prepare_fast_paths()
+        try:  # a failure from here on must not leave tensor-parallel ranks behind
+            t_load = time.perf_counter()
+            self.max_model_len: int = runner.max_model_len
+            # With MTP speculation a page's last MTP slot depends on the token after the page: it is part of the key.
+            self.prefix_cache = PrefixCache(runner.allocator, lookahead=1 if cfg.speculative_num_steps else 0) \
+                if cfg.enable_prefix_caching else None
+            # The speculator verifies pure decode batches: with it, prefill and decode steps alternate.
+            self.mixed_steps = cfg.enable_mixed_chunk and speculator is None
+            self.scheduler = Scheduler(runner.allocator, runner.req_to_token_pool.rows,
+                                       max_running_requests=cfg.max_running_requests,
+                                       max_prefill_tokens=cfg.max_prefill_tokens,
+                                       chunked_prefill_size=cfg.chunked_prefill_size,
+                                       decode_reserve=self.decode_reserve, prefix_cache=self.prefix_cache,
+                                       mixed=self.mixed_steps)
+            t_ready = time.perf_counter()
+            self.worker.prepare_fast_paths()
+        except BaseException:
+            self.worker.close()
+            raise
         t_graphs = time.perf_counter()
         # Compilation happens during the graphs' warm-up calls: one figure for both.
         logger.info("start-up %.1f s: weights and KV cache %.1f s, engine %.1f s, compile + CUDA graph capture %.1f s",
