@@ -67,6 +67,10 @@ class RankModelRunner(ModelRunner):
             torch.distributed.all_reduce(tokens, op=torch.distributed.ReduceOp.MIN, group=self.ranks.control_group)
         return int(tokens.item())
 
+    @property
+    def closed(self) -> bool:
+        return not self._release.alive
+
     def close(self) -> None:
         self._release()
 
@@ -105,7 +109,7 @@ class TensorParallelWorker(Worker):
 
     def close(self) -> None:
         """Stop the other ranks and leave the process groups (also at exit, or when the runner goes away)."""
-        if not self.runner._release.alive:
+        if self.runner.closed:
             return
         if self.ranks.processes is None or self.ranks.processes.failure is None:
             with contextlib.suppress(Exception):  # a rank already gone: stopping the rest is all there is to do

@@ -9,7 +9,7 @@ whole process group reaches rank 0, which drains (the server) and then stops the
 
 Rendezvous is a TCPStore that rank 0 owns: rank 0 waits for every child to check in while watching that none
 has exited, so a rank that fails to start is reported by number at once, not after a timeout. Two groups:
-the device group (NCCL on CUDA, gloo on CPU) for the forward's collectives and tensor broadcasts, and a gloo
+the device group (NCCL on CUDA, gloo on CPU) for the forward's collectives, and a gloo
 control group for the step plans (a peer that dies closes its sockets: gloo raises at once on the others).
 
 `RankProcesses` watches the children from a thread. When one exits unexpectedly it records which, aborts the
