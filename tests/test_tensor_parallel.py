@@ -155,11 +155,21 @@ def test_two_ranks_equal_one_process(arch, tmp_path, monkeypatch):
 
 
 def test_killed_rank_is_named_and_the_run_ends(tiny_llm):
-    """Also: the random-weight preset at TP=2 is the one-process preset (drawn whole, then sharded)."""
-    prompt = [[3 + 5 * i for i in range(40)]]
+    """Also: the random-weight preset at TP=2 is the one-process preset (drawn whole, then sharded), with a
+    prompt whose plan is longer than the channel's first message (it follows in a second broadcast)."""
+    import pickle
+
+    from minidsa.distributed.plan import FIRST_MESSAGE_BYTES
+
+    prompt = [[3 + 5 * i for i in range(40)], [(7 * i) % 900 + 2 for i in range(1500)]]
     llm = LLM(tensor_parallel_size=2, **COMMON)
     try:
+        sizes = []
+        launch = llm.engine.worker.launch
+        llm.engine.worker.launch = lambda plan: (sizes.append(len(pickle.dumps(plan))), launch(plan))[1]
         assert generate(llm, prompt) == generate(tiny_llm, prompt)
+        assert max(sizes) > FIRST_MESSAGE_BYTES
+        del llm.engine.worker.launch
         child = llm.engine.runner.ranks.processes.procs[1]
         os.kill(child.pid, signal.SIGKILL)
         child.wait(30)
