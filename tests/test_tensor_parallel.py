@@ -183,6 +183,14 @@ def test_killed_rank_is_named_and_the_run_ends(tiny_llm):
         llm.engine.abort(rid, report=False)
 
 
+def test_four_ranks_equal_one_process(tiny_llm):
+    """TP=4 on the preset: one attention head per rank, each expert's intermediate dimension cut in four."""
+    prompts = [[3 + 5 * i for i in range(40)], [7 + 3 * i for i in range(70)]]
+    with LLM(tensor_parallel_size=4, **COMMON) as llm:
+        assert llm.engine.runner.model.model.layers[0].self_attn.num_heads == 1
+        assert generate(llm, prompts) == generate(tiny_llm, prompts)
+
+
 def test_a_rank_that_fails_to_start_is_named(monkeypatch, tmp_path):
     """The child exits before joining the group (here: a stand-in interpreter that exits 3): rank 0 names it
     at once instead of waiting for the rendezvous timeout, and no process group is left behind."""
