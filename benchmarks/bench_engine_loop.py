@@ -70,11 +70,12 @@ def _replay_ms(graphs, bs: int, context: int, iters: int = 50) -> float:
 
 
 def measure_itl(model: str, overlap: bool, batches: list[int], context: int, decode_tokens: int,
-                max_bs: int, parallel: dict | None = None) -> list[dict]:
+                max_bs: int, compile: bool = True, parallel: dict | None = None) -> list[dict]:
     from minidsa import LLM
 
     llm = LLM(model=model, progress=False, overlap_schedule=overlap, enable_prefix_caching=False,
-              max_running_requests=max(batches), cuda_graph_max_bs=max_bs, **(parallel or {}))
+              max_running_requests=max(batches), cuda_graph_max_bs=max_bs, enable_compile=compile,
+              **(parallel or {}))
     vocab = llm.engine.vocab_size
     rows = []
     seed = 0
@@ -139,6 +140,8 @@ def main(argv=None) -> int:
     p.add_argument("--decode-tokens", type=int, default=64, help="decode steps timed per ITL measurement")
     p.add_argument("--cuda-graph-max-bs", type=int, default=32, help="largest captured batch (start-up time)")
     p.add_argument("--skip-bench", action="store_true", help="only the ITL comparison")
+    p.add_argument("--disable-compile", action="store_true",
+                   help="graphs of the plain modules (start-up in seconds instead of minutes; host time is the same)")
     p.add_argument("--bench-args", default="", help="extra `minidsa bench` arguments, e.g. '--num-requests 128'")
     p.add_argument("--allow-cpu", action="store_true", help="run without a GPU (a smoke run of this script)")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="ranks (GPUs) of the engine")
@@ -155,14 +158,15 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    result = {"model": args.model, "device": device, "torch": torch.__version__, **parallel,
-              "itl": [], "bench": []}
+    result = {"model": args.model, "device": device, "torch": torch.__version__, "compile": not args.disable_compile,
+              **parallel, "itl": [], "bench": []}
     for overlap in (True, False):
         result["itl"] += measure_itl(args.model, overlap, batches, args.context, args.decode_tokens,
-                                     args.cuda_graph_max_bs, parallel)
+                                     args.cuda_graph_max_bs, compile=not args.disable_compile, parallel=parallel)
     if not args.skip_bench:
         for overlap in (True, False):
-            result["bench"].append(run_bench(args.model, overlap, args.out, bench_parallel + args.bench_args.split()))
+            extra = bench_parallel + args.bench_args.split() + (["--disable-compile"] if args.disable_compile else [])
+            result["bench"].append(run_bench(args.model, overlap, args.out, extra))
     with open(os.path.join(args.out, "engine_loop.json"), "w") as f:
         json.dump(result, f, indent=2)
     md = to_markdown(result)

@@ -192,13 +192,27 @@ def weight_bytes(params: tuple, experts: int) -> float:
 # DeepGEMM's grouped FP8 GEMMs (both GEMMs of the MoE only), guarded: any failure becomes a note
 
 
+# DeepGEMM builds name the grouped GEMMs differently: the first name present is used.
+GROUPED_NAMES = {"contiguous": ("m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_fp4_gemm_nt_contiguous"),
+                 "masked": ("m_grouped_fp8_gemm_nt_masked", "fp8_m_grouped_gemm_nt_masked",
+                            "m_grouped_fp8_fp4_gemm_nt_masked")}
+
+
 def load_deep_gemm():
+    """(namespace with .contiguous / .masked / .alignment(), version) or (None, why not)."""
     try:
+        import types
+
         import deep_gemm
 
-        for name in ("m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked"):
-            getattr(deep_gemm, name)
-        return deep_gemm, getattr(deep_gemm, "__version__", "imported")
+        fns = {}
+        for kind, names in GROUPED_NAMES.items():
+            found = next((getattr(deep_gemm, n) for n in names if callable(getattr(deep_gemm, n, None))), None)
+            if found is None:
+                raise AttributeError(f"deep_gemm has none of {', '.join(names)}")
+            fns[kind] = found
+        fns["alignment"] = deep_gemm.get_mk_alignment_for_contiguous_layout
+        return types.SimpleNamespace(**fns), getattr(deep_gemm, "__version__", "imported")
     except Exception as e:
         return None, f"not used ({type(e).__name__}: {str(e)[:120]})"
 
@@ -211,7 +225,7 @@ def _fp8_act(rows: int, cols: int, lead: tuple = ()):
 def deepgemm_contiguous(dg, params: tuple, ids: torch.Tensor):
     """fn running DeepGEMM's two contiguous grouped GEMMs for this routing (rows padded per expert)."""
     gate_up, down, gus, dns = params
-    align = int(dg.get_mk_alignment_for_contiguous_layout())
+    align = int(dg.alignment())
     counts = torch.bincount(ids.flatten(), minlength=E)
     padded = (counts + align - 1) // align * align
     m_indices = torch.full((int(padded.sum()),), -1, dtype=torch.int32, device=DEV)
@@ -224,8 +238,8 @@ def deepgemm_contiguous(dg, params: tuple, ids: torch.Tensor):
     d2 = torch.empty(rows, H, device=DEV, dtype=torch.bfloat16)
 
     def fn():
-        dg.m_grouped_fp8_gemm_nt_contiguous(a1, (gate_up, gus), d1, m_indices)
-        dg.m_grouped_fp8_gemm_nt_contiguous(a2, (down, dns), d2, m_indices)
+        dg.contiguous(a1, (gate_up, gus), d1, m_indices)
+        dg.contiguous(a2, (down, dns), d2, m_indices)
     return fn
 
 
@@ -240,8 +254,8 @@ def deepgemm_masked(dg, params: tuple, ids: torch.Tensor):
     d2 = torch.empty(E, max_m, H, device=DEV, dtype=torch.bfloat16)
 
     def fn():
-        dg.m_grouped_fp8_gemm_nt_masked(a1, (gate_up, gus), d1, counts, expected_m)
-        dg.m_grouped_fp8_gemm_nt_masked(a2, (down, dns), d2, counts, expected_m)
+        dg.masked(a1, (gate_up, gus), d1, counts, expected_m)
+        dg.masked(a2, (down, dns), d2, counts, expected_m)
     return fn
 
 

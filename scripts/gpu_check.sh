@@ -176,7 +176,7 @@ section_tp() {   # issue 17: tensor_parallel_size 1 through the distributed path
         timeout "$TIMEOUT" $PY -m minidsa.perf $args --distributed-executor-backend $backend 2>&1 | grep -v " INFO "
         [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     done
-    local loop=${TP_LOOP_ARGS:-"--skip-bench --cuda-graph-max-bs 32"}
+    local loop=${TP_LOOP_ARGS:-"--skip-bench --disable-compile --cuda-graph-max-bs 32"}
     local runs="--distributed-executor-backend=uni --distributed-executor-backend=mp"
     [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] && runs="$runs --tp=2"
     for run in $runs; do

@@ -105,18 +105,6 @@ def _(q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_
     return q.new_empty_strided((q.shape[0], max_kv_len), (stride, 1), dtype=torch.float32)
 
 
-@torch.library.custom_op("minidsa::ragged_index_logits", mutates_args=())
-def ragged_index_logits(
-    q: Tensor, weights: Tensor, keys: Tensor, ks: Tensor, ke: Tensor, key_scales: Optional[Tensor] = None
-) -> Tensor:
-    return indexer.ragged_index_logits(q, weights, keys, ks, ke, key_scales)
-
-
-@ragged_index_logits.register_fake
-def _(q, weights, keys, ks, ke, key_scales=None):
-    return q.new_empty(q.shape[0], keys.shape[0], dtype=torch.float32)
-
-
 @torch.library.custom_op("minidsa::topk_slots", mutates_args=())
 def topk_slots(logits: Tensor, topk: int, req_to_token: Tensor, token_rows: Tensor) -> tuple[Tensor, Tensor]:
     # The Triton select or torch.topk, picked here on the concrete shape (no guards in compiled graphs).

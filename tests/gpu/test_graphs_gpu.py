@@ -10,22 +10,11 @@ import gc
 import pytest
 import torch
 
+from harness import count_replays
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 PARAMS = dict(max_tokens=16, ignore_eos=True, detokenize=False)
-
-
-def count_replays(graphs) -> dict[str, int]:
-    """Replays per step kind from now on (wraps StepGraphs.replay on this instance)."""
-    counts = {name: 0 for name in graphs.kinds}
-    replay = graphs.replay
-
-    def counted(kind_name, *args, **kwargs):
-        counts[kind_name] += 1
-        return replay(kind_name, *args, **kwargs)
-
-    graphs.replay = counted
-    return counts
 
 
 def _run(model, prompts, extra=None, **kw):
