@@ -10,6 +10,8 @@ Part 2: `minidsa bench` (the default workload, offline) in a fresh process per s
 
     python benchmarks/bench_engine_loop.py --out /tmp/out [--model bench-dsv32] [--skip-bench] [--bench-args ...]
     (--allow-cpu: a smoke run of the script on the tiny model without a GPU; its figures mean nothing)
+    --tensor-parallel-size N / --distributed-executor-backend mp: the same through the tensor-parallel path
+    (rank 0 broadcasts each step plan; at N = 1 a process group of one), to compare with a plain run.
 
 Writes engine_loop.json and engine_loop.md under --out and prints the table.
 """
@@ -68,11 +70,12 @@ def _replay_ms(graphs, bs: int, context: int, iters: int = 50) -> float:
 
 
 def measure_itl(model: str, overlap: bool, batches: list[int], context: int, decode_tokens: int,
-                max_bs: int, compile: bool = True) -> list[dict]:
+                max_bs: int, compile: bool = True, parallel: dict | None = None) -> list[dict]:
     from minidsa import LLM
 
     llm = LLM(model=model, progress=False, overlap_schedule=overlap, enable_prefix_caching=False,
-              max_running_requests=max(batches), cuda_graph_max_bs=max_bs, enable_compile=compile)
+              max_running_requests=max(batches), cuda_graph_max_bs=max_bs, enable_compile=compile,
+              **(parallel or {}))
     vocab = llm.engine.vocab_size
     rows = []
     seed = 0
@@ -87,6 +90,7 @@ def measure_itl(model: str, overlap: bool, batches: list[int], context: int, dec
                      "graph_replay_ms": replay_ms, "ratio": itl_ms / replay_ms})
         print(f"overlap={overlap} bs={bs}: ITL through generate {itl_ms:.3f} ms, graph replay {replay_ms:.3f} ms, "
               f"ratio {itl_ms / replay_ms:.3f}", flush=True)
+    llm.close()  # tensor-parallel ranks stop
     del llm
     gc.collect()
     if torch.cuda.is_available():
@@ -111,7 +115,8 @@ def run_bench(model: str, overlap: bool, out: str, extra: list[str]) -> dict:
 
 
 def to_markdown(result: dict) -> str:
-    lines = [f"# Engine loop ({result['model']}, {result['device']})", "",
+    lines = [f"# Engine loop ({result['model']}, {result['device']}, tensor_parallel_size "
+             f"{result['tensor_parallel_size']}, {result['distributed_executor_backend']})", "",
              "| overlap | batch | ITL via generate (ms) | graph replay (ms) | ratio |", "|---|---|---|---|---|"]
     for r in result["itl"]:
         lines.append(f"| {r['overlap']} | {r['batch']} | {r['itl_generate_ms']:.3f} | {r['graph_replay_ms']:.3f} | "
@@ -139,7 +144,14 @@ def main(argv=None) -> int:
                    help="graphs of the plain modules (start-up in seconds instead of minutes; host time is the same)")
     p.add_argument("--bench-args", default="", help="extra `minidsa bench` arguments, e.g. '--num-requests 128'")
     p.add_argument("--allow-cpu", action="store_true", help="run without a GPU (a smoke run of this script)")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="ranks (GPUs) of the engine")
+    p.add_argument("--distributed-executor-backend", choices=("auto", "mp", "uni"), default="auto",
+                   help="mp: the tensor-parallel path even at --tp 1")
     args = p.parse_args(argv)
+    parallel = {"tensor_parallel_size": args.tensor_parallel_size,
+                "distributed_executor_backend": args.distributed_executor_backend}
+    bench_parallel = ["--tensor-parallel-size", str(args.tensor_parallel_size),
+                      "--distributed-executor-backend", args.distributed_executor_backend]
     if not torch.cuda.is_available() and not args.allow_cpu:
         print("needs a CUDA GPU (--allow-cpu for a smoke run)")
         return 1
@@ -147,13 +159,13 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     result = {"model": args.model, "device": device, "torch": torch.__version__, "compile": not args.disable_compile,
-              "itl": [], "bench": []}
+              **parallel, "itl": [], "bench": []}
     for overlap in (True, False):
         result["itl"] += measure_itl(args.model, overlap, batches, args.context, args.decode_tokens,
-                                     args.cuda_graph_max_bs, compile=not args.disable_compile)
+                                     args.cuda_graph_max_bs, compile=not args.disable_compile, parallel=parallel)
     if not args.skip_bench:
         for overlap in (True, False):
-            extra = args.bench_args.split() + (["--disable-compile"] if args.disable_compile else [])
+            extra = bench_parallel + args.bench_args.split() + (["--disable-compile"] if args.disable_compile else [])
             result["bench"].append(run_bench(args.model, overlap, args.out, extra))
     with open(os.path.join(args.out, "engine_loop.json"), "w") as f:
         json.dump(result, f, indent=2)

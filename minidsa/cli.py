@@ -62,9 +62,18 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "enable_mixed_chunk": "alternate prefill and decode steps instead of running prefill chunks in the decode "
                           "steps' forward (mixed steps are off under speculative decoding)",
     "max_queued_requests": "waiting requests beyond this are refused (HTTP 503)",
+    "tensor_parallel_size": "GPUs (processes) the model is split over, one rank each; minidsa starts them "
+                            "(alias --tp)",
+    "enable_expert_parallel": "with tensor parallelism, place routed experts whole (n_routed_experts / tp per "
+                              "rank) instead of splitting each expert's intermediate dimension",
+    "distributed_executor_backend": "mp = one process per rank (also at --tp 1: the distributed code path), uni "
+                                    "= one process; auto = mp when --tp > 1",
     "tokenizer": "tokenizer directory or name; default: the checkpoint's, or the DeepSeek-V3 tokenizer for presets",
     "trust_remote_code": "allow a checkpoint's tokenizer to run its own code",
 }
+
+
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {"tensor_parallel_size": ("--tp",)}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -112,7 +121,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         elif kind in ("bool|None", "Optional[bool]"):
             group.add_argument(flag, dest=f.name, type=_bool, default=None, metavar="{true,false}", help=described)
         elif kind in ("int", "float"):
-            group.add_argument(flag, dest=f.name, type=int if kind == "int" else float, default=default,
+            group.add_argument(flag, *FLAG_ALIASES.get(f.name, ()), dest=f.name, type=int if kind == "int" else float,
+                               default=default,
                                metavar="N" if kind == "int" else "X", help=f"{described} (default: {default})")
         else:  # str, str | None
             group.add_argument(flag, dest=f.name, type=str, default=default, choices=choices,

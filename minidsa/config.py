@@ -427,6 +427,7 @@ ENGINE_CHOICES: dict[str, tuple[str, ...]] = {
     "kv_cache_dtype": ("auto", "fp8"),
     "quantization": ("auto", "fp8", "none"),
     "kernel_backend": ("auto", "torch", "triton"),
+    "distributed_executor_backend": ("auto", "mp", "uni"),
 }
 
 
@@ -476,6 +477,11 @@ class EngineConfig:
     # Decode rows and prefill chunks in one forward (off: prefill and decode steps alternate).
     enable_mixed_chunk: bool = True
     max_queued_requests: int = 4096
+    # Tensor parallelism: one process per rank (minidsa starts them), rank 0 runs the engine. "mp" = that
+    # distributed path (also at size 1), "uni" = one process, no process group; auto = mp iff size > 1.
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # routed experts whole, n_routed_experts / size per rank
+    distributed_executor_backend: str = "auto"
     tokenizer: str | None = None
     trust_remote_code: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
@@ -487,7 +493,7 @@ class EngineConfig:
                 raise ConfigError(name, f"must be a {'non-negative' if allow_zero else 'positive'} integer, got {v!r}")
 
         for name in ("max_running_requests", "chunked_prefill_size", "max_prefill_tokens", "cuda_graph_max_bs",
-                     "max_queued_requests", "speculative_topk"):
+                     "max_queued_requests", "speculative_topk", "tensor_parallel_size"):
             positive(name)
         for name in ("page_size", "max_total_tokens", "max_model_len", "speculative_num_steps",
                      "speculative_num_draft_tokens", "seed"):
@@ -507,4 +513,33 @@ class EngineConfig:
             raise ConfigError("quantization", f"'{self.quantization}' is not one of {', '.join(QUANTIZATIONS)}")
         if self.kernel_backend not in ENGINE_CHOICES["kernel_backend"]:
             raise ConfigError("kernel_backend", f"'{self.kernel_backend}' is not auto, torch or triton")
+        if self.distributed_executor_backend not in ENGINE_CHOICES["distributed_executor_backend"]:
+            raise ConfigError("distributed_executor_backend",
+                              f"'{self.distributed_executor_backend}' is not auto, mp or uni")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ConfigError("distributed_executor_backend", f"uni (one process) cannot serve tensor_parallel_size "
+                              f"{self.tensor_parallel_size}: use auto or mp")
         return self
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the engine runs through the tensor-parallel (multi-process) path."""
+        return self.tensor_parallel_size > 1 or self.distributed_executor_backend == "mp"
+
+    def validate_parallel(self, model: "ModelConfig") -> None:
+        """Clear errors for a tensor_parallel_size the model's shapes do not split into."""
+        n = self.tensor_parallel_size
+        if n == 1:
+            return
+        splits = [("num_attention_heads", model.num_attention_heads), ("vocab_size", model.vocab_size),
+                  ("intermediate_size", model.intermediate_size)]
+        if model.n_routed_experts:
+            splits.append(("n_routed_experts", model.n_routed_experts) if self.enable_expert_parallel
+                          else ("moe_intermediate_size", model.moe_intermediate_size))
+            if model.n_shared_experts:
+                splits.append(("moe_intermediate_size * n_shared_experts",
+                               model.moe_intermediate_size * model.n_shared_experts))
+        for what, size in splits:
+            if size % n:
+                hint = " (or --enable-expert-parallel)" if what == "moe_intermediate_size" else ""
+                raise ConfigError("tensor_parallel_size", f"{n} does not divide the model's {what} ({size}){hint}")

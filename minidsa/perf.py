@@ -34,6 +34,7 @@ from minidsa.config import EngineConfig, ModelConfig
 from minidsa.graphs import StepGraphs, StepKind
 from minidsa.kv_cache import pages_needed
 from minidsa.models.presets import preset_config
+from minidsa.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +108,8 @@ def decode_bytes(cfg: ModelConfig, bs: int, ctx: int, dtype_bytes: int = 2, with
 # ----------------------------------------------------------------------------- synthetic contexts
 class Bench:
     def __init__(self, preset: str, max_context: int, max_batch_tokens: int, max_bs: int, index_topk: int | None = None,
-                 spec_steps: int = 0, compile: bool = True, kv_cache_dtype: str = "auto"):
-        from minidsa.runner import ModelRunner
-
+                 spec_steps: int = 0, compile: bool = True, kv_cache_dtype: str = "auto",
+                 distributed_executor_backend: str = "uni"):
         raw = preset_config(preset)
         init_std = raw.pop("initializer_range", 0.02)
         if index_topk is not None:
@@ -120,8 +120,19 @@ class Bench:
                            max_running_requests=max_bs, max_total_tokens=max_batch_tokens + 64 * (max_bs + 2),
                            max_model_len=max_context + 64, indexer_cache_dtype="fp8", kernel_backend="auto",
                            kv_cache_dtype=kv_cache_dtype,
-                           enable_cuda_graph=False, enable_compile=False)
-        self.runner = ModelRunner(cfg, self.model_config, None, init_std=init_std, decode_reserve=64, progress=False)
+                           enable_cuda_graph=False, enable_compile=False,
+                           distributed_executor_backend=distributed_executor_backend)
+        # "mp": tensor_parallel_size 1 through the distributed path (a process group of one, its collectives
+        # inside the graphs): what it costs beside "uni"
+        if distributed_executor_backend == "mp":
+            from minidsa.distributed.executor import RankModelRunner
+            from minidsa.distributed.launch import single_rank_group
+
+            self.runner = RankModelRunner(single_rank_group(cfg.device), cfg, self.model_config, None,
+                                          init_std=init_std, decode_reserve=64, progress=False)
+        else:
+            self.runner = ModelRunner(cfg, self.model_config, None, init_std=init_std, decode_reserve=64,
+                                      progress=False)
         self.device = self.runner.device
         # The engine's own step functions: the whole forward through torch.compile (one dynamic graph
         # per step kind, shared by every graph below), or plain eager modules.
@@ -230,7 +241,9 @@ def run_suite(args) -> dict:
     result["ceilings"] = ceil = measure_ceilings(dev)
     logger.info("ceilings: %s", ceil)
     bench = Bench(args.preset, max_context=max(args.contexts + args.dense_contexts), max_batch_tokens=args.kv_tokens,
-                  max_bs=max(args.batches + [8]), compile=not args.no_compile)
+                  max_bs=max(args.batches + [8]), compile=not args.no_compile,
+                  distributed_executor_backend=args.distributed_executor_backend)
+    result["distributed_executor_backend"] = args.distributed_executor_backend
     cfg = bench.model_config
     result["kernels"] = bench.runner.kernels.describe()
 
@@ -297,6 +310,8 @@ def run_suite(args) -> dict:
     dsa_ms = {}
     for bs, ctx in dense_rows:
         dsa_ms[bs, ctx] = _graph_decode_ms(bench, bs, ctx, args.iters)
+    if hasattr(bench.runner, "close"):  # a RankModelRunner: leave its process group (one per process)
+        bench.runner.close()
     bench = None
     torch.cuda.empty_cache()
     rows_d = []
@@ -331,9 +346,11 @@ def _spec_e2e(args) -> dict:
     prompts = [list(range(100 + i, 100 + i + 512)) for i in range(args.e2e_requests)]
     params = SamplingParams(max_tokens=args.e2e_tokens, ignore_eos=True, detokenize=False)
     for name, extra in (("plain", {}), ("mtp", {"speculative_num_steps": args.spec_steps})):
+        llm = None
         try:
             llm = LLM(model=args.preset, max_running_requests=args.e2e_requests, max_total_tokens=65536,
-                      max_model_len=4096, progress=False, **extra)
+                      max_model_len=4096, progress=False,
+                      distributed_executor_backend=args.distributed_executor_backend, **extra)
             llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -349,11 +366,13 @@ def _spec_e2e(args) -> dict:
                 entry["acceptance_rate"] = m.spec_accepted_tokens_total / max(1, m.spec_draft_tokens_total)
             out[name] = entry
             out.setdefault("outputs", {})[name] = [o.token_ids for o in outs]
-            del llm
-            torch.cuda.empty_cache()
         except Exception as e:  # recorded, not hidden: the table says what failed
             logger.exception("speculative e2e (%s) failed", name)
             out[name] = {"error": f"{type(e).__name__}: {e}"}
+        if llm is not None:
+            llm.close()
+        del llm
+        torch.cuda.empty_cache()
     outs = out.pop("outputs", {})
     if "plain" in outs and "mtp" in outs:
         out["lossless"] = outs["plain"] == outs["mtp"]
@@ -522,6 +541,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="leave parts out of a quick run: verify (verify vs decode step), dense (DSA vs dense "
                         "attention), spec (speculative end to end), hf (transformers)")
     p.add_argument("--no-compile", action="store_true", help="graphs of the eager modules (no torch.compile)")
+    p.add_argument("--distributed-executor-backend", choices=("uni", "mp"), default="uni",
+                   help="mp: the model runs through the tensor-parallel path at size 1 (a process group of one, "
+                        "collectives in the graphs), to compare with uni (one plain process)")
     p.add_argument("--profile", type=int, default=0, metavar="ITERS",
                    help="profile the batch-1 decode graph over ITERS replays (kernel table in the JSON)")
     p.add_argument("--json", default=None)

@@ -8,7 +8,14 @@ decode row's input is read from there, so the control plane can plan step N+1 wh
 `launch(plan)` enqueues the step's device work (page-table writes, forward, sampling, the copy of the
 sampled ids to pinned host memory) and records one CUDA event; `PendingStep.result()` waits on that
 event, the only host sync of a plain step, and turns the ids into lists. `execute(plan)` is both at
-once, the entry point every tensor-parallel rank calls with the same plan.
+once.
+
+Under tensor parallelism (minidsa/distributed/) every rank holds a Worker built the same way
+(`build_worker`) and runs every plan: rank 0's engine broadcasts each plan before launching it, the other
+ranks launch it as it arrives. Their forwards meet in the collectives; the all-gathered logits are the same
+on every rank, so every rank samples the same tokens (the sampler's keys come from the plan and the shared
+seed) and the speculator makes the same choices, without any token travelling back. Only rank 0 reads the
+results.
 
 Steps that need host data mid-step synchronise inside `launch`: a speculative round (trees are built
 from draft tokens on the host), prompt logprobs, and the speculator's draft extend after a prefill.
@@ -16,10 +23,13 @@ from draft tokens on the host), prompt logprobs, and the speculator's draft exte
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from minidsa.batch import ForwardBatch, ForwardMode, host_to_device, ints_to_device
 from minidsa.kv_cache import row_slots
+from minidsa.config import EngineConfig, ModelConfig
 from minidsa.models.deepseek_v32 import ModelOutput
 from minidsa.runner import ModelRunner
 from minidsa.sampling import SampledTokens, Sampler
@@ -86,6 +96,14 @@ class Worker:
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.launch(plan).result()
+
+    def prepare_fast_paths(self) -> None:
+        """torch.compile and CUDA-graph capture (they run the model: every rank calls this at the same point,
+        after building its worker and before the first plan)."""
+        self.runner.prepare_fast_paths(self.speculator.layout if self.speculator is not None else None)
+
+    def close(self) -> None:
+        """Release what outlives the process's objects (tensor-parallel ranks); nothing for one process."""
 
     def launch(self, plan: StepPlan) -> PendingStep:
         pool = self.runner.req_to_token_pool
@@ -194,3 +212,42 @@ class Worker:
         rows, last = ints_to_device(plan.rows + [t[-1] for t in tokens], self.device).split(plan.batch_size)
         self.next_input_ids[rows] = last
         return StepResult(tokens)
+
+
+def build_speculator(config: EngineConfig, model_config: ModelConfig, runner: ModelRunner, sampler: Sampler,
+                     decode_reserve: int) -> Any:
+    """The MTP speculator the config asks for, or None."""
+    if config.speculative_num_steps == 0 and config.speculative_num_draft_tokens == 0 and \
+            config.speculative_topk == 1:
+        return None
+    from minidsa.speculative.mtp import MTPSpeculator, resolve_spec_options
+
+    options = resolve_spec_options(config, model_config, config.page_size)
+    if options is None:
+        return None
+    speculator = MTPSpeculator(runner, options, sampler)
+    if speculator.reserved_tokens > decode_reserve:
+        raise RuntimeError(f"speculator needs {speculator.reserved_tokens} KV positions per decode step, "
+                           f"the scheduler reserves {decode_reserve}")
+    return speculator
+
+
+def build_worker(runner: ModelRunner, config: EngineConfig, decode_reserve: int, worker_cls: type = Worker
+                 ) -> Worker:
+    """A worker around a built runner: its sampler (host RNG seeded by `config.seed`, so every
+    tensor-parallel rank draws the same keys) and speculator."""
+    sampler = Sampler(runner.model_config.vocab_size, runner.device, config.seed)
+    return worker_cls(runner, sampler, build_speculator(config, runner.model_config, runner, sampler,
+                                                        decode_reserve))
+
+
+def start_worker(config: EngineConfig, model_config: ModelConfig, model_path: str | None, init_std: float = 0.02,
+                 decode_reserve: int = 1, progress: bool = True) -> Worker:
+    """The engine's worker, chosen once: one process, or rank 0 of a tensor-parallel group (which starts the
+    other ranks; see minidsa/distributed/executor.py). `config` must be resolved."""
+    if config.distributed:
+        from minidsa.distributed.executor import start_tensor_parallel_worker
+
+        return start_tensor_parallel_worker(config, model_config, model_path, init_std, decode_reserve, progress)
+    runner = ModelRunner(config, model_config, model_path, init_std, decode_reserve, progress)
+    return build_worker(runner, config, decode_reserve)

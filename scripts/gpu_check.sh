@@ -5,7 +5,7 @@
 #
 # Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla
 # fp8_gemm moe. Not in the default list: moe_sweep (other MoE tile configs, for tuning).
-# Also: bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (4 vs 61 layers); bench_prefill; flashmla (builds FlashMLA from a
+# Also: tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (4 vs 61 layers); bench_prefill; flashmla (builds FlashMLA from a
 # carried .fmla folder first; minutes).
 #
 # DeepGEMM: DEEPGEMM=on builds it from the folder .dg (carried; made on the CPU machine with
@@ -160,6 +160,30 @@ section_engine_loop() {   # issue 16: overlapped scheduling on the bench preset 
     timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_loop_gpu.py -rs --durations=5
     local rc=$?
     timeout "$TIMEOUT" $PY benchmarks/bench_engine_loop.py --out "$OUT" ${ENGINE_LOOP_ARGS:-} || rc=1
+    return $rc
+}
+
+section_tp() {   # issue 17: tensor_parallel_size 1 through the distributed path (NCCL group of one, collectives in
+    # the graphs, rank 0's TensorParallelWorker) == the plain engine on the bench preset (MTP, and overlap); TP=2 ==
+    # TP=1 when 2+ GPUs; then the decode suite both ways (uni = one process, mp = the distributed path): compare
+    # the two tables; then ITL through LLM.generate (overlap on / off) both ways, and at TP=2 with 2+ GPUs.
+    timeout "$TIMEOUT" $PY -m pytest -v -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py -rs --durations=5 -x \
+        2>&1 | timestamped
+    local rc=${PIPESTATUS[0]}
+    local args=${BENCH_TP_ARGS:-"--batches 1 32 --contexts 4096 --skip verify dense spec hf --iters 20"}
+    for backend in uni mp; do
+        echo "--- decode suite, --distributed-executor-backend $backend"
+        timeout "$TIMEOUT" $PY -m minidsa.perf $args --distributed-executor-backend $backend 2>&1 | grep -v " INFO "
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    done
+    local loop=${TP_LOOP_ARGS:-"--skip-bench --disable-compile --cuda-graph-max-bs 32"}
+    local runs="--distributed-executor-backend=uni --distributed-executor-backend=mp"
+    [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] && runs="$runs --tp=2"
+    for run in $runs; do
+        echo "--- ITL through LLM.generate, $run"
+        timeout "$TIMEOUT" $PY benchmarks/bench_engine_loop.py --out /tmp/tp_loop $loop $run 2>&1 | grep -v " INFO "
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    done
     return $rc
 }
 

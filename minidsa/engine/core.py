@@ -41,7 +41,7 @@ from minidsa.sampling import Sampler
 from minidsa.scheduler import ScheduledBatch, Scheduler
 from minidsa.step_plan import PromptScoring, StepMode, StepPlan
 from minidsa.tokenizer import Tokenizer, load_tokenizer
-from minidsa.worker import PendingStep, Worker
+from minidsa.worker import PendingStep, Worker, start_worker
 
 logger = logging.getLogger(__name__)
 
@@ -137,25 +137,29 @@ class Engine:
         eos_token_ids = frozenset(self.model_config.eos_token_ids or self._tokenizer_eos())
         self.decode_reserve = decode_reserve_tokens(cfg)
         t0 = time.perf_counter()
-        runner = ModelRunner(cfg, self.model_config, model_path, init_std, self.decode_reserve, progress)
-        t_load = time.perf_counter()
-        self.max_model_len: int = runner.max_model_len
-        # With MTP speculation a page's last MTP slot depends on the token after the page: it is part of the key.
-        self.prefix_cache = PrefixCache(runner.allocator, lookahead=1 if cfg.speculative_num_steps else 0) \
-            if cfg.enable_prefix_caching else None
-        self.sampler = Sampler(self.vocab_size, runner.device, cfg.seed)
-        speculator = self._build_speculator(runner)
-        # The speculator verifies pure decode batches: with it, prefill and decode steps alternate.
-        self.mixed_steps = cfg.enable_mixed_chunk and speculator is None
-        self.scheduler = Scheduler(runner.allocator, runner.req_to_token_pool.rows,
-                                   max_running_requests=cfg.max_running_requests,
-                                   max_prefill_tokens=cfg.max_prefill_tokens,
-                                   chunked_prefill_size=cfg.chunked_prefill_size,
-                                   decode_reserve=self.decode_reserve, prefix_cache=self.prefix_cache,
-                                   mixed=self.mixed_steps)
-        self.worker = Worker(runner, self.sampler, speculator)
-        t_ready = time.perf_counter()
-        runner.prepare_fast_paths(speculator.layout if speculator is not None else None)
+        # One process, or rank 0 of a tensor-parallel group (the other ranks run the same worker on the plans
+        # this engine hands its own)
+        self.worker: Worker = start_worker(cfg, self.model_config, model_path, init_std, self.decode_reserve, progress)
+        runner, speculator = self.worker.runner, self.worker.speculator
+        try:  # a failure from here on must not leave tensor-parallel ranks behind
+            t_load = time.perf_counter()
+            self.max_model_len: int = runner.max_model_len
+            # With MTP speculation a page's last MTP slot depends on the token after the page: it is part of the key.
+            self.prefix_cache = PrefixCache(runner.allocator, lookahead=1 if cfg.speculative_num_steps else 0) \
+                if cfg.enable_prefix_caching else None
+            # The speculator verifies pure decode batches: with it, prefill and decode steps alternate.
+            self.mixed_steps = cfg.enable_mixed_chunk and speculator is None
+            self.scheduler = Scheduler(runner.allocator, runner.req_to_token_pool.rows,
+                                       max_running_requests=cfg.max_running_requests,
+                                       max_prefill_tokens=cfg.max_prefill_tokens,
+                                       chunked_prefill_size=cfg.chunked_prefill_size,
+                                       decode_reserve=self.decode_reserve, prefix_cache=self.prefix_cache,
+                                       mixed=self.mixed_steps)
+            t_ready = time.perf_counter()
+            self.worker.prepare_fast_paths()
+        except BaseException:
+            self.worker.close()
+            raise
         t_graphs = time.perf_counter()
         # Compilation happens during the graphs' warm-up calls: one figure for both.
         logger.info("start-up %.1f s: weights and KV cache %.1f s, engine %.1f s, compile + CUDA graph capture %.1f s",
@@ -182,20 +186,14 @@ class Engine:
     def speculator(self) -> Any:
         return self.worker.speculator
 
-    def _build_speculator(self, runner: ModelRunner) -> Any:
-        cfg = self.config
-        if cfg.speculative_num_steps == 0 and cfg.speculative_num_draft_tokens == 0 and cfg.speculative_topk == 1:
-            return None
-        from minidsa.speculative.mtp import MTPSpeculator, resolve_spec_options
+    @property
+    def sampler(self) -> Sampler:
+        return self.worker.sampler
 
-        options = resolve_spec_options(cfg, self.model_config, cfg.page_size)
-        if options is None:
-            return None
-        speculator = MTPSpeculator(runner, options, self.sampler)
-        if speculator.reserved_tokens > self.decode_reserve:
-            raise RuntimeError(f"speculator needs {speculator.reserved_tokens} KV positions per decode step, "
-                               f"the scheduler reserves {self.decode_reserve}")
-        return speculator
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks and leave their process group (nothing to do in one process).
+        They also stop when the engine is garbage collected or the interpreter exits."""
+        self.worker.close()
 
     @property
     def tokenizer(self) -> Tokenizer:

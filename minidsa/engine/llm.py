@@ -26,6 +26,16 @@ class LLM:
     def __repr__(self) -> str:
         return f"LLM({self.engine!r})"
 
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (also done when the LLM is dropped, or at exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = False) -> list[RequestOutput]:

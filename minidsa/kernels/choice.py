@@ -17,6 +17,7 @@ Compiled code sees the choice as constants: nothing here is called from a traced
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from dataclasses import dataclass
@@ -112,6 +113,11 @@ def _deepgemm():
     return deepgemm
 
 
+def register_custom_ops() -> None:
+    """Importing minidsa.kernels.custom_ops registers torch.ops.minidsa.* (an import for its side effect)."""
+    importlib.import_module("minidsa.kernels.custom_ops")
+
+
 def choose_fp8_gemm(device: torch.device | str, kernel_backend: str = "auto", use_deep_gemm: bool = True) -> str:
     """Which GEMM serves FP8 linear layers (`layers.linear.GEMMS`), decided once when the model is built.
 
@@ -130,7 +136,7 @@ def choose_fp8_gemm(device: torch.device | str, kernel_backend: str = "auto", us
             raise ValueError(f"MINIDSA_FP8_GEMM=deepgemm: {_deepgemm().fp8_gemm_status(device).reason}")
         logger.info("FP8 linear: %s (MINIDSA_FP8_GEMM)", forced)
         if forced != "torch":
-            from minidsa.kernels import custom_ops  # noqa: F401  (registers torch.ops.minidsa.fp8_linear)
+            register_custom_ops()  # torch.ops.minidsa.fp8_linear
         return forced
     ok, why = triton_usable(device)
     if not ok:
@@ -141,7 +147,7 @@ def choose_fp8_gemm(device: torch.device | str, kernel_backend: str = "auto", us
         logger.info("FP8 linear: %s (%s)", "DeepGEMM" if status.available else "Triton", status.reason)
     else:
         logger.info("FP8 linear: Triton")
-    from minidsa.kernels import custom_ops  # noqa: F401  (registers torch.ops.minidsa.fp8_linear)
+    register_custom_ops()  # torch.ops.minidsa.fp8_linear
 
     if use_deep_gemm and device.type == "cuda" and status.available:
         return "deepgemm"

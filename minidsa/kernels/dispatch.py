@@ -13,7 +13,7 @@ import logging
 import torch
 
 from minidsa.kernels import reference as ref
-from minidsa.kernels.choice import KernelChoice
+from minidsa.kernels.choice import KernelChoice, register_custom_ops
 
 logger = logging.getLogger(__name__)
 
@@ -22,9 +22,9 @@ class DSAOps:
     """The DSA ops for one KernelChoice; same signatures as `minidsa.kernels.reference`."""
 
     def __init__(self, choice: KernelChoice):
-        from minidsa.kernels import custom_ops  # noqa: F401  (registers torch.ops.minidsa.*)
         from minidsa.kernels import topk as topk_mod
 
+        register_custom_ops()  # torch.ops.minidsa.*, before they are bound below
         self.choice = choice
         self._ops = torch.ops.minidsa
         self._torch_topk = topk_mod.torch_topk_slots

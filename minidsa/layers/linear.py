@@ -8,7 +8,9 @@ plain attribute set once when the model is built (`set_gemm`), so compiled code 
 Each parameter carries a `weight_loader(param, tensor, scale_inv=None)` (nano-vllm style): the loader
 hands it the checkpoint tensor (and the tensor's block scales when it is stored as e4m3) and the
 parameter writes itself in its own format, quantising a high-precision tensor into an FP8 parameter,
-dequantising an e4m3 tensor into a high-precision one, or copying. Tensor parallelism will shard here.
+dequantising an e4m3 tensor into a high-precision one, or copying. The tensor may be a lazy
+`models.loader.CheckpointTensor` (read on `as_tensor`): tensor-parallel parameters (layers/parallel.py) narrow
+it to their slice first, so a rank reads only its part of the checkpoint.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ class WeightLoadError(ValueError):
     """A checkpoint tensor that does not fit the parameter it is loaded into."""
 
 
+def as_tensor(loaded):
+    """A checkpoint tensor as a torch tensor: lazy ones (`CheckpointTensor`, anything with `materialize`) are
+    read now."""
+    return loaded if loaded is None or isinstance(loaded, torch.Tensor) else loaded.materialize()
+
+
 def load_block_scaled(weight: torch.Tensor, scale: torch.Tensor | None, loaded: torch.Tensor,
                       loaded_scale: torch.Tensor | None, name: str, pow2_scale: bool = False) -> None:
     """Write a checkpoint tensor (e4m3 + `loaded_scale`, or high precision) into `weight` (+ `scale` when FP8).
@@ -43,6 +51,7 @@ def load_block_scaled(weight: torch.Tensor, scale: torch.Tensor | None, loaded: 
         if tuple(loaded_scale.shape) != want:
             raise WeightLoadError(f"{name}'s weight_scale_inv has shape {tuple(loaded_scale.shape)}, "
                                   f"its {tuple(loaded.shape)} weight in 128x128 blocks needs {want}")
+    loaded, loaded_scale = as_tensor(loaded), as_tensor(loaded_scale)
     if scale is None:  # a high-precision parameter
         weight.copy_(dequant_block(loaded.to(weight.device), loaded_scale.to(weight.device)) if stored_fp8 else loaded)
         return

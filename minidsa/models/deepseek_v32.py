@@ -8,10 +8,20 @@ the loader maps the per-expert checkpoint names onto them.
 All attention goes through the absorbed MLA form (one KV head of
 kv_lora_rank + qk_rope_head_dim dims) over the paged cache, for every
 forward mode; the DSA backend decides how the cache is read.
+
+Tensor parallelism (the `TensorParallel` the model is built under, `distributed.parallel_state.building_with`):
+attention heads split across ranks (q_b_proj and kv_b_proj by heads, o_proj row-parallel + all-reduce); the
+latent KV cache is replicated on every rank (it is per token, not per head: each rank attends its heads over
+the same 576-value entries); the indexer is replicated too (its top-k must be identical on every rank, and
+replicating it is the simple way to guarantee that). Dense MLPs and shared experts are column / row parallel;
+routed experts split their intermediate dimension, or with expert parallelism each rank holds
+n_routed_experts / size whole experts; the MoE layer sums experts and shared experts with one all-reduce.
+Embedding and lm_head are vocab-parallel (logits all-gathered).
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,9 +33,12 @@ from torch import nn
 from minidsa.attention.dsa import DSABackend, LayerCaches
 from minidsa.batch import ForwardBatch
 from minidsa.config import ModelConfig
-from minidsa.kernels import custom_ops  # noqa: F401  (registers torch.ops.minidsa.*)
+from minidsa.distributed.parallel_state import building_tp
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape
-from minidsa.layers.linear import FusedLinear, Linear, WeightLoadError, load_block_scaled
+from minidsa.layers.linear import FusedLinear, Linear, WeightLoadError, as_tensor, load_block_scaled
+from minidsa.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, checkpoint_shard
+
+importlib.import_module("minidsa.kernels.custom_ops")  # registers torch.ops.minidsa.* (fused_moe below)
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +146,9 @@ class MLAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, has_indexer: bool, computes_topk: bool):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
+        tp = building_tp()
+        self.num_heads = tp.split(config.num_attention_heads, "num_attention_heads")[1]  # this rank's heads
+        heads = config.num_attention_heads
         self.nope = config.qk_nope_head_dim
         self.rope = config.qk_rope_head_dim
         self.v_dim = config.v_head_dim
@@ -141,14 +156,15 @@ class MLAttention(nn.Module):
         self.softmax_scale = config.softmax_scale
         self.q_a_proj = Linear(config.hidden_size, config.q_lora_rank)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, 1e-6)
-        self.q_b_proj = Linear(config.q_lora_rank, self.num_heads * (self.nope + self.rope))
+        self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, heads * (self.nope + self.rope), what="q_b_proj heads")
         self.kv_a_proj_with_mqa = Linear(config.hidden_size, self.kv_lora_rank + self.rope)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
         # Kept in the serving dtype even in FP8 (dequantised at load, as SGLang does): absorption uses it as
         # two per-head batched matmuls (W_UK, W_UV), for which no block-scaled w8a8 kernel exists here; it
         # is 2 x 16 MB bf16 per real layer against ~0.6 GB of FP8 weights a decode step reads per layer.
-        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), quantizable=False)
-        self.o_proj = Linear(self.num_heads * self.v_dim, config.hidden_size)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope + self.v_dim), quantizable=False,
+                                              what="kv_b_proj heads")
+        self.o_proj = RowParallelLinear(heads * self.v_dim, config.hidden_size, what="o_proj heads")
         self.indexer = Indexer(config) if has_indexer else None
         # Decided once: does this layer run its own indexer, or reuse the top-k it is handed?
         self.computes_topk = computes_topk
@@ -196,11 +212,13 @@ class MLAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
+    """SwiGLU; column / row parallel under TP. `reduce_output=False`: the caller sums the partial output."""
+
+    def __init__(self, hidden: int, inter: int, reduce_output: bool = True, what: str = "intermediate_size"):
         super().__init__()
-        self.gate_proj = Linear(hidden, inter)
-        self.up_proj = Linear(hidden, inter)
-        self.down_proj = Linear(inter, hidden)
+        self.gate_proj = ColumnParallelLinear(hidden, inter, what=what)
+        self.up_proj = ColumnParallelLinear(hidden, inter, what=what)
+        self.down_proj = RowParallelLinear(inter, hidden, what=what, reduce_output=reduce_output)
 
     def fuse(self) -> None:
         self.gate_up = FusedLinear(self.gate_proj, self.up_proj)
@@ -248,14 +266,34 @@ class Experts(nn.Module):
     `weight_loader(param, tensor, scale_inv, name, expert=E, shard="gate" | "up" | "down")`.
     Every token count goes through one fused MoE op (minidsa.kernels.fused_moe): tokens sorted per expert,
     grouped GEMMs that read only the chosen experts (Triton on CUDA, the torch reference on CPU).
+
+    Under tensor parallelism the output is this rank's partial sum (the MoE layer all-reduces): either every
+    expert with `moe_intermediate_size / size` of its intermediate rows (gate, up) and columns (down), or with
+    expert parallelism experts [first_expert, first_expert + num_local_experts) whole. The fused MoE op takes
+    no "not here" expert id, so a (token, choice) pair routed to another rank's expert goes to local expert 0
+    with routing weight 0: exact, but those pairs cost GEMM rows (nothing at decode, where the experts'
+    weights are the cost; a skip-sentinel in the kernel would save it at prefill).
     """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
+        tp = self.tp = building_tp()
         e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
-        self.inter = i
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        self.n_experts, self.full_inter = e, i
+        if tp.expert_parallel:
+            self.first_expert, self.num_local_experts = tp.split(e, "n_routed_experts (expert parallelism)")
+            self.inter_start, self.inter = 0, i
+        else:
+            self.first_expert, self.num_local_experts = 0, e
+            self.inter_start, self.inter = tp.split(i, "moe_intermediate_size")
+        e_local, i_local = self.num_local_experts, self.inter
+        self.gate_up_proj = nn.Parameter(torch.empty(e_local, 2 * i_local, h), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(e_local, h, i_local), requires_grad=False)
+        for p in (self.gate_up_proj, self.down_proj):
+            # Which checkpoint experts this rank reads (the loader skips the others without reading them).
+            p.local_experts = range(self.first_expert, self.first_expert + e_local)
+            p.num_experts = e
+        self.gate_up_proj.full_shape, self.down_proj.full_shape = (e, 2 * i, h), (e, h, i)
         self.register_parameter("gate_up_proj_scale_inv", None)
         self.register_parameter("down_proj_scale_inv", None)
         self.gate_up_proj.weight_loader = self.load_expert_weight
@@ -269,7 +307,10 @@ class Experts(nn.Module):
     def make_fp8_(self, pow2_scale: bool = False) -> None:
         """Switch to e4m3 + block scales (empty; meant for the meta device, before loading)."""
         if self.inter % FP8_BLOCK:
-            raise ValueError(f"FP8 experts need moe_intermediate_size divisible by {FP8_BLOCK}, got {self.inter}")
+            split = self.inter != self.full_inter
+            per_rank = f" ({self.full_inter} over tensor_parallel_size {self.tp.size})" if split else ""
+            raise ValueError(f"FP8 experts need moe_intermediate_size divisible by {FP8_BLOCK}, got "
+                             f"{self.inter}{per_rank}")
         for name in ("gate_up_proj", "down_proj"):
             p = getattr(self, name)
             e, rows, cols = p.shape
@@ -282,23 +323,56 @@ class Experts(nn.Module):
 
     def load_expert_weight(self, param: torch.Tensor, loaded: torch.Tensor, scale_inv: torch.Tensor | None = None,
                            name: str = "", *, expert: int | None = None, shard: str | None = None) -> None:
-        """One expert's gate / up / down tensor, or (expert None) the whole stacked tensor as minidsa names it."""
+        """One expert's gate / up / down tensor, or (expert None) the whole stacked tensor as minidsa names it;
+        either narrowed to this rank's experts and intermediate slice first."""
         scale_param = self.gate_up_proj_scale_inv if param is self.gate_up_proj else self.down_proj_scale_inv
+        name = name or (f"expert {expert} {shard}_proj" if expert is not None else "stacked experts")
         if expert is None:
+            loaded, scale_inv = self._local_stack(param, loaded, scale_inv, name)
             load_block_scaled(param.data, None if scale_param is None else scale_param.data, loaded, scale_inv,
-                              name or "stacked experts", self.pow2_scale)
+                              name, self.pow2_scale)
             return
-        if not 0 <= expert < param.shape[0]:
-            raise WeightLoadError(f"tensor {name}: expert {expert} does not exist (n_routed_experts {param.shape[0]})")
+        if not 0 <= expert < self.n_experts:
+            raise WeightLoadError(f"tensor {name}: expert {expert} does not exist (n_routed_experts {self.n_experts})")
+        if expert not in param.local_experts:
+            return  # another rank's expert
+        local = expert - self.first_expert
+        dim = -1 if shard == "down" else -2
+        loaded, scale_inv = checkpoint_shard(loaded, scale_inv, dim, self.inter_start, self.inter, self.full_inter,
+                                             name)
         rows = {"gate": slice(0, self.inter), "up": slice(self.inter, 2 * self.inter), "down": slice(None)}[shard]
         scale = None
         if scale_param is not None:
             block_rows = slice(None) if rows.start is None else slice(rows.start // FP8_BLOCK, rows.stop // FP8_BLOCK)
-            scale = scale_param.data[expert, block_rows]
-        load_block_scaled(param.data[expert, rows], scale, loaded, scale_inv, name or f"expert {expert} {shard}_proj",
-                          self.pow2_scale)
+            scale = scale_param.data[local, block_rows]
+        load_block_scaled(param.data[local, rows], scale, loaded, scale_inv, name, self.pow2_scale)
+
+    def _local_stack(self, param: torch.Tensor, loaded, scale_inv, name: str):
+        """A stacked [E, 2I, H] / [E, H, I] checkpoint tensor narrowed to this rank's experts and slices."""
+        if loaded.shape[0] != self.n_experts:
+            raise WeightLoadError(f"tensor {name} has shape {tuple(loaded.shape)}, the config implies "
+                                  f"{self.n_experts} experts")
+        if self.num_local_experts != self.n_experts:
+            loaded = loaded.narrow(0, self.first_expert, self.num_local_experts)
+            scale_inv = None if scale_inv is None else scale_inv.narrow(0, self.first_expert, self.num_local_experts)
+        if self.inter == self.full_inter:
+            return loaded, scale_inv
+        if param is self.down_proj:
+            return checkpoint_shard(loaded, scale_inv, -1, self.inter_start, self.inter, self.full_inter, name)
+        full = self.full_inter
+        halves = [checkpoint_shard(loaded.narrow(-2, start, full),
+                                   None if scale_inv is None else scale_inv.narrow(-2, start // FP8_BLOCK,
+                                                                                     -(-full // FP8_BLOCK)),
+                                   -2, self.inter_start, self.inter, full, name) for start in (0, full)]
+        weight = torch.cat([as_tensor(w) for w, _ in halves], dim=-2)
+        scales = None if scale_inv is None else torch.cat([as_tensor(s) for _, s in halves], dim=-2)
+        return weight, scales
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.num_local_experts != self.n_experts:  # expert parallelism: global ids -> this rank's experts
+            local = ids - self.first_expert
+            elsewhere = (local < 0) | (local >= self.num_local_experts)
+            ids, weights = local.masked_fill(elsewhere, 0), weights.masked_fill(elsewhere, 0.0)
         return torch.ops.minidsa.fused_moe(x, ids, weights, self.gate_up_proj, self.down_proj,
                                            getattr(self, "gate_up_proj_scale_inv", None),
                                            getattr(self, "down_proj_scale_inv", None))
@@ -310,16 +384,18 @@ class MoE(nn.Module):
         self.gate = Router(config)
         self.experts = Experts(config)
         self.shared_experts = (
-            MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, reduce_output=False,
+                what="shared experts' intermediate size")
             if config.n_shared_experts > 0 else None
         )
+        self.tp = building_tp()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
         y = self.experts(x, ids, weights)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        return y
+        return self.tp.all_reduce(y)  # routed and shared partial sums: one all-reduce per MoE layer
 
 
 class DecoderLayer(nn.Module):
@@ -359,7 +435,7 @@ class MTPLayer(DecoderLayer):
 class Backbone(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         layers: list[nn.Module] = []
         for i in range(config.num_hidden_layers):
             full = config.indexer_full[i]
@@ -395,7 +471,9 @@ class DeepseekV32ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Backbone(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, quantizable=False)
+        self.tp = building_tp()
+        self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, quantizable=False,
+                                            what="vocab_size")
         self.rotary = Rotary(config)
 
     def make_fp8_(self, which: Callable[[str], bool] | None = None, pow2_scale: bool = False) -> list[str]:
@@ -440,7 +518,7 @@ class DeepseekV32ForCausalLM(nn.Module):
         return LayerContext(batch=batch, attn=attn, cos=cos, sin=sin, index_meta=attn.index_metadata(batch))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(h).float()
+        return self.tp.all_gather_last_dim(self.lm_head(h)).float()
 
     def forward(self, batch: ForwardBatch, attn: DSABackend, run_layer: "RunLayer | None" = None) -> ModelOutput:
         """`run_layer`: how each decoder layer is called (the runner hands in a compiled `call_layer`)."""

@@ -7,6 +7,11 @@ block: kept FP8, or dequantised where the model serves a projection in high
 precision), and bf16 / fp32 checkpoints (optionally quantised to FP8 at load).
 Missing or unexpected tensors raise `CheckpointError` listing them. Random
 weights (`init_random_weights`) are drawn directly in the serving formats.
+
+Tensors reach their parameters' loaders as lazy `CheckpointTensor`s: a
+tensor-parallel parameter narrows one to its slice and only that slice is read
+from the file (safetensors `get_slice`); another rank's routed experts (expert
+parallelism) are not read at all.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from tqdm.auto import tqdm
 from torch import nn
 
 from minidsa.config import QUANTIZATIONS, ConfigError, ModelConfig
-from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, quant_block
+from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape, quant_block
 from minidsa.layers.linear import WeightLoadError, default_weight_loader, set_gemm
 from minidsa.models.deepseek_v32 import DeepseekV32ForCausalLM, RMSNorm, Rotary
 
@@ -59,6 +64,52 @@ def _read_tensor(f: Any, file: str, name: str) -> torch.Tensor:
         return f.get_tensor(name)
     except (SafetensorError, OSError, RuntimeError) as e:
         raise CheckpointError(f"cannot read tensor {name} from checkpoint shard {file}: {e}") from e
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+class CheckpointTensor:
+    """A checkpoint tensor not read yet: `narrow` it to the part wanted, `materialize` reads just that part."""
+
+    def __init__(self, handle: Any, file: str, name: str, ranges: tuple[tuple[int, int], ...] | None = None):
+        self._handle, self.file, self.name = handle, file, name
+        try:
+            self._slice = handle.get_slice(name)
+            full = tuple(self._slice.get_shape())
+            self.dtype = _SAFETENSORS_DTYPES[self._slice.get_dtype()]
+        except (SafetensorError, OSError, RuntimeError, KeyError) as e:
+            raise CheckpointError(f"cannot read tensor {name} from checkpoint shard {file}: {e}") from e
+        self._ranges = ranges if ranges is not None else tuple((0, n) for n in full)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(stop - start for start, stop in self._ranges)
+
+    def narrow(self, dim: int, start: int, length: int) -> "CheckpointTensor":
+        dim = dim % len(self._ranges)
+        lo, hi = self._ranges[dim]
+        if start < 0 or length < 0 or lo + start + length > hi:
+            raise CheckpointError(f"slice [{start}, {start + length}) of dimension {dim} is outside tensor "
+                                  f"{self.name} of shape {tuple(self.shape)}")
+        ranges = list(self._ranges)
+        ranges[dim] = (lo + start, lo + start + length)
+        out = CheckpointTensor.__new__(CheckpointTensor)
+        out.__dict__.update(self.__dict__)
+        out._ranges = tuple(ranges)
+        return out
+
+    def materialize(self) -> torch.Tensor:
+        try:
+            if not self._ranges:
+                return self._handle.get_tensor(self.name)
+            return self._slice[tuple(slice(start, stop) for start, stop in self._ranges)]
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise CheckpointError(f"cannot read tensor {self.name} from checkpoint shard {self.file}: {e}") from e
 
 
 def checkpoint_files(path: str) -> dict[str, str]:
@@ -168,7 +219,15 @@ def _load_shards(by_file: dict[str, list[str]], files: dict[str, str], plan: "_P
                 if param is None or target.endswith(SCALE_SUFFIX):
                     unexpected.append(name)
                     continue
-                tensor = _read_tensor(f, file, name)
+                if m:
+                    e = int(m.group(2))
+                    if e >= getattr(param, "num_experts", param.shape[0]):
+                        unexpected.append(name)
+                        continue
+                    if e not in getattr(param, "local_experts", range(param.shape[0])):
+                        expert_slices[target].add((e, m.group(3)))  # another rank's: not read here
+                        continue
+                tensor = CheckpointTensor(f, file, name)
                 scale = None
                 if tensor.dtype == torch.float8_e4m3fn:
                     scale_name = name[: -len("weight")] + SCALE_SUFFIX
@@ -182,10 +241,6 @@ def _load_shards(by_file: dict[str, list[str]], files: dict[str, str], plan: "_P
                 loader = getattr(param, "weight_loader", None) or default_weight_loader
                 try:
                     if m:
-                        e = int(m.group(2))
-                        if e >= param.shape[0]:
-                            unexpected.append(name)
-                            continue
                         loader(param, tensor, scale, name, expert=e, shard=m.group(3).removesuffix("_proj"))
                         expert_slices[target].add((e, m.group(3)))
                     else:
@@ -205,7 +260,7 @@ def _check_complete(path: str, plan: "_Plan", loaded: set[str], expert_slices: d
             continue  # written with its weight
         if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
             kinds = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
-            want = {(e, k) for e in range(param.shape[0]) for k in kinds}
+            want = {(e, k) for e in range(getattr(param, "num_experts", param.shape[0])) for k in kinds}
             have = expert_slices.get(name, set())
             if name in loaded:  # stored stacked, as minidsa names it
                 continue
@@ -254,12 +309,12 @@ def fp8_modules(model: DeepseekV32ForCausalLM, quantization: str, files: dict[st
         raise ConfigError("quantization", f"'{quantization}' is not one of {', '.join(QUANTIZATIONS)}")
     if quantization == "none" or (quantization == "auto" and files is None and config.quantization != "fp8"):
         return []
-    which = None
-    if quantization == "auto" and files is not None:
-        def which(module: str) -> bool:
-            weight = f"{module}.0.gate_proj.weight" if module.endswith(".experts") else f"{module}.weight"
-            # The MTP layer sits at model.layers.{num_hidden_layers} in model and checkpoint alike.
-            return weight[: -len("weight")] + SCALE_SUFFIX in files
+    def stored_in_fp8(module: str) -> bool:
+        weight = f"{module}.0.gate_proj.weight" if module.endswith(".experts") else f"{module}.weight"
+        # The MTP layer sits at model.layers.{num_hidden_layers} in model and checkpoint alike.
+        return weight[: -len("weight")] + SCALE_SUFFIX in files
+
+    which = stored_in_fp8 if quantization == "auto" and files is not None else None
     try:
         return model.make_fp8_(which, pow2_scale=config.fp8_pow2_scales)
     except ValueError as e:
@@ -339,7 +394,10 @@ def init_random_weights(model: DeepseekV32ForCausalLM, seed: int, std: float, de
             for pname, p in mod.named_parameters(recurse=False):
                 if pname.endswith("_scale_inv"):
                     continue  # drawn with its weight
-                if p.dtype == FP8_DTYPE:
+                full = getattr(p, "full_shape", None)
+                if full is not None and tuple(full) != tuple(p.shape):  # a tensor-parallel shard
+                    _random_shard_(mod, p, tuple(full), std, gen, chunk_elems)
+                elif p.dtype == FP8_DTYPE:
                     _random_fp8_(p, getattr(mod, f"{pname}_scale_inv"), std, gen, chunk_elems, mod.pow2_scale)
                 elif pname == "weight" and isinstance(mod, (RMSNorm, nn.LayerNorm)):
                     p.fill_(1.0)
@@ -352,6 +410,36 @@ def init_random_weights(model: DeepseekV32ForCausalLM, seed: int, std: float, de
         if hasattr(mod, "e_score_correction_bias"):
             bias = mod.e_score_correction_bias
             bias.copy_(torch.rand(bias.shape, generator=gen, device=device) * 0.1)
+
+
+def _random_shard_(mod: nn.Module, param: torch.Tensor, full: tuple[int, ...], std: float, gen: torch.Generator,
+                   chunk_elems: int) -> None:
+    """A shard's random values: the whole tensor drawn as one process draws it (same order, same generator),
+    then loaded like a checkpoint tensor (the parameter keeps its slice). Experts one at a time, as
+    `_random_fp8_` goes, so the temporary is one expert."""
+    loader, dev = param.weight_loader, param.device
+    if param.dtype != FP8_DTYPE:
+        loader(param, torch.empty(full, dtype=param.dtype, device=dev).normal_(0.0, std, generator=gen))
+        return
+    pow2 = mod.pow2_scale
+    if len(full) == 2:
+        weight = torch.empty(full, dtype=FP8_DTYPE, device=dev)
+        scale = torch.empty(block_scale_shape(*full), dtype=torch.float32, device=dev)
+        _random_fp8_(weight, scale, std, gen, chunk_elems, pow2)
+        loader(param, weight, scale)
+        return
+    experts, rows, cols = full
+    gate_up = param is mod.gate_up_proj
+    for e in range(experts):
+        weight = torch.empty(rows, cols, dtype=FP8_DTYPE, device=dev)
+        scale = torch.empty(block_scale_shape(rows, cols), dtype=torch.float32, device=dev)
+        _random_fp8_(weight, scale, std, gen, chunk_elems, pow2)
+        if gate_up:
+            half, half_blocks = rows // 2, rows // 2 // FP8_BLOCK
+            loader(param, weight[:half], scale[:half_blocks], expert=e, shard="gate")
+            loader(param, weight[half:], scale[half_blocks:], expert=e, shard="up")
+        else:
+            loader(param, weight, scale, expert=e, shard="down")
 
 
 def _random_fp8_(weight: torch.Tensor, scale: torch.Tensor, std: float, gen: torch.Generator, chunk_elems: int,

@@ -621,9 +621,20 @@ def serve(engine_config: Any, host: str = "127.0.0.1", port: int = 8000, api_key
         engine = Engine(engine_config if engine_config is not None else EngineConfig())
         logger.info("engine ready in %.1f s: %s", time.monotonic() - started, engine)
         ae = AsyncEngine(engine, model_name=served_model_name)
-        asyncio.run(_serve(ae, sock, api_key, drain_timeout))
+        try:
+            asyncio.run(_serve(ae, sock, api_key, drain_timeout))
+        finally:
+            engine.close()  # tensor-parallel ranks stop with the server
     finally:
         sock.close()
+
+
+async def _signal_when_engine_dies(ae: AsyncEngine, signals: asyncio.Queue) -> None:
+    """An engine that cannot step any more (e.g. a tensor-parallel rank died) stops the server as SIGTERM would."""
+    while ae.is_alive:
+        await asyncio.sleep(0.5)
+    logger.error("the engine stopped: shutting the server down")
+    signals.put_nowait(signal.SIGTERM)
 
 
 async def _serve(ae: AsyncEngine, sock: socket.socket, api_key: str | None, drain_timeout: float) -> None:
@@ -635,7 +646,9 @@ async def _serve(ae: AsyncEngine, sock: socket.socket, api_key: str | None, drai
         loop.add_signal_handler(sig, signals.put_nowait, sig)
     logger.info("minidsa serving %s on %s (max_model_len %d)", ae.model_name, url, ae.max_model_len)
     print(f"minidsa: serving {ae.model_name} on {url}", flush=True)
+    engine_watch = asyncio.ensure_future(_signal_when_engine_dies(ae, signals))
     sig = await signals.get()
+    engine_watch.cancel()
     started = time.monotonic()
     open_requests = len(ae.inflight_request_ids())
     logger.info("%s: shutting down; draining %d in-flight requests for up to %.1f s (new requests get 503; "

@@ -23,6 +23,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from minidsa.distributed.launch import RankFailedError
 from minidsa.request import InvalidRequest
 
 logger = logging.getLogger(__name__)
@@ -372,10 +373,12 @@ class AsyncEngine:
         return prompt, params
 
     def _run(self) -> None:
+        why = "the engine thread stopped"
         try:
             self._loop_until_stopped()
-        except BaseException:
+        except BaseException as e:
             logger.exception("the engine thread died")
+            why = f"engine error: {type(e).__name__}: {e}"  # e.g. which tensor-parallel rank died
             raise
         finally:
             # whatever ended the loop, no handler may wait forever: end every stream and queued command
@@ -386,7 +389,7 @@ class AsyncEngine:
             for _, future in pending:
                 if future is not None and not future.done():
                     future.set_exception(RuntimeError("the engine thread is not running"))
-            self._fail_all(None if self._stopping else "the engine thread stopped")
+            self._fail_all(None if self._stopping else why)
 
     def _loop_until_stopped(self) -> None:
         engine = self.engine
@@ -410,6 +413,8 @@ class AsyncEngine:
                 try:
                     outputs = engine.step()
                     failed_steps = 0
+                except RankFailedError:  # a tensor-parallel rank is gone: nothing can serve any more
+                    raise
                 except Exception as e:  # noqa: BLE001 - keep serving; fail the requests in flight
                     failed_steps += 1
                     logger.error("engine step failed; aborting %d requests\n%s", len(self._engine_streams),

@@ -1,0 +1,186 @@
+"""Tensor parallelism on the engine's step plans: rank 0 broadcasts each `StepPlan`, every rank's Worker runs it.
+
+Every rank builds the same worker (`build_worker`: runner, sampler, speculator) around its shard of the
+model, captures its graphs at the same point (`Worker.prepare_fast_paths`), then:
+
+- rank 0 (`TensorParallelWorker`, the engine's worker): `launch(plan)` sends the plan to the other ranks
+  (pickled, over the gloo control group; plain data, nothing else travels) and launches it locally;
+- ranks > 0 (`serve_plans(channel, worker.launch)`): launch each plan as it arrives, until `StopPlan`.
+
+The plan carries everything a rank's device state needs: the page-table writes, the host-known tokens, the
+sampling parameters and output positions (the noise keys). A decode row's input is the token each rank
+sampled itself in an earlier step: the logits are all-gathered, so every rank samples the same ids, and a
+speculative round's drafts, trees and accepted paths (KV compaction included) come out the same too.
+
+Overlapped scheduling works unchanged: rank 0 sends plan N+1 while step N runs on the devices, and reads
+step N's tokens afterwards; ranks > 0 never read their results (they launch and move on), so none waits
+for the host of another except in the collectives of the forward itself. Sends and collectives happen in
+the same order on every rank (control group: plans; device group: the forward's collectives).
+
+What this module keeps besides: the KV capacity agreement (`RankModelRunner`: the smallest any rank's free
+memory allows) and the group's lifetime (stopping the ranks when the engine goes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from minidsa.config import ConfigError, EngineConfig, ModelConfig
+from minidsa.distributed.launch import RankFailedError, RankGroup, single_rank_group, start_ranks
+from minidsa.distributed.parallel_state import building_with
+from minidsa.distributed.plan import PlanChannel
+from minidsa.runner import ModelRunner
+from minidsa.step_plan import StepPlan, StepResult
+from minidsa.worker import PendingStep, Worker, build_worker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StopPlan:
+    """Rank 0 is done: ranks > 0 leave `serve_plans`."""
+
+
+class RankModelRunner(ModelRunner):
+    """A ModelRunner holding this rank's shard of the model and the full (replicated) caches, agreeing with
+    the other ranks on the KV capacity. It owns the rank group: `close()` (or dropping it) leaves the
+    process groups and, on rank 0, stops the other ranks."""
+
+    def __init__(self, ranks: RankGroup, config: EngineConfig, model_config: ModelConfig, model_path: str | None,
+                 init_std: float = 0.02, decode_reserve: int = 1, progress: bool = True):
+        self.ranks = ranks
+        # Dropped without close() (a notebook's `del llm`), or at interpreter exit: the ranks stop and the
+        # process group goes, so another distributed engine can start in this process.
+        self._release = weakref.finalize(self, ranks.shutdown)
+        with ranks.guard(), building_with(ranks.tp):
+            super().__init__(config, model_config, model_path, init_std, decode_reserve, progress)
+
+    def _auto_kv_tokens(self) -> int:
+        tokens = torch.tensor([super()._auto_kv_tokens()], dtype=torch.int64)
+        if self.ranks.world_size > 1:
+            torch.distributed.all_reduce(tokens, op=torch.distributed.ReduceOp.MIN, group=self.ranks.control_group)
+        return int(tokens.item())
+
+    @property
+    def closed(self) -> bool:
+        return not self._release.alive
+
+    def close(self) -> None:
+        self._release()
+
+
+class _GuardedStep:
+    """Rank 0's pending step: waiting for its tokens names a rank that died meanwhile."""
+
+    def __init__(self, pending: PendingStep, ranks: RankGroup):
+        self.pending = pending
+        self.plan = pending.plan
+        self._ranks = ranks
+
+    def result(self) -> StepResult:
+        with self._ranks.guard():
+            return self.pending.result()
+
+
+class TensorParallelWorker(Worker):
+    """Rank 0's worker: every plan goes to the other ranks before it runs here."""
+
+    runner: RankModelRunner
+
+    def __init__(self, runner: RankModelRunner, sampler, speculator=None):
+        super().__init__(runner, sampler, speculator)
+        self.ranks = runner.ranks
+        self.channel = PlanChannel(runner.ranks)
+
+    def launch(self, plan: StepPlan) -> _GuardedStep:
+        with self.ranks.guard():
+            self.channel.send(plan)
+            return _GuardedStep(super().launch(plan), self.ranks)
+
+    def prepare_fast_paths(self) -> None:
+        with self.ranks.guard():  # capture runs the model: collectives with the other ranks
+            super().prepare_fast_paths()
+
+    def close(self) -> None:
+        """Stop the other ranks and leave the process groups (also at exit, or when the runner goes away)."""
+        if self.runner.closed:
+            return
+        if self.ranks.processes is None or self.ranks.processes.failure is None:
+            with contextlib.suppress(Exception):  # a rank already gone: stopping the rest is all there is to do
+                self.channel.send(StopPlan())
+        self.runner.close()
+
+
+def serve_plans(channel: PlanChannel, execute: Callable[[StepPlan], object]) -> None:
+    """Ranks > 0: `execute(plan)` for each of rank 0's plans until it sends StopPlan. `execute` is the rank's
+    `Worker.launch` (its results are rank 0's to read: launching, not waiting, keeps overlap on every rank)."""
+    while True:
+        plan = channel.receive()
+        if isinstance(plan, StopPlan):
+            return
+        execute(plan)
+
+
+def build_rank_worker(ranks: RankGroup, config: EngineConfig, model_config: ModelConfig, model_path: str | None,
+                      init_std: float, decode_reserve: int, progress: bool, worker_cls: type = Worker) -> Worker:
+    """This rank's worker, built and captured the same way on every rank (the same collectives, in order)."""
+    runner = RankModelRunner(ranks, config, model_config, model_path, init_std, decode_reserve, progress)
+    try:
+        with ranks.guard():
+            return build_worker(runner, config, decode_reserve, worker_cls)
+    except BaseException:
+        runner.close()
+        raise
+
+
+def run_rank(ranks: RankGroup, config: EngineConfig, model_config: ModelConfig, model_path: str | None,
+             init_std: float, decode_reserve: int) -> None:
+    """A rank > 0: build the worker, capture, execute rank 0's plans until it stops."""
+    worker = build_rank_worker(ranks, config, model_config, model_path, init_std, decode_reserve, progress=False)
+    worker.prepare_fast_paths()
+    serve_plans(PlanChannel(ranks), worker.launch)
+
+
+def start_tensor_parallel_worker(config: EngineConfig, model_config: ModelConfig, model_path: str | None,
+                                 init_std: float = 0.02, decode_reserve: int = 1,
+                                 progress: bool = True) -> TensorParallelWorker:
+    """Rank 0's worker, starting ranks 1..N-1 (or a process group of one at tensor_parallel_size 1).
+
+    Under torchrun (or any launcher setting RANK / WORLD_SIZE), ranks > 0 never return from here: they serve
+    rank 0's plans and exit the process when it stops.
+    """
+    config.validate_parallel(model_config)
+    from minidsa.distributed.launch import launch_mode
+
+    try:
+        mode, rank, _ = launch_mode(config.tensor_parallel_size)
+    except ValueError as e:
+        raise ConfigError("tensor_parallel_size", str(e)) from None
+    if mode == "torchrun" and rank > 0:
+        from minidsa.distributed.worker import run_torchrun_rank
+
+        run_torchrun_rank(config, model_config, model_path, init_std, decode_reserve)
+    if config.tensor_parallel_size > 1:
+        ranks = start_ranks(config, model_config, model_path, init_std, decode_reserve)
+    else:
+        ranks = single_rank_group(config.device, config.enable_expert_parallel)
+    try:
+        worker = build_rank_worker(ranks, config, model_config, model_path, init_std, decode_reserve, progress,
+                                   TensorParallelWorker)
+    except BaseException:
+        ranks.shutdown()
+        raise
+    logger.info("tensor parallel: %d ranks (%s), expert parallel %s; rank 0 runs the engine and broadcasts "
+                "each step plan (overlap scheduling %s)", ranks.world_size, ranks.device_group.name(),
+                config.enable_expert_parallel, "on" if config.overlap_schedule else "off")
+    return worker
+
+
+__all__ = ["RankFailedError", "RankModelRunner", "StopPlan", "TensorParallelWorker", "run_rank", "serve_plans",
+           "start_tensor_parallel_worker"]

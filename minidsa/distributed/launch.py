@@ -1,0 +1,363 @@
+"""One process per tensor-parallel rank, started by minidsa itself; process groups; a watch on every rank.
+
+Rank 0 is the process that builds the engine (a script, a notebook, `minidsa serve`). It starts ranks
+1..N-1 as `python -m minidsa.distributed.worker` children (no torchrun needed; a script run under torchrun
+joins the group torchrun made instead, see `launch_mode`), hands each its `WorkerSpec` on stdin, and keeps
+the pipe open: a child reads its stdin until EOF, so when rank 0 goes away, however it dies, its children exit
+too (a notebook kernel restart included). Children ignore SIGINT and SIGTERM: a Ctrl-C or a `kill` of the
+whole process group reaches rank 0, which drains (the server) and then stops them.
+
+Rendezvous is a TCPStore that rank 0 owns: rank 0 waits for every child to check in while watching that none
+has exited, so a rank that fails to start is reported by number at once, not after a timeout. Two groups:
+the device group (NCCL on CUDA, gloo on CPU) for the forward's collectives, and a gloo
+control group for the step plans (a peer that dies closes its sockets: gloo raises at once on the others).
+
+`RankProcesses` watches the children from a thread. When one exits unexpectedly it records which, aborts the
+device group (an NCCL collective waiting for a dead peer would otherwise hang until its timeout), and the next
+or current collective on rank 0 raises `RankFailedError` naming the rank. Should rank 0 stay stuck inside a
+step regardless, the watch ends the process after `STUCK_EXIT_S` rather than leave it hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from minidsa.config import ConfigError
+from minidsa.distributed.parallel_state import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = float(os.environ.get("MINIDSA_DIST_STARTUP_TIMEOUT", "600"))  # every rank checked in by then
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("MINIDSA_DIST_TIMEOUT", "600"))  # a device-group collective
+IDLE_FOREVER = datetime.timedelta(days=365)  # workers wait this long for the next plan (an idle server)
+STUCK_EXIT_S = 30.0  # a rank died while rank 0 is inside a step that does not return: exit after this
+_JOIN_KEY = "minidsa/joined/{}"
+
+
+class RankFailedError(RuntimeError):
+    """A tensor-parallel rank died, failed to start, or stopped answering; names the rank."""
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a rank > 0 needs to build its part of the engine (pickled to its stdin)."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    backend: str  # device group: "nccl" or "gloo"
+    engine_config: Any  # EngineConfig, resolved; `device` is this rank's
+    model_config: Any  # ModelConfig
+    model_path: str | None
+    init_std: float
+    decode_reserve: int
+    log_level: int = logging.WARNING
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RankGroup:
+    """This process's view of the group: its TensorParallel, the two process groups, the children (rank 0)."""
+
+    tp: TensorParallel
+    device_group: Any  # dist.ProcessGroup
+    control_group: Any  # dist.ProcessGroup (gloo)
+    device: torch.device
+    processes: "RankProcesses | None" = None  # rank 0 of a group minidsa started
+
+    @property
+    def rank(self) -> int:
+        return self.tp.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tp.size
+
+    def check(self) -> None:
+        if self.processes is not None:
+            self.processes.check()
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Collectives inside: a failure caused by a dead rank is re-raised as RankFailedError naming it."""
+        self.check()
+        watch = self.processes
+        if watch is not None:
+            watch.state.in_step += 1
+        try:
+            yield
+        except RankFailedError:
+            raise
+        except Exception as e:  # gloo "connection closed", an aborted NCCL communicator, a timeout
+            failure = watch.wait_for_failure(2.0) if watch is not None else None
+            if failure is None:
+                raise
+            watch.state.acknowledged.set()
+            raise RankFailedError(failure) from e
+        finally:
+            if watch is not None:
+                watch.state.in_step -= 1
+
+    def shutdown(self) -> None:
+        """Stop the children (EOF on their stdin) and leave the process groups."""
+        if self.processes is not None:
+            self.processes.stop()
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+@dataclass
+class _WatchState:
+    """What the watch thread and rank 0's main thread share (the thread holds this, not the RankProcesses, so
+    dropping the engine lets the finaliser stop the children)."""
+
+    failure: str | None = None
+    failed: threading.Event = field(default_factory=threading.Event)
+    acknowledged: threading.Event = field(default_factory=threading.Event)  # the main thread raised it
+    in_step: int = 0  # > 0 while rank 0 is inside collectives (see STUCK_EXIT_S)
+    on_failure: list = field(default_factory=list)  # run once by the watch thread (abort the device group)
+    stopping: bool = False  # set before a deliberate stop: those exits are not failures
+
+
+class RankProcesses:
+    """Rank 0's children: a watch thread that names the first one to exit unexpectedly."""
+
+    def __init__(self, procs: dict[int, subprocess.Popen]):
+        self.procs = procs
+        self.state = _WatchState()
+        threading.Thread(target=_watch, args=(procs, self.state), name="minidsa-rank-watch", daemon=True).start()
+        # Notebook or script: the children go when this object does, or at interpreter exit.
+        self._finalizer = weakref.finalize(self, _stop_children, procs, 10.0, self.state)
+
+    @property
+    def failure(self) -> str | None:
+        return self.state.failure
+
+    def wait_for_failure(self, timeout: float) -> str | None:
+        self.state.failed.wait(timeout)
+        return self.state.failure
+
+    def check(self) -> None:
+        if self.state.failure is not None:
+            self.state.acknowledged.set()
+            raise RankFailedError(self.state.failure)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._finalizer.detach()
+        _stop_children(self.procs, timeout, self.state)
+
+
+def _watch(procs: dict[int, subprocess.Popen], state: _WatchState) -> None:
+    while not state.stopping:
+        for rank, proc in procs.items():
+            code = proc.poll()
+            if code is None or state.stopping:
+                continue
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            state.failure = (f"tensor-parallel rank {rank} (pid {proc.pid}) {how}; the engine cannot continue "
+                             "(its own error, if any, is printed above)")
+            logger.error("%s", state.failure)
+            state.failed.set()
+            for fn in state.on_failure:
+                with contextlib.suppress(Exception):
+                    fn()
+            for other in procs.values():
+                if other.poll() is None:
+                    with contextlib.suppress(OSError):
+                        other.kill()
+            if not state.acknowledged.wait(STUCK_EXIT_S) and state.in_step > 0:
+                logger.critical("%s; rank 0 is stuck in a collective: exiting", state.failure)
+                os._exit(1)
+            return
+        time.sleep(0.05)
+
+
+def _stop_children(procs: dict[int, subprocess.Popen], timeout: float = 10.0, state: _WatchState | None = None) -> None:
+    if state is not None:
+        state.stopping = True
+    for proc in procs.values():
+        with contextlib.suppress(OSError, ValueError):
+            if proc.stdin is not None:
+                proc.stdin.close()  # EOF: the child's stdin watch exits it
+    deadline = time.monotonic() + timeout
+    for proc in procs.values():
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def launch_mode(tensor_parallel_size: int) -> tuple[str, int, int]:
+    """("spawn", 0, 0): this process is rank 0 and starts the others; ("torchrun", rank, local_rank): torchrun
+    (or any launcher setting RANK / WORLD_SIZE / LOCAL_RANK) started every rank."""
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None and "RANK" in os.environ and int(world) > 1:
+        if int(world) != tensor_parallel_size:
+            raise ValueError(f"WORLD_SIZE={world} (from the launcher) but tensor_parallel_size is "
+                             f"{tensor_parallel_size}: they must match")
+        return "torchrun", int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+    return "spawn", 0, 0
+
+
+def rank_device(base: str, local_rank: int) -> str:
+    """Rank r serves on cuda:r (set CUDA_VISIBLE_DEVICES to choose the GPUs); CPU ranks share the CPU."""
+    return f"cuda:{local_rank}" if torch.device(base).type == "cuda" else base
+
+
+def _backend(device: str) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def _write_spec(proc: subprocess.Popen, spec: WorkerSpec) -> None:
+    data = pickle.dumps(spec)
+    proc.stdin.write(struct.pack("<Q", len(data)) + data)
+    proc.stdin.flush()
+
+
+def read_spec(stream) -> WorkerSpec:
+    (length,) = struct.unpack("<Q", stream.read(8))
+    return pickle.loads(stream.read(length))
+
+
+def start_ranks(engine_config: Any, model_config: Any, model_path: str | None, init_std: float,
+                decode_reserve: int) -> RankGroup:
+    """Rank 0: start ranks 1..N-1 (or join torchrun's group) and initialise both process groups."""
+    world = engine_config.tensor_parallel_size
+    mode, rank, local_rank = launch_mode(world)
+    device = rank_device(engine_config.device, local_rank)
+    backend = _backend(device)
+    if torch.device(device).type == "cuda":
+        if torch.cuda.device_count() < world:
+            raise ConfigError("tensor_parallel_size", f"{world} needs {world} GPUs, {torch.cuda.device_count()} "
+                              "visible (CUDA_VISIBLE_DEVICES)")
+        torch.cuda.set_device(torch.device(device))
+    if mode == "torchrun":
+        return _init_groups(rank, world, backend, device, None, None, engine_config.enable_expert_parallel)
+    addr = "127.0.0.1"
+    store = dist.TCPStore(addr, 0, world, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+    procs: dict[int, subprocess.Popen] = {}
+    watch = None
+    try:
+        for r in range(1, world):
+            spec = WorkerSpec(rank=r, world_size=world, master_addr=addr, master_port=store.port, backend=backend,
+                              engine_config=_with_device(engine_config, rank_device(engine_config.device, r)),
+                              model_config=model_config, model_path=model_path, init_std=init_std,
+                              decode_reserve=decode_reserve, log_level=logging.getLogger("minidsa").getEffectiveLevel())
+            procs[r] = subprocess.Popen([sys.executable, "-m", "minidsa.distributed.worker"], stdin=subprocess.PIPE,
+                                        env=_child_env())
+            with contextlib.suppress(BrokenPipeError):  # it exited at once: the watch below names it
+                _write_spec(procs[r], spec)
+        watch = RankProcesses(procs)
+        _wait_for_check_in(store, watch, world)
+        return _init_groups(0, world, backend, device, store, watch, engine_config.enable_expert_parallel)
+    except BaseException:
+        if watch is not None:
+            watch.stop(timeout=2.0)
+        else:
+            _stop_children(procs, timeout=2.0)
+        raise
+
+
+def _child_env() -> dict[str, str]:
+    """The children import the minidsa this process runs (a notebook's sys.path may differ from PYTHONPATH)."""
+    import minidsa
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(minidsa.__file__)))
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+
+
+def _with_device(engine_config: Any, device: str) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(engine_config, device=device, extra=dict(engine_config.extra))
+
+
+def _wait_for_check_in(store: Any, watch: RankProcesses, world: int) -> None:
+    keys = [_JOIN_KEY.format(r) for r in range(1, world)]
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not store.check(keys):
+        if watch.failure is not None:
+            watch.state.acknowledged.set()
+            raise RankFailedError(watch.failure.replace("; the engine cannot continue", " while starting"))
+        if time.monotonic() > deadline:
+            late = [r for r in range(1, world) if not store.check([_JOIN_KEY.format(r)])]
+            raise RankFailedError(f"tensor-parallel ranks {late} did not start within {STARTUP_TIMEOUT_S:.0f} s "
+                                  "(MINIDSA_DIST_STARTUP_TIMEOUT)")
+        time.sleep(0.02)
+
+
+def join_ranks(spec: WorkerSpec) -> RankGroup:
+    """Rank > 0 started by `start_ranks`: check in with rank 0's store and initialise both process groups."""
+    if torch.device(spec.engine_config.device).type == "cuda":
+        torch.cuda.set_device(torch.device(spec.engine_config.device))
+    store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=False,
+                          timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+    store.set(_JOIN_KEY.format(spec.rank), "1")
+    return _init_groups(spec.rank, spec.world_size, spec.backend, spec.engine_config.device, store, None,
+                        spec.engine_config.enable_expert_parallel)
+
+
+def _init_groups(rank: int, world: int, backend: str, device: str, store: Any, watch: RankProcesses | None,
+                 expert_parallel: bool) -> RankGroup:
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group already exists in this process: one distributed "
+                           "minidsa engine per process at a time (close the other one first: LLM.close())")
+    kwargs = dict(backend=backend, rank=rank, world_size=world,
+                  timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    if store is not None:
+        kwargs["store"] = store
+    else:  # torchrun: env:// rendezvous
+        kwargs["init_method"] = "env://"
+    dist.init_process_group(**kwargs)
+    device_group = dist.group.WORLD
+    # Plans: gloo, and no timeout worth the name (an idle server sends none for hours); a dead peer still
+    # raises at once (its sockets close), and rank 0's death also reaches the children through their stdin.
+    control_group = dist.new_group(backend="gloo", timeout=IDLE_FOREVER)
+    dev = torch.device(device)
+    # The NCCL communicator is created by its first collective: here, not inside a CUDA-graph capture.
+    probe = torch.ones(1, device=dev)
+    dist.all_reduce(probe, group=device_group)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    if watch is not None and backend == "nccl":
+        watch.state.on_failure.append(lambda: dist.distributed_c10d._abort_process_group(device_group))
+    tp = TensorParallel(rank=rank, size=world, group_name=device_group.group_name, expert_parallel=expert_parallel)
+    return RankGroup(tp=tp, device_group=device_group, control_group=control_group, device=dev, processes=watch)
+
+
+def single_rank_group(device: str, expert_parallel: bool = False) -> RankGroup:
+    """A group of one (tensor_parallel_size 1 through the distributed path): same layers, collectives and
+    plan path as N ranks, no children. Its store is private to this process."""
+    backend = _backend(device)
+    if torch.device(device).index is not None:  # "cuda" alone: the current device
+        torch.cuda.set_device(torch.device(device))
+    store = dist.HashStore()
+    return _init_groups(0, 1, backend, device, store, None, expert_parallel)
+
+
+def ignore_interrupts() -> None:
+    """Children: SIGINT / SIGTERM are for rank 0 (which drains and then stops them)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -1,0 +1,87 @@
+"""Which tensor-parallel rank this process is, and the collectives the model's forward issues.
+
+A `TensorParallel` is handed to the model while it is built (`building_with`): every parallel layer keeps the
+one it was built with, so two engines in one process (tests, notebooks) never share hidden global state, and
+a plain single-process engine is `TensorParallel.single()` (size 1, no process group, no collective issued).
+
+The collectives are torch's functional collectives (`torch.ops._c10d_functional`): ordinary ops that Dynamo
+traces into the compiled decoder layer and that NCCL runs inside CUDA-graph capture, so the decode graphs of
+every rank hold their all-reduces. On CPU (gloo) they run eagerly the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in the tensor-parallel group.
+
+    `group_name`: the c10d name of the device process group (NCCL on CUDA, gloo on CPU) the forward's
+    collectives run on; None without a group (then nothing is ever reduced).
+    `expert_parallel`: routed experts are placed whole, `n_routed_experts / size` per rank, instead of each
+    expert's intermediate dimension being split.
+    """
+
+    rank: int = 0
+    size: int = 1
+    group_name: str | None = None
+    expert_parallel: bool = False
+
+    @classmethod
+    def single(cls) -> "TensorParallel":
+        return cls()
+
+    @property
+    def collectives(self) -> bool:
+        """Whether the forward issues collectives (a process group exists, even of size 1)."""
+        return self.group_name is not None
+
+    def split(self, total: int, what: str) -> tuple[int, int]:
+        """(start, length) of this rank's even share of `total`; a clear error when it does not divide."""
+        if total % self.size:
+            raise ValueError(f"{what} ({total}) does not split evenly over tensor_parallel_size {self.size}")
+        part = total // self.size
+        return self.rank * part, part
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of `x` over the ranks (row-parallel outputs, vocab-parallel embedding rows, MoE partial sums)."""
+        if not self.collectives:
+            return x
+        out = torch.ops._c10d_functional.all_reduce(x, "sum", self.group_name)
+        return torch.ops._c10d_functional.wait_tensor(out)
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on each rank -> [..., size * n], rank order (vocab-parallel logits)."""
+        if not self.collectives:
+            return x
+        if self.size == 1:
+            return self.all_reduce(x)  # the same values through the same kind of collective
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        gathered = torch.ops._c10d_functional.all_gather_into_tensor(flat, self.size, self.group_name)
+        gathered = torch.ops._c10d_functional.wait_tensor(gathered)  # [size * rows, n], rank-major
+        return gathered.view(self.size, flat.shape[0], x.shape[-1]).permute(1, 0, 2).reshape(*lead, -1)
+
+
+_BUILDING: list[TensorParallel] = []
+
+
+@contextlib.contextmanager
+def building_with(tp: TensorParallel) -> Iterator[TensorParallel]:
+    """Model construction inside this block shards itself for `tp` (layers read `building_tp()`)."""
+    _BUILDING.append(tp)
+    try:
+        yield tp
+    finally:
+        _BUILDING.pop()
+
+
+def building_tp() -> TensorParallel:
+    """The TensorParallel of the model being built now: size 1 outside `building_with`."""
+    return _BUILDING[-1] if _BUILDING else TensorParallel.single()

@@ -1,0 +1,277 @@
+"""Tensor parallelism on CPU (gloo): two processes produce exactly the tokens of one.
+
+Each TP=2 engine spawns a real second process (slow on a small machine), so one engine per configuration
+serves several checks: greedy tokens over prompts longer than index_topk, a second round that hits the prefix
+cache, MTP speculation (a chain on DeepSeek-V3.2, a tree with KV compaction on GLM-5; drafts forced on both
+ranks, see tp_forced_rank.py), expert parallelism with overlapped scheduling, prompt / sampled-token logprobs
+through the vocab-parallel head. Plus: a killed rank ends the run with an error naming it, and the layers'
+checkpoint slicing on its own (no processes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from harness import count_replays
+from hf_tiny import build_hf, save_hf
+from minidsa import LLM, SamplingParams
+from minidsa.config import ConfigError, EngineConfig, ModelConfig
+from minidsa.distributed.launch import RankFailedError
+from minidsa.kernels.choice import triton_usable
+from test_speculative import forced_override, run as run_with_forced_drafts
+from tp_forced_rank import ENV as FORCED_DRAFTS_ENV
+
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True, detokenize=False)
+COMMON = dict(device="cpu", dtype="float32", max_total_tokens=2048, max_running_requests=4, progress=False)
+
+
+def checkpoint_with_mtp(arch: str, path: str) -> str:
+    """A tiny HF checkpoint of `arch` plus random nextn-layer (MTP) weights."""
+    over = dict(num_hidden_layers=3)
+    if arch == "glm_moe_dsa":
+        over.update(index_topk_freq=2, index_skip_topk_offset=1)
+    hf, kw = build_hf(arch, seed=7, **over)
+    save_hf(hf, kw, path)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    n, h = kw["num_hidden_layers"], kw["hidden_size"]
+    g = torch.Generator().manual_seed(0)
+    for k, v in list(tensors.items()):
+        if k.startswith("model.layers.2."):  # a MoE layer with an indexer: the nextn block's tensors
+            tensors[k.replace("layers.2.", f"layers.{n}.")] = torch.randn(v.shape, generator=g) * 0.1
+    for k, shape in {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
+                     "shared_head.norm.weight": (h,)}.items():
+        tensors[f"model.layers.{n}.{k}"] = torch.randn(shape, generator=g) * 0.1 + (1.0 if "norm" in k else 0.0)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_nextn_predict_layers"] = 1
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def prompts_for(config: ModelConfig) -> list[list[int]]:
+    """Longer than index_topk (sparse attention), two sharing a long prefix (prefix cache)."""
+    rng = random.Random(3)
+    k = config.index_topk
+    shared = [rng.randint(2, config.vocab_size - 1) for _ in range(2 * k)]
+    return [[rng.randint(2, config.vocab_size - 1) for _ in range(k + 5)], shared + [5, 6, 7], shared + [9]]
+
+
+def generate(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def count_overlapped_launches(engine) -> list[int]:
+    """[steps launched (their plans broadcast) while an earlier step's result was still unread], counted from
+    now on by wrapping the worker's launch and each pending step's result."""
+    count, unread = [0], set()
+    launch = engine.worker.launch
+
+    def counting(plan):
+        count[0] += bool(unread)
+        pending = launch(plan)
+        result, key = pending.result, id(pending)
+        unread.add(key)
+
+        def reading():
+            unread.discard(key)
+            return result()
+
+        pending.result = reading
+        return pending
+
+    engine.worker.launch = counting
+    return count
+
+
+SPEC = {"deepseek_v32": dict(speculative_num_steps=2),
+        "glm_moe_dsa": dict(speculative_num_steps=2, speculative_topk=2, speculative_num_draft_tokens=4)}
+
+
+def force_rank_drafts(monkeypatch, tmp_path, reference: dict[str, list[int]], topk: int, seed: int) -> None:
+    """Ranks > 0 started from now on run tests/tp_forced_rank.py: their drafts are forced as
+    `forced_override(reference, topk, random.Random(seed))` forces rank 0's."""
+    import sys
+
+    spec = tmp_path / "forced_drafts.json"
+    spec.write_text(json.dumps({"reference": reference, "topk": topk, "seed": seed}))
+    script = tmp_path / "python_forced_rank"
+    rank_main = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_forced_rank.py")
+    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{rank_main}"\n')  # instead of -m minidsa...worker
+    script.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(script))
+    monkeypatch.setenv(FORCED_DRAFTS_ENV, str(spec))
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_two_ranks_equal_one_process(arch, tmp_path, monkeypatch):
+    path = checkpoint_with_mtp(arch, str(tmp_path / arch))
+    single = LLM(path, **COMMON)
+    prompts = prompts_for(single.engine.model_config)
+    reference = generate(single, prompts)
+    by_id = {f"r{i}": r for i, r in enumerate(reference)}
+    topk = SPEC[arch].get("speculative_topk", 1)
+    logprobs = SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False, logprobs=True, top_logprobs=2,
+                              prompt_logprobs=1)
+    ref_lp = single.generate(prompts[:2], logprobs)
+
+    # Tensor parallel + MTP speculation (lossless: the plain greedy tokens), twice: the second round reuses
+    # cached prefixes, and its drafts are forced to the right tokens up to a random depth (on a non-first
+    # tree branch), on both ranks alike, so long paths are accepted and the tree's KV compaction runs on both.
+    with monkeypatch.context() as m:
+        force_rank_drafts(m, tmp_path, by_id, topk, seed=0)
+        tp = LLM(path, tensor_parallel_size=2, **SPEC[arch], **COMMON)
+    with tp:
+        assert generate(tp, prompts) == reference
+        override = forced_override(by_id, topk, random.Random(0))
+        assert run_with_forced_drafts(tp, prompts, GREEDY, override) == reference
+        metrics = tp.engine.metrics()
+        assert metrics.prefix_cache_hit_tokens_total > 0 and metrics.spec_accepted_tokens_total > 0
+        tp.engine.check_no_leaks()
+
+    # Expert parallelism: each rank holds half the routed experts. No speculator: overlapped scheduling, so
+    # rank 0 broadcasts step N+1's plan while step N's tokens are pending.
+    with LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, **COMMON) as ep:
+        experts = ep.engine.runner.model.model.layers[1].mlp.experts
+        assert experts.num_local_experts == experts.n_experts // 2
+        assert ep.engine.overlap
+        overlapped = count_overlapped_launches(ep.engine)
+        assert generate(ep, prompts) == reference
+        assert overlapped[0] > 0
+        for got, want in zip(ep.generate(prompts[:2], logprobs), ref_lp):
+            assert got.token_ids == want.token_ids
+            assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+            assert got.prompt_logprobs[1:] == pytest.approx(want.prompt_logprobs[1:], abs=1e-4)
+            assert [t.keys() for t in got.top_logprobs] == [t.keys() for t in want.top_logprobs]
+        ep.engine.check_no_leaks()
+
+
+def test_killed_rank_is_named_and_the_run_ends(tiny_llm):
+    """Also: the random-weight preset at TP=2 is the one-process preset (drawn whole, then sharded), with a
+    prompt whose plan is longer than the channel's first message (it follows in a second broadcast)."""
+    import pickle
+
+    from minidsa.distributed.plan import FIRST_MESSAGE_BYTES
+
+    prompt = [[3 + 5 * i for i in range(40)], [(7 * i) % 900 + 2 for i in range(1500)]]
+    llm = LLM(tensor_parallel_size=2, **COMMON)
+    try:
+        sizes = []
+        launch = llm.engine.worker.launch
+        llm.engine.worker.launch = lambda plan: (sizes.append(len(pickle.dumps(plan))), launch(plan))[1]
+        assert generate(llm, prompt) == generate(tiny_llm, prompt)
+        assert max(sizes) > FIRST_MESSAGE_BYTES
+        del llm.engine.worker.launch
+        child = llm.engine.runner.ranks.processes.procs[1]
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(30)
+        with pytest.raises(RankFailedError, match="rank 1 .*killed by signal 9"):
+            generate(llm, [[5, 6, 7, 8]] * 2, SamplingParams(max_tokens=4, detokenize=False))
+    finally:
+        llm.close()
+    # every process of the group is gone and a new group can start in this process
+    assert llm.engine.runner.ranks.processes.procs[1].poll() is not None
+    for rid in list(llm.engine.requests):  # the failed run's requests: nothing can serve them any more
+        llm.engine.abort(rid, report=False)
+
+
+def test_four_ranks_equal_one_process(tiny_llm):
+    """TP=4 on the preset: one attention head per rank, each expert's intermediate dimension cut in four."""
+    prompts = [[3 + 5 * i for i in range(40)], [7 + 3 * i for i in range(70)]]
+    with LLM(tensor_parallel_size=4, **COMMON) as llm:
+        assert llm.engine.runner.model.model.layers[0].self_attn.num_heads == 1
+        assert generate(llm, prompts) == generate(tiny_llm, prompts)
+
+
+def test_a_rank_that_fails_to_start_is_named(monkeypatch, tmp_path):
+    """The child exits before joining the group (here: a stand-in interpreter that exits 3): rank 0 names it
+    at once instead of waiting for the rendezvous timeout, and no process group is left behind."""
+    import sys
+
+    import torch.distributed as dist
+
+    failing = tmp_path / "python"
+    failing.write_text("#!/bin/sh\nexit 3\n")
+    failing.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(failing))
+    with pytest.raises(RankFailedError, match=r"rank 1 \(pid \d+\) exited with code 3 while starting"):
+        LLM(tensor_parallel_size=2, **COMMON)
+    assert not dist.is_initialized()
+
+
+def test_model_shapes_that_do_not_split_are_refused():
+    from minidsa.engine import resolve_model
+
+    model = resolve_model(None)[0]  # the tiny preset: 4 heads
+    with pytest.raises(ConfigError, match="tensor_parallel_size.*3 does not divide the model's num_attention_heads"):
+        EngineConfig(tensor_parallel_size=3).validate_parallel(model)
+    with pytest.raises(ConfigError, match="distributed_executor_backend"):
+        EngineConfig(tensor_parallel_size=2, distributed_executor_backend="uni").validate()
+
+
+@pytest.mark.skipif(not triton_usable(torch.device("cpu"))[0], reason="needs Triton's interpreter on CPU")
+def test_single_rank_group_compiles_its_collectives_into_the_layer_graphs():
+    """tensor_parallel_size 1 through the distributed path (a process group of one, in this process): the
+    compiled decoder layers trace the all-reduces (no graph break with fullgraph=True), and the tokens are
+    the plain engine's."""
+    from test_compile import RecordingBackend
+
+    kw = dict(COMMON, kernel_backend="triton", cuda_graph_max_bs=1, max_running_requests=1)
+    plain = LLM(**kw)
+    prompts = [[3 + i for i in range(24)]]
+    params = SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False)
+    reference = generate(plain, prompts, params)
+    backend = RecordingBackend()
+    with LLM(distributed_executor_backend="mp", **kw) as one:
+        runner = one.engine.runner
+        assert runner.ranks.world_size == 1 and runner.model.tp.collectives
+        runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=backend)
+        replays = count_replays(runner.graphs)
+        assert generate(one, prompts, params) == reference
+        assert replays["decode"] > 0
+    graphs = [g for g in backend.graphs if len(g.graph.nodes) > 0]
+    assert graphs and all(any("all_reduce" in str(n.target) for n in g.graph.nodes) for g in graphs)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+def test_each_rank_holds_its_slice_of_the_one_process_weights(expert_parallel):
+    """Built for rank r of 2 (no processes needed), every parameter is rank r's slice of the one-process
+    model's: column-parallel rows, row-parallel columns, vocab rows, experts' intermediate slices or whole
+    experts; replicated ones equal."""
+    from minidsa.distributed.parallel_state import TensorParallel, building_with
+    from minidsa.engine import resolve_model
+    from minidsa.models.loader import build_model
+
+    cfg, _, std, _ = resolve_model(None)
+    build = lambda: build_model(cfg, None, torch.float32, torch.device("cpu"), seed=0, init_std=std,  # noqa: E731
+                                progress=False)
+    full = dict(build().named_parameters())
+    for rank in range(2):
+        with building_with(TensorParallel(rank=rank, size=2, expert_parallel=expert_parallel)):
+            shard = build()
+        layer = shard.model.layers[1]
+        experts = layer.mlp.experts
+        for name, p in shard.named_parameters():
+            want = full[name]
+            if name.endswith("experts.gate_up_proj") and not expert_parallel:
+                inter, k = want.shape[1] // 2, p.shape[1] // 2
+                want = torch.cat([want[:, rank * k:(rank + 1) * k], want[:, inter + rank * k:inter + (rank + 1) * k]], 1)
+            elif ".mlp.experts." in name and expert_parallel:
+                want = want[experts.first_expert:experts.first_expert + experts.num_local_experts]
+            elif p.shape[-1] != want.shape[-1]:  # row-parallel, experts' down_proj
+                k = p.shape[-1]
+                want = want[..., rank * k:(rank + 1) * k]
+            elif p.shape != want.shape:  # column-parallel, vocab-parallel
+                k = p.shape[-2]
+                want = want[..., rank * k:(rank + 1) * k, :]
+            assert torch.equal(p, want), name
+        assert layer.self_attn.num_heads == cfg.num_attention_heads // 2
+        assert shard.lm_head.weight.shape[0] == cfg.vocab_size // 2
