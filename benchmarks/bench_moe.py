@@ -48,7 +48,11 @@ SWEEP = {  # --sweep: other tiles (block_m, block_n, block_k, group_m, warps, st
                fm.TileConfig(32, 64, 128, 1, 4, 4)],
     "prefill": [fm.TileConfig(64, 128, 128, 8, 4, 3), fm.TileConfig(128, 64, 128, 8, 4, 3),
                 fm.TileConfig(128, 128, 128, 8, 8, 3), fm.TileConfig(128, 128, 128, 16, 8, 2),
-                fm.TileConfig(64, 256, 128, 8, 8, 3)],
+                fm.TileConfig(64, 256, 128, 8, 8, 3),
+                # gate/up as one GEMM over 2I (one accumulator), silu * up with the down input's quantisation
+                fm.TileConfig(128, 128, 128, 8, 8, 3, split_gate_up=True),
+                fm.TileConfig(64, 128, 128, 8, 4, 3, split_gate_up=True),
+                fm.TileConfig(128, 256, 128, 8, 8, 3, split_gate_up=True)],
 }
 
 
@@ -336,7 +340,8 @@ def bench_prefill(rec: Recorder, router: Router, weights: dict, dg, sweep: bool)
 
 
 def _tiles(c: fm.TileConfig) -> str:
-    return f"M{c.block_m} N{c.block_n} K{c.block_k} G{c.group_m} w{c.num_warps} s{c.num_stages}"
+    return (f"M{c.block_m} N{c.block_n} K{c.block_k} G{c.group_m} w{c.num_warps} s{c.num_stages}"
+            + (" split gate/up" if c.split_gate_up else ""))
 
 
 def main() -> int:

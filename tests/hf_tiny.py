@@ -85,3 +85,28 @@ def rewrite_checkpoint(src: str, dst: str, transform, shards: int = 1, config_up
         with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {}, "weight_map": weight_map}, f)
     return dst
+
+
+def save_hf_with_mtp(arch: str, path: str, seed: int, **over) -> str:
+    """A tiny HF checkpoint of `arch` plus random nextn-layer (MTP) weights: the block is a full (indexer) MoE
+    layer's tensors redrawn, and the MTP-only enorm / hnorm / eh_proj / shared head norm."""
+    hf, kw = build_hf(arch, seed=seed, **over)
+    save_hf(hf, kw, path)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    n, h = kw["num_hidden_layers"], kw["hidden_size"]
+    g = torch.Generator().manual_seed(0)
+    src = 2  # a full (indexer) MoE layer: same tensors as the nextn block
+    for k, v in list(tensors.items()):
+        if k.startswith(f"model.layers.{src}."):
+            tensors[k.replace(f"layers.{src}.", f"layers.{n}.")] = torch.randn(v.shape, generator=g) * 0.1
+    for k, shape in {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
+                     "shared_head.norm.weight": (h,)}.items():
+        tensors[f"model.layers.{n}.{k}"] = torch.randn(shape, generator=g) * 0.1 + (1.0 if "norm" in k else 0.0)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_nextn_predict_layers"] = 1
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+

@@ -150,6 +150,10 @@ TRITON_CASES = [
     (3, torch.float32, fp8.FP8_DTYPE, 256, 128, fm.TileConfig(16, 128, 128, 1, 4, 2)),  # 2 K groups, 2 scale rows
     (6, torch.bfloat16, fp8.FP8_DTYPE, 256, 128, fm.TileConfig(16, 128, 128, 4, 4, 2)),
     (2, torch.float32, fp8.FP8_DTYPE, 200, 72, fm.TileConfig(16, 64, 128, 1, 4, 2)),  # partial K groups
+    # gate/up as one GEMM over 2I rows, silu * up (and the FP8 quantisation) in a pass of its own
+    (4, torch.float32, torch.float32, 96, 48, fm.TileConfig(16, 32, 64, 4, 4, 2, split_gate_up=True)),
+    (6, torch.bfloat16, fp8.FP8_DTYPE, 256, 128, fm.TileConfig(16, 128, 128, 4, 4, 2, split_gate_up=True)),
+    (2, torch.float32, fp8.FP8_DTYPE, 200, 72, fm.TileConfig(16, 64, 128, 1, 4, 2, split_gate_up=True)),
 ]
 
 _real_empty = torch.empty
@@ -166,7 +170,8 @@ def poisoned_outputs(monkeypatch):
 
 @in_this_process
 @pytest.mark.parametrize("case", range(len(TRITON_CASES)),
-                         ids=[f"T{c[0]}-{str(c[2]).split('.')[-1]}-{str(c[1]).split('.')[-1]}" for c in TRITON_CASES])
+                         ids=[f"T{c[0]}-{str(c[2]).split('.')[-1]}-{str(c[1]).split('.')[-1]}"
+                              + ("-split" if c[5].split_gate_up else "") for c in TRITON_CASES])
 def test_triton_matches_per_token(case, poisoned_outputs):
     num_tokens, act_dtype, weight_dtype, hidden, inter, tiles = TRITON_CASES[case]
     x, ids, weights = route(num_tokens, hidden, seed=100 + case)
@@ -186,7 +191,12 @@ def test_triton_matches_per_token(case, poisoned_outputs):
         got = fm.fused_moe_triton(x, ids.int(), weights, gate_up, down, gate_up_s, down_s, config=tiles)
     assert got.shape == x.shape and got.dtype == act_dtype
     want = per_token_reference(x, ids, weights, gate_up, down, gate_up_s, down_s)
-    assert rel_err(got, want) < tolerance(act_dtype, weight_dtype)
+    tol = tolerance(act_dtype, weight_dtype)
+    if tiles.split_gate_up and weight_dtype == fp8.FP8_DTYPE and act_dtype != torch.float32:
+        # gate and up are stored in the activation dtype before silu * up (one more rounding than the
+        # reference), and e4m3 quantisation of the product turns ~0.3% there into ~1.3% rms here
+        tol *= 2
+    assert rel_err(got, want) < tol
     if weight_dtype == fp8.FP8_DTYPE:
         no_act_quant = per_token_reference(x, ids, weights, gate_up, down, gate_up_s, down_s, quant_act=False)
         assert rel_err(got, no_act_quant) > 3 * tolerance(act_dtype, weight_dtype)

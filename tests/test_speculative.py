@@ -11,16 +11,13 @@ non-first branch, so accepted paths leave the front and compaction runs.
 
 from __future__ import annotations
 
-import json
-import os
 import random
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from harness import PagedDriver, count_replays
-from hf_tiny import build_hf, save_hf
+from hf_tiny import build_hf, save_hf, save_hf_with_mtp
 from minidsa import LLM, SamplingParams
 from minidsa.config import ConfigError, ModelConfig
 
@@ -35,26 +32,8 @@ SPEC_CONFIGS = {
 
 def glm_checkpoint_with_mtp(path: str) -> str:
     """A tiny GlmMoeDsa checkpoint (shared top-k layers) plus random nextn-layer weights."""
-    hf, kw = build_hf("glm_moe_dsa", seed=5, num_hidden_layers=3, index_topk_freq=2, index_skip_topk_offset=1)
-    save_hf(hf, kw, path)
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    n = kw["num_hidden_layers"]
-    g = torch.Generator().manual_seed(0)
-    src = 2  # a full (indexer) MoE layer: same tensors as the nextn block
-    for k, v in list(tensors.items()):
-        if k.startswith(f"model.layers.{src}."):
-            tensors[k.replace(f"layers.{src}.", f"layers.{n}.")] = torch.randn(v.shape, generator=g) * 0.1
-    h = kw["hidden_size"]
-    for k, shape in {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
-                     "shared_head.norm.weight": (h,)}.items():
-        tensors[f"model.layers.{n}.{k}"] = torch.randn(shape, generator=g) * 0.1 + (1.0 if "norm" in k else 0.0)
-    save_file(tensors, os.path.join(path, "model.safetensors"))
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["num_nextn_predict_layers"] = 1
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return path
+    return save_hf_with_mtp("glm_moe_dsa", path, seed=5, num_hidden_layers=3, index_topk_freq=2,
+                            index_skip_topk_offset=1)
 
 
 @pytest.fixture(scope="module")

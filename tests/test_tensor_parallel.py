@@ -17,10 +17,9 @@ import signal
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from harness import count_replays
-from hf_tiny import build_hf, save_hf
+from hf_tiny import save_hf_with_mtp
 from minidsa import LLM, SamplingParams
 from minidsa.config import ConfigError, EngineConfig, ModelConfig
 from minidsa.distributed.launch import RankFailedError
@@ -37,24 +36,7 @@ def checkpoint_with_mtp(arch: str, path: str) -> str:
     over = dict(num_hidden_layers=3)
     if arch == "glm_moe_dsa":
         over.update(index_topk_freq=2, index_skip_topk_offset=1)
-    hf, kw = build_hf(arch, seed=7, **over)
-    save_hf(hf, kw, path)
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    n, h = kw["num_hidden_layers"], kw["hidden_size"]
-    g = torch.Generator().manual_seed(0)
-    for k, v in list(tensors.items()):
-        if k.startswith("model.layers.2."):  # a MoE layer with an indexer: the nextn block's tensors
-            tensors[k.replace("layers.2.", f"layers.{n}.")] = torch.randn(v.shape, generator=g) * 0.1
-    for k, shape in {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
-                     "shared_head.norm.weight": (h,)}.items():
-        tensors[f"model.layers.{n}.{k}"] = torch.randn(shape, generator=g) * 0.1 + (1.0 if "norm" in k else 0.0)
-    save_file(tensors, os.path.join(path, "model.safetensors"))
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["num_nextn_predict_layers"] = 1
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return path
+    return save_hf_with_mtp(arch, path, seed=7, **over)
 
 
 def prompts_for(config: ModelConfig) -> list[list[int]]:

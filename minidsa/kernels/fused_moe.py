@@ -21,6 +21,8 @@ How (the `moe_align_block_size` idea of vLLM / SGLang, written here; nothing syn
    never depend on the routing (CUDA graphs, torch.compile).
 2. `_expert_gemm_kernel` (gate/up): M-block x N-block programs; rows of x gathered through
    pair // k; gate and up accumulated side by side and silu(gate) * up stored per pair [T*k, I].
+   (`TileConfig.split_gate_up`, for the tile sweep: gate and up as one plain GEMM over the 2I rows, stored
+   [T*k, 2I], then silu(gate) * up in the pass that quantises the down GEMM's input.)
 3. The same kernel (down) over that intermediate, times the routing weight, stored per pair [T*k, H].
 4. torch sums each token's k pair rows (fp32 accumulation, deterministic: no atomics).
 
@@ -43,7 +45,7 @@ import triton
 import triton.language as tl
 
 from minidsa.kernels import fp8
-from minidsa.kernels.fp8_gemm import quant_act
+from minidsa.kernels.fp8_gemm import EMULATE_CAST, _quant_tile, quant_act
 
 MAX_CHUNK_TOKENS = 8192  # tokens per pass: bounds the [T*k, H] per-pair buffer (~0.9 GiB in bf16 at H 7168)
 
@@ -58,6 +60,11 @@ class TileConfig:
     group_m: int  # M-blocks that walk the N-blocks together (weight tiles stay in L2)
     num_warps: int
     num_stages: int
+    # gate/up as one plain GEMM over the 2I rows (output [T*k, 2I]), then silu(gate) * up in the pass that
+    # quantises the down GEMM's input: one accumulator per program instead of two (an FP8 block-scaled dot
+    # needs a third, per K step), at the cost of writing and reading [T*k, 2I] once. For the sweep
+    # (benchmarks/bench_moe.py --sweep); not a default until measured faster.
+    split_gate_up: bool = False
 
 
 def tile_config(num_tokens: int, top_k: int, n_experts: int, weight_dtype: torch.dtype,
@@ -347,6 +354,44 @@ def fused_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     return per_pair.view(num_tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
 
 
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, scale_ptr, rows, inter, stride_g, stride_o, num_groups,
+                     ROWS: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr, EMULATE_CAST: tl.constexpr):
+    """out[r, c] = silu(gu[r, c]) * gu[r, inter + c] for one [ROWS, GROUP] tile, rounded to gu's dtype (as the
+    fused epilogue stores it); QUANT: then e4m3 per row per GROUP channels, one fp32 scale each."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    g = tl.program_id(1)
+    c = g * GROUP + tl.arange(0, GROUP)
+    mask = (r[:, None] < rows) & (c[None, :] < inter)
+    row = gu_ptr + r.to(tl.int64)[:, None] * stride_g
+    gate = tl.load(row + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(row + inter + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    mid = (gate * tl.sigmoid(gate) * up).to(gu_ptr.dtype.element_ty).to(tl.float32)
+    out = out_ptr + r.to(tl.int64)[:, None] * stride_o + c[None, :]
+    if QUANT:
+        q, scale = _quant_tile(mid, EMULATE_CAST)
+        tl.store(out, q, mask=mask)
+        tl.store(scale_ptr + r * num_groups + g, scale, mask=r < rows)
+    else:
+        tl.store(out, mid.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor, quantise: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[R, 2I] (gate columns, then up) -> silu(gate) * up [R, I] in gate_up's dtype, or with `quantise` e4m3
+    [R, I] + fp32 scales [R, ceil(I/128)] (`fp8.quant_act_per_token_group` of that product)."""
+    rows, two_i = gate_up.shape
+    inter = two_i // 2
+    groups = triton.cdiv(inter, fp8.FP8_BLOCK)
+    out = torch.empty(rows, inter, dtype=fp8.FP8_DTYPE if quantise else gate_up.dtype, device=gate_up.device)
+    scales = torch.empty(rows, groups, dtype=torch.float32, device=gate_up.device) if quantise else None
+    if rows:
+        rows_per_program = 16
+        _silu_mul_kernel[(triton.cdiv(rows, rows_per_program), groups)](
+            gate_up, out, scales if quantise else out, rows, inter, gate_up.stride(0), out.stride(0), groups,
+            ROWS=rows_per_program, GROUP=fp8.FP8_BLOCK, QUANT=quantise, EMULATE_CAST=EMULATE_CAST)
+    return out, scales
+
+
 def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                      gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                      gate_up_scale_inv: torch.Tensor | None = None, down_scale_inv: torch.Tensor | None = None,
@@ -377,7 +422,7 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     blocks = align(topk_ids, n_experts, cfg.block_m)
     num_m_blocks = blocks.block_expert.numel()
     route_w = topk_weights.reshape(-1).float().contiguous()
-    mid = torch.empty(blocks.num_pairs, inter, dtype=x.dtype, device=x.device)
+    mid = None if cfg.split_gate_up else torch.empty(blocks.num_pairs, inter, dtype=x.dtype, device=x.device)
     # FP8: each GEMM's input quantised once, per row per 128 channels (fp8.quant_act_per_token_group's values),
     # not in every N-block's program: at prefill sizes that re-quantisation cost 20x the GEMM.
     a, a_scale = quant_act(x) if is_fp8 else (x, route_w)
@@ -390,16 +435,24 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         return (s, s.stride(0), s.stride(1), s.stride(2)) if s is not None else (route_w, 0, 0, 0)
 
     gu_scale, gu_se, gu_sn, gu_sk = scale_args(gate_up_scale_inv)
-    _expert_gemm_kernel[(num_m_blocks * triton.cdiv(inter, cfg.block_n),)](
-        a, a_scale, gate_up_proj, gu_scale, mid, route_w,
+    # split_gate_up: the 2I gate and up rows as one plain GEMM (N = 2I), silu * up after it.
+    gu_out = torch.empty(blocks.num_pairs, two_i, dtype=x.dtype, device=x.device) if cfg.split_gate_up else mid
+    gu_n = two_i if cfg.split_gate_up else inter
+    _expert_gemm_kernel[(num_m_blocks * triton.cdiv(gu_n, cfg.block_n),)](
+        a, a_scale, gate_up_proj, gu_scale, gu_out, route_w,
         blocks.sorted_pair_ids, blocks.block_expert, blocks.num_padded,
-        inter, hidden, blocks.num_pairs, top_k, num_m_blocks,
-        a.stride(0), a_scale.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), mid.stride(0),
+        gu_n, hidden, blocks.num_pairs, top_k, num_m_blocks,
+        a.stride(0), a_scale.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gu_out.stride(0),
         gu_se, gu_sn, gu_sk,
-        GATED=True, APPLY_ROUTE_W=False, EVEN_K=hidden % cfg.block_k == 0, **launch,
+        GATED=not cfg.split_gate_up, APPLY_ROUTE_W=False, EVEN_K=hidden % cfg.block_k == 0, **launch,
     )
     dn_scale, dn_se, dn_sn, dn_sk = scale_args(down_scale_inv)
-    a, a_scale = quant_act(mid) if is_fp8 else (mid, route_w)
+    if cfg.split_gate_up:
+        a, a_scale = silu_mul(gu_out, quantise=is_fp8)
+        del gu_out
+        a_scale = a_scale if is_fp8 else route_w
+    else:
+        a, a_scale = quant_act(mid) if is_fp8 else (mid, route_w)
     _expert_gemm_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
         a, a_scale, down_proj, dn_scale, per_pair, route_w,
         blocks.sorted_pair_ids, blocks.block_expert, blocks.num_padded,
