@@ -350,8 +350,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     sock = app.bind_socket(args.host, args.port)  # a taken port is an error now, not after loading the model
-    app.serve(config, args.host, args.port, args.api_key, drain_timeout=args.shutdown_timeout,
-              served_model_name=args.served_model_name, sock=sock)
+    try:
+        app.serve(config, args.host, args.port, args.api_key, drain_timeout=args.shutdown_timeout,
+                  served_model_name=args.served_model_name, sock=sock)
+    except app.EngineDied as e:  # not bad input: exit 1, so a supervisor sees a failure, not a clean stop
+        print(f"minidsa serve: error: the engine stopped: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

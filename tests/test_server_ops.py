@@ -269,3 +269,55 @@ def test_shutdown_drains_answers_503_and_second_signal_aborts():
     finally:
         proc.kill()
         proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    """Direct child processes of pid (Linux /proc)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank process through /proc")
+def test_dead_tensor_parallel_rank_fails_the_stream_by_name_and_stops_the_server():
+    """serve --tp 2: kill rank 1 while a request streams; the stream ends with an error naming rank 1 and the
+    server exits on its own (nothing hangs), with exit code 1 and the reason on stderr."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "minidsa", "serve", "--port", "0", "--tp", "2",
+                             "--shutdown-timeout", "5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert "serving" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+        url = line.strip().rsplit(" ", 1)[1]
+        ranks = _children(proc.pid)
+        assert len(ranks) == 1, ranks  # rank 1 (rank 0 is the server process)
+
+        async def main():
+            async with aiohttp.ClientSession() as session:
+                body = {"prompt": "long", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    assert (await resp.content.readline()).startswith(b"data: ")
+                    os.kill(ranks[0], signal.SIGKILL)
+                    return await asyncio.wait_for(_read_sse(resp), timeout=60)
+
+        events = asyncio.run(main())
+        errors = [e for e in events if isinstance(e, dict) and "error" in e]
+        assert errors and "rank 1" in errors[-1]["error"]["message"], events[-3:]
+        code = proc.wait(timeout=60)  # exits by itself (TimeoutExpired if it hung)
+        err = proc.stderr.read()
+        assert code == 1, err[-2000:]
+        assert "shutting the server down" in err, err[-2000:]
+        assert "minidsa serve: error: the engine stopped" in err.splitlines()[-1] and "rank 1" in err.splitlines()[-1]
+    finally:
+        proc.kill()
+        proc.wait()

@@ -602,13 +602,18 @@ async def start_server(app: web.Application, host: str, port: int, *, handler_ca
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
+class EngineDied(RuntimeError):
+    """The server stopped because its engine could not go on (e.g. a tensor-parallel rank died)."""
+
+
 def serve(engine_config: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, *,
           drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S, served_model_name: str | None = None,
           sock: socket.socket | None = None) -> None:
     """Load an Engine from `engine_config` (an EngineConfig; None = the embedded tiny preset) and serve it
     until SIGTERM / SIGINT. The first signal stops taking requests (new ones get 503) and lets the open ones
     finish for up to `drain_timeout` s; a second signal, or the timeout, aborts what is left (each stream
-    ends with finish_reason "abort")."""
+    ends with finish_reason "abort"). An engine that stops by itself (a dead tensor-parallel rank) fails the
+    open requests, shuts the server down the same way and raises EngineDied naming why."""
     from minidsa.config import EngineConfig
     from minidsa.engine import Engine
 
@@ -625,6 +630,8 @@ def serve(engine_config: Any, host: str = "127.0.0.1", port: int = 8000, api_key
             asyncio.run(_serve(ae, sock, api_key, drain_timeout))
         finally:
             engine.close()  # tensor-parallel ranks stop with the server
+        if ae.death_reason is not None:
+            raise EngineDied(ae.death_reason)
     finally:
         sock.close()
 

@@ -155,6 +155,7 @@ class AsyncEngine:
             collections.deque()
         self._stopping = False
         self._dead = False  # the engine thread has exited (set under _cond)
+        self.death_reason: str | None = None  # why the engine thread ended, when not asked to stop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._engine_streams: dict[str, RequestStream] = {}  # written by the engine thread only
@@ -389,6 +390,8 @@ class AsyncEngine:
             for _, future in pending:
                 if future is not None and not future.done():
                     future.set_exception(RuntimeError("the engine thread is not running"))
+            if not self._stopping:
+                self.death_reason = why
             self._fail_all(None if self._stopping else why)
 
     def _loop_until_stopped(self) -> None:
