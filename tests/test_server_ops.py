@@ -231,16 +231,23 @@ def test_bench_in_process_server_with_poisson_arrivals():
     assert r["ttft_s"]["p99"] >= r["ttft_s"]["p50"] > 0
 
 
+def _serve_process(*args: str) -> tuple[subprocess.Popen, str]:
+    """`python -m minidsa serve --port 0 ARGS` (the tiny model) started and listening -> (process, base url)."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "minidsa", "serve", "--port", "0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    line = proc.stdout.readline()
+    if "serving" not in line:
+        proc.kill()
+        raise AssertionError((line, proc.communicate()[1]))
+    return proc, line.strip().rsplit(" ", 1)[1]
+
+
 def test_shutdown_drains_answers_503_and_second_signal_aborts():
     """serve --shutdown-timeout 60: SIGTERM starts draining (the stream keeps going, new requests get 503),
     a second SIGTERM aborts the stream (finish_reason abort) and the process exits at once."""
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "minidsa", "serve", "--port", "0", "--shutdown-timeout", "60"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    proc, url = _serve_process("--shutdown-timeout", "60")
     try:
-        line = proc.stdout.readline()
-        assert "serving" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
-        url = line.strip().rsplit(" ", 1)[1]
 
         async def main():
             async with aiohttp.ClientSession() as session:
@@ -290,14 +297,8 @@ def _children(pid: int) -> list[int]:
 def test_dead_tensor_parallel_rank_fails_the_stream_by_name_and_stops_the_server():
     """serve --tp 2: kill rank 1 while a request streams; the stream ends with an error naming rank 1 and the
     server exits on its own (nothing hangs), with exit code 1 and the reason on stderr."""
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "minidsa", "serve", "--port", "0", "--tp", "2",
-                             "--shutdown-timeout", "5"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    proc, url = _serve_process("--tp", "2", "--shutdown-timeout", "5")
     try:
-        line = proc.stdout.readline()
-        assert "serving" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
-        url = line.strip().rsplit(" ", 1)[1]
         ranks = _children(proc.pid)
         assert len(ranks) == 1, ranks  # rank 1 (rank 0 is the server process)
 
