@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
@@ -52,45 +51,6 @@ def copies_for(weight_bytes: int) -> int:
     return max(1, min(16, -(-ROTATE_BYTES // weight_bytes)))
 
 
-def graph_time(fns: list, budget_s: float) -> float:
-    """Median seconds per call of fns (one per weight copy, called in turn), replayed from a CUDA graph.
-
-    A graph removes the host launch cost, which an eager loop timed with events adds to every small-M call
-    (each call then measures the launch, not the kernel: 40-160 us here before); decode steps replay graphs
-    too, so this is the time a step pays."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:  # warm-up on the capture stream (allocator pools, lazy inits)
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    graph.replay()
-    torch.cuda.synchronize()
-    once = max(time.perf_counter() - t0, 1e-6)
-    reps = int(max(5, min(100, budget_s / once)))
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / len(fns))
-    times.sort()
-    del graph
-    return times[len(times) // 2]
-
-
 def decode_tile_candidates(m: int, n: int, k: int, num_sms: int):
     """Tile configs tried for small M by --sweep (the default pick first)."""
     from minidsa.kernels import fp8_gemm
@@ -120,6 +80,7 @@ def main(argv=None) -> int:
                    help="also time other Triton tile configs at M <= 64 (best one reported per shape)")
     args = p.parse_args(argv)
 
+    from minidsa import perf
     from minidsa.kernels import deepgemm, fp8_gemm
     from minidsa.kernels.fp8 import FP8_MAX, quant_block
 
@@ -158,7 +119,7 @@ def main(argv=None) -> int:
                         if impl == "deepgemm" and fns[0]() is None:
                             row[impl] = None
                             continue
-                        t = graph_time(fns, args.budget)
+                        t = perf.graph_time(fns, budget_s=args.budget)
                     except Exception as e:  # report, keep measuring the rest
                         row[impl] = None
                         row[f"{impl}_error"] = f"{type(e).__name__}: {e}"[:200]
@@ -169,8 +130,8 @@ def main(argv=None) -> int:
                     best = None
                     for tiles in decode_tile_candidates(m, n, k, num_sms):
                         try:
-                            t = graph_time([lambda i=i: fp8_gemm.w8a8_block_gemm(x, wq[i], ws[i], tiles)
-                                            for i in range(nc)], args.budget / 4)
+                            t = perf.graph_time([lambda i=i: fp8_gemm.w8a8_block_gemm(x, wq[i], ws[i], tiles)
+                                            for i in range(nc)], budget_s=args.budget / 4)
                         except Exception:
                             continue
                         if best is None or t < best[0]:

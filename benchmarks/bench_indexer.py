@@ -27,6 +27,7 @@ import sys
 import torch
 import triton
 
+from minidsa import perf
 from minidsa.kernels import custom_ops, deepgemm, indexer  # noqa: F401  (custom_ops registers the ops)
 from minidsa.kernels import reference as ref
 
@@ -36,20 +37,6 @@ H, D, PAGE, TOPK = 64, 128, 64, 2048
 
 def do_bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
-
-
-def graph_of(fn):
-    """A CUDA graph replaying one call of fn (warmed up on a side stream first)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
 
 
 def setup(num_reqs: int, ctx: int, seed: int = 0):
@@ -123,7 +110,7 @@ def both(fn) -> tuple[float | None, float | None]:
     eager = None
     try:
         eager = do_bench(fn)
-        g = graph_of(fn)
+        g = perf.capture_graph([fn])
         return eager, do_bench(g.replay)
     except Exception as e:  # a shape one side cannot take: recorded, the run goes on
         print(f"  failed: {type(e).__name__}: {str(e)[:200]}", flush=True)

@@ -34,6 +34,7 @@ from types import SimpleNamespace
 import torch
 import triton
 
+from minidsa import perf
 from minidsa.kernels import fp8
 from minidsa.kernels import fused_moe as fm
 from minidsa.models.deepseek_v32 import Router
@@ -105,28 +106,7 @@ def do_bench_ms(fn, rep: int = 100) -> float:
 
 def graph_ms(fn, calls: int = 20, replays: int = 7) -> float:
     """Median milliseconds per call of fn captured `calls` times in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    del graph
-    return sorted(times)[len(times) // 2]
+    return perf.graph_time([fn] * calls, replays=replays) * 1e3
 
 
 def ceilings(rec: Recorder) -> None:

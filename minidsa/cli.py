@@ -136,14 +136,23 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**kwargs).validate()
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _checked(parse, ok, expected: str):
+    """An argparse type: parse(text), accepted when ok(value); else an error naming what was expected."""
+    def check(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}")
+        return value
+    return check
+
+
+_positive_int = _checked(int, lambda v: v >= 1, "expected a positive integer")
+_port = _checked(int, lambda v: 0 <= v <= 65535, "port must be an integer in 0-65535 (0 = any free port)")
+_non_negative_float = _checked(float, lambda v: v >= 0, "expected a number >= 0")
+_request_rate = _checked(float, lambda v: v > 0, "expected requests per second > 0 or 'inf'")
 
 
 def _length_range(text: str) -> tuple[int, int]:
@@ -157,36 +166,6 @@ def _length_range(text: str) -> tuple[int, int]:
     if not 1 <= lo <= hi:
         raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX, got {text!r}")
     return lo, hi
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be an integer in 0-65535 (0 = any free port), got {text!r}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
-
-
-def _request_rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected requests per second > 0 or 'inf', got {text!r}")
-    return value
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

@@ -70,6 +70,39 @@ def time_cuda(fn, iters: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def capture_graph(fns: list, warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """One CUDA graph calling each of fns in turn, warmed up on a side stream first (allocator pools, lazy
+    inits and autotuning stay out of the graph)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            for fn in fns:
+                fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    return graph
+
+
+def graph_time(fns: list, replays: int | None = None, budget_s: float = 0.05) -> float:
+    """Median seconds per call of fns replayed from one CUDA graph (no host launch cost, as in a captured
+    step). `replays`: how many timed replays; None: as many as fit `budget_s` (5 to 100)."""
+    graph = capture_graph(fns)
+    graph.replay()
+    torch.cuda.synchronize()
+    if replays is None:
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        replays = int(max(5, min(100, budget_s / max(time.perf_counter() - t0, 1e-6))))
+    per_call = time_cuda(graph.replay, iters=replays, warmup=0) / len(fns)
+    del graph
+    return per_call
+
+
 # ----------------------------------------------------------------------------- byte model
 def decode_bytes(cfg: ModelConfig, bs: int, ctx: int, dtype_bytes: int = 2, with_mtp: bool = False,
                  fp8_weights: bool | None = None) -> dict[str, float]:

@@ -144,7 +144,7 @@ section_fp8_gemm() {   # issue 15: FP8 w8a8 GEMMs vs reference at real shapes, F
     # then the GEMM benchmark -> fp8_gemm.md / fp8_gemm.json (about 3 minutes on an H100)
     timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py -rs -s --durations=10
     local rc=$?
-    timeout "$TIMEOUT" $PY benchmarks/bench_fp8_gemm.py --out "$OUT" ${BENCH_FP8_ARGS:-} || rc=1
+    section_bench_fp8_gemm || rc=1
     return $rc
 }
 

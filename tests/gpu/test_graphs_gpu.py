@@ -18,8 +18,8 @@ PARAMS = dict(max_tokens=16, ignore_eos=True, detokenize=False)
 
 
 def _run(model, prompts, extra=None, **kw):
-    """Generate with a fresh engine -> (token ids per prompt, replay counts); with `extra` sampling params, the
-    RequestOutputs too."""
+    """Generate with a fresh engine -> (token ids per prompt, replay counts, RequestOutputs); `extra`: more
+    sampling params."""
     from torch._dynamo.utils import counters
 
     from minidsa import LLM, SamplingParams
@@ -39,7 +39,7 @@ def _run(model, prompts, extra=None, **kw):
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    return (outs, replays, outputs) if extra else (outs, replays)
+    return outs, replays, outputs
 
 
 def _prompts(n, length, vocab=120000):
@@ -57,8 +57,8 @@ def test_tiny_graphs_equal_eager_in_every_mode(spec):
     exact = dict(dtype="float32", indexer_cache_dtype="model", **spec)
     for n in ((3, 5) if not spec else (5,)):  # padded buckets: 3 -> 4, 5 -> 8
         prompts = _prompts(n, 80)
-        eager, _ = _run("tiny", prompts, enable_cuda_graph=False, enable_compile=False, **exact)
-        fast, replays = _run("tiny", prompts, enable_cuda_graph=True, enable_compile=True, **exact)
+        eager, _, _ = _run("tiny", prompts, enable_cuda_graph=False, enable_compile=False, **exact)
+        fast, replays, _ = _run("tiny", prompts, enable_cuda_graph=True, enable_compile=True, **exact)
         assert fast == eager
         wanted = ["verify", "draft_extend", "draft"] if spec else ["decode"]
         assert all(replays.get(k, 0) > 0 for k in wanted), replays
@@ -71,8 +71,8 @@ def test_tiny_graphs_equal_eager_in_every_mode(spec):
 def test_spec_lossless_with_graphs_tiny_bf16_fp8():
     """Default GPU settings (bf16, fp8 indexer): speculation with graphs equals plain decoding with graphs."""
     prompts = _prompts(4, 100)
-    plain, _ = _run("tiny", prompts, enable_cuda_graph=True)
-    spec, replays = _run("tiny", prompts, enable_cuda_graph=True, speculative_num_steps=2)
+    plain, _, _ = _run("tiny", prompts, enable_cuda_graph=True)
+    spec, replays, _ = _run("tiny", prompts, enable_cuda_graph=True, speculative_num_steps=2)
     agree = sum(a == b for a, b in zip(plain, spec))
     assert agree == len(prompts), f"{agree}/{len(prompts)} prompts identical"
 
