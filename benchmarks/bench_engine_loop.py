@@ -69,8 +69,46 @@ def _replay_ms(graphs, bs: int, context: int, iters: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def gpu_idle(llm, prompts, max_tokens: int) -> dict:
+    """One generate under torch.profiler: how long the GPU sat idle between kernels while the host ran the loop
+    (the union of kernel intervals against the wall time from the first kernel to the last)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _generate_s(llm, prompts, max_tokens)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        return {}
+    gaps, end = [], spans[0][1]
+    for s, e in spans[1:]:
+        if s > end:
+            gaps.append(s - end)
+        end = max(end, e)
+    wall = end - spans[0][0]
+    big = sorted(gaps, reverse=True)
+    return {"wall_ms": wall / 1e3, "idle_ms": sum(gaps) / 1e3, "idle_frac": sum(gaps) / wall,
+            "gaps_over_100us": sum(g > 100 for g in gaps), "largest_gaps_us": [round(g) for g in big[:8]]}
+
+
+def host_profile(llm, prompts, max_tokens: int, top: int = 22) -> str:
+    """Where the host's time goes in one generate (cProfile, sorted by own time; it slows the host ~2x)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    _generate_s(llm, prompts, max_tokens)
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
 def measure_itl(model: str, overlap: bool, batches: list[int], context: int, decode_tokens: int,
-                max_bs: int, compile: bool = True, parallel: dict | None = None) -> list[dict]:
+                max_bs: int, compile: bool = True, parallel: dict | None = None, profile: bool = False
+                ) -> list[dict]:
     from minidsa import LLM
 
     llm = LLM(model=model, progress=False, overlap_schedule=overlap, enable_prefix_caching=False,
@@ -90,6 +128,10 @@ def measure_itl(model: str, overlap: bool, batches: list[int], context: int, dec
                      "graph_replay_ms": replay_ms, "ratio": itl_ms / replay_ms})
         print(f"overlap={overlap} bs={bs}: ITL through generate {itl_ms:.3f} ms, graph replay {replay_ms:.3f} ms, "
               f"ratio {itl_ms / replay_ms:.3f}", flush=True)
+        if profile and torch.cuda.is_available():
+            rows[-1]["gpu_idle"] = gpu_idle(llm, _prompts(bs, context, vocab, seed := seed + 1), 1 + decode_tokens)
+            print(f"overlap={overlap} bs={bs}: GPU idle {rows[-1]['gpu_idle']}", flush=True)
+            print(host_profile(llm, _prompts(bs, context, vocab, seed := seed + 1), 1 + decode_tokens), flush=True)
     llm.close()  # tensor-parallel ranks stop
     del llm
     gc.collect()
@@ -144,6 +186,9 @@ def main(argv=None) -> int:
                    help="graphs of the plain modules (start-up in seconds instead of minutes; host time is the same)")
     p.add_argument("--bench-args", default="", help="extra `minidsa bench` arguments, e.g. '--num-requests 128'")
     p.add_argument("--allow-cpu", action="store_true", help="run without a GPU (a smoke run of this script)")
+    p.add_argument("--profile", action="store_true",
+                   help="after each ITL figure: GPU idle time between kernels (torch.profiler) and the host's "
+                        "cProfile of one generate")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="ranks (GPUs) of the engine")
     p.add_argument("--distributed-executor-backend", choices=("auto", "mp", "uni"), default="auto",
                    help="mp: the tensor-parallel path even at --tp 1")
@@ -162,7 +207,8 @@ def main(argv=None) -> int:
               **parallel, "itl": [], "bench": []}
     for overlap in (True, False):
         result["itl"] += measure_itl(args.model, overlap, batches, args.context, args.decode_tokens,
-                                     args.cuda_graph_max_bs, compile=not args.disable_compile, parallel=parallel)
+                                     args.cuda_graph_max_bs, compile=not args.disable_compile, parallel=parallel,
+                                     profile=args.profile)
     if not args.skip_bench:
         for overlap in (True, False):
             extra = bench_parallel + args.bench_args.split() + (["--disable-compile"] if args.disable_compile else [])

@@ -156,10 +156,12 @@ section_engine_loop() {   # issue 16: overlapped scheduling on the bench preset 
     # (overlap = plain loop tokens, no host sync when a decode step is launched), then end-to-end ITL through
     # LLM.generate at batch 1 and 32 beside the same decode step's graph replay, and `minidsa bench` (default
     # workload) ITL p50/p99, output tok/s, TTFT, overlap on and off -> engine_loop.md / engine_loop.json.
-    # Real shapes: ENGINE_LOOP_ARGS="--model bench-dsv32:4".
+    # Real shapes: ENGINE_LOOP_ARGS="--model bench-dsv32:4". The `minidsa bench` flags go in ENGINE_LOOP_BENCH_ARGS
+    # (one string, e.g. "--num-requests 128 --cuda-graph-max-bs 32": word splitting would cut a quoted one apart).
     timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_loop_gpu.py -rs --durations=5
     local rc=$?
-    timeout "$TIMEOUT" $PY benchmarks/bench_engine_loop.py --out "$OUT" ${ENGINE_LOOP_ARGS:-} || rc=1
+    timeout "$TIMEOUT" $PY benchmarks/bench_engine_loop.py --out "$OUT" ${ENGINE_LOOP_ARGS:-} \
+        ${ENGINE_LOOP_BENCH_ARGS:+"--bench-args=$ENGINE_LOOP_BENCH_ARGS"} || rc=1
     return $rc
 }
 

@@ -218,6 +218,57 @@ def test_triton_chunks_and_chosen_tiles_agree(poisoned_outputs):
     assert rel_err(default_tiles, per_token_reference(x, ids, weights, *params)) < 1e-2
 
 
+def grouped_gemm_stand_in(alignment: int, calls: list):
+    """DeepGEMM's m_grouped_fp8_gemm_nt_contiguous contract in torch: row r of a (e4m3, one fp32 scale per 128
+    columns) times expert m_indices[r]'s block-scaled weight, each expert's rows one segment starting at a multiple
+    of `alignment`."""
+    def m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices):
+        (a8, a_s), (w8, w_s) = a, b
+        rows = a8.shape[0]
+        assert a8.dtype == w8.dtype == fp8.FP8_DTYPE and d.dtype == torch.bfloat16 and rows % alignment == 0
+        assert m_indices.shape == (rows,) and m_indices.dtype == torch.int32
+        seg = m_indices.view(-1, alignment)
+        assert (seg == seg[:, :1]).all(), "an aligned block mixes experts"
+        starts = torch.ones(rows, dtype=torch.bool)
+        starts[1:] = m_indices[1:] != m_indices[:-1]
+        assert m_indices[starts].unique().numel() == starts.sum(), "an expert's rows are not one segment"
+        calls.append(rows)
+        acts = a8.float() * a_s.repeat_interleave(fp8.FP8_BLOCK, 1)[:, :a8.shape[1]]
+        for e in m_indices.unique().tolist():
+            r = m_indices == e
+            d[r] = (acts[r] @ fp8.dequant_block(w8[e], w_s[e]).T).to(d.dtype)
+
+    return SimpleNamespace(m_grouped_fp8_gemm_nt_contiguous=m_grouped_fp8_gemm_nt_contiguous,
+                           get_mk_alignment_for_contiguous_layout=lambda: alignment, __name__="stand-in")
+
+
+@in_this_process
+@pytest.mark.parametrize("num_tokens", [3, 70])
+def test_deepgemm_grouped_moe_matches_per_token(num_tokens, monkeypatch, poisoned_outputs):
+    """The DeepGEMM grouped-GEMM MoE (sort and pad per expert, gather, two GEMMs, silu * up, weighted combine)
+    through a stand-in that checks the contiguous layout, against the per-token reference; padding rows are
+    computed but never summed (outputs start as NaN)."""
+    from minidsa.kernels import deepgemm
+
+    calls: list[int] = []
+    monkeypatch.setattr(deepgemm, "_grouped_contiguous", None)
+    monkeypatch.setattr(deepgemm, "_grouped_disabled", None)
+    deepgemm._find_grouped(grouped_gemm_stand_in(8, calls))
+    x, ids, weights = route(num_tokens, 256, seed=7 + num_tokens)
+    x = x.bfloat16()
+    params = make_weights(256, 128, seed=7, dtype=fp8.FP8_DTYPE)
+    with torch_rounded_casts():
+        got = deepgemm.moe_contiguous(x, ids, weights, *params)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == x.shape
+    counts = torch.bincount(ids.flatten(), minlength=E)
+    assert calls == [int(((counts + 7) // 8 * 8).sum())] * 2  # both GEMMs, rows padded per expert exactly
+    # gate and up come out of the first GEMM in bf16 (as with split_gate_up tiles): twice the bf16 tolerance
+    assert rel_err(got, per_token_reference(x, ids, weights, *params)) < 2 * FP8_TOL[torch.bfloat16]
+    # at decode sizes (and while no grouped GEMM exists) the Triton fused MoE serves
+    assert deepgemm.moe_contiguous_wins(E * deepgemm.MOE_CONTIGUOUS_MIN_PAIRS_PER_EXPERT // TOP_K, TOP_K, E)
+    assert not deepgemm.moe_contiguous_wins(num_tokens, TOP_K, E)
+
+
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_align_pairs_to_blocks(block_m):
     _, ids, _ = route(50, 32, seed=3)

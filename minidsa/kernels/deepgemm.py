@@ -67,8 +67,9 @@ def _num_sms(device: torch.device) -> int:
 
 def reset() -> None:
     """Forget probe results (tests swap the module in and out)."""
-    global _module, _disabled
+    global _module, _disabled, _gemm_module, _gemm_disabled, _grouped_contiguous, _grouped_disabled
     _module, _disabled = None, None
+    _gemm_module, _gemm_disabled, _grouped_contiguous, _grouped_disabled = None, None, None, None
     _status.clear()
 
 
@@ -304,6 +305,7 @@ def fp8_gemm_status(device: torch.device) -> DeepGEMMStatus:
     if not callable(getattr(mod, "fp8_gemm_nt", None)):
         return DeepGEMMStatus(False, "deep_gemm lacks fp8_gemm_nt")
     _gemm_module = mod
+    _find_grouped(mod)
     return DeepGEMMStatus(True, f"deep_gemm {getattr(mod, '__version__', 'unknown version')} on SM{cap[0]}{cap[1]}",
                           cap[0])
 
@@ -330,3 +332,93 @@ def fp8_gemm_nt(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) 
         logger.error("DeepGEMM %s; the Triton FP8 GEMM serves from now on", _gemm_disabled)
         return None
     return out
+
+
+# ---------------------------------------------------------------- grouped FP8 GEMMs (routed experts, prefill)
+# `m_grouped_fp8_gemm_nt_contiguous((a e4m3 [M, K], a_scale fp32 [M, K/128]), (b e4m3 [E, N, K], b_scale fp32
+# [E, N/128, K/128]), d [M, N] bf16, m_indices [M] int32)`: row r of a times expert m_indices[r]'s weight, with
+# each expert's rows contiguous and padded to `get_mk_alignment_for_contiguous_layout()` (128 on SM90). Builds
+# name it differently (the fp8/fp4 one takes e4m3 too); the first name present is used.
+GROUPED_CONTIGUOUS_NAMES = ("m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_fp4_gemm_nt_contiguous")
+# Served from this many (token, expert) pairs per expert on (8192 tokens x top-8 / 256 experts = 256).
+# H100, commit 49630c3, benchmarks/bench_moe.py, V3.2 expert shapes: its two GEMMs alone take 8.3 ms at 8192
+# tokens (693 TFLOP/s, 51% of the same run's FP8 matmul) and 12.6 ms at 16384 (913, 67%), against 11.3 ms for the
+# best Triton tiles at 8192; at 2048 tokens (64 pairs per expert) 5.1 vs 5.4 ms, too close once the gather and
+# combine are added.
+MOE_CONTIGUOUS_MIN_PAIRS_PER_EXPERT = 128
+_grouped_contiguous = None
+_grouped_alignment = 0
+_grouped_disabled: str | None = None
+
+
+def _find_grouped(mod: ModuleType) -> None:
+    global _grouped_contiguous, _grouped_alignment
+    fn = next((getattr(mod, n) for n in GROUPED_CONTIGUOUS_NAMES if callable(getattr(mod, n, None))), None)
+    align = getattr(mod, "get_mk_alignment_for_contiguous_layout", None)
+    if fn is None or not callable(align):
+        logger.info("DeepGEMM: no contiguous grouped FP8 GEMM in this build; the Triton fused MoE serves prefill")
+        return
+    _grouped_contiguous, _grouped_alignment = fn, int(align())
+
+
+def moe_contiguous_wins(num_tokens: int, top_k: int, n_experts: int) -> bool:
+    """Is the DeepGEMM grouped-GEMM MoE measured faster than the Triton fused MoE at this size? (Concrete ints.)"""
+    return (_grouped_contiguous is not None and _grouped_disabled is None
+            and num_tokens * top_k >= MOE_CONTIGUOUS_MIN_PAIRS_PER_EXPERT * n_experts)
+
+
+def moe_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up_proj: torch.Tensor,
+                   down_proj: torch.Tensor, gate_up_scale_inv: torch.Tensor, down_scale_inv: torch.Tensor
+                   ) -> torch.Tensor | None:
+    """The routed experts (FP8 w8a8, block scales) through DeepGEMM's contiguous grouped GEMMs; None when it
+    cannot serve (the caller runs the Triton fused MoE). Same math as `fused_moe.fused_moe_reference`.
+
+    Pairs are sorted by expert and padded per expert to DeepGEMM's alignment (`align_pairs_to_blocks` with
+    block_m = alignment); the activations are quantised once per token and their rows gathered into that
+    order; gate|up -> silu * up quantised (`fused_moe.silu_mul`) -> down; each token sums its top_k rows
+    weighted by the routing weights. One host sync sizes the padded rows exactly (prefill runs outside graphs).
+    """
+    global _grouped_disabled
+    if (_grouped_contiguous is None or _grouped_disabled is not None or x.dtype != torch.bfloat16
+            or gate_up_scale_inv is None or down_scale_inv is None):
+        return None
+    from minidsa.kernels import fused_moe
+    from minidsa.kernels.fp8_gemm import quant_act
+
+    num_tokens, top_k = topk_ids.shape
+    n_experts, two_i, hidden = gate_up_proj.shape
+    if hidden % 128 or two_i % 256:
+        return None  # whole 128-blocks in K for both GEMMs (I = two_i / 2)
+    chunk = fused_moe.MAX_CHUNK_TOKENS  # bounds the [rows, H] buffers as the Triton path's are bounded
+    if num_tokens > chunk:
+        parts = [moe_contiguous(x[s:s + chunk], topk_ids[s:s + chunk], topk_weights[s:s + chunk], gate_up_proj,
+                                down_proj, gate_up_scale_inv, down_scale_inv) for s in range(0, num_tokens, chunk)]
+        return None if any(p is None for p in parts) else torch.cat(parts)
+    blocks = fused_moe.align_pairs_to_blocks(topk_ids, n_experts, _grouped_alignment)
+    rows = int(blocks.num_padded.item())
+    num_pairs = blocks.num_pairs
+    pair_of_row = blocks.sorted_pair_ids[:rows].long()  # padding rows hold num_pairs
+    expert_of_row = blocks.block_expert[:rows // _grouped_alignment].repeat_interleave(_grouped_alignment)
+    xq, xs = quant_act(x.contiguous())
+    token_of_row = torch.where(pair_of_row < num_pairs, pair_of_row // top_k, 0)  # padding: any token
+    a1, s1 = xq[token_of_row], xs[token_of_row]
+    gate_up = torch.empty(rows, two_i, dtype=torch.bfloat16, device=x.device)
+    down = torch.empty(rows, hidden, dtype=torch.bfloat16, device=x.device)
+    try:
+        _grouped_contiguous((a1, s1), (gate_up_proj, gate_up_scale_inv.float()), gate_up, expert_of_row)
+        del a1, s1
+        a2, s2 = fused_moe.silu_mul(gate_up, quantise=True)
+        del gate_up
+        _grouped_contiguous((a2, s2), (down_proj, down_scale_inv.float()), down, expert_of_row)
+    except Exception as e:  # a build whose contract differs: never fail the step for it
+        _grouped_disabled = f"{_grouped_contiguous.__name__} failed: {type(e).__name__}: {e}"
+        logger.error("DeepGEMM %s; the Triton fused MoE serves from now on", _grouped_disabled)
+        return None
+    row_of_pair = torch.empty(num_pairs + 1, dtype=torch.long, device=x.device)
+    row_of_pair[pair_of_row] = torch.arange(rows, device=x.device)  # every padding row lands on the extra slot
+    row_of_pair = row_of_pair[:num_pairs].view(num_tokens, top_k)
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+    route_w = topk_weights.float()
+    for j in range(top_k):  # [T, H] at a time, not [T * top_k, H]
+        out.addcmul_(down[row_of_pair[:, j]], route_w[:, j:j + 1])
+    return out.to(x.dtype)

@@ -187,9 +187,10 @@ class FusedLinear(nn.Module):
 
 
 def set_gemm(model: nn.Module, gemm: str) -> None:
-    """Which GEMM serves every FP8 layer of `model` (decided once, at build time)."""
+    """Which GEMM serves every FP8 layer of `model` (decided once, at build time): every module with a `gemm`
+    attribute, i.e. the linears and the routed experts (`models.deepseek_v32.Experts`)."""
     if gemm not in GEMMS:
         raise ValueError(f"FP8 GEMM {gemm!r} is not one of {GEMMS}")
     for mod in model.modules():
-        if isinstance(mod, (Linear, FusedLinear)):
+        if isinstance(mod, (Linear, FusedLinear)) or hasattr(mod, "gemm"):
             mod.gemm = gemm

@@ -287,6 +287,7 @@ class Experts(nn.Module):
             self.first_expert, self.num_local_experts = 0, e
             self.inter_start, self.inter = tp.split(i, "moe_intermediate_size")
         e_local, i_local = self.num_local_experts, self.inter
+        self.gemm = "torch"  # which GEMM serves FP8 experts at prefill sizes (`layers.linear.set_gemm`, at build)
         self.gate_up_proj = nn.Parameter(torch.empty(e_local, 2 * i_local, h), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(e_local, h, i_local), requires_grad=False)
         for p in (self.gate_up_proj, self.down_proj):
@@ -375,7 +376,7 @@ class Experts(nn.Module):
             ids, weights = local.masked_fill(elsewhere, 0), weights.masked_fill(elsewhere, 0.0)
         return torch.ops.minidsa.fused_moe(x, ids, weights, self.gate_up_proj, self.down_proj,
                                            getattr(self, "gate_up_proj_scale_inv", None),
-                                           getattr(self, "down_proj_scale_inv", None))
+                                           getattr(self, "down_proj_scale_inv", None), self.gemm == "deepgemm")
 
 
 class MoE(nn.Module):

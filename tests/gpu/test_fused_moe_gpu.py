@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from minidsa.kernels import fp8  # noqa: E402
+from minidsa.kernels import deepgemm, fp8  # noqa: E402
 from minidsa.kernels import fused_moe as fm  # noqa: E402
 from minidsa.models.deepseek_v32 import Experts, Router  # noqa: E402
 
@@ -105,6 +105,24 @@ def test_split_gate_up_tiles_match_reference(router, bf16_weights, fp8_weights, 
         err = rel_err(got, fm.fused_moe_reference(x, ids, weights, *params))
         print(f"\n{kind} split {tiles}: rel err vs reference {err:.2e}")
         assert err < 2e-2  # one more rounding point (gate, up in bf16) than the reference
+
+
+@pytest.mark.parametrize("path", ["triton", "deepgemm"])
+def test_fp8_prefill_size_matches_reference(router, fp8_weights, path):
+    """8192 tokens (256 pairs per expert): the Triton prefill tiles, and DeepGEMM's grouped GEMMs where built
+    (what the fused_moe op serves at this size with DeepGEMM on)."""
+    x, ids, weights = inputs(router, 8192, seed=8)
+    if path == "deepgemm":
+        deepgemm.fp8_gemm_status(DEV)
+        if not deepgemm.moe_contiguous_wins(8192, K, E):
+            pytest.skip("DeepGEMM's contiguous grouped GEMM is not available here")
+        got = deepgemm.moe_contiguous(x, ids, weights, *fp8_weights)
+        assert got is not None, "DeepGEMM's grouped GEMM failed (logged)"
+    else:
+        got = fm.fused_moe_triton(x, ids, weights, *fp8_weights)
+    err = rel_err(got, fm.fused_moe_reference(x, ids, weights, *fp8_weights))
+    print(f"\nfp8 T=8192 {path}: rel err vs reference {err:.2e}")
+    assert got.shape == (8192, H) and err < 1e-2
 
 
 def test_fp8_activation_quantisation_is_torchs(router, fp8_weights):
