@@ -269,6 +269,17 @@ def test_deepgemm_grouped_moe_matches_per_token(num_tokens, monkeypatch, poisone
     assert not deepgemm.moe_contiguous_wins(num_tokens, TOP_K, E)
 
 
+@in_this_process
+def test_combine_rows_equals_reference():
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(40, 1100, generator=g).bfloat16()  # H past one 1024-wide block
+    row_of_pair = torch.randperm(40, generator=g)[:30].view(10, 3).int()
+    weights = torch.rand(10, 3, generator=g)
+    got = fm.combine_rows(rows, row_of_pair, weights)
+    assert torch.allclose(got.float(), fm.combine_rows_reference(rows, row_of_pair, weights).float(),
+                          rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_align_pairs_to_blocks(block_m):
     _, ids, _ = route(50, 32, seed=3)

