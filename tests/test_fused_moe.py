@@ -243,8 +243,8 @@ def grouped_gemm_stand_in(alignment: int, calls: list):
 
 
 @in_this_process
-@pytest.mark.parametrize("num_tokens", [3, 70])
-def test_deepgemm_grouped_moe_matches_per_token(num_tokens, monkeypatch, poisoned_outputs):
+@pytest.mark.parametrize("num_tokens,skip", [(3, False), (70, False), (40, True)])
+def test_deepgemm_grouped_moe_matches_per_token(num_tokens, skip, monkeypatch, poisoned_outputs):
     """The DeepGEMM grouped-GEMM MoE (sort and pad per expert, gather, two GEMMs, silu * up, weighted combine)
     through a stand-in that checks the contiguous layout, against the per-token reference; padding rows are
     computed but never summed (outputs start as NaN)."""
@@ -257,16 +257,61 @@ def test_deepgemm_grouped_moe_matches_per_token(num_tokens, monkeypatch, poisone
     x, ids, weights = route(num_tokens, 256, seed=7 + num_tokens)
     x = x.bfloat16()
     params = make_weights(256, 128, seed=7, dtype=fp8.FP8_DTYPE)
+    if skip:  # expert parallelism: another rank's pairs get no rows and add nothing
+        ids = _skip_some(ids, num_tokens)
+        kept = ids >= 0
+        ref_ids, ref_weights = torch.where(kept, ids, 0), torch.where(kept, weights, 0.0)
+    else:
+        ref_ids, ref_weights = ids, weights
     with torch_rounded_casts():
         got = deepgemm.moe_contiguous(x, ids, weights, *params)
     assert got is not None and got.dtype == torch.bfloat16 and got.shape == x.shape
-    counts = torch.bincount(ids.flatten(), minlength=E)
+    counts = torch.bincount(ids.flatten()[ids.flatten() >= 0], minlength=E)
     assert calls == [int(((counts + 7) // 8 * 8).sum())] * 2  # both GEMMs, rows padded per expert exactly
     # gate and up come out of the first GEMM in bf16 (as with split_gate_up tiles): twice the bf16 tolerance
-    assert rel_err(got, per_token_reference(x, ids, weights, *params)) < 2 * FP8_TOL[torch.bfloat16]
+    assert rel_err(got, per_token_reference(x, ref_ids, ref_weights, *params)) < 2 * FP8_TOL[torch.bfloat16]
     # at decode sizes (and while no grouped GEMM exists) the Triton fused MoE serves
     assert deepgemm.moe_contiguous_wins(E * deepgemm.MOE_CONTIGUOUS_MIN_PAIRS_PER_EXPERT // TOP_K, TOP_K, E)
     assert not deepgemm.moe_contiguous_wins(num_tokens, TOP_K, E)
+
+
+def _skip_some(ids: torch.Tensor, seed: int) -> torch.Tensor:
+    """Expert parallelism's view on one rank: about 3 of 4 choices belong to other ranks (SKIP)."""
+    g = torch.Generator().manual_seed(seed)
+    return ids.masked_fill(torch.rand(ids.shape, generator=g) < 0.75, fm.SKIP)
+
+
+@pytest.mark.parametrize("num_tokens", [5, 300])
+def test_skipped_pairs_add_nothing_reference(num_tokens):
+    x, ids, weights = route(num_tokens, 128, seed=40 + num_tokens)
+    params = make_weights(128, 64, seed=4, dtype=torch.float32)
+    skipped = _skip_some(ids, num_tokens)
+    kept = skipped >= 0
+    # the reference over the kept pairs only: their weights, the others' set to 0 on a real expert
+    want = per_token_reference(x, torch.where(kept, ids, 0), torch.where(kept, weights, 0.0), *params)
+    got = fm.fused_moe_reference(x, skipped, weights, *params)
+    assert rel_err(got, want) < TOL[torch.float32]
+    blocks = fm.align_pairs_to_blocks(skipped, E, 16)
+    placed = blocks.sorted_pair_ids[blocks.sorted_pair_ids < skipped.numel()]
+    assert sorted(placed.tolist()) == torch.nonzero(kept.flatten()).flatten().tolist()  # each kept pair once
+
+
+@in_this_process
+@pytest.mark.parametrize("num_tokens", [3, 150])  # the one-program align kernel; the torch align (> 1024 pairs)
+def test_skipped_pairs_add_nothing_triton(num_tokens, poisoned_outputs):
+    x, ids, weights = route(num_tokens, 256, seed=60 + num_tokens)
+    params = make_weights(256, 128, seed=6, dtype=fp8.FP8_DTYPE)
+    skipped = _skip_some(ids, num_tokens)
+    with torch_rounded_casts():
+        got = fm.fused_moe_triton(x, skipped.int(), weights, *params, config=fm.TileConfig(16, 128, 128, 1, 4, 2),
+                                  has_skipped=True)
+    assert torch.isfinite(got).all()
+    assert rel_err(got, fm.fused_moe_reference(x, skipped, weights, *params)) < FP8_TOL[torch.float32]
+    if num_tokens * TOP_K <= fm.ALIGN_KERNEL_MAX_PAIRS:
+        a = fm.align_pairs_to_blocks_triton(skipped, E, 16)
+        b = fm.align_pairs_to_blocks(skipped, E, 16)
+        assert torch.equal(a.sorted_pair_ids, b.sorted_pair_ids) and torch.equal(a.block_expert, b.block_expert)
+        assert torch.equal(a.num_padded, b.num_padded)
 
 
 @in_this_process

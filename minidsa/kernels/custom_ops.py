@@ -145,12 +145,14 @@ def kv_move(
 def fused_moe(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
     gate_up_scale_inv: Optional[Tensor] = None, down_scale_inv: Optional[Tensor] = None, use_deep_gemm: bool = False,
+    has_skipped: bool = False,
 ) -> Tensor:
     """Routed experts for any token count (minidsa.kernels.fused_moe): the torch reference on CPU.
 
     With `use_deep_gemm` (decided at model build, like fp8_linear's), FP8 experts at sizes where DeepGEMM's
     contiguous grouped GEMMs are measured faster (`deepgemm.moe_contiguous_wins`) run through them; every other
-    call, and one they cannot serve, runs the Triton fused MoE.
+    call, and one they cannot serve, runs the Triton fused MoE. `has_skipped`: topk_ids may hold
+    `fused_moe.SKIP` (-1: an expert of another rank); those pairs add nothing (the reference always allows it).
     """
     return fused_moe_mod.fused_moe_reference(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv,
                                              down_scale_inv)
@@ -158,7 +160,7 @@ def fused_moe(
 
 @fused_moe.register_kernel("cuda")
 def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv=None, down_scale_inv=None,
-      use_deep_gemm=False):
+      use_deep_gemm=False, has_skipped=False):
     # Tiles (and DeepGEMM or Triton) are picked inside on the concrete token count: compiled graphs see one
     # opaque op, no guards.
     if use_deep_gemm and deepgemm.moe_contiguous_wins(*topk_ids.shape, gate_up_proj.shape[0]):
@@ -167,12 +169,12 @@ def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv=None
         if out is not None:
             return out
     return fused_moe_mod.fused_moe_triton(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv,
-                                          down_scale_inv)
+                                          down_scale_inv, has_skipped=has_skipped)
 
 
 @fused_moe.register_fake
 def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv=None, down_scale_inv=None,
-      use_deep_gemm=False):
+      use_deep_gemm=False, has_skipped=False):
     return x.new_empty(x.shape[0], gate_up_proj.shape[2])
 
 

@@ -396,6 +396,8 @@ def moe_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         return None if any(p is None for p in parts) else torch.cat(parts)
     blocks = fused_moe.align_pairs_to_blocks(topk_ids, n_experts, _grouped_alignment)
     rows = int(blocks.num_padded.item())
+    if rows == 0:  # every pair skipped (its experts live on other ranks)
+        return torch.zeros_like(x)
     num_pairs = blocks.num_pairs
     pair_of_row = blocks.sorted_pair_ids[:rows].long()  # padding rows hold num_pairs
     expert_of_row = blocks.block_expert[:rows // _grouped_alignment].repeat_interleave(_grouped_alignment)
@@ -403,17 +405,19 @@ def moe_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     token_of_row = torch.where(pair_of_row < num_pairs, pair_of_row // top_k, 0)  # padding: any token
     a1, s1 = xq[token_of_row], xs[token_of_row]
     gate_up = torch.empty(rows, two_i, dtype=torch.bfloat16, device=x.device)
-    down = torch.empty(rows, hidden, dtype=torch.bfloat16, device=x.device)
+    down = torch.empty(rows + 1, hidden, dtype=torch.bfloat16, device=x.device)  # + a zero row: skipped pairs
+    down[rows].zero_()
     try:
         _grouped_contiguous((a1, s1), (gate_up_proj, gate_up_scale_inv.float()), gate_up, expert_of_row)
         del a1, s1
         a2, s2 = fused_moe.silu_mul(gate_up, quantise=True)
         del gate_up
-        _grouped_contiguous((a2, s2), (down_proj, down_scale_inv.float()), down, expert_of_row)
+        _grouped_contiguous((a2, s2), (down_proj, down_scale_inv.float()), down[:rows], expert_of_row)
     except Exception as e:  # a build whose contract differs: never fail the step for it
         _grouped_disabled = f"{_grouped_contiguous.__name__} failed: {type(e).__name__}: {e}"
         logger.error("DeepGEMM %s; the Triton fused MoE serves from now on", _grouped_disabled)
         return None
-    row_of_pair = torch.empty(num_pairs + 1, dtype=torch.int32, device=x.device)
+    # Skipped pairs (SKIP ids, expert parallelism) have no row: they read the zero row.
+    row_of_pair = torch.full((num_pairs + 1,), rows, dtype=torch.int32, device=x.device)
     row_of_pair[pair_of_row] = torch.arange(rows, dtype=torch.int32, device=x.device)  # padding: the extra slot
     return fused_moe.combine_rows(down, row_of_pair[:num_pairs].view(num_tokens, top_k), topk_weights)

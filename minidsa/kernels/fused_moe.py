@@ -47,6 +47,7 @@ import triton.language as tl
 from minidsa.kernels import fp8
 from minidsa.kernels.fp8_gemm import EMULATE_CAST, _quant_tile, quant_act
 
+SKIP = -1  # a topk id meaning "this pair's expert is on another rank" (expert parallelism): computed nowhere here
 MAX_CHUNK_TOKENS = 8192  # tokens per pass: bounds the [T*k, H] per-pair buffer (~0.9 GiB in bf16 at H 7168)
 
 
@@ -117,21 +118,27 @@ def max_padded_rows(num_pairs: int, n_experts: int, block_m: int) -> int:
 
 
 def align_pairs_to_blocks(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> ExpertBlocks:
-    """Sort pairs by expert, pad each expert's rows to a multiple of block_m; no host sync, static shapes."""
+    """Sort pairs by expert, pad each expert's rows to a multiple of block_m; no host sync, static shapes.
+
+    An id of -1 (SKIP: an expert of another rank) places no row: the pair is computed nowhere."""
     device = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     num_pairs = flat.numel()
-    counts = torch.zeros(n_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    key = torch.where(flat >= 0, flat, n_experts)  # skipped pairs: one bucket past the last expert
+    counts = torch.zeros(n_experts + 1, dtype=torch.long, device=device).scatter_add_(0, key, torch.ones_like(key))
+    counts[n_experts] = 0  # ... that gets no rows
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     count_start = counts.cumsum(0) - counts
-    order = torch.sort(flat, stable=True).indices  # pair ids grouped by expert, in pair order within one
-    sorted_expert = flat[order]
+    order = torch.sort(key, stable=True).indices  # pair ids grouped by expert, in pair order within one
+    sorted_expert = key[order]
     rank = torch.arange(num_pairs, device=device) - count_start[sorted_expert]  # position among its expert's
-    dest = padded_end[sorted_expert] - padded[sorted_expert] + rank
     max_rows = max_padded_rows(num_pairs, n_experts, block_m)
-    sorted_pair_ids = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=device)
+    dest = torch.where(sorted_expert < n_experts, padded_end[sorted_expert] - padded[sorted_expert] + rank, max_rows)
+    sorted_pair_ids = torch.full((max_rows + 1,), num_pairs, dtype=torch.int32, device=device)  # + a dump row
     sorted_pair_ids[dest] = order.to(torch.int32)
+    sorted_pair_ids = sorted_pair_ids[:max_rows]
+    padded_end = padded_end[:n_experts]
     block_start = torch.arange(0, max_rows, block_m, device=device)
     block_expert = torch.searchsorted(padded_end, block_start, right=True)
     block_expert = torch.where(block_expert < n_experts, block_expert, -1).to(torch.int32)
@@ -172,7 +179,7 @@ def _align_kernel(
         base = tl.sum(tl.where(onehot, fill[None, :], 0), axis=1)
         # earlier pairs of this chunk with the same expert (masked pairs are -1 and come last)
         rank = tl.sum(((ids[:, None] == ids[None, :]) & (q[None, :] < q[:, None])).to(tl.int32), axis=1)
-        tl.store(sorted_pair_ptr + base + rank, p, mask=ok)
+        tl.store(sorted_pair_ptr + base + rank, p, mask=ok & (ids >= 0))  # -1: a skipped pair, no row
         fill += tl.sum(onehot.to(tl.int32), axis=0)
 
     # the sentinel in each expert's padding rows and in the rows past the end (no row is written twice)
@@ -338,10 +345,11 @@ def fused_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     n_experts, two_i, hidden = gate_up_proj.shape
     inter = two_i // 2
     flat = topk_ids.reshape(-1).long()
+    flat = torch.where(flat >= 0, flat, n_experts)  # SKIP pairs sort last and are never computed
     route_w = topk_weights.reshape(-1).float()
     per_pair = x.new_zeros(num_tokens * top_k, hidden)
     order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=n_experts).tolist()
+    counts = torch.bincount(flat, minlength=n_experts + 1)[:n_experts].tolist()
     start = 0
     for e, count in enumerate(counts):
         if count == 0:
@@ -434,8 +442,12 @@ def combine_rows_reference(rows: torch.Tensor, row_of_pair: torch.Tensor, weight
 def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                      gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                      gate_up_scale_inv: torch.Tensor | None = None, down_scale_inv: torch.Tensor | None = None,
-                     config: TileConfig | None = None, max_chunk_tokens: int = MAX_CHUNK_TOKENS) -> torch.Tensor:
-    """The fused MoE through the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1); tiles by token count."""
+                     config: TileConfig | None = None, max_chunk_tokens: int = MAX_CHUNK_TOKENS,
+                     has_skipped: bool = False) -> torch.Tensor:
+    """The fused MoE through the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1); tiles by token count.
+
+    `has_skipped`: topk_ids may hold SKIP (-1, an expert of another rank under expert parallelism); those pairs
+    get no GEMM rows and add nothing (their per-pair rows start at zero)."""
     check_inputs(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv)
     num_tokens, top_k = topk_ids.shape
     hidden = x.shape[1]
@@ -445,7 +457,7 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         return torch.cat([
             fused_moe_triton(x[s:s + max_chunk_tokens], topk_ids[s:s + max_chunk_tokens],
                              topk_weights[s:s + max_chunk_tokens], gate_up_proj, down_proj, gate_up_scale_inv,
-                             down_scale_inv, config, max_chunk_tokens)
+                             down_scale_inv, config, max_chunk_tokens, has_skipped)
             for s in range(0, num_tokens, max_chunk_tokens)
         ])
     n_experts, two_i, _ = gate_up_proj.shape
@@ -465,7 +477,7 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     # FP8: each GEMM's input quantised once, per row per 128 channels (fp8.quant_act_per_token_group's values),
     # not in every N-block's program: at prefill sizes that re-quantisation cost 20x the GEMM.
     a, a_scale = quant_act(x) if is_fp8 else (x, route_w)
-    per_pair = torch.empty(blocks.num_pairs, hidden, dtype=x.dtype, device=x.device)
+    per_pair = (torch.zeros if has_skipped else torch.empty)(blocks.num_pairs, hidden, dtype=x.dtype, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     launch = dict(GROUP_M=cfg.group_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   FP8=is_fp8, PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

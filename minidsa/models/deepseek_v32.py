@@ -35,6 +35,7 @@ from minidsa.batch import ForwardBatch
 from minidsa.config import ModelConfig
 from minidsa.distributed.parallel_state import building_tp
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape
+from minidsa.kernels.fused_moe import SKIP
 from minidsa.layers.linear import FusedLinear, Linear, WeightLoadError, as_tensor, load_block_scaled
 from minidsa.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, checkpoint_shard
 
@@ -269,10 +270,8 @@ class Experts(nn.Module):
 
     Under tensor parallelism the output is this rank's partial sum (the MoE layer all-reduces): either every
     expert with `moe_intermediate_size / size` of its intermediate rows (gate, up) and columns (down), or with
-    expert parallelism experts [first_expert, first_expert + num_local_experts) whole. The fused MoE op takes
-    no "not here" expert id, so a (token, choice) pair routed to another rank's expert goes to local expert 0
-    with routing weight 0: exact, but those pairs cost GEMM rows (nothing at decode, where the experts'
-    weights are the cost; a skip-sentinel in the kernel would save it at prefill).
+    expert parallelism experts [first_expert, first_expert + num_local_experts) whole. A (token, choice) pair
+    routed to another rank's expert reaches the fused MoE op as `fused_moe.SKIP`: it gets no GEMM rows here.
     """
 
     def __init__(self, config: ModelConfig):
@@ -370,13 +369,15 @@ class Experts(nn.Module):
         return weight, scales
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if self.num_local_experts != self.n_experts:  # expert parallelism: global ids -> this rank's experts
+        expert_parallel = self.num_local_experts != self.n_experts
+        if expert_parallel:  # global ids -> this rank's experts; another rank's: SKIP (no GEMM rows here)
             local = ids - self.first_expert
             elsewhere = (local < 0) | (local >= self.num_local_experts)
-            ids, weights = local.masked_fill(elsewhere, 0), weights.masked_fill(elsewhere, 0.0)
+            ids = local.masked_fill(elsewhere, SKIP)
         return torch.ops.minidsa.fused_moe(x, ids, weights, self.gate_up_proj, self.down_proj,
                                            getattr(self, "gate_up_proj_scale_inv", None),
-                                           getattr(self, "down_proj_scale_inv", None), self.gemm == "deepgemm")
+                                           getattr(self, "down_proj_scale_inv", None), self.gemm == "deepgemm",
+                                           expert_parallel)
 
 
 class MoE(nn.Module):
