@@ -62,6 +62,8 @@ def _inputs(num_tokens: int, heads: int, seed: int):
     q = (torch.randn(num_tokens, heads, D_KV, device=DEV, generator=g) * 0.3).bfloat16()
     idx = torch.randint(0, NUM_SLOTS, (num_tokens, TOPK), device=DEV, generator=g, dtype=torch.int32)
     idx[0, 1000:] = -1  # fewer keys than the top-k width
+    if num_tokens > 1:
+        idx[1] = -1  # none at all: zeros, as the Triton kernel gives
     return q, idx
 
 
@@ -74,6 +76,8 @@ def test_served_fp8_decode_equals_triton(caches, heads, num_tokens):
     want = sparse_mla.sparse_mla(q, fp8, idx, D_KV**-0.5, D_V)
     assert flashmla.disabled_reason() is None, flashmla.disabled_reason()
     assert not got.isnan().any() and _rel(got, want) < TOL
+    if num_tokens > 1:
+        assert (got[1] == 0).all()
 
 
 @pytest.mark.parametrize("heads", [128, 64])
@@ -84,7 +88,7 @@ def test_served_bf16_prefill_equals_triton(caches, heads):
     got = OP(q, bf16, idx, D_KV**-0.5, D_V)
     want = sparse_mla.sparse_mla(q, bf16, idx, D_KV**-0.5, D_V)
     assert flashmla.disabled_reason() is None, flashmla.disabled_reason()
-    assert not got.isnan().any() and _rel(got, want) < TOL
+    assert not got.isnan().any() and _rel(got, want) < TOL and (got[1] == 0).all()
 
 
 @pytest.mark.parametrize("warm", [True, False])
