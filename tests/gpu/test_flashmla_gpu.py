@@ -9,7 +9,7 @@ run by scripts/gpu_check.sh section `flashmla`). Shown here:
 - inside CUDA graphs: captured after a warm-up (scheduler metadata kept from it) and captured cold (the
   metadata kernel captured with the attention), replayed with new queries and indices;
 - engines on the bench preset (bf16, 128 heads, top-k 2048, prompts longer than it), FlashMLA on vs off with
-  compile + CUDA graphs: FP8 cache (FlashMLA serves prefill and every decode step) and bf16 cache (FlashMLA's
+  CUDA graphs: FP8 cache (FlashMLA serves prefill and every decode step) and bf16 cache (FlashMLA's
   prefill kernel serves the prompts): the first token's logprob agrees within 0.1 nats, later ones within
   0.5 until the tokens part, and they part only at a near-tie (< 1 nat between the top two; the bound
   test_graphs_gpu.py uses for compiled vs eager).
@@ -131,8 +131,10 @@ def _run(prompts, **kw):
     from harness import count_replays
     from minidsa import LLM, SamplingParams
 
+    # CUDA graphs of the eager modules: inductor would add ~3 minutes per engine here (the op under torch.compile:
+    # test_op_compiles; a compiled engine with FlashMLA: tests/test_flashmla_dispatch.py on CPU).
     llm = LLM(model="bench-dsv32", dtype="bfloat16", progress=False, max_running_requests=4, cuda_graph_max_bs=4,
-              max_total_tokens=32768, max_model_len=8192, **kw)
+              max_total_tokens=32768, max_model_len=8192, enable_compile=False, **kw)
     served = llm.engine.runner.kernels.sparse_mla
     replays = count_replays(llm.engine.runner.graphs)
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False, logprobs=True,
