@@ -47,6 +47,7 @@ ENGINE_FLAG_HELP: dict[str, str] = {
                       "rope; ~1.75x the tokens of bf16); auto = the model dtype",
     "kernel_backend": "DSA kernels: torch (reference) or triton; auto = triton on GPU, torch on CPU",
     "use_deep_gemm": "do not use DeepGEMM's indexer kernels even where they load",
+    "use_flash_mla": "do not serve sparse MLA attention with FlashMLA's kernels even where they load",
     "speculative_num_steps": "MTP draft steps per verify; 0 = no speculative decoding",
     "speculative_topk": "draft branches per step (1 = a chain; > 1 = a tree, needs --page-size 1)",
     "speculative_num_draft_tokens": "tree drafts: tokens verified per step; 0 = auto (num-steps + 1 for a chain)",

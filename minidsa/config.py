@@ -464,6 +464,7 @@ class EngineConfig:
     quantization: str = "auto"
     kernel_backend: str = "auto"  # "auto" | "torch" | "triton"; auto = triton on GPU, torch on CPU
     use_deep_gemm: bool = True  # use DeepGEMM's indexer kernels when importable on SM90/SM100
+    use_flash_mla: bool = True  # serve sparse MLA with FlashMLA's kernels when importable on SM90
     speculative_num_steps: int = 0
     speculative_topk: int = 1
     speculative_num_draft_tokens: int = 0

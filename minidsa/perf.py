@@ -142,7 +142,7 @@ def decode_bytes(cfg: ModelConfig, bs: int, ctx: int, dtype_bytes: int = 2, with
 class Bench:
     def __init__(self, preset: str, max_context: int, max_batch_tokens: int, max_bs: int, index_topk: int | None = None,
                  spec_steps: int = 0, compile: bool = True, kv_cache_dtype: str = "auto",
-                 distributed_executor_backend: str = "uni"):
+                 distributed_executor_backend: str = "uni", use_flash_mla: bool = True):
         raw = preset_config(preset)
         init_std = raw.pop("initializer_range", 0.02)
         if index_topk is not None:
@@ -152,7 +152,7 @@ class Bench:
         cfg = EngineConfig(model=None, dtype="bfloat16", device="cuda", page_size=64,
                            max_running_requests=max_bs, max_total_tokens=max_batch_tokens + 64 * (max_bs + 2),
                            max_model_len=max_context + 64, indexer_cache_dtype="fp8", kernel_backend="auto",
-                           kv_cache_dtype=kv_cache_dtype,
+                           kv_cache_dtype=kv_cache_dtype, use_flash_mla=use_flash_mla,
                            enable_cuda_graph=False, enable_compile=False,
                            distributed_executor_backend=distributed_executor_backend)
         # "mp": tensor_parallel_size 1 through the distributed path (a process group of one, its collectives

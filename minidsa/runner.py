@@ -81,7 +81,8 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, table_width, self.device)
         self.kv_cache = KVCache(num_layers, num_pages, self.mla_layout, self.index_layout, self.device,
                                 indexer_layers)
-        self.kernels = choose_kernels(self.device, config.kernel_backend, config.use_deep_gemm)
+        self.kernels = choose_kernels(self.device, config.kernel_backend, config.use_deep_gemm,
+                                      config.use_flash_mla)
         self.attn = DSABackend(self.kv_cache, self.req_to_token_pool.req_to_token, model_config.index_topk,
                                self.kernels)
         self.table_width = table_width

@@ -129,15 +129,24 @@ section_mla() {   # issue 18: FP8 MLA cache (656-byte layout): kernels at real s
 }
 
 section_flashmla() {   # issue 18: build FlashMLA (SM90 sparse kernels) from the carried .fmla folder
-    # (scripts/prepare_flashmla.sh; carry it: run's carry [".fmla"]), then sparse MLA ours vs FlashMLA on the
-    # same data. Not in ALL_SECTIONS: the build takes minutes. The built module comes back as
-    # $OUT/flashmla_cuda.so: put it in .fmla/prebuilt/ to skip the build next time on the same torch.
+    # (scripts/prepare_flashmla.sh; carry it: run's carry [".fmla"]; .fmla/prebuilt/*.so skips the build), then:
+    # the GPU tests of FlashMLA served (tests/gpu/test_flashmla_gpu.py: the op vs Triton, in CUDA graphs, and
+    # bench-preset engines with FlashMLA on vs off); sparse MLA ours vs FlashMLA on the same data, CUDA-graph
+    # timed, with the served op beside; the bench-dsv32 decode step at B=128 / 32k with sparse MLA served by
+    # Triton and by FlashMLA, per MLA layout (bench_mla --only kernels,step; the table ends the log). Not in
+    # ALL_SECTIONS: the build takes minutes. The built module comes back as $OUT/flashmla_cuda.so: put it in
+    # .fmla/prebuilt/ to skip the build next time on the same torch.
     [ -d .fmla ] || { echo "no .fmla folder: run scripts/prepare_flashmla.sh and carry .fmla"; return 1; }
     # build/ is git-ignored, so the device keeps it between calls: a build cut short by a call's limit resumes.
     export FLASHMLA_BUILD_DIR=$(pwd)/build/flashmla
     eval "$(timeout "$TIMEOUT" bash scripts/build_flashmla.sh .fmla)" || return 1
-    cp "$FLASHMLA_BUILD_DIR"/flash_mla/cuda*.so "$OUT/flashmla_cuda.so" 2>/dev/null || true
-    timeout "$TIMEOUT" $PY benchmarks/bench_mla.py --only kernels ${BENCH_MLA_ARGS:-}
+    [ -f .fmla/prebuilt/flashmla_cuda.so ] || cp "$FLASHMLA_BUILD_DIR"/flash_mla/cuda*.so "$OUT/flashmla_cuda.so" \
+        2>/dev/null || true
+    timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_flashmla_gpu.py -rs --durations=5
+    local rc=$?
+    timeout "$TIMEOUT" $PY benchmarks/bench_mla.py --only ${FLASHMLA_SECTIONS:-kernels,step} ${BENCH_MLA_ARGS:-} \
+        || rc=1
+    return $rc
 }
 
 section_fp8_gemm() {   # issue 15: FP8 w8a8 GEMMs vs reference at real shapes, FP8 bench preset (init peak, graphs),

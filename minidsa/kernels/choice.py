@@ -1,6 +1,6 @@
 """Which implementation serves each DSA op: decided once, at engine start-up, and logged.
 
-`choose_kernels(device, kernel_backend, use_deep_gemm)` -> `KernelChoice`:
+`choose_kernels(device, kernel_backend, use_deep_gemm, use_flash_mla)` -> `KernelChoice`:
 - "torch" (the references in kernels/reference.py) off CUDA, or when asked for;
 - Triton for store_index_k, store_mla, index_logits, sparse_mla and kv_move on CUDA (or on
   CPU under TRITON_INTERPRET=1, for tests);
@@ -9,6 +9,11 @@
   the reason is logged either way. Per call, inside the opaque custom op, the
   faster of DeepGEMM and Triton for that shape is taken from measurements
   (`deepgemm.deepgemm_wins`).
+- sparse_mla "flashmla" when `flash_mla` imports, has every function we call and the
+  GPU is SM90 (`flashmla.probe`, run here and nowhere else); the reason is logged
+  either way. Per call, inside the opaque custom op, FlashMLA serves the shapes it
+  takes (64 / 128 heads per rank, 512 + 64 dims, bf16 queries) where it is faster,
+  Triton the rest (`flashmla.unsupported`, `flashmla.flashmla_wins`).
 - topk: TOPK_IMPL, or MINIDSA_TOPK (`torch` | `triton`); with "triton" the op
   picks the Triton select or torch.topk per shape (`topk.triton_wins`).
 
@@ -26,13 +31,13 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-IMPLS = ("torch", "triton", "deepgemm")
+IMPLS = ("torch", "triton", "deepgemm", "flashmla")
 TOPK_IMPL = "triton"
 
 
 @dataclass(frozen=True)
 class KernelChoice:
-    """Which implementation serves each DSA op (`torch`, `triton` or `deepgemm`)."""
+    """Which implementation serves each DSA op (`torch`, `triton`, `deepgemm` or `flashmla`)."""
 
     store_index_k: str = "torch"
     index_logits: str = "torch"
@@ -70,8 +75,8 @@ def triton_usable(device: torch.device | str) -> tuple[bool, str]:
     return False, f"Triton needs a CUDA device (or TRITON_INTERPRET=1 before importing triton), got {device}"
 
 
-def choose(device: torch.device | str, use_deep_gemm: bool = True) -> KernelChoice:
-    """The Triton / DeepGEMM choice on `device` (the torch references where Triton cannot run)."""
+def choose(device: torch.device | str, use_deep_gemm: bool = True, use_flash_mla: bool = True) -> KernelChoice:
+    """The Triton / DeepGEMM / FlashMLA choice on `device` (the torch references where Triton cannot run)."""
     device = torch.device(device)
     ok, why = triton_usable(device)
     if not ok:
@@ -88,21 +93,32 @@ def choose(device: torch.device | str, use_deep_gemm: bool = True) -> KernelChoi
                     if status.available else "Triton", status.reason)
     else:
         logger.info("DSA indexer logits: Triton (DeepGEMM disabled by use_deep_gemm=False)")
+    sparse_mla = "triton"
+    if use_flash_mla:
+        from minidsa.kernels import flashmla
+
+        status = flashmla.probe(device)
+        if status.available:
+            sparse_mla = "flashmla"
+        logger.info("DSA sparse MLA: %s (%s)", "FlashMLA where it takes the shape, else Triton"
+                    if status.available else "Triton", status.reason)
+    else:
+        logger.info("DSA sparse MLA: Triton (FlashMLA disabled by use_flash_mla=False)")
     topk = os.environ.get("MINIDSA_TOPK", TOPK_IMPL)
     if topk not in ("torch", "triton"):
         raise ValueError(f"MINIDSA_TOPK must be 'torch' or 'triton', got {topk!r}")
-    return KernelChoice(store_index_k="triton", index_logits=index, topk=topk, sparse_mla="triton",
+    return KernelChoice(store_index_k="triton", index_logits=index, topk=topk, sparse_mla=sparse_mla,
                         kv_move="triton", store_mla="triton")
 
 
-def choose_kernels(device: torch.device | str, kernel_backend: str = "auto", use_deep_gemm: bool = True
-                   ) -> KernelChoice:
+def choose_kernels(device: torch.device | str, kernel_backend: str = "auto", use_deep_gemm: bool = True,
+                   use_flash_mla: bool = True) -> KernelChoice:
     """Decide once, at start-up, which kernels run; logs the decision."""
     device = torch.device(device)
     if kernel_backend == "torch" or (kernel_backend == "auto" and device.type != "cuda"):
         choice = KernelChoice()
     else:
-        choice = choose(device, use_deep_gemm=use_deep_gemm)
+        choice = choose(device, use_deep_gemm=use_deep_gemm, use_flash_mla=use_flash_mla)
     logger.info("DSA kernels: %s", choice.describe())
     return choice
 

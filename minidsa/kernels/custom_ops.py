@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from minidsa.kernels import deepgemm, fp8_gemm as fp8_gemm_mod, fused_moe as fused_moe_mod, indexer
+from minidsa.kernels import deepgemm, flashmla, fp8_gemm as fp8_gemm_mod, fused_moe as fused_moe_mod, indexer
 from minidsa.kernels import kv_move as kv_move_mod, mla_store, sparse_mla as sparse_mla_mod
 from minidsa.kernels import topk as topk_mod
 
@@ -129,6 +129,27 @@ def sparse_mla(q: Tensor, kv_cache: Tensor, topk_slots: Tensor, sm_scale: float,
 
 
 @sparse_mla.register_fake
+def _(q, kv_cache, topk_slots, sm_scale, v_dim):
+    return q.new_empty(q.shape[0], q.shape[1], v_dim)
+
+
+@torch.library.custom_op("minidsa::flashmla_sparse_mla", mutates_args=())
+def flashmla_sparse_mla(q: Tensor, kv_cache: Tensor, topk_slots: Tensor, sm_scale: float, v_dim: int) -> Tensor:
+    """Sparse MLA where FlashMLA was chosen at start-up: its FP8 sparse decode (FP8 cache) or sparse prefill
+    (bf16 cache, from one wave of its CTAs) on the concrete shape, else the Triton kernel; Triton too when
+    FlashMLA cannot take the shape (heads per rank, dims, dtype, top-k) or has failed."""
+    why_not = flashmla.unsupported(q, kv_cache, topk_slots.shape[1], v_dim)
+    if why_not is not None:
+        _log_once(f"DSA sparse MLA: Triton kernel serves this shape (FlashMLA cannot: {why_not})")
+    elif flashmla.flashmla_wins(q.shape[0], q.shape[1], kv_cache.dtype == torch.uint8, q.device):
+        out = flashmla.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
+        if out is not None:
+            return out
+        _log_once(f"DSA sparse MLA: Triton kernel (FlashMLA {flashmla.disabled_reason()})")
+    return sparse_mla_mod.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
+
+
+@flashmla_sparse_mla.register_fake
 def _(q, kv_cache, topk_slots, sm_scale, v_dim):
     return q.new_empty(q.shape[0], q.shape[1], v_dim)
 

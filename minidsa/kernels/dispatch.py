@@ -94,9 +94,12 @@ class DSAOps:
         # fp32 is the parity / debug dtype: the kernel's tiles are sized for 2-byte inputs and a
         # [heads x 512] fp32 tile of real models overflows shared memory, so fp32 at that size runs the reference.
         too_big_fp32 = q.dtype == torch.float32 and q.shape[1] * q.shape[2] > 16384
-        if self.choice.sparse_mla == "triton" and _pow2(v_dim) and _pow2(rope) and rope >= 16 and not too_big_fp32:
+        impl = self.choice.sparse_mla
+        if impl != "torch" and _pow2(v_dim) and _pow2(rope) and rope >= 16 and not too_big_fp32:
+            if impl == "flashmla":  # FlashMLA or Triton per shape, and the fallback, all inside the opaque op
+                return self._ops.flashmla_sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
             return self._ops.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
-        if self.choice.sparse_mla == "triton":
+        if impl != "torch":
             _log_fallback(f"DSA sparse MLA: torch reference (latent {v_dim} + rope {rope}, {q.dtype}, "
                           f"{q.shape[1]} heads: the Triton kernel needs powers of two, rope >= 16, and 2-byte "
                           "inputs at this size)")

@@ -1,0 +1,217 @@
+"""FlashMLA's sparse MLA kernels (deepseek-ai/FlashMLA), served where `flash_mla` imports on an SM90 GPU.
+
+Contract relied on (FlashMLA's flash_mla_interface.py and csrc/api, commit 9241ae3, built by
+scripts/build_flashmla.sh; the same calls benchmarks/bench_mla.py measured against ours):
+- decode, FP8 cache: `flash_mla_with_kvcache(q [b, s_q, h_q, 576] bf16, k_cache [blocks, block_size, 1, 656]
+  float8_e4m3fn, None, None, 512, sched_meta, None, softmax_scale, causal=False, is_fp8_kvcache=True,
+  indices=[b, s_q, topk] int32)` -> (out [b, s_q, h_q, 512] bf16, lse). The 656-byte row is our FP8 layout
+  (512 e4m3, 4 fp32 scales, 64 bf16 rope); an index is `block * block_size + offset`, -1 = none. h_q 64 or
+  128, topk a multiple of 64 (TOPK_BLOCK_SIZE on SM90). `sched_meta` (`get_mla_metadata()[0]`) is empty until
+  the first call fills it (a kernel writing tensors it allocates); it may be reused only for the same shapes.
+- prefill, bf16 cache: `flash_mla_sparse_fwd(q [s_q, h_q, 576] bf16, kv [s_kv, 1, 576] bf16,
+  indices [s_q, 1, topk] int32, sm_scale, d_v=512)` -> (out [s_q, h_q, 512], max_logits, lse); h_q 64 or 128,
+  topk a multiple of 128 (2 * B_TOPK); -1 = none.
+
+How we call them:
+- Our top-k slots are already global slot ids. The block size of the cache view is only index arithmetic
+  for the sparse kernels (slot = block * block_size + offset), so any view of the same rows works: 64-slot
+  blocks when the slot count allows (what was benchmarked), else blocks of one slot.
+- Sparse decode has no causal mask and no context length: every query token is its own batch row
+  (b = T, s_q = 1), so decode, target verify and draft steps are one case. Token counts above
+  DECODE_MAX_TOKENS (FP8 prefill chunks) run in pieces: the kernel's split-KV scratch is
+  (b + SMs) x h_q x 512 fp32, 256 KiB a token at 128 heads.
+- Scheduler metadata is kept per shape (`_sched_meta`): made by the first call outside CUDA-graph capture
+  (the engine's warm-up runs before each capture), then reused, so a captured graph reads metadata that
+  lives as long as the process. A shape first seen while capturing gets a fresh object whose metadata
+  kernel is captured with the attention (recomputed on each replay) and is not kept.
+- The bf16 prefill kernel gives each (token, 64 heads) one CTA over the whole top-k: below one wave of CTAs
+  the Triton kernel, which splits the top-k axis, is used (`flashmla_wins`).
+
+`probe` runs once, at start-up (kernels/choice.py). Everything else runs inside the opaque custom op
+`minidsa::flashmla_sparse_mla`, never in traced code. A call that fails switches this process to the
+Triton kernel with one logged error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from minidsa.kernels import num_sms
+
+logger = logging.getLogger(__name__)
+
+REQUIRED_API = ("get_mla_metadata", "flash_mla_with_kvcache", "flash_mla_sparse_fwd")
+# The build (scripts/build_flashmla.sh) generates sm_90a code only; SM100 kernels exist upstream but are unmeasured.
+SUPPORTED_SM_MAJOR = (9,)
+HEADS = (64, 128)  # per rank: tensor parallelism over 128 heads at 8 ranks leaves 16, which Triton serves
+LATENT_DIM, ROPE_DIM = 512, 64
+DECODE_TOPK_BLOCK = 64
+PREFILL_TOPK_BLOCK = 128
+HEADS_PER_CTA = 64  # the bf16 prefill kernel's head tile
+DECODE_MAX_TOKENS = 256  # query tokens per sparse-decode launch (bounds its split-KV scratch; B=128 s_q=2 measured)
+CACHE_BLOCK = 64
+
+
+@dataclass(frozen=True)
+class FlashMLAStatus:
+    available: bool
+    reason: str  # why not, or which build and GPU
+
+
+_module: ModuleType | None = None
+_status: dict[str, FlashMLAStatus] = {}
+_disabled: str | None = None  # set when a call failed: the rest of the process uses Triton
+_sched: dict[tuple, object] = {}  # per-shape scheduler metadata (see the module docstring)
+
+
+def _device_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device, None for anything else (tests replace this)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def _capturing() -> bool:
+    """Is the current stream being captured into a CUDA graph? (tests replace this)"""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def reset() -> None:
+    """Forget probe results, failures and metadata (tests swap the module in and out)."""
+    global _module, _disabled
+    _module, _disabled = None, None
+    _status.clear()
+    _sched.clear()
+
+
+def probe(device: torch.device) -> FlashMLAStatus:
+    """Can FlashMLA's sparse kernels serve on `device`? Decided once per device, with the reason."""
+    global _module
+    device = torch.device(device)
+    key = str(device)
+    if key in _status:
+        return _status[key]
+    cap = _device_capability(device)
+    if cap is None:
+        status = FlashMLAStatus(False, f"{device} is not a CUDA device")
+    elif cap[0] not in SUPPORTED_SM_MAJOR:
+        status = FlashMLAStatus(False, f"GPU is SM{cap[0]}{cap[1]}, FlashMLA's sparse kernels (as built) need SM90")
+    else:
+        try:
+            mod = importlib.import_module("flash_mla")
+        except Exception as e:  # ImportError, or a build failing at load (undefined symbol, ...)
+            status = FlashMLAStatus(False, f"import flash_mla failed: {type(e).__name__}: {e}")
+        else:
+            missing = [name for name in REQUIRED_API if not callable(getattr(mod, name, None))]
+            if missing:
+                status = FlashMLAStatus(False, f"flash_mla lacks {', '.join(missing)}")
+            else:
+                _module = mod
+                version = getattr(mod, "__version__", "unknown version")
+                status = FlashMLAStatus(True, f"flash_mla {version} on SM{cap[0]}{cap[1]}")
+    _status[key] = status
+    return status
+
+
+def disabled_reason() -> str | None:
+    return _disabled
+
+
+def _fail(what: str, err: Exception) -> None:
+    global _disabled
+    _disabled = f"{what} failed: {type(err).__name__}: {err}"
+    logger.error("FlashMLA %s; the Triton sparse MLA kernel serves from now on", _disabled)
+
+
+def unsupported(q: torch.Tensor, kv_cache: torch.Tensor, topk: int, v_dim: int) -> str | None:
+    """Why FlashMLA cannot serve this call, or None (host code inside the custom op: concrete shapes)."""
+    if _module is None:
+        return "flash_mla was not probed available at start-up"
+    if _disabled is not None:
+        return _disabled
+    heads, dk = q.shape[1], q.shape[2]
+    if q.dtype != torch.bfloat16:
+        return f"queries are {q.dtype} (FlashMLA: bfloat16)"
+    if heads not in HEADS:
+        return f"{heads} heads per rank (FlashMLA: 64 or 128)"
+    if v_dim != LATENT_DIM or dk - v_dim != ROPE_DIM:
+        return f"latent {v_dim} + rope {dk - v_dim} (FlashMLA: {LATENT_DIM} + {ROPE_DIM})"
+    block = DECODE_TOPK_BLOCK if kv_cache.dtype == torch.uint8 else PREFILL_TOPK_BLOCK
+    if topk == 0 or topk % block:
+        return f"top-k {topk} (FlashMLA {'FP8 decode' if block == DECODE_TOPK_BLOCK else 'bf16 prefill'}: " \
+               f"a multiple of {block})"
+    if kv_cache.dtype not in (torch.uint8, torch.bfloat16) or kv_cache.stride(-1) != 1:
+        return f"an MLA cache of {kv_cache.dtype} (FlashMLA: the FP8 layout or bfloat16)"
+    return None
+
+
+def flashmla_wins(num_tokens: int, heads: int, fp8_cache: bool, device: torch.device) -> bool:
+    """Should FlashMLA serve this supported call? FP8 decode: always (0.181 vs 0.369 ms at B=128, 378 vs 174
+    TFLOP/s at B=64, H100, bench_mla). bf16 prefill: from one wave of its (token, 64-head) CTAs on."""
+    if fp8_cache:
+        return num_tokens > 0
+    return num_tokens * (heads // HEADS_PER_CTA) >= num_sms(device)
+
+
+def _sched_meta(key: tuple) -> object:
+    """Scheduler metadata for one decode shape: kept when made outside graph capture (see module docstring)."""
+    meta = _sched.get(key)
+    if meta is None:
+        meta = _module.get_mla_metadata()[0]
+        if not _capturing():
+            _sched[key] = meta
+    return meta
+
+
+def _paged_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The FP8 cache [S, 656] uint8 as FlashMLA's [blocks, block_size, 1, 656] float8_e4m3fn (same bytes)."""
+    block = CACHE_BLOCK if kv_cache.shape[0] % CACHE_BLOCK == 0 else 1
+    return kv_cache.view(torch.float8_e4m3fn).view(-1, block, 1, kv_cache.shape[1])
+
+
+def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
+               v_dim: int) -> torch.Tensor | None:
+    """The reference sparse_mla contract through FlashMLA (call `unsupported` first); None if FlashMLA failed."""
+    if kv_cache.dtype == torch.uint8:
+        return _decode(q, kv_cache, topk_slots, sm_scale, v_dim)
+    return _prefill(q, kv_cache, topk_slots, sm_scale, v_dim)
+
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
+            v_dim: int) -> torch.Tensor | None:
+    num_tokens, heads, dk = q.shape
+    topk = topk_slots.shape[1]
+    kcache = _paged_view(kv_cache)
+    q = q.contiguous()
+    idx = topk_slots.to(torch.int32).contiguous()
+    pieces = []
+    try:
+        for start in range(0, num_tokens, DECODE_MAX_TOKENS):
+            end = min(start + DECODE_MAX_TOKENS, num_tokens)
+            n = end - start
+            meta = _sched_meta((q.device.index, n, heads, topk, kcache.shape[1]))
+            out, _ = _module.flash_mla_with_kvcache(
+                q[start:end].unsqueeze(1), kcache, None, None, v_dim, meta, None, softmax_scale=sm_scale,
+                causal=False, is_fp8_kvcache=True, indices=idx[start:end].unsqueeze(1))
+            pieces.append(out.view(n, heads, v_dim))
+    except Exception as e:  # a build whose contract differs: never fail the step for it
+        _fail("flash_mla_with_kvcache", e)
+        return None
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
+             v_dim: int) -> torch.Tensor | None:
+    kv = kv_cache.view(kv_cache.shape[0], 1, kv_cache.shape[1])
+    idx = topk_slots.to(torch.int32).contiguous().unsqueeze(1)
+    try:
+        out = _module.flash_mla_sparse_fwd(q.contiguous(), kv, idx, sm_scale, v_dim)[0]
+    except Exception as e:
+        _fail("flash_mla_sparse_fwd", e)
+        return None
+    return out

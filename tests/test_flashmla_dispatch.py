@@ -1,0 +1,338 @@
+"""FlashMLA as the served sparse MLA backend: chosen once at start-up, Triton for what it cannot take or after
+it fails, never a probe from a step.
+
+No FlashMLA build runs here: a torch stand-in follows its documented Python contract
+(flash_mla_interface.py: the FP8 sparse decode's [b, s_q, h, 576] queries over a [blocks, block_size, 1, 656]
+e4m3 cache with global slot indices, a scheduler object filled on its first call and checked against the
+shapes after; the bf16 sparse prefill's [s_q, 1, topk] indices) and computes the reference on the dequantised
+values. The Triton kernels run through Triton's interpreter (bf16 under `torch_rounded_casts`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/gpu/test_flashmla_gpu.py checks the real FlashMLA", allow_module_level=True)
+
+from triton_interp import import_kernels_interpreted, torch_rounded_casts  # noqa: E402
+
+INTERPRETED = import_kernels_interpreted()
+in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
+
+from minidsa.kernels import choice as kernel_choice  # noqa: E402
+from minidsa.kernels import dispatch, flashmla  # noqa: E402
+from minidsa.kernels import reference as ref  # noqa: E402
+from minidsa.kv_cache import MLALayout  # noqa: E402
+
+LATENT, ROPE = 512, 64
+
+
+@pytest.mark.skipif(INTERPRETED, reason="kernels are interpreted in this process")
+def test_flashmla_dispatch_in_child_process():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------
+# a torch stand-in for flash_mla, following its documented contract
+# ---------------------------------------------------------------------------
+class _SchedMeta:
+    """FlashMLASchedMeta's role: empty until its first call, then bound to that call's shapes."""
+
+    def __init__(self):
+        self.have_initialized = False
+        self.config = None
+
+
+def make_stand_in(calls: dict, fail: bool = False, drop: str | None = None) -> types.ModuleType:
+    mod = types.ModuleType("flash_mla")
+    mod.__version__ = "stand-in"
+
+    def count(name):
+        calls[name] = calls.get(name, 0) + 1
+
+    def get_mla_metadata(*args, **kwargs):
+        count("metadata")
+        return _SchedMeta(), None
+
+    def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                               num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False,
+                               indices=None, **unused):
+        count("decode")
+        if fail:
+            raise RuntimeError("stand-in: CUDA error: an illegal memory access was encountered")
+        b, s_q, heads, dk = q.shape
+        assert q.dtype == torch.bfloat16 and dk == 576 and head_dim_v == 512 and heads in (64, 128)
+        assert k_cache.dtype == torch.float8_e4m3fn and k_cache.dim() == 4 and k_cache.shape[2:] == (1, 656)
+        assert block_table is None and cache_seqlens is None and num_splits is None
+        assert is_fp8_kvcache and not causal and not unused
+        assert indices.dtype == torch.int32 and indices.shape[:2] == (b, s_q) and indices.shape[2] % 64 == 0
+        meta = tile_scheduler_metadata
+        config = (b, s_q, heads, k_cache.shape[1], indices.shape[2])
+        if not meta.have_initialized:
+            meta.have_initialized, meta.config = True, config
+        assert meta.config == config, "scheduler metadata reused for another shape"
+        rows = k_cache.view(torch.uint8).reshape(-1, 656)  # slot = block * block_size + offset
+        out = ref.sparse_mla(q.reshape(b * s_q, heads, dk), rows, indices.reshape(b * s_q, -1), softmax_scale,
+                             head_dim_v)
+        return out.view(b, s_q, heads, head_dim_v), torch.zeros(b, heads, s_q)
+
+    def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+        count("prefill")
+        if fail:
+            raise RuntimeError("stand-in: CUDA error")
+        s_q, heads, dk = q.shape
+        assert q.dtype == kv.dtype == torch.bfloat16 and kv.dim() == 3 and kv.shape[1:] == (1, dk)
+        assert indices.dtype == torch.int32 and indices.shape[:2] == (s_q, 1) and indices.shape[2] % 128 == 0
+        out = ref.sparse_mla(q, kv[:, 0], indices[:, 0], sm_scale, d_v)
+        return out, torch.zeros(s_q, heads), torch.zeros(s_q, heads)
+
+    for fn in (get_mla_metadata, flash_mla_with_kvcache, flash_mla_sparse_fwd):
+        if fn.__name__ != drop:
+            setattr(mod, fn.__name__, fn)
+    return mod
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """Pretend the CPU is an SM90 GPU for FlashMLA's probe; forget earlier probes; bf16 in the interpreter."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(flashmla, "_device_capability", lambda device: (9, 0))
+    flashmla.reset()
+    with torch_rounded_casts():
+        yield
+    flashmla.reset()
+
+
+def _with_module(monkeypatch, mod):
+    monkeypatch.setitem(sys.modules, "flash_mla", mod)  # None makes `import flash_mla` raise ImportError
+
+
+# ---------------------------------------------------------------------------
+# choosing
+# ---------------------------------------------------------------------------
+@in_this_process
+def test_stand_in_is_chosen_at_start_up_and_logged(sm90, monkeypatch, caplog):
+    _with_module(monkeypatch, make_stand_in({}))
+    with caplog.at_level(logging.INFO):
+        choice = kernel_choice.choose_kernels(torch.device("cpu"), kernel_backend="triton")
+    assert choice.sparse_mla == "flashmla"
+    assert "DSA sparse MLA: FlashMLA" in caplog.text and "flash_mla stand-in on SM90" in caplog.text
+    assert "sparse_mla=flashmla" in caplog.text
+
+
+@in_this_process
+def test_missing_incomplete_wrong_gpu_or_disabled_means_triton(sm90, monkeypatch, caplog):
+    _with_module(monkeypatch, None)
+    with caplog.at_level(logging.INFO):
+        assert kernel_choice.choose("cpu").sparse_mla == "triton"
+    assert "import flash_mla failed" in caplog.text
+    flashmla.reset()
+    _with_module(monkeypatch, make_stand_in({}, drop="flash_mla_sparse_fwd"))
+    with caplog.at_level(logging.INFO):
+        assert kernel_choice.choose("cpu").sparse_mla == "triton"
+    assert "flash_mla lacks flash_mla_sparse_fwd" in caplog.text
+    flashmla.reset()
+    _with_module(monkeypatch, make_stand_in({}))
+    with caplog.at_level(logging.INFO):
+        assert kernel_choice.choose("cpu", use_flash_mla=False).sparse_mla == "triton"
+    assert "FlashMLA disabled by use_flash_mla=False" in caplog.text
+    monkeypatch.setattr(flashmla, "_device_capability", lambda device: (10, 0))
+    flashmla.reset()
+    status = flashmla.probe(torch.device("cpu"))
+    assert not status.available and "SM100" in status.reason
+    assert kernel_choice.choose("cpu").sparse_mla == "triton"
+
+
+def test_disable_flag_reaches_the_engine_config():
+    from minidsa import cli
+
+    parser = cli.build_parser()
+    assert cli.engine_config_from_args(parser.parse_args(["generate", "--disable-flash-mla"])).use_flash_mla is False
+    assert cli.engine_config_from_args(parser.parse_args(["generate"])).use_flash_mla is True
+
+
+# ---------------------------------------------------------------------------
+# serving: the op routes per shape, falls back to Triton
+# ---------------------------------------------------------------------------
+def _case(seed: int, tokens: int, heads: int = 64, topk: int = 128, fp8: bool = True, slots: int = 256,
+          dtype=torch.bfloat16, latent: int = LATENT, rope: int = ROPE):
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(slots, latent + rope, generator=g)
+    if fp8:
+        cache = MLALayout.for_model(latent, rope, torch.bfloat16, "fp8").allocate(1, slots, "cpu")[0]
+        ref.store_mla(cache, torch.arange(slots), rows.bfloat16(), latent)
+    else:
+        cache = rows.to(dtype)
+    q = (torch.randn(tokens, heads, latent + rope, generator=g) * 0.3).to(dtype)
+    idx = torch.randint(0, slots, (tokens, topk), generator=g, dtype=torch.int32)
+    idx[0, topk // 3:] = -1  # a token with fewer keys than the top-k width
+    return q, cache, idx, 0.05, latent
+
+
+def _ops():
+    return dispatch.ops_for(kernel_choice.choose("cpu"))
+
+
+def _close(got, case):
+    want = ref.sparse_mla(*case)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@in_this_process
+def test_fp8_decode_served_by_flashmla_with_metadata_per_shape(sm90, monkeypatch):
+    calls: dict = {}
+    _with_module(monkeypatch, make_stand_in(calls))
+    ops = _ops()
+    for tokens in (3, 3, 2):
+        case = _case(tokens, tokens)
+        _close(ops.sparse_mla(*case), case)
+    assert calls["decode"] == 3
+    assert calls["metadata"] == 2  # one scheduler object per shape, reused (the stand-in checks its shapes)
+    # A cache whose slot count is not a whole number of 64-slot blocks is viewed as blocks of one slot.
+    case = _case(4, 2, slots=200)
+    _close(ops.sparse_mla(*case), case)
+    assert calls["decode"] == 4
+
+
+@in_this_process
+def test_long_fp8_chunks_run_in_pieces(sm90, monkeypatch):
+    calls: dict = {}
+    _with_module(monkeypatch, make_stand_in(calls))
+    monkeypatch.setattr(flashmla, "DECODE_MAX_TOKENS", 4)
+    case = _case(5, 10)
+    _close(_ops().sparse_mla(*case), case)
+    assert calls["decode"] == 3 and calls["metadata"] == 2  # pieces of 4, 4, 2 tokens
+
+
+@in_this_process
+def test_metadata_first_made_during_capture_is_not_kept(sm90, monkeypatch):
+    calls: dict = {}
+    _with_module(monkeypatch, make_stand_in(calls))
+    ops = _ops()
+    monkeypatch.setattr(flashmla, "_capturing", lambda: True)
+    case = _case(6, 2)
+    for _ in range(2):  # made afresh each time: its kernel belongs to the graph being captured
+        _close(ops.sparse_mla(*case), case)
+    assert calls["metadata"] == 2 and not flashmla._sched
+    monkeypatch.setattr(flashmla, "_capturing", lambda: False)
+    ops.sparse_mla(*case)  # warm-up (outside capture) keeps it ...
+    monkeypatch.setattr(flashmla, "_capturing", lambda: True)
+    ops.sparse_mla(*case)  # ... and the capture reuses it
+    assert calls["metadata"] == 3 and len(flashmla._sched) == 1
+
+
+@in_this_process
+def test_bf16_prefill_served_from_one_wave(sm90, monkeypatch):
+    calls: dict = {}
+    _with_module(monkeypatch, make_stand_in(calls))
+    ops = _ops()
+    case = _case(7, 8, fp8=False)  # 8 tokens x 1 CTA of 64 heads = the 8 "SMs" of the CPU stand-in
+    _close(ops.sparse_mla(*case), case)
+    assert calls["prefill"] == 1
+    case = _case(8, 3, fp8=False)  # under one wave: the Triton kernel, which splits the top-k
+    _close(ops.sparse_mla(*case), case)
+    assert calls["prefill"] == 1 and "decode" not in calls
+
+
+@in_this_process
+@pytest.mark.parametrize("what", ["heads", "topk", "fp32", "bf16_topk"])
+def test_shapes_flashmla_cannot_take_run_triton(sm90, monkeypatch, caplog, what):
+    calls: dict = {}
+    _with_module(monkeypatch, make_stand_in(calls))
+    ops = _ops()
+    case, said = {
+        "heads": (_case(9, 2, heads=16), "16 heads per rank"),  # tensor parallelism: 128 heads / 8 ranks
+        "topk": (_case(9, 2, topk=96), "top-k 96"),
+        "fp32": (_case(9, 2, fp8=False, dtype=torch.float32, heads=64, latent=32, rope=16), "torch.float32"),
+        "bf16_topk": (_case(9, 8, fp8=False, topk=64), "a multiple of 128"),
+    }[what]
+    with caplog.at_level(logging.WARNING):
+        got = ops.sparse_mla(*case)
+    _close(got, case)
+    assert not calls.get("decode") and not calls.get("prefill")
+    assert "Triton kernel serves this shape (FlashMLA cannot" in caplog.text and said in caplog.text
+
+
+@in_this_process
+def test_failing_call_switches_the_process_to_triton(sm90, monkeypatch, caplog):
+    calls: dict = {}
+    _with_module(monkeypatch, make_stand_in(calls, fail=True))
+    ops = _ops()
+    case = _case(10, 2)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            _close(ops.sparse_mla(*case), case)
+    assert calls["decode"] == 1  # not retried after the failure
+    assert "flash_mla_with_kvcache failed" in caplog.text and "Triton" in caplog.text
+    assert flashmla.disabled_reason() is not None
+
+
+# ---------------------------------------------------------------------------
+# an engine with FlashMLA importable, compiled, through the graphs' static buffers
+# ---------------------------------------------------------------------------
+@in_this_process
+def test_engine_with_flash_mla_compiles_and_generates_the_triton_tokens(sm90, monkeypatch, caplog):
+    """The choice is made once, at start-up, and logged; the compiled steps hold the opaque op and never probe;
+    tokens equal those of the Triton engine. FP8 cache: FlashMLA's decode kernel serves prefill and decode.
+    (The bf16 prefill path is covered op by op above: an engine run of it costs minutes in the interpreter.)"""
+    from dataclasses import replace
+
+    from torch._dynamo.backends.debugging import aot_eager
+
+    from harness import count_replays
+    from minidsa import LLM, SamplingParams
+    from minidsa.models import presets
+
+    # Only sparse MLA differs between the two engines: the other DSA ops run their torch references (the
+    # interpreter takes minutes for them at these widths; tests/test_deepgemm_dispatch.py runs them in Triton).
+    real_choose = kernel_choice.choose
+    monkeypatch.setattr(kernel_choice, "choose", lambda *a, **k: replace(
+        kernel_choice.KernelChoice(), sparse_mla=real_choose(*a, **k).sparse_mla))
+    raw = presets.preset_config("tiny")
+    # FlashMLA's shapes: 64 heads, latent 512 + rope 64, top-k a multiple of 64; the rest tiny.
+    raw.update(num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE,
+               qk_nope_head_dim=16, v_head_dim=16, index_head_dim=64, index_topk=64, vocab_size=512,
+               num_hidden_layers=1)
+    monkeypatch.setitem(presets.PRESETS, "tiny-fmla", raw)
+    kw = dict(model="tiny-fmla", device="cpu", dtype="bfloat16", page_size=64, kv_cache_dtype="fp8",
+              kernel_backend="triton", max_total_tokens=1024, max_running_requests=2, cuda_graph_max_bs=2,
+              progress=False)
+    params = SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False)
+    prompts = [list(range(5, 5 + n)) for n in (70, 8)]  # the first longer than index_topk: sparse attention
+    want = [o.token_ids for o in LLM(use_flash_mla=False, **kw).generate(prompts, params)]
+
+    calls: dict = {}
+    _with_module(monkeypatch, make_stand_in(calls))
+    with caplog.at_level(logging.INFO):
+        llm = LLM(**kw)
+    assert llm.engine.runner.kernels.sparse_mla == "flashmla"
+    assert "DSA sparse MLA: FlashMLA" in caplog.text
+
+    def no_probe_after_start_up(device):
+        raise AssertionError("flashmla.probe called after start-up (inside a step)")
+
+    monkeypatch.setattr(flashmla, "probe", no_probe_after_start_up)
+    traced: list = []
+
+    def backend(gm, example_inputs):
+        traced.append({str(n.target) for n in gm.graph.nodes})
+        return aot_eager(gm, example_inputs)
+
+    runner = llm.engine.runner
+    runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=backend)
+    replays = count_replays(runner.graphs)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    assert replays["decode"] > 0 and calls["decode"] > 0
+    assert any("minidsa.flashmla_sparse_mla" in t for g in traced for t in g)
