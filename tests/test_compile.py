@@ -241,7 +241,13 @@ def test_serving_after_start_up_compiles_nothing_and_matches_eager(monkeypatch):
     assert torch.equal(runner.req_to_token, table)
 
     compiled_at_start_up = counter.frame_count
-    monkeypatch.setattr(runner, "forward_eager", lambda batch: pytest.fail("a batch ran the plain modules"))
+    model_forward = runner.model.forward
+
+    def compiled_only(batch, attn, run_layer=None):
+        assert run_layer is not None, "a batch ran the plain modules"
+        return model_forward(batch, attn, run_layer)
+
+    monkeypatch.setattr(runner.model, "forward", compiled_only)
     plans = []
     launch = llm.engine.worker.launch
     monkeypatch.setattr(llm.engine.worker, "launch", lambda plan: plans.append(plan) or launch(plan))

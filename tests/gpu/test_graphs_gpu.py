@@ -136,7 +136,17 @@ def test_tiny_compiled_prefill_and_mixed_steps_equal_eager_without_recompiles(se
     llm = LLM(**kw)
     runner = llm.engine.runner
     assert runner.compiled
-    runner.forward_eager = lambda batch: pytest.fail("a batch ran the plain modules")
+    model_forward, mtp_forward = runner.model.forward, runner.model.forward_mtp
+
+    def compiled_only(batch, attn, run_layer=None):
+        assert run_layer is not None, "a batch ran the plain modules"
+        return model_forward(batch, attn, run_layer)
+
+    def compiled_mtp_only(batch, attn, hidden_prev, prev_topk=None, run_layer=None):
+        assert run_layer is not None, "an MTP batch ran the plain modules"
+        return mtp_forward(batch, attn, hidden_prev, prev_topk, run_layer)
+
+    runner.model.forward, runner.model.forward_mtp = compiled_only, compiled_mtp_only
     plans = []
     launch = llm.engine.worker.launch
     llm.engine.worker.launch = lambda plan: plans.append(plan) or launch(plan)
