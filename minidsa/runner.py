@@ -169,7 +169,8 @@ class ModelRunner:
             # layer. Warmed up here, after capture: the first real prefill must not compile mid-serving.
             self._run_uncaptured = lambda batch: run_main(_at_least_two_keys(batch))
             self._run_mtp_uncaptured = lambda batch, hidden, topk: run_mtp(_at_least_two_keys(batch), hidden, topk)
-            self._warm_up_uncaptured(spec_layout is not None, cfg.chunked_prefill_size if capture else CPU_WARMUP_TOKENS)
+            warmup_tokens = cfg.chunked_prefill_size if capture else CPU_WARMUP_TOKENS
+            self._warm_up_uncaptured(spec_layout is not None, warmup_tokens)
 
     def step_functions(self, compile_backend: str | None = None):
         """(run_main(batch), run_mtp(batch, hidden_prev, prev_topk=None)); compiled when a backend is named.
