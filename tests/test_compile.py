@@ -199,47 +199,54 @@ def test_compiled_layers_do_not_grow_with_depth():
     assert frames[0] == frames[1] <= 4, frames  # a few per layer kind (dense, MoE), not one per layer
 
 
-def _compile_counter():
+COMPILED_ENGINE = dict(model=None, device="cpu", dtype="float32", max_total_tokens=1024, max_running_requests=4,
+                       cuda_graph_max_bs=2, progress=False, kernel_backend="triton", chunked_prefill_size=8,
+                       max_prefill_tokens=12, enable_mixed_chunk=True)
+
+
+@pytest.fixture(scope="module")
+def compiled_llm():
+    """An engine whose runner compiled its layers (aot_eager, counted) at start-up, with the KV caches and the
+    req->token table filled with known values before start-up: (llm, counter, [buffers before, after])."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    return CompileCounterWithBackend("aot_eager")
+    llm = LLM(**COMPILED_ENGINE)
+    runner = llm.engine.runner
+    kv = runner.kv_cache
+    buffers = (kv.mla_buffer, kv.index_buffer, runner.req_to_token)
+    g = torch.Generator().manual_seed(0)
+    for buf in buffers:
+        buf.copy_(torch.randint(0, 100, buf.shape, generator=g).to(buf.dtype))
+    before = [b.clone() for b in buffers]
+    counter = CompileCounterWithBackend("aot_eager")
+    runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=counter)
+    return llm, counter, [before, [b.clone() for b in buffers]]
 
 
 @pytest.mark.skipif(not triton_usable(torch.device("cpu"))[0], reason="needs Triton's interpreter on CPU")
-def test_serving_after_start_up_compiles_nothing_and_matches_eager(monkeypatch):
+def test_serving_after_start_up_compiles_nothing_and_matches_eager(compiled_llm, monkeypatch):
     """With compile on, start-up warms up the uncaptured path; then prompts of several lengths, chunked, mixed
     into decode steps, and decode batches past the largest graph bucket all run the compiled layer (never the
     plain modules) with zero new compilations, giving the eager engine's greedy tokens. The warm-up writes only
     the reserved dummy slot: every other cache row and the req->token table are untouched."""
     from minidsa.step_plan import StepMode
 
-    kw = dict(kernel_backend="triton", chunked_prefill_size=8, max_prefill_tokens=12, enable_mixed_chunk=True)
+    llm, counter, (before, after) = compiled_llm
+    assert counter.frame_count > 0  # the warm-up compiled the layer kinds
+    for old, new in zip(before, after):  # caches: slot 0 is the dummy slot; req_to_token: every row
+        assert torch.equal(new[:, 1:], old[:, 1:]) if new.dim() == 3 else torch.equal(new, old)
+
     params = SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False)
-    reference_llm = LLM(model=None, device="cpu", dtype="float32", max_total_tokens=1024, max_running_requests=4,
-                        cuda_graph_max_bs=2, progress=False, **kw)
+    reference_llm = LLM(**COMPILED_ENGINE)  # not compiled on CPU (no backend named): the plain modules
     rng = random.Random(5)
     vocab = reference_llm.engine.model_config.vocab_size
-    # Two one-token prompts alone first (a prefill whose logits width is 1), then lengths from 2 to 35 (more
+    # Two one-token prompts alone first (a prefill whose logits width is 1), then lengths from 2 to 34 (more
     # than index_topk 32: sparse attention) with more requests than the largest graph bucket.
     waves = [[[rng.randint(2, vocab - 1)] for _ in range(2)],
-             [[rng.randint(2, vocab - 1) for _ in range(n)] for n in (9, 35, 13, 2, 6)]]
+             [[rng.randint(2, vocab - 1) for _ in range(n)] for n in (9, 34, 11, 2, 5)]]
     want = [o.token_ids for wave in waves for o in reference_llm.generate(wave, params)]
 
-    llm = LLM(model=None, device="cpu", dtype="float32", max_total_tokens=1024, max_running_requests=4,
-              cuda_graph_max_bs=2, progress=False, **kw)
     runner = llm.engine.runner
-    kv = runner.kv_cache
-    g = torch.Generator().manual_seed(0)
-    for buf in (kv.mla_buffer, kv.index_buffer, runner.req_to_token):
-        buf.copy_(torch.randint(0, 100, buf.shape, generator=g).to(buf.dtype))
-    before = [b.clone() for b in (kv.mla_buffer, kv.index_buffer, runner.req_to_token)]
-    counter = _compile_counter()
-    runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=counter)
-    assert counter.frame_count > 0  # the warm-up compiled the layer kinds
-    mla, index, table = before
-    assert torch.equal(kv.mla_buffer[:, 1:], mla[:, 1:]) and torch.equal(kv.index_buffer[:, 1:], index[:, 1:])
-    assert torch.equal(runner.req_to_token, table)
-
     compiled_at_start_up = counter.frame_count
     model_forward = runner.model.forward
 
@@ -259,15 +266,14 @@ def test_serving_after_start_up_compiles_nothing_and_matches_eager(monkeypatch):
 
 
 @pytest.mark.skipif(not triton_usable(torch.device("cpu"))[0], reason="needs Triton's interpreter on CPU")
-def test_compiled_prefill_and_mixed_batches_equal_forward_eager():
+def test_compiled_prefill_and_mixed_batches_equal_forward_eager(compiled_llm):
     """A two-request prefill and a mixed batch (one request's decode token beside the other's next chunk) through
-    the runner's compiled path give forward_eager's logits (fp32) at every token."""
-    llm = LLM(model=None, device="cpu", dtype="float32", max_total_tokens=512, max_running_requests=4,
-              cuda_graph_max_bs=1, progress=False, kernel_backend="triton")
+    the runner's compiled path give forward_eager's logits (fp32) at every token, without compiling again."""
+    llm, counter, _ = compiled_llm
     runner = llm.engine.runner
-    runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=_compile_counter())
+    compiled_at_start_up = counter.frame_count
     pool, alloc = runner.req_to_token_pool, runner.allocator
-    lens = (37, 12)
+    lens = (34, 6)  # 34 > index_topk 32: sparse attention
     rows = [pool.alloc() for _ in lens]
     pages = [alloc.alloc(n + 9) for n in lens]  # page_size 1 on CPU: one page per position
     for row, p in zip(rows, pages):
@@ -280,7 +286,7 @@ def test_compiled_prefill_and_mixed_batches_equal_forward_eager():
         return ForwardBatch.build(ForwardMode.EXTEND, ids, rows, prefix, extend, loc, "cpu", logits="all")
 
     try:
-        for b in (batch([0, 0], list(lens)), batch(list(lens), [1, 7])):
+        for b in (batch([0, 0], list(lens)), batch(list(lens), [1, 4])):
             # Compiled first: eager then rewrites the same slots, so both read the same cached prefix next time.
             compiled = runner.forward(b)
             eager = runner.forward_eager(b)
@@ -291,3 +297,4 @@ def test_compiled_prefill_and_mixed_batches_equal_forward_eager():
         for row, p in zip(rows, pages):
             pool.free(row)
             alloc.free(p)
+    assert counter.frame_count == compiled_at_start_up
