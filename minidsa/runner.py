@@ -35,8 +35,8 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
 # Context buckets of the decode-like graphs (plus the table width): indexer rows span the bucket.
 CTX_BUCKETS = [4096, 16384, 65536]
-# Tokens of the start-up warm-up prefill without a GPU (tests under Triton's interpreter); on a GPU a whole chunk.
-CPU_WARMUP_TOKENS = 8
+# Tokens of the start-up warm-up steps without a GPU (tests under Triton's interpreter); on a GPU the step budget.
+CPU_WARMUP_TOKENS = 11
 
 
 def _at_least_two_keys(batch: ForwardBatch) -> ForwardBatch:
@@ -169,8 +169,8 @@ class ModelRunner:
             # layer. Warmed up here, after capture: the first real prefill must not compile mid-serving.
             self._run_uncaptured = lambda batch: run_main(_at_least_two_keys(batch))
             self._run_mtp_uncaptured = lambda batch, hidden, topk: run_mtp(_at_least_two_keys(batch), hidden, topk)
-            warmup_tokens = cfg.chunked_prefill_size if capture else CPU_WARMUP_TOKENS
-            self._warm_up_uncaptured(spec_layout is not None, warmup_tokens)
+            step_tokens = max(cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.max_running_requests)
+            self._warm_up_uncaptured(spec_layout is not None, step_tokens if capture else CPU_WARMUP_TOKENS)
 
     def step_functions(self, compile_backend: str | None = None):
         """(run_main(batch), run_mtp(batch, hidden_prev, prev_topk=None)); compiled when a backend is named.
@@ -215,20 +215,25 @@ class ModelRunner:
 
     def _warm_up_uncaptured(self, with_mtp: bool, tokens: int) -> None:
         """Run the uncaptured compiled path once per shape class it will meet, so that Dynamo / inductor (and the
-        kernels' JIT at about a prefill chunk's size) are paid at start-up, not by the first prefill: a mixed step
-        (a chunk beside two short rows), a single chunk, a one-token extend (Dynamo specialises size 1); with
-        speculation, the MTP layer over the same shapes, handed the main model's top-k as after a prefill.
+        kernels' JIT) are paid at start-up, not by the first prefill: a mixed step (a long run beside two short
+        rows), a single request, a one-token extend (Dynamo specialises size 1); with speculation, the MTP layer
+        over the same shapes, handed the main model's top-k as after a prefill.
 
-        The first trace fixes which sizes share a symbol: Dynamo "duck-sizes" equal sizes into one, so a trace
-        where the token count equals the context, the number of requests, the hidden size or the top-k width
-        would guard on that equality and the next real batch would compile again. Hence odd token counts and
-        contexts (the model's widths are even), three requests, and the general shape first. The batches only
-        touch the reserved dummy slot (`_scratch_extend_batch`)."""
-        n = max(3, min(tokens, self.max_model_len))
+        `tokens`: the most tokens a step can hold. Inductor picks 32-bit indexing for a kernel when the sizes of
+        the first trace allow it and guards on that (a [tokens, heads, 576] query of the real models passes 2^31
+        elements near 29k tokens): tracing or running the largest step here makes a later one compile nothing.
+        The first trace also fixes which sizes share a symbol: Dynamo "duck-sizes" equal sizes into one, so a
+        trace where the token count equals the context, the number of requests, the hidden size or the top-k
+        width would guard on that equality and the next real batch would compile again. Hence odd token counts
+        and contexts (the model's widths are even), three requests, and the general shape first. The batches
+        only touch the reserved dummy slot (`_scratch_extend_batch`)."""
+        n = max(3, tokens - 4)
         n -= 1 - n % 2  # odd
-        shapes = [([n, 2, 2], n), ([n], n), ([1], n)]
+        context = max(3, min(n, self.max_model_len))
+        context -= 1 - context % 2
+        shapes = [[n, 2, 2], [n], [1]]
         start = time.perf_counter()
-        for lens, context in shapes:
+        for lens in shapes:
             batch = self._scratch_extend_batch(lens, context)
             self._run_uncaptured(batch)
             if with_mtp and self.model.mtp_layer is not None:
@@ -239,8 +244,8 @@ class ModelRunner:
                 self._run_mtp_uncaptured(batch, hidden, topk)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        logger.info("compiled prefill / mixed path warmed up in %.1f s (extends of %s tokens per request)",
-                    time.perf_counter() - start, [lens for lens, _ in shapes])
+        logger.info("compiled prefill / mixed path warmed up in %.1f s (extends of %s tokens per request, context "
+                    "%d)", time.perf_counter() - start, shapes, context)
 
     def _scratch_extend_batch(self, lens: list[int], context: int) -> ForwardBatch:
         """An EXTEND batch of len(lens) requests and `context` key positions that touches no request's cache:
