@@ -55,7 +55,8 @@ ENGINE_FLAG_HELP: dict[str, str] = {
                                      "default: what the model config says",
     "enable_prefix_caching": "do not reuse the KV of shared prompt prefixes",
     "enable_cuda_graph": "run decode eagerly instead of replaying CUDA graphs",
-    "enable_compile": "capture CUDA graphs of the eager modules instead of torch.compile'd ones",
+    "enable_compile": "run the plain modules instead of the torch.compile'd decoder layers (prefill and mixed "
+                      "steps; the CUDA graphs capture them too)",
     "cuda_graph_max_bs": "largest batch captured as a CUDA graph",
     "overlap_schedule": "plan and launch each step only after the previous step's tokens reached the host "
                         "(default: the next step is planned while the device runs the current one; speculative "

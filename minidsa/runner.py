@@ -1,20 +1,21 @@
 """ModelRunner: decides HOW a batch runs. Owns the model, the KV pools and the DSA backend.
 
-The worker (worker.py) builds a `ForwardBatch` from a step plan and hands it
-here. `forward` /
-`forward_mtp` are the entry points: a batch whose shape has a captured CUDA
-graph (decode, target verify, the draft's steps and its padded draft
-extend; see graphs.py) replays it, anything else runs `forward_eager` /
-`forward_mtp_eager`, the plain reference. With `enable_compile` on a GPU the
-captured steps run the whole model forward through torch.compile (one
-dynamic-shape graph per decoder-layer kind, reused by every layer of that kind
-and every step kind; no graph breaks; the DSA kernels are custom ops, opaque to
-it); eager batches (prefill, oversized batches) run the plain module.
+The worker (worker.py) builds a `ForwardBatch` from a step plan and hands it here. `forward` /
+`forward_mtp` are the entry points: a batch whose shape has a captured CUDA graph (decode, target
+verify, the draft's steps and its padded draft extend; see graphs.py) replays it; any other batch
+(prefill chunks, mixed steps, decode batches past the largest bucket) runs the uncaptured path, chosen
+once in `prepare_fast_paths`. With `enable_compile` on a GPU both run the model through torch.compile
+(one dynamic-shape graph per decoder-layer kind, reused by every layer of that kind, every step kind
+and every batch shape; no graph breaks; the DSA kernels are custom ops, opaque to it), warmed up at
+start-up; otherwise the uncaptured path is `forward_eager` / `forward_mtp_eager`, the plain reference.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -34,6 +35,15 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
 # Context buckets of the decode-like graphs (plus the table width): indexer rows span the bucket.
 CTX_BUCKETS = [4096, 16384, 65536]
+# Tokens of the start-up warm-up steps without a GPU (tests under Triton's interpreter); on a GPU the step budget.
+CPU_WARMUP_TOKENS = 11
+
+
+def _at_least_two_keys(batch: ForwardBatch) -> ForwardBatch:
+    """The batch with an indexer-logits width of at least 2. A width of 1 (every request at its first position)
+    would specialise the compiled layer on it, a second graph per layer kind; the extra key column is masked
+    by kv_lens, and every req_to_token row is at least 2 wide."""
+    return batch if batch.max_kv_len >= 2 else dataclasses.replace(batch, max_kv_len=2)
 
 
 class ModelRunner:
@@ -88,6 +98,11 @@ class ModelRunner:
         self.table_width = table_width
         self.graphs: StepGraphs | None = None
         self.compiled = False
+        # How a batch without a captured graph runs (prefill chunks, mixed steps, oversized decode batches):
+        # the plain modules, or the compiled layer once `prepare_fast_paths` compiled it. Chosen there, once.
+        self._run_uncaptured: Callable[[ForwardBatch], ModelOutput] = self.forward_eager
+        self._run_mtp_uncaptured: Callable[[ForwardBatch, torch.Tensor, torch.Tensor | None], ModelOutput] = \
+            self.forward_mtp_eager
         logger.info("KV cache: %d tokens in %d pages of %d (%d bytes per token, MLA %s); max_model_len %d",
                     capacity, num_pages - 1, self.page_size, self.kv_bytes_per_token, self.mla_layout.kind,
                     self.max_model_len)
@@ -120,8 +135,9 @@ class ModelRunner:
 
         `static_on_cpu` (tests): without a GPU, still route batches through the graphs'
         static, padded buffers, run eagerly, so the padding logic is exercised on CPU.
-        `compile_backend`: torch.compile backend of the captured steps (default: inductor on
-        CUDA; on CPU nothing is compiled unless a backend is named, e.g. "aot_eager" in tests).
+        `compile_backend`: torch.compile backend of the captured steps and of the batches without a graph
+        (default: inductor on CUDA; on CPU nothing is compiled unless a backend is named, e.g. "aot_eager"
+        in tests).
         """
         cfg = self.config
         if self.device.type != "cuda" and not static_on_cpu:
@@ -149,20 +165,29 @@ class ModelRunner:
             buckets.append(limit)
         self.graphs = StepGraphs(run_main, run_mtp, kinds, buckets, self.table_width, self.model_config.hidden_size,
                                  self.dtype, self.device, capture=capture, ctx_buckets=CTX_BUCKETS)
+        if self.compiled:
+            # Batches without a graph (prefill chunks, mixed steps, oversized decode batches) run the same compiled
+            # layer. Warmed up here, after capture: the first real prefill must not compile mid-serving.
+            self._run_uncaptured = lambda batch: run_main(_at_least_two_keys(batch))
+            self._run_mtp_uncaptured = lambda batch, hidden, topk: run_mtp(_at_least_two_keys(batch), hidden, topk)
+            step_tokens = max(cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.max_running_requests)
+            self._warm_up_uncaptured(spec_layout is not None, step_tokens if capture else CPU_WARMUP_TOKENS)
 
     def step_functions(self, compile_backend: str | None = None):
-        """(run_main(batch), run_mtp(batch, hidden_prev)) for the captured steps; compiled when a backend is named.
+        """(run_main(batch), run_mtp(batch, hidden_prev, prev_topk=None)); compiled when a backend is named.
 
         Regional compilation: torch.compile compiles one decoder layer (`call_layer`), not the unrolled
         forward; every layer of a kind (dense / MoE, own / shared top-k, MTP) reuses that graph, so start-up
         does not grow with depth. The embedding, the layer loop and the head run eagerly around them, inside
         the same CUDA graph capture.
-        dynamic=True: one graph per layer kind serves every batch and context bucket (Dynamo specialises
-        size-1 batches once more). Shape-dependent kernel choices are made inside the opaque custom ops, so
-        they add no guards. fullgraph=True: a graph break is an error here, not a silent slowdown.
+        dynamic=True: one graph per layer kind serves every batch and context bucket, captured or not (Dynamo
+        specialises one-token batches once more). What varies per batch reaches the layer as symbolic sizes
+        and ints: request-sized tensors stay outside it (`DSABackend.index_metadata`), and shape-dependent
+        kernel choices are made inside the opaque custom ops, so they add no guards. fullgraph=True: a graph
+        break is an error here, not a silent slowdown.
         """
         if compile_backend is None:
-            return self.forward_eager, lambda b, h: self.forward_mtp_eager(b, h, None)
+            return self.forward_eager, self.forward_mtp_eager
         # Dynamo keys its cache on the code object and guards on the layer's type and attributes: several
         # engines in one process (tests, notebooks, the benchmark suite) outgrow the default limit of 8, a hard
         # error with fullgraph.
@@ -183,10 +208,57 @@ class ModelRunner:
             return self.model(batch, self.attn, layer)
 
         @torch.no_grad()
-        def run_mtp(batch: ForwardBatch, hidden_prev: torch.Tensor) -> ModelOutput:
-            return self.model.forward_mtp(batch, self.attn, hidden_prev, None, layer)
+        def run_mtp(batch: ForwardBatch, hidden_prev: torch.Tensor, prev_topk: torch.Tensor | None = None
+                    ) -> ModelOutput:
+            return self.model.forward_mtp(batch, self.attn, hidden_prev, prev_topk, layer)
 
         return run_main, run_mtp
+
+    def _warm_up_uncaptured(self, with_mtp: bool, tokens: int) -> None:
+        """Run the uncaptured compiled path once per shape class it will meet, so that Dynamo / inductor (and the
+        kernels' JIT) are paid at start-up, not by the first prefill: a mixed step (a long run beside two short
+        rows), a single request, a one-token extend (Dynamo specialises size 1); with speculation, the MTP layer
+        over the same shapes, handed the main model's top-k as after a prefill.
+
+        `tokens`: the most tokens a step can hold. Inductor picks 32-bit indexing for a kernel when the sizes of
+        the first trace allow it and guards on that (a [tokens, heads, 576] query of the real models passes 2^31
+        elements near 29k tokens): tracing or running the largest step here makes a later one compile nothing.
+        The first trace also fixes which sizes share a symbol: Dynamo "duck-sizes" equal sizes into one, so a
+        trace where the token count equals the context, the number of requests, the hidden size or the top-k
+        width would guard on that equality and the next real batch would compile again. Hence odd token counts
+        and contexts (the model's widths are even), three requests, and the general shape first. The batches
+        only touch the reserved dummy slot (`_scratch_extend_batch`)."""
+        n = max(3, tokens - 4)
+        n -= 1 - n % 2  # odd
+        context = max(3, min(n, self.max_model_len))
+        context -= 1 - context % 2
+        shapes = [[n, 2, 2], [n], [1]]
+        start = time.perf_counter()
+        for lens in shapes:
+            batch = self._scratch_extend_batch(lens, context)
+            self._run_uncaptured(batch)
+            if with_mtp and self.model.mtp_layer is not None:
+                hidden = torch.zeros(batch.num_tokens, self.model_config.hidden_size, dtype=self.dtype,
+                                     device=self.device)
+                topk = torch.zeros(batch.num_tokens, self.model_config.index_topk, dtype=torch.int32,
+                                   device=self.device)
+                self._run_mtp_uncaptured(batch, hidden, topk)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        logger.info("compiled prefill / mixed path warmed up in %.1f s (extends of %s tokens per request, context "
+                    "%d)", time.perf_counter() - start, shapes, context)
+
+    def _scratch_extend_batch(self, lens: list[int], context: int) -> ForwardBatch:
+        """An EXTEND batch of len(lens) requests and `context` key positions that touches no request's cache:
+        every token writes the reserved dummy slot 0 and sees only row position 0 of req_to_token row 0 (a read,
+        as CUDA-graph padding rows do)."""
+        num_tokens = sum(lens)
+        dev = self.device
+        ids = torch.arange(num_tokens, device=dev) % self.model_config.vocab_size
+        return ForwardBatch.build(ForwardMode.EXTEND, ids, [0] * len(lens), [0] * len(lens), lens,
+                                  torch.zeros(num_tokens, dtype=torch.int64, device=dev), dev,
+                                  kv_lens=torch.ones(num_tokens, dtype=torch.int64, device=dev),
+                                  max_kv_len=min(context, self.table_width))
 
     @property
     def pads_draft_extend(self) -> bool:
@@ -223,7 +295,7 @@ class ModelRunner:
         name = self._graph_kind(batch, mtp=False)
         if name is not None:
             return self.graphs.replay(name, batch)
-        return self.forward_eager(batch)
+        return self._run_uncaptured(batch)
 
     @torch.no_grad()
     def forward_eager(self, batch: ForwardBatch) -> ModelOutput:
@@ -255,7 +327,7 @@ class ModelRunner:
         name = self._graph_kind(batch, mtp=True)
         if name is not None:
             return self.graphs.replay(name, batch, hidden_prev)
-        return self.forward_mtp_eager(batch, hidden_prev, prev_topk)
+        return self._run_mtp_uncaptured(batch, hidden_prev, prev_topk)
 
     @torch.no_grad()
     def forward_mtp_eager(self, batch: ForwardBatch, hidden_prev: torch.Tensor,

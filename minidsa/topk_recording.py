@@ -3,7 +3,9 @@
 `TopkRecorder(backend)` wraps a `DSABackend`'s `index_topk` on that one instance (the backend has no
 recording hook of its own) and, while recording, appends `(layer id, positions)` per indexer call: positions
 `[tokens, index_topk]` int32 row positions, -1 = unused, recovered from the selected slots through the
-batch's req_to_token rows. CUDA-graph replays run no Python: on a GPU only eager steps are recorded.
+batch's req_to_token rows. CUDA-graph replays run no Python, and with torch.compile (the GPU default) every
+step runs compiled layers: to record every step on a GPU, build the engine with enable_cuda_graph=False and
+enable_compile=False.
 
     with TopkRecorder(llm.engine.runner.attn) as rec:
         llm.generate(prompt, params)

@@ -5,7 +5,8 @@
 #
 # Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla
 # fp8_gemm moe. Not in the default list: moe_sweep (other MoE tile configs, for tuning).
-# Also: tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (4 vs 61 layers); bench_prefill; flashmla (builds FlashMLA from a
+# Also: tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (4 vs 61 layers); bench_prefill; compiled_prefill
+# (prefill / mixed steps through the compiled layer: GPU tests, then bench_prefill compiled vs eager); flashmla (builds FlashMLA from a
 # carried .fmla folder first; minutes).
 #
 # DeepGEMM: DEEPGEMM=on builds it from the folder .dg (carried; made on the CPU machine with
@@ -55,6 +56,16 @@ section_bench_prefill() {   # issue 15: prefill tok/s and MFU (chosen experts' F
     timeout "$TIMEOUT" $PY benchmarks/bench_prefill.py --out "$OUT" ${BENCH_PREFILL_ARGS:-}
 }
 
+section_compiled_prefill() {   # issue 16: prefill chunks / mixed steps / oversized decode run the compiled decoder layer:
+    # tiny-model GPU tests (fp32: == eager token for token; fp32 + MTP; defaults; no Dynamo compile after start-up), then
+    # bench_prefill (BENCH_PREFILL_ARGS): tok/s and peak activation memory, compiled vs eager, bench-dsv32:4 8k / 32k.
+    timeout "$TIMEOUT" $PY -m pytest -v -p no:cacheprovider tests/gpu/test_graphs_gpu.py -k compiled_prefill -rs \
+        --durations=5 -x 2>&1 | timestamped
+    local rc=${PIPESTATUS[0]}
+    section_bench_prefill || rc=1
+    return $rc
+}
+
 section_startup() {   # issue 15: start-up by depth (fresh process and inductor cache each): 4 vs 61 layers
     timeout "$TIMEOUT" $PY benchmarks/startup.py --out "$OUT" ${STARTUP_ARGS:-}
 }
@@ -89,7 +100,8 @@ graph_tests() {   # $1: pytest -k expression over tests/gpu/test_graphs_gpu.py
 }
 
 section_graphs() {   # issue 6: graph replay / compile == eager in every mode, spec lossless with graphs (tiny)
-    graph_tests "${GRAPHS_K:-not bench_preset}"   # GRAPHS_K: a narrower -k expression (e.g. spec_lossless)
+    # GRAPHS_K: a narrower -k expression (e.g. spec_lossless); the compiled-prefill tests have their own section
+    graph_tests "${GRAPHS_K:-not bench_preset and not compiled_prefill}"
 }
 
 section_graphs_bench() {   # issue 6: graphs + compile == eager token for token on the bench preset (fp32)

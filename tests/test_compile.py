@@ -102,13 +102,19 @@ def test_compiled_steps_equal_eager_with_one_graph_per_kind(monkeypatch):
     assert outs == reference
     assert all(replays[k] > 0 for k in ("verify", "draft_extend"))
 
-    # Regional compilation: one graph per decoder-layer kind (here dense, MoE and the MTP layer), twice
-    # (size-1 batches specialise once), whatever the depth, the step kind and the batch / context buckets.
+    # Regional compilation: a fixed set of graphs per decoder-layer kind, whatever the depth, the step kind and
+    # the batch / context buckets. Dense and MoE layers: without a tree mask (prefill, warmed up at start-up:
+    # the general shape and one token), with one (verify: bucket 1, whose 2 tokens equal the tree width and
+    # duck-size into one symbol, then the general shape); the MTP layer: handed the top-k (after a prefill,
+    # warmed up: general and one token) and computing its own (the draft-extend graph).
     graphs = [g for g in backend.graphs if len(g.graph.nodes) > 0]  # Dynamo also hands over empty frames
-    assert len(graphs) == 2 * 3, [len(g.graph.nodes) for g in backend.graphs]
+    assert len(graphs) == 2 * 4 + 3, [len(g.graph.nodes) for g in backend.graphs]
+    own_topk = 0
     for gm in graphs:  # the DSA kernels stay opaque custom ops inside the traced graph
         ops = backend.custom_ops(gm)
-        assert any("sparse_mla" in o for o in ops) and any("index_logits" in o for o in ops), ops
+        assert any("sparse_mla" in o for o in ops), ops
+        own_topk += any("index_logits" in o for o in ops)
+    assert own_topk == len(graphs) - 2  # all but the MTP layer's two handed-top-k graphs run the indexer
 
 
 @pytest.mark.skipif(not triton_usable(torch.device("cpu"))[0], reason="needs Triton's interpreter on CPU")
@@ -191,3 +197,104 @@ def test_compiled_layers_do_not_grow_with_depth():
         frames.append(counter.frame_count)
         d.release_all()
     assert frames[0] == frames[1] <= 4, frames  # a few per layer kind (dense, MoE), not one per layer
+
+
+COMPILED_ENGINE = dict(model=None, device="cpu", dtype="float32", max_total_tokens=1024, max_running_requests=4,
+                       cuda_graph_max_bs=2, progress=False, kernel_backend="triton", chunked_prefill_size=8,
+                       max_prefill_tokens=12, enable_mixed_chunk=True)
+
+
+@pytest.fixture(scope="module")
+def compiled_llm():
+    """An engine whose runner compiled its layers (aot_eager, counted) at start-up, with the KV caches and the
+    req->token table filled with known values before start-up: (llm, counter, [buffers before, after])."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    llm = LLM(**COMPILED_ENGINE)
+    runner = llm.engine.runner
+    kv = runner.kv_cache
+    buffers = (kv.mla_buffer, kv.index_buffer, runner.req_to_token)
+    g = torch.Generator().manual_seed(0)
+    for buf in buffers:
+        buf.copy_(torch.randint(0, 100, buf.shape, generator=g).to(buf.dtype))
+    before = [b.clone() for b in buffers]
+    counter = CompileCounterWithBackend("aot_eager")
+    runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=counter)
+    return llm, counter, [before, [b.clone() for b in buffers]]
+
+
+@pytest.mark.skipif(not triton_usable(torch.device("cpu"))[0], reason="needs Triton's interpreter on CPU")
+def test_serving_after_start_up_compiles_nothing_and_matches_eager(compiled_llm, monkeypatch):
+    """With compile on, start-up warms up the uncaptured path; then prompts of several lengths, chunked, mixed
+    into decode steps, and decode batches past the largest graph bucket all run the compiled layer (never the
+    plain modules) with zero new compilations, giving the eager engine's greedy tokens. The warm-up writes only
+    the reserved dummy slot: every other cache row and the req->token table are untouched."""
+    from minidsa.step_plan import StepMode
+
+    llm, counter, (before, after) = compiled_llm
+    assert counter.frame_count > 0  # the warm-up compiled the layer kinds
+    for old, new in zip(before, after):  # caches: slot 0 is the dummy slot; req_to_token: every row
+        assert torch.equal(new[:, 1:], old[:, 1:]) if new.dim() == 3 else torch.equal(new, old)
+
+    params = SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False)
+    reference_llm = LLM(**COMPILED_ENGINE)  # not compiled on CPU (no backend named): the plain modules
+    rng = random.Random(5)
+    vocab = reference_llm.engine.model_config.vocab_size
+    # Two one-token prompts alone first (a prefill whose logits width is 1), then lengths from 2 to 34 (more
+    # than index_topk 32: sparse attention) with more requests than the largest graph bucket.
+    waves = [[[rng.randint(2, vocab - 1)] for _ in range(2)],
+             [[rng.randint(2, vocab - 1) for _ in range(n)] for n in (9, 34, 11, 2, 5)]]
+    want = [o.token_ids for wave in waves for o in reference_llm.generate(wave, params)]
+
+    runner = llm.engine.runner
+    compiled_at_start_up = counter.frame_count
+    model_forward = runner.model.forward
+
+    def compiled_only(batch, attn, run_layer=None):
+        assert run_layer is not None, "a batch ran the plain modules"
+        return model_forward(batch, attn, run_layer)
+
+    monkeypatch.setattr(runner.model, "forward", compiled_only)
+    plans = []
+    launch = llm.engine.worker.launch
+    monkeypatch.setattr(llm.engine.worker, "launch", lambda plan: plans.append(plan) or launch(plan))
+    got = [o.token_ids for wave in waves for o in llm.generate(wave, params)]
+    assert got == want
+    assert counter.frame_count == compiled_at_start_up, "serving compiled again"
+    assert StepMode.MIXED in {p.mode for p in plans}
+    assert any(p.mode == StepMode.DECODE and p.batch_size > runner.graphs.buckets[-1] for p in plans)
+
+
+@pytest.mark.skipif(not triton_usable(torch.device("cpu"))[0], reason="needs Triton's interpreter on CPU")
+def test_compiled_prefill_and_mixed_batches_equal_forward_eager(compiled_llm):
+    """A two-request prefill and a mixed batch (one request's decode token beside the other's next chunk) through
+    the runner's compiled path give forward_eager's logits (fp32) at every token, without compiling again."""
+    llm, counter, _ = compiled_llm
+    runner = llm.engine.runner
+    compiled_at_start_up = counter.frame_count
+    pool, alloc = runner.req_to_token_pool, runner.allocator
+    lens = (34, 6)  # 34 > index_topk 32: sparse attention
+    rows = [pool.alloc() for _ in lens]
+    pages = [alloc.alloc(n + 9) for n in lens]  # page_size 1 on CPU: one page per position
+    for row, p in zip(rows, pages):
+        pool.write_pages(row, 0, p, runner.page_size)
+    rng = random.Random(7)
+
+    def batch(prefix, extend):
+        ids = [rng.randint(2, 5000) for _ in range(sum(extend))]
+        loc = torch.cat([runner.req_to_token[r, s:s + n].long() for r, s, n in zip(rows, prefix, extend)])
+        return ForwardBatch.build(ForwardMode.EXTEND, ids, rows, prefix, extend, loc, "cpu", logits="all")
+
+    try:
+        for b in (batch([0, 0], list(lens)), batch(list(lens), [1, 4])):
+            # Compiled first: eager then rewrites the same slots, so both read the same cached prefix next time.
+            compiled = runner.forward(b)
+            eager = runner.forward_eager(b)
+            torch.testing.assert_close(compiled.logits, eager.logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(compiled.hidden, eager.hidden, rtol=1e-5, atol=1e-5)
+            assert torch.equal(compiled.topk, eager.topk)
+    finally:
+        for row, p in zip(rows, pages):
+            pool.free(row)
+            alloc.free(p)
+    assert counter.frame_count == compiled_at_start_up

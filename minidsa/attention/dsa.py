@@ -36,6 +36,20 @@ class LayerCaches:
     index_k: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class IndexStep:
+    """Per-forward indexer inputs, made once in eager code before the layers run and shared by all of them.
+
+    Deriving them here keeps the batch's request-sized tensors (req_pool_indices, token_req) out of the
+    compiled layer: read there, Dynamo would specialise the layer on a batch of one request (a second graph)
+    and on the views those tensors are of (`ForwardBatch.build` packs them into one buffer).
+    """
+
+    token_rows: torch.Tensor  # [T] req_to_token row of each query token
+    num_requests: int  # requests the tokens come from (a host hint the kernels pick tiles / DeepGEMM's form by)
+    deepgemm: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # context lens, block table, schedule
+
+
 class DSABackend:
     """Owns the caches' write/read path for one engine."""
 
@@ -86,27 +100,31 @@ class DSABackend:
         self._store_index_k(layer.index_k, batch.out_cache_loc, k, self.page_size)
 
     # -- indexer ------------------------------------------------------------
-    def index_metadata(self, batch: ForwardBatch) -> tuple[torch.Tensor, ...] | None:
-        """Per-step indexer inputs shared by every layer (DeepGEMM's context lens, block table and schedule):
-        made once per forward instead of once per layer. None when no kernel needs any."""
-        if self._ops is None or not self.kv_cache.indexer_fp8:
-            return None
-        return self._ops.index_metadata(self.req_to_token, batch.token_rows, batch.kv_lens, batch.max_kv_len,
-                                        batch.tree_mask, self.page_size, self._num_sms)
+    def index_metadata(self, batch: ForwardBatch) -> IndexStep:
+        """Per-step indexer inputs shared by every layer (token rows; DeepGEMM's context lens, block table and
+        schedule when a kernel needs them): made once per forward instead of once per layer."""
+        rows = batch.token_rows
+        deepgemm = None
+        if self._ops is not None and self.kv_cache.indexer_fp8:
+            deepgemm = self._ops.index_metadata(self.req_to_token, rows, batch.kv_lens, batch.max_kv_len,
+                                                batch.tree_mask, self.page_size, self._num_sms)
+        return IndexStep(rows, batch.batch_size, deepgemm)
 
     def index_topk(self, layer: LayerCaches, batch: ForwardBatch, q: torch.Tensor, weights: torch.Tensor,
-                   step_meta: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-        """Top-k physical slots [T, index_topk] (int32, -1 padded) for each query token."""
+                   step: IndexStep | None = None) -> torch.Tensor:
+        """Top-k physical slots [T, index_topk] (int32, -1 padded) for each query token. `step`: this forward's
+        `index_metadata` (made here when not handed in)."""
         buf = layer.index_k
         if buf is None:
             raise RuntimeError(f"layer {layer.layer_id} has no indexer cache (a shared layer must reuse top-k)")
+        step = step or self.index_metadata(batch)
         if buf.dtype == torch.uint8:
             q, weights = ref.quant_index_q(q, weights, self.hadamard)
-        rows = batch.token_rows
+        rows = step.token_rows
         if self._index_logits is not None:
             logits = self._index_logits(q, weights, buf, self.page_size, self.req_to_token, rows,
-                                        batch.kv_lens, batch.max_kv_len, batch.tree_mask, batch.batch_size,
-                                        step_meta)
+                                        batch.kv_lens, batch.max_kv_len, batch.tree_mask, step.num_requests,
+                                        step.deepgemm)
         else:
             logits = ref.index_logits(q, weights, buf, self.page_size, self.req_to_token, rows,
                                       batch.kv_lens, batch.max_kv_len, batch.tree_mask)

@@ -161,9 +161,10 @@ class Engine:
             self.worker.close()
             raise
         t_graphs = time.perf_counter()
-        # Compilation happens during the graphs' warm-up calls: one figure for both.
-        logger.info("start-up %.1f s: weights and KV cache %.1f s, engine %.1f s, compile + CUDA graph capture %.1f s",
-                    t_graphs - t0, t_load - t0, t_ready - t_load, t_graphs - t_ready)
+        # Compilation happens during the graphs' warm-up calls and the compiled prefill path's warm-up (the runner
+        # logs that part on its own line): one figure for all three.
+        logger.info("start-up %.1f s: weights and KV cache %.1f s, engine %.1f s, compile + CUDA graph capture + "
+                    "prefill warm-up %.1f s", t_graphs - t0, t_load - t0, t_ready - t_load, t_graphs - t_ready)
         self.outputs = OutputProcessor(lambda: self.tokenizer, eos_token_ids, self.max_model_len)
         # Speculative rounds need the previous round's tokens on the host: no overlap with them.
         self.overlap = cfg.overlap_schedule and speculator is None

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from minidsa.kernels import deepgemm, flashmla, fp8_gemm as fp8_gemm_mod, fused_moe as fused_moe_mod, indexer
-from minidsa.kernels import kv_move as kv_move_mod, mla_store, sparse_mla as sparse_mla_mod
+from minidsa.kernels import kv_move as kv_move_mod, mla_store, reference, sparse_mla as sparse_mla_mod
 from minidsa.kernels import topk as topk_mod
 
 logger = logging.getLogger(__name__)
@@ -125,6 +125,11 @@ def store_mla(cache: Tensor, loc: Tensor, kv: Tensor, latent_dim: int) -> None:
 
 @torch.library.custom_op("minidsa::sparse_mla", mutates_args=())
 def sparse_mla(q: Tensor, kv_cache: Tensor, topk_slots: Tensor, sm_scale: float, v_dim: int) -> Tensor:
+    """The Triton kernel, or the reference for shapes it cannot take (`sparse_mla.triton_unsupported`): chosen
+    here, inside the opaque op, so a compiled layer never traces the reference's per-query-block loop (which
+    would guard on the token count and compile again for every 256 more tokens)."""
+    if sparse_mla_mod.triton_unsupported(q.shape[1], q.shape[2], v_dim, q.dtype) is not None:
+        return reference.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
     return sparse_mla_mod.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
 
 

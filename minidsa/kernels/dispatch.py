@@ -13,6 +13,7 @@ import logging
 import torch
 
 from minidsa.kernels import reference as ref
+from minidsa.kernels import sparse_mla as sparse_mla_mod
 from minidsa.kernels.choice import KernelChoice, register_custom_ops
 
 logger = logging.getLogger(__name__)
@@ -90,20 +91,17 @@ class DSAOps:
 
     def sparse_mla(self, q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
                    v_dim: int) -> torch.Tensor:
-        rope = q.shape[2] - v_dim
-        # fp32 is the parity / debug dtype: the kernel's tiles are sized for 2-byte inputs and a
-        # [heads x 512] fp32 tile of real models overflows shared memory, so fp32 at that size runs the reference.
-        too_big_fp32 = q.dtype == torch.float32 and q.shape[1] * q.shape[2] > 16384
         impl = self.choice.sparse_mla
-        if impl != "torch" and _pow2(v_dim) and _pow2(rope) and rope >= 16 and not too_big_fp32:
-            if impl == "flashmla":  # FlashMLA or Triton per shape, and the fallback, all inside the opaque op
-                return self._ops.flashmla_sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
-            return self._ops.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
-        if impl != "torch":
-            _log_fallback(f"DSA sparse MLA: torch reference (latent {v_dim} + rope {rope}, {q.dtype}, "
-                          f"{q.shape[1]} heads: the Triton kernel needs powers of two, rope >= 16, and 2-byte "
-                          "inputs at this size)")
-        return ref.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
+        if impl == "torch":
+            return ref.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
+        why = sparse_mla_mod.triton_unsupported(q.shape[1], q.shape[2], v_dim, q.dtype)
+        if why is not None:
+            _log_fallback(f"DSA sparse MLA: torch reference ({why})")
+        elif impl == "flashmla":  # FlashMLA or Triton per shape, and the fallback, all inside the opaque op
+            return self._ops.flashmla_sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
+        # The op runs the reference itself for shapes Triton cannot take: opaque, so compiled layers do not
+        # trace its loop.
+        return self._ops.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
 
     def kv_move_buffers(self, mla_buffer: torch.Tensor, index_buffer: torch.Tensor | None, src: torch.Tensor,
                         dst: torch.Tensor, page_size: int, index_head_dim: int) -> None:

@@ -126,6 +126,19 @@ SPARSE_MLA_CONFIG = (64, 64, 8, 2)
 SPARSE_MLA_FP8_CONFIG = (64, 64, 8, 2)
 
 
+def triton_unsupported(num_heads: int, dk: int, v_dim: int, dtype: torch.dtype) -> str | None:
+    """Why the Triton kernel cannot take queries of this shape (None: it can). A pure function of static sizes.
+
+    fp32 is the parity / debug dtype: the kernel's tiles are sized for 2-byte inputs and a [heads x 512] fp32
+    tile of real models overflows shared memory, so fp32 at that size runs the reference."""
+    rope = dk - v_dim
+    if v_dim & (v_dim - 1) or rope & (rope - 1) or rope < 16:
+        return f"latent {v_dim} + rope {rope}: the Triton kernel needs powers of two, rope >= 16"
+    if dtype == torch.float32 and num_heads * dk > 16384:
+        return f"{num_heads} heads x {dk} in float32: the Triton kernel needs 2-byte inputs at this size"
+    return None
+
+
 def sparse_mla(
     q: torch.Tensor,
     kv_cache: torch.Tensor,

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minidsa.attention.dsa import DSABackend, LayerCaches
+from minidsa.attention.dsa import DSABackend, IndexStep, LayerCaches
 from minidsa.batch import ForwardBatch
 from minidsa.config import ModelConfig
 from minidsa.distributed.parallel_state import building_tp
@@ -104,7 +104,7 @@ class LayerContext:
     attn: DSABackend
     cos: torch.Tensor  # [T, rope/2]
     sin: torch.Tensor
-    index_meta: tuple[torch.Tensor, ...] | None = None  # per-step indexer inputs, made once for every layer
+    index_meta: IndexStep | None = None  # per-step indexer inputs, made once for every layer
 
 
 class Indexer(nn.Module):

@@ -124,8 +124,8 @@ def test_bench_preset_fp8_decodes_the_same_with_graphs():
         outs.append([o.token_ids for o in llm.generate(prompts, greedy)])
         del llm
         torch.cuda.empty_cache()
-    # The first token comes from the (eager) prefill, the second from the first decode step: eager modules in
-    # one run, the compiled CUDA graph in the other. They must agree. Later tokens may not: with random
+    # The first token comes from the prefill, the second from the first decode step: eager modules in one run,
+    # the compiled layer (prefill) and the compiled CUDA graph (decode) in the other. They must agree. Later tokens may not: with random
     # bf16 weights the top logits nearly tie, and numerically different correct paths (fusion, padding)
     # part ways after a few steps (fp32 runs are compared token for token in test_graphs_gpu.py).
     assert all(x[:2] == y[:2] for x, y in zip(*outs)), outs

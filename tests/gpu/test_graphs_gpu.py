@@ -103,3 +103,64 @@ def test_bench_preset_graphs_and_compile_equal_eager():
         if shared < len(e.token_ids):
             top2 = list(e.top_logprobs[shared].values())
             assert top2[0] - top2[1] < 1.0, f"diverged at token {shared} without a near-tie: {e.top_logprobs[shared]}"
+
+
+@pytest.mark.parametrize("settings,exact", [
+    (dict(dtype="float32", indexer_cache_dtype="model"), True),
+    (dict(dtype="float32", indexer_cache_dtype="model", speculative_num_steps=2), True),
+    ({}, False),  # GPU defaults: bf16, fp8 indexer (DeepGEMM when built): no recompiles; tokens may near-tie
+], ids=["fp32", "fp32_spec", "defaults"])
+def test_tiny_compiled_prefill_and_mixed_steps_equal_eager_without_recompiles(settings, exact):
+    """Prefill chunks, mixed steps (decode rows + a chunk), one-token prompts and decode batches past the largest
+    graph bucket run the compiled decoder layer, never the plain modules: nothing compiles after start-up
+    (Dynamo's counters), and in fp32 the tokens are the eager engine's, token for token."""
+    from torch._dynamo.utils import counters
+
+    from minidsa import LLM, SamplingParams
+    from minidsa.step_plan import StepMode
+
+    kw = dict(model="tiny", progress=False, max_running_requests=8, cuda_graph_max_bs=4, chunked_prefill_size=64,
+              max_prefill_tokens=96, **settings)
+    params = SamplingParams(**PARAMS)
+    g = torch.Generator().manual_seed(1)
+    # Two one-token prompts alone (a logits width of 1), then 8 prompts of 20..300 tokens: chunked, mixed
+    # into decode steps (without speculation), up to 8 decoders against graph buckets of at most 4.
+    waves = [[[5], [7]], [torch.randint(2, 120000, (20 + 40 * i,), generator=g).tolist() for i in range(8)]]
+    want = None
+    if exact:
+        eager = LLM(enable_cuda_graph=False, enable_compile=False, **kw)
+        want = [o.token_ids for wave in waves for o in eager.generate(wave, params)]
+        del eager
+        gc.collect()
+        torch.cuda.empty_cache()
+    llm = LLM(**kw)
+    runner = llm.engine.runner
+    assert runner.compiled
+    model_forward, mtp_forward = runner.model.forward, runner.model.forward_mtp
+
+    def compiled_only(batch, attn, run_layer=None):
+        assert run_layer is not None, "a batch ran the plain modules"
+        return model_forward(batch, attn, run_layer)
+
+    def compiled_mtp_only(batch, attn, hidden_prev, prev_topk=None, run_layer=None):
+        assert run_layer is not None, "an MTP batch ran the plain modules"
+        return mtp_forward(batch, attn, hidden_prev, prev_topk, run_layer)
+
+    runner.model.forward, runner.model.forward_mtp = compiled_only, compiled_mtp_only
+    plans = []
+    launch = llm.engine.worker.launch
+    llm.engine.worker.launch = lambda plan: plans.append(plan) or launch(plan)
+    graphs_before, frames_before = counters["stats"]["unique_graphs"], dict(counters["frames"])
+    got = [o.token_ids for wave in waves for o in llm.generate(wave, params)]
+    assert counters["stats"]["unique_graphs"] == graphs_before, "compiled after start-up"
+    assert dict(counters["frames"]) == frames_before, (frames_before, dict(counters["frames"]))
+    modes = {p.mode for p in plans}
+    if "speculative_num_steps" not in settings:
+        assert StepMode.MIXED in modes, modes
+        assert any(p.mode == StepMode.DECODE and p.batch_size > runner.graphs.buckets[-1] for p in plans)
+    if exact:
+        assert got == want
+    llm.engine.check_no_leaks()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
