@@ -183,19 +183,12 @@ def probabilities(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return filtered_logits(logits, sb).softmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, sb: SamplingBatch, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token ids [B] int64 (on device) and, if any row asked, log-probs [B] of the chosen ids under the model.
-
-    `fused` (the Sampler's start-up choice on a GPU): rows without top-k / top-p / min-p filters are drawn by one
-    Triton pass over the logits (`kernels.sampling.sample_rows`: the same race, the same noise bits)."""
-    if fused and not sb.all_greedy and not (sb.use_top_p or sb.use_top_k or sb.use_min_p):
-        from minidsa.kernels.sampling import sample_rows
-
-        ids = sample_rows(logits, sb.temperature, sb.keys, sb.greedy)
-    elif sb.all_greedy:
-        ids = logits.argmax(dim=-1)
+def sample(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token ids [B] int64 (on device) and, if any row asked, log-probs [B] of the chosen ids under the model."""
+    greedy_ids = logits.argmax(dim=-1)
+    if sb.all_greedy:
+        ids = greedy_ids
     else:
-        greedy_ids = logits.argmax(dim=-1)
         probs = probabilities(logits, sb)
         noise = exponential_noise(sb.keys, logits.shape[1])
         sampled = (probs / noise).argmax(dim=-1)
@@ -243,13 +236,10 @@ class SampledTokens(NamedTuple):
 class Sampler:
     """Holds the host RNG for unseeded rows; the engine and the speculator sample through it."""
 
-    def __init__(self, vocab_size: int, device: torch.device | str, seed: int = 0, fused: bool | None = None):
+    def __init__(self, vocab_size: int, device: torch.device | str, seed: int = 0):
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.rng = random.Random(seed)
-        # The one-pass Triton sampler on a GPU (decided here, once); the torch ops elsewhere. Tests pass `fused`
-        # to run the kernel under Triton's interpreter on CPU tensors.
-        self.fused = self.device.type == "cuda" if fused is None else fused
 
     def batch(self, params: list[SamplingParams], positions: list[int]) -> SamplingBatch:
         return SamplingBatch.build(params, positions, self.rng, self.vocab_size, self.device)
@@ -265,7 +255,7 @@ class Sampler:
             if prompts is None or outputs is None:
                 raise ValueError("penalties need the prompt and output ids of every row")
             logits = apply_penalties(logits, params, prompts, outputs)
-        ids, _ = sample(logits, self.batch(params, positions), self.fused)
+        ids, _ = sample(logits, self.batch(params, positions))
         if not any(p.logprobs for p in params):
             return SampledTokens(ids, None, None, None)
         logprobs = torch.log_softmax(raw.float(), dim=-1)
