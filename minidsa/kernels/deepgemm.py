@@ -340,11 +340,10 @@ def fp8_gemm_nt(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) 
 # each expert's rows contiguous and padded to `get_mk_alignment_for_contiguous_layout()` (128 on SM90). Builds
 # name it differently (the fp8/fp4 one takes e4m3 too); the first name present is used.
 GROUPED_CONTIGUOUS_NAMES = ("m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_fp4_gemm_nt_contiguous")
-# Served from this many (token, expert) pairs per expert on (8192 tokens x top-8 / 256 experts = 256).
-# H100, commit 49630c3, benchmarks/bench_moe.py, V3.2 expert shapes: its two GEMMs alone take 8.3 ms at 8192
-# tokens (693 TFLOP/s, 51% of the same run's FP8 matmul) and 12.6 ms at 16384 (913, 67%), against 11.3 ms for the
-# best Triton tiles at 8192; at 2048 tokens (64 pairs per expert) 5.1 vs 5.4 ms, too close once the gather and
-# combine are added.
+# Served from this many (token, expert) pairs per expert on (4096 tokens x top-8 / 256 experts = 128).
+# H100, commit ac62761, benchmarks/bench_moe.py, V3.2 expert shapes, as served (quantise, gather, both GEMMs,
+# silu * up, combine): 9.1 ms at 8192 tokens against 12.4 for the Triton fused MoE, 19.4 vs 24.6 at 16384; at 2048
+# tokens (64 pairs per expert) 6.35 vs 6.34, no gain.
 MOE_CONTIGUOUS_MIN_PAIRS_PER_EXPERT = 128
 _grouped_contiguous = None
 _grouped_alignment = 0
