@@ -230,12 +230,17 @@ class ModelRunner:
         only touch the reserved dummy slot (`_scratch_extend_batch`)."""
         n = max(3, tokens - 4)
         n -= 1 - n % 2  # odd
-        context = max(3, min(n, self.max_model_len))
+        # DeepGEMM's per-step block table is [tokens, pages of context]: a context of one page makes that width 1,
+        # which Dynamo specialises, so the general trace spans at least 5 pages (a width unlike the other sizes);
+        # batches whose context fits one page (short prompts) then get their own graphs here, after it.
+        context = max(3, min(max(n, 4 * self.page_size + 1), self.max_model_len, self.table_width))
         context -= 1 - context % 2
-        shapes = [[n, 2, 2], [n], [1]]
+        shapes = [([n, 2, 2], context), ([n], context), ([1], context)]
+        if self.page_size >= 3 and context > self.page_size:
+            shapes += [([n, 2], 3), ([1], 3)]
         start = time.perf_counter()
-        for lens in shapes:
-            batch = self._scratch_extend_batch(lens, context)
+        for lens, ctx in shapes:
+            batch = self._scratch_extend_batch(lens, ctx)
             self._run_uncaptured(batch)
             if with_mtp and self.model.mtp_layer is not None:
                 hidden = torch.zeros(batch.num_tokens, self.model_config.hidden_size, dtype=self.dtype,
@@ -245,8 +250,8 @@ class ModelRunner:
                 self._run_mtp_uncaptured(batch, hidden, topk)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        logger.info("compiled prefill / mixed path warmed up in %.1f s (extends of %s tokens per request, context "
-                    "%d)", time.perf_counter() - start, shapes, context)
+        logger.info("compiled prefill / mixed path warmed up in %.1f s (extends of %s tokens per request, with "
+                    "contexts)", time.perf_counter() - start, shapes)
 
     def _scratch_extend_batch(self, lens: list[int], context: int) -> ForwardBatch:
         """An EXTEND batch of len(lens) requests and `context` key positions that touches no request's cache:

@@ -424,3 +424,33 @@ def test_engine_with_deep_gemm_importable_compiles_and_generates(sm90, monkeypat
     assert got == want
     assert replays["decode"] > 0 and calls["paged"] > 0
     assert any("minidsa.deepgemm_index_logits" in t for g in traced for t in g)
+
+
+@in_this_process
+def test_compiled_prefill_with_deep_gemm_compiles_nothing_after_start_up(sm90, monkeypatch):
+    """DeepGEMM's per-step block table is [tokens, pages of context]. A warm-up whose context fits one page made
+    its width 1, which Dynamo specialises, so every longer prompt compiled two more layer graphs mid-serving (seen
+    on the H100 with the GPU defaults). The start-up warm-up now traces a multi-page context first, then the
+    one-page cases: one-token prompts, and prompts of 1 and 3 pages, chunked and mixed, compile nothing more."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from minidsa import LLM, SamplingParams
+    from minidsa.models import presets
+
+    raw = presets.preset_config("tiny")
+    raw.update(index_n_heads=32, vocab_size=512, num_hidden_layers=2)
+    monkeypatch.setitem(presets.PRESETS, "tiny-dg", raw)
+    _with_module(monkeypatch, make_stand_in({}))
+    llm = LLM(model="tiny-dg", device="cpu", dtype="float32", page_size=64, indexer_cache_dtype="fp8",
+              kernel_backend="triton", max_total_tokens=2048, max_running_requests=4, cuda_graph_max_bs=2,
+              chunked_prefill_size=64, max_prefill_tokens=96, progress=False)
+    assert llm.engine.runner.kernels.index_logits == "deepgemm"
+    counter = CompileCounterWithBackend("eager")
+    llm.engine.runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=counter)
+    at_start_up = counter.frame_count
+    params = SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False)
+    g = torch.Generator().manual_seed(1)
+    for wave in ([[5], [7]], [torch.randint(2, 500, (n,), generator=g).tolist() for n in (20, 140)]):
+        llm.generate(wave, params)
+    assert counter.frame_count == at_start_up, "compiled again while serving"
+
