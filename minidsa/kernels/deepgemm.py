@@ -25,14 +25,13 @@ switches this process to the Triton kernels with one logged error.
 
 from __future__ import annotations
 
-import importlib
 import logging
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from minidsa.kernels import indexer
+from minidsa.kernels.optional_lib import LibraryStatus, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +39,7 @@ REQUIRED_API = ("get_paged_mqa_logits_metadata", "fp8_paged_mqa_logits", "fp8_mq
 SUPPORTED_SM_MAJOR = (9, 10)
 
 
-@dataclass(frozen=True)
-class DeepGEMMStatus:
-    available: bool
-    reason: str  # why not, or which build and GPU
-    sm_major: int = 0
+DeepGEMMStatus = LibraryStatus
 
 
 _module: ModuleType | None = None
@@ -79,24 +74,10 @@ def probe(device: torch.device) -> DeepGEMMStatus:
     key = str(device)
     if key in _status:
         return _status[key]
-    cap = _device_capability(device)
-    if cap is None:
-        status = DeepGEMMStatus(False, f"{device} is not a CUDA device")
-    elif cap[0] not in SUPPORTED_SM_MAJOR:
-        status = DeepGEMMStatus(False, f"GPU is SM{cap[0]}{cap[1]}, DeepGEMM's indexer needs SM90 or SM100")
-    else:
-        try:
-            mod = importlib.import_module("deep_gemm")
-        except Exception as e:  # ImportError, or a broken build failing at load (undefined symbol, ...)
-            status = DeepGEMMStatus(False, f"import deep_gemm failed: {type(e).__name__}: {e}")
-        else:
-            missing = [name for name in REQUIRED_API if not callable(getattr(mod, name, None))]
-            if missing:
-                status = DeepGEMMStatus(False, f"deep_gemm lacks {', '.join(missing)}")
-            else:
-                _module = mod
-                version = getattr(mod, "__version__", "unknown version")
-                status = DeepGEMMStatus(True, f"deep_gemm {version} on SM{cap[0]}{cap[1]}", cap[0])
+    mod, status = load_library("deep_gemm", REQUIRED_API, device, _device_capability, SUPPORTED_SM_MAJOR,
+                               "DeepGEMM's indexer needs SM90 or SM100")
+    if mod is not None:
+        _module = mod
     _status[key] = status
     return status
 
@@ -293,21 +274,12 @@ _gemm_disabled: str | None = None  # set when fp8_gemm_nt failed: Triton serves 
 def fp8_gemm_status(device: torch.device) -> DeepGEMMStatus:
     """Can DeepGEMM's dense FP8 GEMM serve on `device`? Decided once, at model build."""
     global _gemm_module
-    cap = _device_capability(device)
-    if cap is None:
-        return DeepGEMMStatus(False, f"{device} is not a CUDA device")
-    if cap[0] not in SUPPORTED_SM_MAJOR:
-        return DeepGEMMStatus(False, f"GPU is SM{cap[0]}{cap[1]}, DeepGEMM needs SM90 or SM100")
-    try:
-        mod = importlib.import_module("deep_gemm")
-    except Exception as e:
-        return DeepGEMMStatus(False, f"import deep_gemm failed: {type(e).__name__}: {e}")
-    if not callable(getattr(mod, "fp8_gemm_nt", None)):
-        return DeepGEMMStatus(False, "deep_gemm lacks fp8_gemm_nt")
-    _gemm_module = mod
-    _find_grouped(mod)
-    return DeepGEMMStatus(True, f"deep_gemm {getattr(mod, '__version__', 'unknown version')} on SM{cap[0]}{cap[1]}",
-                          cap[0])
+    mod, status = load_library("deep_gemm", ("fp8_gemm_nt",), device, _device_capability, SUPPORTED_SM_MAJOR,
+                               "DeepGEMM needs SM90 or SM100")
+    if mod is not None:
+        _gemm_module = mod
+        _find_grouped(mod)
+    return status
 
 
 def gemm_disabled_reason() -> str | None:

@@ -34,14 +34,13 @@ Triton kernel with one logged error.
 
 from __future__ import annotations
 
-import importlib
 import logging
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from minidsa.kernels import num_sms
+from minidsa.kernels.optional_lib import LibraryStatus, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +56,7 @@ DECODE_MAX_TOKENS = 256  # query tokens per sparse-decode launch (bounds its spl
 CACHE_BLOCK = 64
 
 
-@dataclass(frozen=True)
-class FlashMLAStatus:
-    available: bool
-    reason: str  # why not, or which build and GPU
+FlashMLAStatus = LibraryStatus
 
 
 _module: ModuleType | None = None
@@ -96,24 +92,10 @@ def probe(device: torch.device) -> FlashMLAStatus:
     key = str(device)
     if key in _status:
         return _status[key]
-    cap = _device_capability(device)
-    if cap is None:
-        status = FlashMLAStatus(False, f"{device} is not a CUDA device")
-    elif cap[0] not in SUPPORTED_SM_MAJOR:
-        status = FlashMLAStatus(False, f"GPU is SM{cap[0]}{cap[1]}, FlashMLA's sparse kernels (as built) need SM90")
-    else:
-        try:
-            mod = importlib.import_module("flash_mla")
-        except Exception as e:  # ImportError, or a build failing at load (undefined symbol, ...)
-            status = FlashMLAStatus(False, f"import flash_mla failed: {type(e).__name__}: {e}")
-        else:
-            missing = [name for name in REQUIRED_API if not callable(getattr(mod, name, None))]
-            if missing:
-                status = FlashMLAStatus(False, f"flash_mla lacks {', '.join(missing)}")
-            else:
-                _module = mod
-                version = getattr(mod, "__version__", "unknown version")
-                status = FlashMLAStatus(True, f"flash_mla {version} on SM{cap[0]}{cap[1]}")
+    mod, status = load_library("flash_mla", REQUIRED_API, device, _device_capability, SUPPORTED_SM_MAJOR,
+                               "FlashMLA's sparse kernels (as built) need SM90")
+    if mod is not None:
+        _module = mod
     _status[key] = status
     return status
 
