@@ -75,6 +75,17 @@ def triton_usable(device: torch.device | str) -> tuple[bool, str]:
     return False, f"Triton needs a CUDA device (or TRITON_INTERPRET=1 before importing triton), got {device}"
 
 
+def _optional_library(device: torch.device, enabled: bool, module: str, op: str, library: str, served: str,
+                      flag: str) -> bool:
+    """Does an optional library (`minidsa.kernels.<module>`, probed here and only here) serve `op`? Logs why."""
+    if not enabled:
+        logger.info("%s: Triton (%s disabled by %s=False)", op, library, flag)
+        return False
+    status = importlib.import_module(f"minidsa.kernels.{module}").probe(device)
+    logger.info("%s: %s (%s)", op, served if status.available else "Triton", status.reason)
+    return status.available
+
+
 def choose(device: torch.device | str, use_deep_gemm: bool = True, use_flash_mla: bool = True) -> KernelChoice:
     """The Triton / DeepGEMM / FlashMLA choice on `device` (the torch references where Triton cannot run)."""
     device = torch.device(device)
@@ -82,28 +93,11 @@ def choose(device: torch.device | str, use_deep_gemm: bool = True, use_flash_mla
     if not ok:
         logger.warning("DSA kernels: torch reference (%s)", why)
         return KernelChoice()
-    index = "triton"
-    if use_deep_gemm:
-        from minidsa.kernels import deepgemm
-
-        status = deepgemm.probe(device)
-        if status.available:
-            index = "deepgemm"
-        logger.info("DSA indexer logits: %s (%s)", "DeepGEMM where measured faster, else Triton"
-                    if status.available else "Triton", status.reason)
-    else:
-        logger.info("DSA indexer logits: Triton (DeepGEMM disabled by use_deep_gemm=False)")
-    sparse_mla = "triton"
-    if use_flash_mla:
-        from minidsa.kernels import flashmla
-
-        status = flashmla.probe(device)
-        if status.available:
-            sparse_mla = "flashmla"
-        logger.info("DSA sparse MLA: %s (%s)", "FlashMLA where it takes the shape, else Triton"
-                    if status.available else "Triton", status.reason)
-    else:
-        logger.info("DSA sparse MLA: Triton (FlashMLA disabled by use_flash_mla=False)")
+    index = "deepgemm" if _optional_library(device, use_deep_gemm, "deepgemm", "DSA indexer logits", "DeepGEMM",
+                                            "DeepGEMM where measured faster, else Triton", "use_deep_gemm") else "triton"
+    sparse_mla = "flashmla" if _optional_library(device, use_flash_mla, "flashmla", "DSA sparse MLA", "FlashMLA",
+                                                 "FlashMLA where it takes the shape, else Triton", "use_flash_mla") \
+        else "triton"
     topk = os.environ.get("MINIDSA_TOPK", TOPK_IMPL)
     if topk not in ("torch", "triton"):
         raise ValueError(f"MINIDSA_TOPK must be 'torch' or 'triton', got {topk!r}")

@@ -31,7 +31,7 @@ from types import ModuleType
 import torch
 
 from minidsa.kernels import indexer
-from minidsa.kernels.optional_lib import LibraryStatus, load_library
+from minidsa.kernels.optional_lib import LibraryStatus, cuda_capability, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +47,7 @@ _status: dict[str, DeepGEMMStatus] = {}
 _disabled: str | None = None  # set when a call failed: the rest of the process uses Triton
 
 
-def _device_capability(device: torch.device) -> tuple[int, int] | None:
-    """(major, minor) of a CUDA device, None for anything else (tests replace this)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_capability(device)
+_device_capability = cuda_capability  # tests replace it (a CPU that passes for an SM90 GPU)
 
 
 def _num_sms(device: torch.device) -> int:

@@ -1,7 +1,7 @@
 """Loading an optional kernel library (DeepGEMM, FlashMLA) at start-up: one check, one reason.
 
-Each library module keeps its own cache of results and its own `_device_capability` (tests replace it); this is
-the check they share: a CUDA device of a supported SM generation, the module importable (a broken build may
+Each library module keeps its own cache of results and its own `_device_capability` name (bound to
+`cuda_capability`; tests replace it per library); this is the check they share: a CUDA device of a supported SM generation, the module importable (a broken build may
 fail at load, not only be missing), and every function the engine calls present.
 """
 
@@ -13,6 +13,13 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device, None for anything else."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
 
 
 @dataclass(frozen=True)
