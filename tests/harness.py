@@ -102,3 +102,24 @@ def count_replays(graphs) -> dict[str, int]:
 
     graphs.replay = counted
     return counts
+
+
+def compile_without_probing(runner, monkeypatch, library) -> list[set[str]]:
+    """Compile and capture `runner`'s steps on CPU (aot_eager, through the graphs' static buffers) with
+    `library.probe` (an optional kernel library: kernels/deepgemm, kernels/flashmla) failing if anything calls it
+    after start-up, i.e. from inside a step; returns each traced graph's op targets."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    def no_probe_after_start_up(device):
+        raise AssertionError(f"{library.__name__}.probe called after start-up (inside a step)")
+
+    monkeypatch.setattr(library, "probe", no_probe_after_start_up)
+    traced: list[set[str]] = []
+
+    def backend(gm, example_inputs):
+        traced.append({str(n.target) for n in gm.graph.nodes})
+        return aot_eager(gm, example_inputs)
+
+    runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=backend)
+    return traced
+

@@ -27,7 +27,7 @@ from triton_interp import import_kernels_interpreted  # noqa: E402
 INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
 
-from harness import count_replays  # noqa: E402
+from harness import compile_without_probing, count_replays  # noqa: E402
 from minidsa.topk_recording import slots_to_positions  # noqa: E402
 from minidsa.attention.dsa import DSABackend  # noqa: E402
 from minidsa.kernels import choice as kernel_choice  # noqa: E402
@@ -387,8 +387,6 @@ def test_engine_with_deep_gemm_importable_compiles_and_generates(sm90, monkeypat
     """What broke start-up on the H100: with deep_gemm importable, the compiled decode step traced into the
     DeepGEMM probe (an import inside a compiled region). The choice is made once, at start-up; the traced
     step holds the opaque op and never probes; tokens equal those of the Triton-only engine."""
-    from torch._dynamo.backends.debugging import aot_eager
-
     from minidsa import LLM, SamplingParams
     from minidsa.models import presets
 
@@ -407,18 +405,8 @@ def test_engine_with_deep_gemm_importable_compiles_and_generates(sm90, monkeypat
     llm = LLM(**kw)
     assert llm.engine.runner.kernels.index_logits == "deepgemm"
 
-    def no_probe_after_start_up(device):
-        raise AssertionError("deepgemm.probe called after start-up (inside a step)")
-
-    monkeypatch.setattr(deepgemm, "probe", no_probe_after_start_up)
-    traced: list = []
-
-    def backend(gm, example_inputs):
-        traced.append({str(n.target) for n in gm.graph.nodes})
-        return aot_eager(gm, example_inputs)
-
     runner = llm.engine.runner
-    runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=backend)
+    traced = compile_without_probing(runner, monkeypatch, deepgemm)
     replays = count_replays(runner.graphs)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == want

@@ -288,9 +288,8 @@ def test_engine_with_flash_mla_compiles_and_generates_the_triton_tokens(sm90, mo
     (The bf16 prefill path is covered op by op above: an engine run of it costs minutes in the interpreter.)"""
     from dataclasses import replace
 
-    from torch._dynamo.backends.debugging import aot_eager
 
-    from harness import count_replays
+    from harness import compile_without_probing, count_replays
     from minidsa import LLM, SamplingParams
     from minidsa.models import presets
 
@@ -319,18 +318,8 @@ def test_engine_with_flash_mla_compiles_and_generates_the_triton_tokens(sm90, mo
     assert llm.engine.runner.kernels.sparse_mla == "flashmla"
     assert "DSA sparse MLA: FlashMLA" in caplog.text
 
-    def no_probe_after_start_up(device):
-        raise AssertionError("flashmla.probe called after start-up (inside a step)")
-
-    monkeypatch.setattr(flashmla, "probe", no_probe_after_start_up)
-    traced: list = []
-
-    def backend(gm, example_inputs):
-        traced.append({str(n.target) for n in gm.graph.nodes})
-        return aot_eager(gm, example_inputs)
-
     runner = llm.engine.runner
-    runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=backend)
+    traced = compile_without_probing(runner, monkeypatch, flashmla)
     replays = count_replays(runner.graphs)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == want
