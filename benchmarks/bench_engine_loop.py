@@ -40,10 +40,11 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _generate_s(llm, prompts, max_tokens: int) -> float:
+def _generate_s(llm, prompts, max_tokens: int, temperature: float = 0.0) -> float:
     from minidsa import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False, temperature=temperature,
+                            seed=0 if temperature else None)
     _sync()
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -70,13 +71,19 @@ def _replay_ms(graphs, bs: int, context: int, iters: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def gpu_idle(llm, prompts, max_tokens: int) -> dict:
+def gpu_idle(llm, prompts, max_tokens: int, temperature: float = 0.0) -> dict:
     """One generate under torch.profiler: how long the GPU sat idle between kernels while the host ran the loop
-    (the union of kernel intervals against the wall time from the first kernel to the last)."""
+    (the union of kernel intervals against the wall time from the first kernel to the last); prints the GPU
+    time by kernel (graph replays' kernels included: divide counts by the steps to see what runs per step)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        _generate_s(llm, prompts, max_tokens)
+        _generate_s(llm, prompts, max_tokens, temperature)
+    try:
+        print(prof.key_averages().table(sort_by="device_time_total", row_limit=45, max_name_column_width=70),
+              flush=True)
+    except Exception as e:  # the table's column names moved between torch versions
+        print(f"(no kernel table: {type(e).__name__}: {e})")
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
     if not spans:
@@ -108,8 +115,8 @@ def host_profile(llm, prompts, max_tokens: int, top: int = 22) -> str:
 
 
 def measure_itl(model: str, overlap: bool, batches: list[int], context: int, decode_tokens: int,
-                max_bs: int, compile: bool = True, parallel: dict | None = None, profile: bool = False
-                ) -> list[dict]:
+                max_bs: int, compile: bool = True, parallel: dict | None = None, profile: bool = False,
+                temperature: float = 0.0) -> list[dict]:
     from minidsa import LLM
 
     llm = LLM(model=model, progress=False, overlap_schedule=overlap, enable_prefix_caching=False,
@@ -119,18 +126,20 @@ def measure_itl(model: str, overlap: bool, batches: list[int], context: int, dec
     rows = []
     seed = 0
     for bs in batches:
-        _generate_s(llm, _prompts(bs, context, vocab, seed := seed + 1), 4)  # warm-up at this batch size
-        t1 = min(_generate_s(llm, _prompts(bs, context, vocab, seed := seed + 1), 1) for _ in range(2))
-        tn = min(_generate_s(llm, _prompts(bs, context, vocab, seed := seed + 1), 1 + decode_tokens)
+        _generate_s(llm, _prompts(bs, context, vocab, seed := seed + 1), 4, temperature)  # warm-up at this size
+        t1 = min(_generate_s(llm, _prompts(bs, context, vocab, seed := seed + 1), 1, temperature) for _ in range(2))
+        tn = min(_generate_s(llm, _prompts(bs, context, vocab, seed := seed + 1), 1 + decode_tokens, temperature)
                  for _ in range(2))
         itl_ms = (tn - t1) / decode_tokens * 1e3
         replay_ms = _replay_ms(llm.engine.runner.graphs, bs, context + decode_tokens)
-        rows.append({"overlap": overlap, "batch": bs, "context": context, "itl_generate_ms": itl_ms,
+        rows.append({"overlap": overlap, "batch": bs, "context": context, "temperature": temperature,
+                     "sampler": os.environ.get("MINIDSA_SAMPLE", "default"), "itl_generate_ms": itl_ms,
                      "graph_replay_ms": replay_ms, "ratio": itl_ms / replay_ms})
         print(f"overlap={overlap} bs={bs}: ITL through generate {itl_ms:.3f} ms, graph replay {replay_ms:.3f} ms, "
               f"ratio {itl_ms / replay_ms:.3f}", flush=True)
         if profile and torch.cuda.is_available():
-            rows[-1]["gpu_idle"] = gpu_idle(llm, _prompts(bs, context, vocab, seed := seed + 1), 1 + decode_tokens)
+            rows[-1]["gpu_idle"] = gpu_idle(llm, _prompts(bs, context, vocab, seed := seed + 1), 1 + decode_tokens,
+                                            temperature)
             print(f"overlap={overlap} bs={bs}: GPU idle {rows[-1]['gpu_idle']}", flush=True)
             print(host_profile(llm, _prompts(bs, context, vocab, seed := seed + 1), 1 + decode_tokens), flush=True)
     llm.close()  # tensor-parallel ranks stop
@@ -162,10 +171,11 @@ def run_bench(model: str, overlap: bool, out: str, extra: list[str], mixed: bool
 def to_markdown(result: dict) -> str:
     lines = [f"# Engine loop ({result['model']}, {result['device']}, tensor_parallel_size "
              f"{result['tensor_parallel_size']}, {result['distributed_executor_backend']})", "",
-             "| overlap | batch | ITL via generate (ms) | graph replay (ms) | ratio |", "|---|---|---|---|---|"]
+             "| overlap | batch | temperature (sampler) | ITL via generate (ms) | graph replay (ms) | ratio |",
+             "|---|---|---|---|---|---|"]
     for r in result["itl"]:
-        lines.append(f"| {r['overlap']} | {r['batch']} | {r['itl_generate_ms']:.3f} | {r['graph_replay_ms']:.3f} | "
-                     f"{r['ratio']:.3f} |")
+        lines.append(f"| {r['overlap']} | {r['batch']} | {r['temperature']} ({r['sampler']}) | "
+                     f"{r['itl_generate_ms']:.3f} | {r['graph_replay_ms']:.3f} | {r['ratio']:.3f} |")
     if result.get("bench"):
         lines += ["", "| overlap | mixed | output tok/s | ITL p50 (ms) | ITL p99 (ms) | p99/p50 | TTFT p50 (ms) | "
                   "TTFT p99 (ms) |", "|---|---|---|---|---|---|---|---|"]
@@ -186,6 +196,9 @@ def main(argv=None) -> int:
     p.add_argument("--decode-tokens", type=int, default=64, help="decode steps timed per ITL measurement")
     p.add_argument("--cuda-graph-max-bs", type=int, default=32, help="largest captured batch (start-up time)")
     p.add_argument("--skip-bench", action="store_true", help="only the ITL comparison")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="of the ITL comparison's requests (0 = greedy, as `minidsa bench`; the server's default is 1)")
+    p.add_argument("--overlap", choices=("both", "on", "off"), default="both", help="ITL settings to measure")
     p.add_argument("--skip-itl", action="store_true", help="only `minidsa bench` (after one warm-up run): overlap "
                    "on / off x mixed steps on / off")
     p.add_argument("--disable-compile", action="store_true",
@@ -211,10 +224,11 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     result = {"model": args.model, "device": device, "torch": torch.__version__, "compile": not args.disable_compile,
               **parallel, "itl": [], "bench": []}
-    for overlap in (() if args.skip_itl else (True, False)):
+    overlaps = {"both": (True, False), "on": (True,), "off": (False,)}[args.overlap]
+    for overlap in (() if args.skip_itl else overlaps):
         result["itl"] += measure_itl(args.model, overlap, batches, args.context, args.decode_tokens,
                                      args.cuda_graph_max_bs, compile=not args.disable_compile, parallel=parallel,
-                                     profile=args.profile)
+                                     profile=args.profile, temperature=args.temperature)
     if not args.skip_bench:
         extra = bench_parallel + args.bench_args.split() + (["--disable-compile"] if args.disable_compile else [])
         # Triton compiles a kernel for each new shape class the first time it runs, and its disk cache keeps

@@ -4,7 +4,8 @@ Everything runs batched on the device; the engine reads the chosen ids back
 once per step (one host sync per step, not per token or per request).
 
 Sampling uses the exponential race: with E_v ~ Exp(1) i.i.d.,
-`argmax_v(p_v / E_v)` is a sample from p. The noise is not drawn from a
+`argmax_v(p_v / E_v)` is a sample from p; it is computed in log space,
+`argmax_v(x_v / T - log E_v)` (`race_argmax`; one Triton pass on the GPU). The noise is not drawn from a
 stateful generator but computed by hashing (row key, vocab id), where the
 row key is derived from (request seed, output position). So a seeded
 request sees the same noise for its n-th token whatever else is in the
@@ -183,16 +184,41 @@ def probabilities(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return filtered_logits(logits, sb).softmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+def race_argmax(x: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, greedy: torch.Tensor
+                ) -> torch.Tensor:
+    """The exponential race in log space: per row, argmax of x (greedy rows) or x / temperature - log(E).
+
+    argmax_v p_v / E_v = argmax_v (log p_v - log E_v), and log p_v is x_v / T up to a constant of the row, so no
+    softmax is needed. The torch reference of `kernels/sampling.race_argmax` (one pass on the GPU).
+    """
+    x = x.float()
+    scores = x / temperature.unsqueeze(1) - torch.log(exponential_noise(keys, x.shape[1]))
+    return torch.where(greedy.unsqueeze(1), x, scores).argmax(dim=-1)
+
+
+RACES = ("torch", "triton")
+
+
+def race_for(impl: str):
+    """The race implementation named by the kernel choice (`KernelChoice.sample`)."""
+    if impl == "triton":
+        from minidsa.kernels.sampling import race_argmax as triton_race  # imports Triton: GPU (or interpreter)
+
+        return triton_race
+    if impl != "torch":
+        raise ValueError(f"sampler implementation {impl!r}, want one of {RACES}")
+    return race_argmax
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch, race=race_argmax) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token ids [B] int64 (on device) and, if any row asked, log-probs [B] of the chosen ids under the model."""
-    greedy_ids = logits.argmax(dim=-1)
     if sb.all_greedy:
-        ids = greedy_ids
+        ids = logits.argmax(dim=-1)
+    elif sb.use_top_k or sb.use_top_p or sb.use_min_p:
+        # Filters keep each row's likeliest token, so a greedy row's argmax is unchanged by them.
+        ids = race(filtered_logits(logits, sb), torch.ones_like(sb.temperature), sb.keys, sb.greedy)
     else:
-        probs = probabilities(logits, sb)
-        noise = exponential_noise(sb.keys, logits.shape[1])
-        sampled = (probs / noise).argmax(dim=-1)
-        ids = torch.where(sb.greedy, greedy_ids, sampled) if sb.any_greedy else sampled
+        ids = race(logits, sb.temperature, sb.keys, sb.greedy)
     logprobs = None
     if sb.want_logprobs:
         logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
@@ -236,8 +262,9 @@ class SampledTokens(NamedTuple):
 class Sampler:
     """Holds the host RNG for unseeded rows; the engine and the speculator sample through it."""
 
-    def __init__(self, vocab_size: int, device: torch.device | str, seed: int = 0):
+    def __init__(self, vocab_size: int, device: torch.device | str, seed: int = 0, race=race_argmax):
         self.vocab_size = vocab_size
+        self.race = race  # race_argmax or its one-pass kernel (race_for(KernelChoice.sample))
         self.device = torch.device(device)
         self.rng = random.Random(seed)
 
@@ -255,7 +282,7 @@ class Sampler:
             if prompts is None or outputs is None:
                 raise ValueError("penalties need the prompt and output ids of every row")
             logits = apply_penalties(logits, params, prompts, outputs)
-        ids, _ = sample(logits, self.batch(params, positions))
+        ids, _ = sample(logits, self.batch(params, positions), self.race)
         if not any(p.logprobs for p in params):
             return SampledTokens(ids, None, None, None)
         logprobs = torch.log_softmax(raw.float(), dim=-1)

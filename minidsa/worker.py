@@ -32,7 +32,7 @@ from minidsa.kv_cache import row_slots
 from minidsa.config import EngineConfig, ModelConfig
 from minidsa.models.deepseek_v32 import ModelOutput
 from minidsa.runner import ModelRunner
-from minidsa.sampling import SampledTokens, Sampler
+from minidsa.sampling import SampledTokens, Sampler, race_for
 from minidsa.speculative.mtp import SpecRows
 from minidsa.step_plan import PromptScoring, StepMode, StepPlan, StepResult
 
@@ -236,7 +236,7 @@ def build_worker(runner: ModelRunner, config: EngineConfig, decode_reserve: int,
                  ) -> Worker:
     """A worker around a built runner: its sampler (host RNG seeded by `config.seed`, so every
     tensor-parallel rank draws the same keys) and speculator."""
-    sampler = Sampler(runner.model_config.vocab_size, runner.device, config.seed)
+    sampler = Sampler(runner.model_config.vocab_size, runner.device, config.seed, race_for(runner.kernels.sample))
     return worker_cls(runner, sampler, build_speculator(config, runner.model_config, runner, sampler,
                                                         decode_reserve))
 

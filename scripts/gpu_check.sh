@@ -5,7 +5,7 @@
 #
 # Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla
 # fp8_gemm moe. Not in the default list: moe_sweep (other MoE tile configs, for tuning).
-# Also: tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (4 vs 61 layers); bench_prefill; compiled_prefill
+# Also: tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (4 vs 61 layers); bench_prefill; compiled_prefill; sampling
 # (prefill / mixed steps through the compiled layer: GPU tests, then bench_prefill compiled vs eager); flashmla (builds FlashMLA from a
 # carried .fmla folder first; minutes).
 #
@@ -183,6 +183,13 @@ section_engine_loop() {   # issue 16: overlapped scheduling on the bench preset 
     local rc=$?
     timeout "$TIMEOUT" $PY benchmarks/bench_engine_loop.py --out "$OUT" ${ENGINE_LOOP_ARGS:-} \
         ${ENGINE_LOOP_BENCH_ARGS:+"--bench-args=$ENGINE_LOOP_BENCH_ARGS"} || rc=1
+    return $rc
+}
+
+section_sampling() {   # issue 16: the one-pass sampler == the torch race at vocab 129280; time both (sampling.md)
+    timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_sampling_gpu.py -rs
+    local rc=$?
+    timeout "$TIMEOUT" $PY benchmarks/bench_sampling.py --out "$OUT" || rc=1
     return $rc
 }
 

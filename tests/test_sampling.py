@@ -155,3 +155,72 @@ def test_validate_normalises():
     with pytest.raises(InvalidRequest, match="stop"):
         SamplingParams(stop=["x"], detokenize=False).validate()
     assert math.isclose(SamplingParams(top_p=1).validate().top_p, 1.0)
+
+
+# -- the one-pass race (kernels/sampling.py) under Triton's interpreter -------------------------------------------
+
+def _race_inputs(rows: int, vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    temperature = torch.rand(rows, generator=g) * 1.5 + 0.2
+    keys = torch.tensor([as_int64(row_key(seed, r)) for r in range(rows)])
+    greedy = torch.arange(rows) % 3 == 2
+    return torch.randn(rows, vocab, generator=g) * 3, temperature, keys, greedy
+
+
+def _assert_same_or_tied(ids: torch.Tensor, ref: torch.Tensor, x, temperature, keys, greedy) -> None:
+    """ids equal the reference's, except where the two scores are equal up to float rounding."""
+    x = x.float()
+    scores = torch.where(greedy[:, None], x, x / temperature[:, None] - torch.log(exponential_noise(keys, x.shape[1])))
+    for r in torch.nonzero(ids != ref).flatten().tolist():
+        a, b = scores[r, ids[r]].item(), scores[r, ref[r]].item()
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-6), (r, ids[r].item(), ref[r].item(), a, b)
+
+
+@pytest.fixture(scope="module")
+def triton_race():
+    from triton_interp import import_kernels_interpreted
+
+    if not import_kernels_interpreted():
+        pytest.skip("compiled Triton is loaded in this process (GPU runs: tests/gpu/test_sampling_gpu.py)")
+    from minidsa.sampling import race_for
+
+    return race_for("triton")
+
+
+def test_one_pass_race_picks_the_reference_ids(triton_race):
+    """Vocab over two kernel chunks, a ragged tail, greedy and sampled rows, bf16 and fp32 logits, a row stride."""
+    from minidsa.sampling import race_argmax
+
+    x, temperature, keys, greedy = _race_inputs(6, 5000)
+    for logits in (x, x.bfloat16(), torch.cat([x, x], dim=1)[:, 3:5003]):
+        ids = triton_race(logits, temperature, keys, greedy)
+        ref = race_argmax(logits, temperature, keys, greedy)
+        assert ids.dtype == torch.int64 and ids.shape == (6,)
+        _assert_same_or_tied(ids, ref, logits, temperature, keys, greedy)
+        assert torch.equal(ids[greedy], logits[greedy].float().argmax(-1))
+
+
+def test_one_pass_race_breaks_ties_to_the_lowest_id(triton_race):
+    """torch.argmax's rule, within a block, across blocks and across chunks."""
+    vocab = 9000
+    x = torch.full((3, vocab), -5.0)
+    x[0, [7, 700]] = 4.0  # one block
+    x[1, [1030, 2050]] = 4.0  # two blocks of one chunk
+    x[2, [5000, 4100, 8999]] = 4.0  # chunks 1 and 2: the lowest is 4100
+    ids = triton_race(x, torch.ones(3), torch.zeros(3, dtype=torch.int64), torch.ones(3, dtype=torch.bool))
+    assert ids.tolist() == [7, 1030, 4100]
+
+
+def test_sampler_with_the_one_pass_race_samples_what_the_reference_samples(triton_race):
+    """Through Sampler: plain temperature rows, filtered rows (the race runs on the filtered logits), greedy rows."""
+    logits = _logits(8, vocab=3000, seed=11)
+    params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(), SamplingParams(temperature=1.2, seed=2),
+              SamplingParams(temperature=1.0, top_k=20, seed=3), SamplingParams(temperature=0.7, top_p=0.9, seed=4),
+              SamplingParams(temperature=1.0, min_p=0.05, seed=5), SamplingParams(temperature=1.0, seed=6),
+              SamplingParams(temperature=2.0, top_k=5, top_p=0.5, seed=7)]
+    positions = list(range(8))
+    for rows in (params[:3] + params[6:7], params):  # no filters: raw logits; with filters
+        n = len(rows)
+        fast = Sampler(3000, "cpu", race=triton_race)(logits[:n], rows, positions[:n]).ids
+        ref = Sampler(3000, "cpu")(logits[:n], rows, positions[:n]).ids
+        assert torch.equal(fast, ref)

@@ -14,6 +14,9 @@
   either way. Per call, inside the opaque custom op, FlashMLA serves the shapes it
   takes (64 / 128 heads per rank, 512 + 64 dims, bf16 queries) where it is faster,
   Triton the rest (`flashmla.unsupported`, `flashmla.flashmla_wins`).
+- sample: the sampler's exponential race, one Triton pass over the logits
+  (kernels/sampling.py) wherever Triton runs; MINIDSA_SAMPLE=torch keeps the
+  torch race (A/B measurements).
 - topk: TOPK_IMPL, or MINIDSA_TOPK (`torch` | `triton`); with "triton" the op
   picks the Triton select or torch.topk per shape (`topk.triton_wins`).
 
@@ -45,6 +48,7 @@ class KernelChoice:
     sparse_mla: str = "torch"
     kv_move: str = "torch"
     store_mla: str = "torch"  # the FP8 MLA layout's quantising store (a model-dtype cache is a plain index_put)
+    sample: str = "torch"  # the sampler's exponential race (sampling.race_for)
 
     def __post_init__(self):
         for name, impl in self.__dict__.items():
@@ -101,8 +105,11 @@ def choose(device: torch.device | str, use_deep_gemm: bool = True, use_flash_mla
     topk = os.environ.get("MINIDSA_TOPK", TOPK_IMPL)
     if topk not in ("torch", "triton"):
         raise ValueError(f"MINIDSA_TOPK must be 'torch' or 'triton', got {topk!r}")
+    sample = os.environ.get("MINIDSA_SAMPLE", "triton")  # A/B runs: the torch race on the GPU
+    if sample not in ("torch", "triton"):
+        raise ValueError(f"MINIDSA_SAMPLE must be 'torch' or 'triton', got {sample!r}")
     return KernelChoice(store_index_k="triton", index_logits=index, topk=topk, sparse_mla=sparse_mla,
-                        kv_move="triton", store_mla="triton")
+                        kv_move="triton", store_mla="triton", sample=sample)
 
 
 def choose_kernels(device: torch.device | str, kernel_backend: str = "auto", use_deep_gemm: bool = True,
