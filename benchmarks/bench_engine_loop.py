@@ -53,6 +53,69 @@ def _generate_s(llm, prompts, max_tokens: int, temperature: float = 0.0) -> floa
     return time.perf_counter() - start
 
 
+def _steady_itl_ms(llm, prompts, decode_tokens: int, temperature: float = 0.0, profile: bool = False
+                   ) -> tuple[float, dict]:
+    """Inter-token latency of the engine loop in steady decode: the requests are added, stepped until every one
+    is decoding (prefill and mixed steps done), then `decode_tokens` steps are timed in which each request gets
+    exactly one token; the period of `Engine.step` (what LLM.generate and the server loop call). Under
+    --profile the timed steps run inside torch.profiler (their GPU idle time and kernel table)."""
+    from minidsa import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=decode_tokens + 16, ignore_eos=True, detokenize=False,
+                            temperature=temperature, seed=0 if temperature else None)
+    ids = [engine.add_request(p, params, use_prefix_cache=False) for p in prompts]
+    got = dict.fromkeys(ids, 0)
+    while min(got.values()) < 3:  # every request decoding; overlap's step in flight is a decode step too
+        for o in engine.step():
+            got[o.request_id] += len(o.new_token_ids)
+    prof = None
+    if profile and torch.cuda.is_available():
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        prof = torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        prof.__enter__()
+    _sync()
+    start = time.perf_counter()
+    for _ in range(decode_tokens):
+        outs = engine.step()
+        assert sorted(len(o.new_token_ids) for o in outs) == [1] * len(ids), "not a steady decode step"
+    elapsed = time.perf_counter() - start
+    stats = {}
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        stats = _idle_and_kernels(prof, decode_tokens)
+    for rid in ids:
+        engine.abort(rid, report=False)
+    while engine.has_unfinished():
+        engine.step()
+    return elapsed / decode_tokens * 1e3, stats
+
+
+def _idle_and_kernels(prof, steps: int) -> dict:
+    """GPU idle fraction of a profiled window and the GPU time per step by kernel (the top 25)."""
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and e.time_range.end > e.time_range.start]
+    if not kernels:
+        return {}
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    gaps, end = [], spans[0][1]
+    for s, e in spans[1:]:
+        if s > end:
+            gaps.append(s - end)
+        end = max(end, e)
+    wall = end - spans[0][0]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:90], [0.0, 0])
+        by_name[e.name[:90]][0] += e.time_range.end - e.time_range.start
+        by_name[e.name[:90]][1] += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
+    return {"wall_ms_per_step": wall / 1e3 / steps, "idle_us_per_step": sum(gaps) / steps,
+            "gpu_busy_us_per_step": (wall - sum(gaps)) / steps, "idle_frac": sum(gaps) / wall,
+            "kernels_per_step": {n: [round(t / steps, 1), c / steps] for n, (t, c) in top}}
+
+
 def _replay_ms(graphs, bs: int, context: int, iters: int = 50) -> float:
     """Median replay time of the decode graph the last generate used (its static buffers hold that batch);
     nan without graphs (CPU smoke runs)."""
@@ -73,17 +136,11 @@ def _replay_ms(graphs, bs: int, context: int, iters: int = 50) -> float:
 
 def gpu_idle(llm, prompts, max_tokens: int, temperature: float = 0.0) -> dict:
     """One generate under torch.profiler: how long the GPU sat idle between kernels while the host ran the loop
-    (the union of kernel intervals against the wall time from the first kernel to the last); prints the GPU
-    time by kernel (graph replays' kernels included: divide counts by the steps to see what runs per step)."""
+    (the union of kernel intervals against the wall time from the first kernel to the last)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         _generate_s(llm, prompts, max_tokens, temperature)
-    try:
-        print(prof.key_averages().table(sort_by="device_time_total", row_limit=45, max_name_column_width=70),
-              flush=True)
-    except Exception as e:  # the table's column names moved between torch versions
-        print(f"(no kernel table: {type(e).__name__}: {e})")
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
     if not spans:
@@ -131,12 +188,18 @@ def measure_itl(model: str, overlap: bool, batches: list[int], context: int, dec
         tn = min(_generate_s(llm, _prompts(bs, context, vocab, seed := seed + 1), 1 + decode_tokens, temperature)
                  for _ in range(2))
         itl_ms = (tn - t1) / decode_tokens * 1e3
+        steady_ms, stats = _steady_itl_ms(llm, _prompts(bs, context, vocab, seed := seed + 1), decode_tokens,
+                                          temperature, profile)
         replay_ms = _replay_ms(llm.engine.runner.graphs, bs, context + decode_tokens)
         rows.append({"overlap": overlap, "batch": bs, "context": context, "temperature": temperature,
                      "sampler": os.environ.get("MINIDSA_SAMPLE", "default"), "itl_generate_ms": itl_ms,
-                     "graph_replay_ms": replay_ms, "ratio": itl_ms / replay_ms})
-        print(f"overlap={overlap} bs={bs}: ITL through generate {itl_ms:.3f} ms, graph replay {replay_ms:.3f} ms, "
-              f"ratio {itl_ms / replay_ms:.3f}", flush=True)
+                     "itl_steady_ms": steady_ms, "graph_replay_ms": replay_ms, "ratio": itl_ms / replay_ms,
+                     "steady_ratio": steady_ms / replay_ms, **({"steady_profile": stats} if stats else {})})
+        print(f"overlap={overlap} bs={bs}: ITL through generate {itl_ms:.3f} ms, steady decode {steady_ms:.3f} ms, "
+              f"graph replay {replay_ms:.3f} ms, ratios {itl_ms / replay_ms:.3f} / {steady_ms / replay_ms:.3f}",
+              flush=True)
+        if stats:
+            print(json.dumps(stats, indent=1), flush=True)
         if profile and torch.cuda.is_available():
             rows[-1]["gpu_idle"] = gpu_idle(llm, _prompts(bs, context, vocab, seed := seed + 1), 1 + decode_tokens,
                                             temperature)
@@ -171,11 +234,12 @@ def run_bench(model: str, overlap: bool, out: str, extra: list[str], mixed: bool
 def to_markdown(result: dict) -> str:
     lines = [f"# Engine loop ({result['model']}, {result['device']}, tensor_parallel_size "
              f"{result['tensor_parallel_size']}, {result['distributed_executor_backend']})", "",
-             "| overlap | batch | temperature (sampler) | ITL via generate (ms) | graph replay (ms) | ratio |",
-             "|---|---|---|---|---|---|"]
+             "| overlap | batch | temperature (sampler) | ITL via generate (ms) | steady decode step (ms) | "
+             "graph replay (ms) | ratios (generate / steady) |", "|---|---|---|---|---|---|---|"]
     for r in result["itl"]:
         lines.append(f"| {r['overlap']} | {r['batch']} | {r['temperature']} ({r['sampler']}) | "
-                     f"{r['itl_generate_ms']:.3f} | {r['graph_replay_ms']:.3f} | {r['ratio']:.3f} |")
+                     f"{r['itl_generate_ms']:.3f} | {r['itl_steady_ms']:.3f} | {r['graph_replay_ms']:.3f} | "
+                     f"{r['ratio']:.3f} / {r['steady_ratio']:.3f} |")
     if result.get("bench"):
         lines += ["", "| overlap | mixed | output tok/s | ITL p50 (ms) | ITL p99 (ms) | p99/p50 | TTFT p50 (ms) | "
                   "TTFT p99 (ms) |", "|---|---|---|---|---|---|---|---|"]
