@@ -7,9 +7,11 @@ Part 1, per setting (overlap on / off), one engine, same process:
   prompts (prefix caching off), so prefill and start-up cancel out.
 Part 2: `minidsa bench` (the default workload, offline) in a fresh process per setting (overlap on / off x mixed
   steps on / off, after one unrecorded warm-up run: Triton JIT), ITL p50 / p99,
-  output tok/s, TTFT.
+  output tok/s, TTFT. With --mixed-budgets B1,B2,...: instead one run per mixed prefill budget
+  (`--max-mixed-prefill-tokens B`, overlap and mixed steps on), the sweep that picks that default.
 
     python benchmarks/bench_engine_loop.py --out /tmp/out [--model bench-dsv32] [--skip-bench] [--bench-args ...]
+        [--mixed-budgets 256,512,1024,2048,8192]
     (--allow-cpu: a smoke run of the script on the tiny model without a GPU; its figures mean nothing)
     --tensor-parallel-size N / --distributed-executor-backend mp: the same through the tensor-parallel path
     (rank 0 broadcasts each step plan; at N = 1 a process group of one), to compare with a plain run.
@@ -213,19 +215,28 @@ def measure_itl(model: str, overlap: bool, batches: list[int], context: int, dec
     return rows
 
 
-def run_bench(model: str, overlap: bool, out: str, extra: list[str], mixed: bool = True) -> dict:
+def run_bench(model: str, overlap: bool, out: str, extra: list[str], mixed: bool = True,
+              mixed_budget: int | None = None) -> dict:
+    """One `minidsa bench` process; `mixed_budget` sets --max-mixed-prefill-tokens (None: the engine default or
+    what `extra` says)."""
     path = os.path.join(out, "engine_loop_bench.json")
     cmd = [sys.executable, "-m", "minidsa", "bench", "--model", model, "--no-progress", "--json", path, *extra]
     if not overlap:
         cmd.append("--disable-overlap-schedule")
     if not mixed:
         cmd.append("--disable-mixed-chunk")
+    if mixed_budget is not None:  # after `extra`: the last occurrence of a flag wins
+        cmd += ["--max-mixed-prefill-tokens", str(mixed_budget)]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     with open(path) as f:
-        r = json.load(f)["results"]
+        full = json.load(f)
+    r = full["results"]
     os.remove(path)  # summarised below: few files come back from the GPU machine
-    return {"overlap": overlap, "mixed": mixed, "output_tokens_per_s": r["output_tokens_per_s"],
+    # The budget the engine ran with, as it resolved it (the engine default when no flag set it)
+    budget = full["engine_config"].get("max_mixed_prefill_tokens")
+    return {"overlap": overlap, "mixed": mixed, "max_mixed_prefill_tokens": budget if mixed else None,
+            "output_tokens_per_s": r["output_tokens_per_s"],
             "itl_p50_ms": r["itl_s"]["p50"] * 1e3, "itl_p99_ms": r["itl_s"]["p99"] * 1e3,
             "ttft_p50_ms": r["ttft_s"]["p50"] * 1e3, "ttft_p99_ms": r["ttft_s"]["p99"] * 1e3,
             "duration_s": r["duration_s"], "num_requests": r["num_requests"]}
@@ -241,14 +252,26 @@ def to_markdown(result: dict) -> str:
                      f"{r['itl_generate_ms']:.3f} | {r['itl_steady_ms']:.3f} | {r['graph_replay_ms']:.3f} | "
                      f"{r['ratio']:.3f} / {r['steady_ratio']:.3f} |")
     if result.get("bench"):
-        lines += ["", "| overlap | mixed | output tok/s | ITL p50 (ms) | ITL p99 (ms) | p99/p50 | TTFT p50 (ms) | "
-                  "TTFT p99 (ms) |", "|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| overlap | mixed | mixed prefill budget | output tok/s | ITL p50 (ms) | ITL p99 (ms) | p99/p50 | "
+                  "TTFT p50 (ms) | TTFT p99 (ms) |", "|---|---|---|---|---|---|---|---|---|"]
         for r in result["bench"]:
-            lines.append(f"| {r['overlap']} | {r.get('mixed', True)} | {r['output_tokens_per_s']:.0f} | "
+            budget = r.get("max_mixed_prefill_tokens")
+            lines.append(f"| {r['overlap']} | {r.get('mixed', True)} | {'-' if budget is None else budget} | "
+                         f"{r['output_tokens_per_s']:.0f} | "
                          f"{r['itl_p50_ms']:.2f} | "
                          f"{r['itl_p99_ms']:.2f} | {r['itl_p99_ms'] / r['itl_p50_ms']:.2f} | "
                          f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+def _budgets(text: str) -> list[int]:
+    try:
+        budgets = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of token counts, e.g. 256,1024, got {text!r}")
+    if not budgets or min(budgets) < 1:
+        raise argparse.ArgumentTypeError(f"budgets must be positive token counts, got {text!r}")
+    return budgets
 
 
 def main(argv=None) -> int:
@@ -264,10 +287,13 @@ def main(argv=None) -> int:
                    help="of the ITL comparison's requests (0 = greedy, as `minidsa bench`; the server's default is 1)")
     p.add_argument("--overlap", choices=("both", "on", "off"), default="both", help="ITL settings to measure")
     p.add_argument("--skip-itl", action="store_true", help="only `minidsa bench` (after one warm-up run): overlap "
-                   "on / off x mixed steps on / off")
+                   "on / off x mixed steps on / off, or the --mixed-budgets sweep")
     p.add_argument("--disable-compile", action="store_true",
                    help="graphs of the plain modules (start-up in seconds instead of minutes; host time is the same)")
     p.add_argument("--bench-args", default="", help="extra `minidsa bench` arguments, e.g. '--num-requests 128'")
+    p.add_argument("--mixed-budgets", type=_budgets, default=None, metavar="B1,B2,...",
+                   help="part 2 as a sweep: one `minidsa bench` per --max-mixed-prefill-tokens value (overlap and "
+                        "mixed steps on) instead of the overlap / mixed on-off settings, e.g. 256,512,1024,2048,8192")
     p.add_argument("--allow-cpu", action="store_true", help="run without a GPU (a smoke run of this script)")
     p.add_argument("--profile", action="store_true",
                    help="after each ITL figure: GPU idle time between kernels (torch.profiler) and the host's "
@@ -299,8 +325,12 @@ def main(argv=None) -> int:
         # it: the first run of a workload in a fresh machine pays that (seconds of TTFT), so one run whose
         # figures are dropped comes first, and every setting is then measured on equal terms.
         run_bench(args.model, True, args.out, extra)
-        for overlap, mixed in ((True, True), (False, True), (True, False), (False, False)):
-            result["bench"].append(run_bench(args.model, overlap, args.out, extra, mixed))
+        if args.mixed_budgets:
+            for budget in args.mixed_budgets:
+                result["bench"].append(run_bench(args.model, True, args.out, extra, mixed_budget=budget))
+        else:
+            for overlap, mixed in ((True, True), (False, True), (True, False), (False, False)):
+                result["bench"].append(run_bench(args.model, overlap, args.out, extra, mixed))
     with open(os.path.join(args.out, "engine_loop.json"), "w") as f:
         json.dump(result, f, indent=2)
     md = to_markdown(result)

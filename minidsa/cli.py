@@ -38,6 +38,8 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "max_model_len": "longest prompt + output in tokens; 0 = auto (what the model and the KV cache allow)",
     "chunked_prefill_size": "longest prefill chunk of one request per step, in tokens",
     "max_prefill_tokens": "token budget of one prefill step",
+    "max_mixed_prefill_tokens": "most prefill tokens a step carries beside decode rows (mixed steps): lower = "
+                                "steadier inter-token latency, slower prefill while requests decode",
     "kv_cache_mem_fraction": "with max-total-tokens 0 on GPU: share of the memory free after loading the weights "
                              "that the KV cache takes, in (0, 1]",
     "seed": "seed of the random weights (presets) and of unseeded sampling",

@@ -455,6 +455,9 @@ class EngineConfig:
     max_model_len: int = 0  # longest prompt + output; 0 = min(max_position_embeddings, max_total_tokens)
     chunked_prefill_size: int = 2048
     max_prefill_tokens: int = 8192  # token budget of one step
+    # Prefill tokens a step may carry beside decode rows: the decoders of a mixed step wait for its chunks, so
+    # this bounds their inter-token latency. Steps without decode rows keep the whole max_prefill_tokens.
+    max_mixed_prefill_tokens: int = 1024
     kv_cache_mem_fraction: float = 0.85  # GPU, max_total_tokens 0: share of the memory free after loading weights
     seed: int = 0
     indexer_cache_dtype: str = "auto"  # "fp8" (Hadamard + e4m3) or "model" (full precision); auto = fp8 on GPU
@@ -493,8 +496,8 @@ class EngineConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if allow_zero else 1):
                 raise ConfigError(name, f"must be a {'non-negative' if allow_zero else 'positive'} integer, got {v!r}")
 
-        for name in ("max_running_requests", "chunked_prefill_size", "max_prefill_tokens", "cuda_graph_max_bs",
-                     "max_queued_requests", "speculative_topk", "tensor_parallel_size"):
+        for name in ("max_running_requests", "chunked_prefill_size", "max_prefill_tokens", "max_mixed_prefill_tokens",
+                     "cuda_graph_max_bs", "max_queued_requests", "speculative_topk", "tensor_parallel_size"):
             positive(name)
         for name in ("page_size", "max_total_tokens", "max_model_len", "speculative_num_steps",
                      "speculative_num_draft_tokens", "seed"):

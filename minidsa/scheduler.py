@@ -34,9 +34,16 @@ over for one step, then hits them (see `_shares_pending`).
 
 Mixed steps (`mixed=True`, the engine's default without speculation): every
 decode row runs in each step, and prefill chunks ride along in the same
-forward under the budget left (`max_prefill_tokens` minus the decode rows),
-so decoders never stall behind a prefill. A step with decode rows only is a
-pure DECODE step (CUDA graphs); one with both is MIXED (compiled / eager).
+forward, so decoders never stall behind a whole prefill step. The chunks of
+a step with decode rows take at most `max_mixed_prefill_tokens` (and no more
+than `max_prefill_tokens` minus the decode rows): every decoder waits for
+that step's chunks, so this cap bounds the inter-token latency a long prompt
+inflicts on them. A step without decode rows has the whole
+`max_prefill_tokens` (an idle engine prefills at full speed). A budget
+smaller than a chunk or a page only slows a prefill: the partially
+prefilled request goes first in the next step and takes at least one token.
+A step with decode rows only is a pure DECODE step (CUDA graphs); one with
+both is MIXED (compiled / eager).
 Without `mixed` (speculation: the speculator needs pure decode batches)
 prefill and decode alternate as above.
 
@@ -82,7 +89,8 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, allocator: PageAllocator, req_pool: RowAllocator, *, max_running_requests: int,
                  max_prefill_tokens: int, chunked_prefill_size: int, decode_reserve: int = 1,
-                 prefix_cache: PrefixCache | None = None, mixed: bool = False):
+                 prefix_cache: PrefixCache | None = None, mixed: bool = False,
+                 max_mixed_prefill_tokens: int | None = None):
         self.allocator = allocator
         self.req_pool = req_pool  # req_to_token rows (alloc / free / num_free / max_reqs)
         self.mixed = mixed
@@ -90,6 +98,9 @@ class Scheduler:
         self.page_size = allocator.page_size
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
+        # None: mixed steps are bounded by max_prefill_tokens alone
+        self.max_mixed_prefill_tokens = max_prefill_tokens if max_mixed_prefill_tokens is None \
+            else max_mixed_prefill_tokens
         self.chunked_prefill_size = chunked_prefill_size
         self.decode_reserve = decode_reserve
         self.waiting: deque[Request] = deque()
@@ -136,7 +147,8 @@ class Scheduler:
         decode = self._schedule_decode()
         if decode is None:
             return self._schedule_prefill()
-        prefill = self._schedule_prefill(self.max_prefill_tokens - len(decode.reqs))
+        prefill = self._schedule_prefill(min(self.max_prefill_tokens - len(decode.reqs),
+                                             self.max_mixed_prefill_tokens))
         if prefill is None:
             return decode
         return ScheduledBatch(StepMode.MIXED, decode.reqs + prefill.reqs, decode.extend_lens + prefill.extend_lens,

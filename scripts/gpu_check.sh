@@ -179,10 +179,15 @@ section_engine_loop() {   # issue 16: overlapped scheduling on the bench preset 
     # workload) ITL p50/p99, output tok/s, TTFT, overlap on and off -> engine_loop.md / engine_loop.json.
     # Real shapes: ENGINE_LOOP_ARGS="--model bench-dsv32:4". The `minidsa bench` flags go in ENGINE_LOOP_BENCH_ARGS
     # (one string, e.g. "--num-requests 128 --cuda-graph-max-bs 32": word splitting would cut a quoted one apart).
+    # ENGINE_LOOP_MIXED_BUDGETS="256,512,1024,2048,8192": the bench part becomes a sweep of --max-mixed-prefill-tokens
+    # (overlap and mixed steps on, one fresh process per budget) instead of overlap / mixed on and off; with
+    # ENGINE_LOOP_ARGS="--skip-itl --disable-compile ..." each budget costs a start-up and one bench run (the 64-request
+    # run took 17 s on an H100); without --disable-compile each process also compiles (~3 minutes).
     timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_loop_gpu.py -rs --durations=5
     local rc=$?
     timeout "$TIMEOUT" $PY benchmarks/bench_engine_loop.py --out "$OUT" ${ENGINE_LOOP_ARGS:-} \
-        ${ENGINE_LOOP_BENCH_ARGS:+"--bench-args=$ENGINE_LOOP_BENCH_ARGS"} || rc=1
+        ${ENGINE_LOOP_BENCH_ARGS:+"--bench-args=$ENGINE_LOOP_BENCH_ARGS"} \
+        ${ENGINE_LOOP_MIXED_BUDGETS:+"--mixed-budgets=$ENGINE_LOOP_MIXED_BUDGETS"} || rc=1
     return $rc
 }
 

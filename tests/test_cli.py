@@ -71,12 +71,13 @@ def test_engine_flags_follow_engine_config():
     parser = cli.build_parser()
     args = parser.parse_args(["bench", "--max-total-tokens", "1000", "--page-size", "4", "--disable-cuda-graph",
                               "--disable-deep-gemm", "--trust-remote-code", "--chunked-prefill-size", "64",
-                              "--index-share-for-mtp-iteration", "false", "--kv-cache-mem-fraction", "0.5"])
+                              "--index-share-for-mtp-iteration", "false", "--kv-cache-mem-fraction", "0.5",
+                              "--max-mixed-prefill-tokens", "256"])
     cfg = cli.engine_config_from_args(args)
     assert cfg.max_total_tokens == 1000 and cfg.page_size == 4 and cfg.chunked_prefill_size == 64
     assert cfg.enable_cuda_graph is False and cfg.use_deep_gemm is False and cfg.trust_remote_code is True
     assert cfg.enable_compile is True and cfg.index_share_for_mtp_iteration is False
-    assert cfg.kv_cache_mem_fraction == 0.5
+    assert cfg.kv_cache_mem_fraction == 0.5 and cfg.max_mixed_prefill_tokens == 256
     defaults = cli.engine_config_from_args(parser.parse_args(["generate"]))
     assert defaults == EngineConfig()
 

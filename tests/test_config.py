@@ -102,6 +102,10 @@ def test_from_pretrained_reads_config_json(tmp_path):
     ({"max_running_requests": 0}, "max_running_requests"),
     ({"dtype": "float64x"}, "dtype"),
     ({"indexer_cache_dtype": "int4"}, "indexer_cache_dtype"),
+    ({"max_mixed_prefill_tokens": 0}, "max_mixed_prefill_tokens"),
+    ({"max_mixed_prefill_tokens": -8}, "max_mixed_prefill_tokens"),
+    ({"max_mixed_prefill_tokens": True}, "max_mixed_prefill_tokens"),
+    ({"max_mixed_prefill_tokens": 512.0}, "max_mixed_prefill_tokens"),
 ])
 def test_engine_config_validation(over, field):
     with pytest.raises(ConfigError, match=field):

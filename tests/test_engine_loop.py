@@ -70,17 +70,28 @@ def test_plan_is_plain_data_that_survives_a_round_trip(long_prompts):
         assert len(plan.rows) == len(plan.prefix_lens) == len(plan.extend_lens) == len(plan.sample)
 
 
-def test_overlap_on_and_off_and_mixed_on_and_off_give_the_same_tokens(long_prompts, reference):
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    for overlap in (True, False):
-        for mixed in (True, False):
-            engine = cpu_engine(overlap_schedule=overlap, enable_mixed_chunk=mixed, chunked_prefill_size=32,
-                                max_prefill_tokens=48)
-            plans = record_plans(engine)
-            finals, _ = run_all(engine, long_prompts, params)
-            assert [o.token_ids for o in finals] == reference, (overlap, mixed)
-            modes = {p.mode for p in plans}
-            assert (StepMode.MIXED in modes) == mixed, modes  # chunks rode along with decode rows, or never
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("mixed,mixed_budget,page_size", [
+    (True, None, 1), (False, None, 1),
+    (True, 3, 1), (True, 3, 4),  # a mixed prefill budget below a chunk, and below a page
+])
+def test_overlap_and_mixed_steps_and_mixed_budgets_give_the_same_tokens(long_prompts, reference, overlap, mixed,
+                                                                        mixed_budget, page_size):
+    budget = {} if mixed_budget is None else {"max_mixed_prefill_tokens": mixed_budget}
+    engine = cpu_engine(overlap_schedule=overlap, enable_mixed_chunk=mixed, chunked_prefill_size=32,
+                        max_prefill_tokens=48, page_size=page_size, **budget)
+    plans = record_plans(engine)
+    finals, _ = run_all(engine, long_prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in finals] == reference
+    modes = {p.mode for p in plans}
+    assert (StepMode.MIXED in modes) == mixed, modes  # chunks rode along with decode rows, or never
+    cap = min(48, mixed_budget or 48)
+    for plan in plans:
+        prefill_tokens = sum(n for n, decoding in zip(plan.extend_lens, plan.from_device) if not decoding)
+        if plan.mode == StepMode.MIXED:
+            assert 0 < prefill_tokens <= cap
+    if mixed_budget is not None:  # an idle engine still prefills with the whole max_prefill_tokens
+        assert max(p.num_tokens for p in plans if p.mode == StepMode.EXTEND) > mixed_budget
 
 
 def test_mixed_steps_keep_decoders_running_while_a_long_prompt_prefills(long_prompts, reference):

@@ -187,3 +187,48 @@ def test_mixed_steps_run_every_decoder_beside_prefill_chunks_under_the_budget():
     assert chunks == [16, 16, 16, 2]
     assert run_step(s).mode == ForwardMode.DECODE  # both decode: a pure decode step (CUDA graphs)
     drain(s)
+
+
+def test_mixed_prefill_budget_caps_chunks_beside_decoders_not_prefill_alone():
+    s = make(chunked_prefill_size=16, max_prefill_tokens=40, mixed=True, max_mixed_prefill_tokens=5)
+    a = req(0, 10, max_tokens=4)
+    s.add(a)
+    first = run_step(s)
+    assert first.mode == ForwardMode.EXTEND and first.extend_lens == [10]  # no decoders: the whole budget
+    b = req(1, 50, max_tokens=2)
+    s.add(b)
+    chunks = []
+    while not b.output_ids:  # its prefill
+        sched = run_step(s)
+        if sched.mode == ForwardMode.MIXED:
+            assert sched.num_decode == 1 and sum(sched.extend_lens[1:]) <= 5
+        else:  # a finished: b alone has max_prefill_tokens again, chunked by chunked_prefill_size
+            assert sched.mode == ForwardMode.EXTEND and sched.num_decode == 0 and a.status == RequestStatus.FINISHED
+        chunks.append((sched.mode, sched.extend_lens[sched.num_decode:]))
+    assert chunks == [(ForwardMode.MIXED, [5])] * 3 + [(ForwardMode.EXTEND, [16]), (ForwardMode.EXTEND, [16]),
+                                                       (ForwardMode.EXTEND, [3])]
+    drain(s)
+
+
+@pytest.mark.parametrize("page_size,budget", [(1, 1), (4, 1), (4, 3), (4, 6)])
+def test_a_mixed_budget_below_a_page_or_chunk_still_prefills_long_prompts(page_size, budget):
+    """Decoders keep running while long prompts creep in `budget` tokens per step: no stall, no livelock, the
+    KV bookkeeping stays exact (drain checks it every step) and every request completes."""
+    s = make(num_pages=256 // page_size + 1, page_size=page_size, chunked_prefill_size=8, max_prefill_tokens=32,
+             mixed=True, max_mixed_prefill_tokens=budget)
+    decoders = [req(i, 5, max_tokens=60) for i in range(2)]
+    for r in decoders:
+        s.add(r)
+    run_step(s)
+    long = [req(2, 23, max_tokens=3), req(3, 9, max_tokens=3)]
+    for r in long:
+        s.add(r)
+    log = []
+    while any(r.status != RequestStatus.FINISHED for r in long):
+        log.append(run_step(s))
+        assert len(log) < 60, "the long prompts made no progress beside the decoders"
+    assert all(r.status == RequestStatus.RUNNING for r in decoders)  # prefilled beside them, not after
+    mixed = [sched for sched in log if sched.mode == ForwardMode.MIXED]
+    assert mixed and all(0 < sum(sched.extend_lens[sched.num_decode:]) <= budget for sched in mixed)
+    drain(s)
+    assert all(len(r.output_ids) == r.params.max_tokens for r in decoders + long)

@@ -152,6 +152,7 @@ class Engine:
             self.scheduler = Scheduler(runner.allocator, runner.req_to_token_pool.rows,
                                        max_running_requests=cfg.max_running_requests,
                                        max_prefill_tokens=cfg.max_prefill_tokens,
+                                       max_mixed_prefill_tokens=cfg.max_mixed_prefill_tokens,
                                        chunked_prefill_size=cfg.chunked_prefill_size,
                                        decode_reserve=self.decode_reserve, prefix_cache=self.prefix_cache,
                                        mixed=self.mixed_steps)
