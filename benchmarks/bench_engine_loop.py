@@ -136,43 +136,6 @@ def _replay_ms(graphs, bs: int, context: int, iters: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def gpu_idle(llm, prompts, max_tokens: int, temperature: float = 0.0) -> dict:
-    """One generate under torch.profiler: how long the GPU sat idle between kernels while the host ran the loop
-    (the union of kernel intervals against the wall time from the first kernel to the last)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        _generate_s(llm, prompts, max_tokens, temperature)
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    if not spans:
-        return {}
-    gaps, end = [], spans[0][1]
-    for s, e in spans[1:]:
-        if s > end:
-            gaps.append(s - end)
-        end = max(end, e)
-    wall = end - spans[0][0]
-    big = sorted(gaps, reverse=True)
-    return {"wall_ms": wall / 1e3, "idle_ms": sum(gaps) / 1e3, "idle_frac": sum(gaps) / wall,
-            "gaps_over_100us": sum(g > 100 for g in gaps), "largest_gaps_us": [round(g) for g in big[:8]]}
-
-
-def host_profile(llm, prompts, max_tokens: int, top: int = 22) -> str:
-    """Where the host's time goes in one generate (cProfile, sorted by own time; it slows the host ~2x)."""
-    import cProfile
-    import io
-    import pstats
-
-    prof = cProfile.Profile()
-    prof.enable()
-    _generate_s(llm, prompts, max_tokens)
-    prof.disable()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
-    return buf.getvalue()
-
-
 def measure_itl(model: str, overlap: bool, batches: list[int], context: int, decode_tokens: int,
                 max_bs: int, compile: bool = True, parallel: dict | None = None, profile: bool = False,
                 temperature: float = 0.0) -> list[dict]:
@@ -202,11 +165,6 @@ def measure_itl(model: str, overlap: bool, batches: list[int], context: int, dec
               flush=True)
         if stats:
             print(json.dumps(stats, indent=1), flush=True)
-        if profile and torch.cuda.is_available():
-            rows[-1]["gpu_idle"] = gpu_idle(llm, _prompts(bs, context, vocab, seed := seed + 1), 1 + decode_tokens,
-                                            temperature)
-            print(f"overlap={overlap} bs={bs}: GPU idle {rows[-1]['gpu_idle']}", flush=True)
-            print(host_profile(llm, _prompts(bs, context, vocab, seed := seed + 1), 1 + decode_tokens), flush=True)
     llm.close()  # tensor-parallel ranks stop
     del llm
     gc.collect()
@@ -296,8 +254,8 @@ def main(argv=None) -> int:
                         "mixed steps on) instead of the overlap / mixed on-off settings, e.g. 256,512,1024,2048,8192")
     p.add_argument("--allow-cpu", action="store_true", help="run without a GPU (a smoke run of this script)")
     p.add_argument("--profile", action="store_true",
-                   help="after each ITL figure: GPU idle time between kernels (torch.profiler) and the host's "
-                        "cProfile of one generate")
+                   help="profile the timed steady decode steps (torch.profiler): GPU idle time and GPU time per "
+                        "step by kernel")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="ranks (GPUs) of the engine")
     p.add_argument("--distributed-executor-backend", choices=("auto", "mp", "uni"), default="auto",
                    help="mp: the tensor-parallel path even at --tp 1")
@@ -323,8 +281,11 @@ def main(argv=None) -> int:
         extra = bench_parallel + args.bench_args.split() + (["--disable-compile"] if args.disable_compile else [])
         # Triton compiles a kernel for each new shape class the first time it runs, and its disk cache keeps
         # it: the first run of a workload in a fresh machine pays that (seconds of TTFT), so one run whose
-        # figures are dropped comes first, and every setting is then measured on equal terms.
-        run_bench(args.model, True, args.out, extra)
+        # figures are dropped comes first, and every setting is then measured on equal terms. With a budget sweep
+        # it runs the largest budget (its mixed steps cover the smaller budgets' shapes); DeepGEMM and compiled
+        # mixed steps JIT per shape class too (a cold compiled run of 256 requests took minutes of TTFT).
+        run_bench(args.model, True, args.out, extra,
+                  mixed_budget=max(args.mixed_budgets) if args.mixed_budgets else None)
         if args.mixed_budgets:
             for budget in args.mixed_budgets:
                 result["bench"].append(run_bench(args.model, True, args.out, extra, mixed_budget=budget))
