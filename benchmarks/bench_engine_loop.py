@@ -95,6 +95,54 @@ def _steady_itl_ms(llm, prompts, decode_tokens: int, temperature: float = 0.0, p
     return elapsed / (tokens / len(ids)) * 1e3, stats
 
 
+def mixed_step_profile(llm, prompts, prompt_len: int, vocab: int, steps: int = 6) -> dict:
+    """Steady decode of `prompts`, then one new request of `prompt_len` tokens arrives: the wall time of each
+    `Engine.step` around it (the mixed step carries its prefill beside the decode rows), the GPU kernels and
+    idle time of those steps (torch.profiler) and the host's cProfile. Prints the tables; returns the times."""
+    import cProfile
+    import io
+    import pstats
+
+    from minidsa import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=512, ignore_eos=True, detokenize=False)
+    ids = [engine.add_request(p, params, use_prefix_cache=False) for p in prompts]
+    got = dict.fromkeys(ids, 0)
+    while min(got.values()) < 3:
+        for o in engine.step():
+            got[o.request_id] += len(o.new_token_ids)
+    for _ in range(4):
+        engine.step()
+    _sync()
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    times = []
+    host = cProfile.Profile()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            if i == 1:
+                ids.append(engine.add_request(_prompts(1, prompt_len, vocab, 99)[0], params, use_prefix_cache=False))
+            start = time.perf_counter()
+            host.enable()
+            engine.step()
+            host.disable()
+            times.append((time.perf_counter() - start) * 1e3)
+        _sync()
+    stats = _idle_and_kernels(prof, steps)
+    buf = io.StringIO()
+    pstats.Stats(host, stream=buf).sort_stats("tottime").print_stats(25)
+    print(f"mixed step profile: {len(prompts)} decoding, a {prompt_len}-token prompt added before step 1; "
+          f"step wall times (ms) {[round(t, 2) for t in times]}", flush=True)
+    print(json.dumps(stats, indent=1), flush=True)
+    print(buf.getvalue(), flush=True)
+    for rid in ids:
+        engine.abort(rid, report=False)
+    while engine.has_unfinished():
+        engine.step()
+    return {"step_ms": times, "decoding": len(prompts), "prompt_len": prompt_len}
+
+
 def _idle_and_kernels(prof, steps: int) -> dict:
     """GPU idle fraction of a profiled window and the GPU time per step by kernel (the top 25)."""
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
@@ -143,7 +191,7 @@ def _replay_ms(graphs, bs: int, context: int, iters: int = 50) -> tuple[float, f
 
 def measure_itl(model: str, overlap: bool, batches: list[int], context: int, decode_tokens: int,
                 max_bs: int, compile: bool = True, parallel: dict | None = None, profile: bool = False,
-                temperature: float = 0.0) -> list[dict]:
+                temperature: float = 0.0, mixed_step: int = 0) -> list[dict]:
     from minidsa import LLM
 
     llm = LLM(model=model, progress=False, overlap_schedule=overlap, enable_prefix_caching=False,
@@ -171,6 +219,9 @@ def measure_itl(model: str, overlap: bool, batches: list[int], context: int, dec
               flush=True)
         if stats:
             print(json.dumps(stats, indent=1), flush=True)
+        if mixed_step and torch.cuda.is_available():
+            rows[-1]["mixed_step"] = mixed_step_profile(llm, _prompts(bs, context, vocab, seed := seed + 1),
+                                                        mixed_step, vocab)
     llm.close()  # tensor-parallel ranks stop
     del llm
     gc.collect()
@@ -263,6 +314,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="profile the timed steady decode steps (torch.profiler): GPU idle time and GPU time per "
                         "step by kernel")
+    p.add_argument("--mixed-step", type=int, default=0, metavar="PROMPT_LEN",
+                   help="after each ITL figure: profile the steps around one request of PROMPT_LEN tokens arriving "
+                        "while the batch decodes (per-step wall time, kernels, host cProfile)")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="ranks (GPUs) of the engine")
     p.add_argument("--distributed-executor-backend", choices=("auto", "mp", "uni"), default="auto",
                    help="mp: the tensor-parallel path even at --tp 1")
@@ -283,7 +337,8 @@ def main(argv=None) -> int:
     for overlap in (() if args.skip_itl else overlaps):
         result["itl"] += measure_itl(args.model, overlap, batches, args.context, args.decode_tokens,
                                      args.cuda_graph_max_bs, compile=not args.disable_compile, parallel=parallel,
-                                     profile=args.profile, temperature=args.temperature)
+                                     profile=args.profile, temperature=args.temperature,
+                                     mixed_step=args.mixed_step)
     if not args.skip_bench:
         extra = bench_parallel + args.bench_args.split() + (["--disable-compile"] if args.disable_compile else [])
         # Triton compiles a kernel for each new shape class the first time it runs, and its disk cache keeps
