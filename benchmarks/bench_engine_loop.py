@@ -194,8 +194,9 @@ def measure_itl(model: str, overlap: bool, batches: list[int], context: int, dec
                 temperature: float = 0.0, mixed_step: int = 0) -> list[dict]:
     from minidsa import LLM
 
+    # --mixed-step: one request more than the largest batch must find a free slot
     llm = LLM(model=model, progress=False, overlap_schedule=overlap, enable_prefix_caching=False,
-              max_running_requests=max(batches), cuda_graph_max_bs=max_bs, enable_compile=compile,
+              max_running_requests=max(batches) + (1 if mixed_step else 0), cuda_graph_max_bs=max_bs, enable_compile=compile,
               **(parallel or {}))
     vocab = llm.engine.vocab_size
     rows = []

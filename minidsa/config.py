@@ -456,8 +456,10 @@ class EngineConfig:
     chunked_prefill_size: int = 2048
     max_prefill_tokens: int = 8192  # token budget of one step
     # Prefill tokens a step may carry beside decode rows: the decoders of a mixed step wait for its chunks, so
-    # this bounds their inter-token latency. Steps without decode rows keep the whole max_prefill_tokens.
-    max_mixed_prefill_tokens: int = 1024
+    # a lower cap bounds their inter-token latency (and slows prefill while others decode). Steps without decode
+    # rows keep the whole max_prefill_tokens. Default = max_prefill_tokens' default: on the H100 a cap of 1024
+    # gave a worse ITL p99 and TTFT than none (benchmarks/ENGINE_LOOP.md); it is a knob for latency SLOs.
+    max_mixed_prefill_tokens: int = 8192
     kv_cache_mem_fraction: float = 0.85  # GPU, max_total_tokens 0: share of the memory free after loading weights
     seed: int = 0
     indexer_cache_dtype: str = "auto"  # "fp8" (Hadamard + e4m3) or "model" (full precision); auto = fp8 on GPU
