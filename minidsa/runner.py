@@ -39,6 +39,35 @@ CTX_BUCKETS = [4096, 16384, 65536]
 CPU_WARMUP_TOKENS = 11
 
 
+def warm_up_shapes(tokens: int, page_size: int, max_model_len: int, table_width: int
+                   ) -> list[tuple[list[int], int]]:
+    """The (extend lengths per request, context) batches of the start-up warm-up (`_warm_up_uncaptured`).
+
+    First the general shape, odd sizes (see there), then one-token and one-page variants, then a ladder of
+    single-request extends, halving down to ~16 tokens, each an odd count and a multiple of 16. The kernels
+    inside the layer pick tiles by size class (`fused_moe.tile_config` by pairs per expert, the FP8 GEMM's
+    BLOCK_M, DeepGEMM's JIT configurations), and Triton specialises integer arguments divisible by 16, so each
+    class compiles kernels the first time it runs. The first compiled `minidsa bench` on a fresh H100 stalled
+    for minutes of TTFT doing that mid-serving. The ladder pays it at start-up instead (the disk caches keep it).
+    """
+    n = max(3, tokens - 4)
+    n -= 1 - n % 2  # odd
+    # DeepGEMM's per-step block table is [tokens, pages of context]: a context of one page makes that width 1,
+    # which Dynamo specialises, so the general trace spans at least 5 pages (a width unlike the other sizes);
+    # batches whose context fits one page (short prompts) then get their own graphs here, after it.
+    context = max(3, min(max(n, 4 * page_size + 1), max_model_len, table_width))
+    context -= 1 - context % 2
+    shapes = [([n, 2, 2], context), ([n], context), ([1], context)]
+    if page_size >= 3 and context > page_size:
+        shapes += [([n, 2], 3), ([1], 3)]
+    m = n
+    while m >= 8:
+        shapes += [([min(-(-m // 16) * 16, tokens // 16 * 16)], context)]
+        shapes += [([m | 1], context)] if m != n else []  # n: traced above
+        m //= 2
+    return shapes
+
+
 def _at_least_two_keys(batch: ForwardBatch) -> ForwardBatch:
     """The batch with an indexer-logits width of at least 2. A width of 1 (every request at its first position)
     would specialise the compiled layer on it, a second graph per layer kind; the extra key column is masked
@@ -228,16 +257,7 @@ class ModelRunner:
         width would guard on that equality and the next real batch would compile again. Hence odd token counts
         and contexts (the model's widths are even), three requests, and the general shape first. The batches
         only touch the reserved dummy slot (`_scratch_extend_batch`)."""
-        n = max(3, tokens - 4)
-        n -= 1 - n % 2  # odd
-        # DeepGEMM's per-step block table is [tokens, pages of context]: a context of one page makes that width 1,
-        # which Dynamo specialises, so the general trace spans at least 5 pages (a width unlike the other sizes);
-        # batches whose context fits one page (short prompts) then get their own graphs here, after it.
-        context = max(3, min(max(n, 4 * self.page_size + 1), self.max_model_len, self.table_width))
-        context -= 1 - context % 2
-        shapes = [([n, 2, 2], context), ([n], context), ([1], context)]
-        if self.page_size >= 3 and context > self.page_size:
-            shapes += [([n, 2], 3), ([1], 3)]
+        shapes = warm_up_shapes(tokens, self.page_size, self.max_model_len, self.table_width)
         start = time.perf_counter()
         for lens, ctx in shapes:
             batch = self._scratch_extend_batch(lens, ctx)

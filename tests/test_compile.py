@@ -298,3 +298,28 @@ def test_compiled_prefill_and_mixed_batches_equal_forward_eager(compiled_llm):
             pool.free(row)
             alloc.free(p)
     assert counter.frame_count == compiled_at_start_up
+
+
+def test_start_up_warm_up_reaches_every_kernel_tile_class():
+    """The warm-up's single-request ladder runs every fused-MoE tile class (V3.2 routing, FP8 experts) and every
+    FP8-GEMM BLOCK_M class that a step of up to max_prefill_tokens meets, each with an odd token count and a
+    multiple of 16 (Triton compiles another kernel for integers divisible by 16): no first-use JIT mid-serving."""
+    from minidsa.kernels import fp8
+    from minidsa.kernels.fp8_gemm import pick_tiles
+    from minidsa.kernels.fused_moe import tile_config
+    from minidsa.runner import warm_up_shapes
+
+    tokens = 8192
+    shapes = warm_up_shapes(tokens, page_size=64, max_model_len=163840, table_width=2560)
+    assert shapes[0][0] == [8187, 2, 2]  # the general trace comes first (see _warm_up_uncaptured)
+    warmed = {sum(lens) for lens, _ in shapes}
+    classes = {
+        "fused_moe": lambda t: tile_config(t, 8, 256, fp8.FP8_DTYPE, torch.bfloat16),
+        "fp8_gemm BLOCK_M": lambda t: pick_tiles(t, 7168, 2048, 132).block_m,
+    }
+    for name, cls in classes.items():
+        for c in {cls(t) for t in range(1, tokens + 1)}:
+            members = [t for t in warmed if cls(t) == c]
+            assert any(t % 2 for t in members), (name, c, sorted(warmed))
+            if any(cls(t) == c for t in range(16, tokens + 1, 16)):
+                assert any(t % 16 == 0 for t in members), (name, c, sorted(warmed))
