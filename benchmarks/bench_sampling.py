@@ -19,25 +19,11 @@ import time
 
 import torch
 
+from minidsa.perf import time_cuda
 from minidsa.request import SamplingParams
 from minidsa.sampling import SamplingBatch, race_for, sample
 
 VOCAB = 129280
-
-
-def _time_us(fn, iters: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def main(argv=None) -> int:
@@ -53,7 +39,7 @@ def main(argv=None) -> int:
         row = {"batch": bs}
         for impl in ("torch", "triton"):
             race = race_for(impl)
-            row[f"sample_{impl}_us"] = _time_us(lambda: sample(logits, sb, race))
+            row[f"sample_{impl}_us"] = time_cuda(lambda: sample(logits, sb, race), iters=200, warmup=10) * 1e6
         row["ratio"] = row["sample_torch_us"] / row["sample_triton_us"]
         row["same_ids"] = bool(torch.equal(sample(logits, sb, race_for("torch"))[0],
                                            sample(logits, sb, race_for("triton"))[0]))
