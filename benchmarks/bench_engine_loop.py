@@ -55,6 +55,23 @@ def _generate_s(llm, prompts, max_tokens: int, temperature: float = 0.0) -> floa
     return time.perf_counter() - start
 
 
+def _start_decoding(engine, prompts, params) -> list[str]:
+    """Add the requests (prefix cache off) and step until every one is decoding; their ids."""
+    ids = [engine.add_request(p, params, use_prefix_cache=False) for p in prompts]
+    got = dict.fromkeys(ids, 0)
+    while min(got.values()) < 3:  # every request decoding; overlap's step in flight is a decode step too
+        for o in engine.step():
+            got[o.request_id] += len(o.new_token_ids)
+    return ids
+
+
+def _abort_all(engine, ids: list[str]) -> None:
+    for rid in ids:
+        engine.abort(rid, report=False)
+    while engine.has_unfinished():
+        engine.step()
+
+
 def _steady_itl_ms(llm, prompts, decode_tokens: int, temperature: float = 0.0, profile: bool = False
                    ) -> tuple[float, dict]:
     """Inter-token latency of the engine loop in steady decode: the requests are added, stepped until every one
@@ -66,11 +83,7 @@ def _steady_itl_ms(llm, prompts, decode_tokens: int, temperature: float = 0.0, p
     engine = llm.engine
     params = SamplingParams(max_tokens=4 * decode_tokens + 512, ignore_eos=True, detokenize=False,
                             temperature=temperature, seed=0 if temperature else None)
-    ids = [engine.add_request(p, params, use_prefix_cache=False) for p in prompts]
-    got = dict.fromkeys(ids, 0)
-    while min(got.values()) < 3:  # every request decoding; overlap's step in flight is a decode step too
-        for o in engine.step():
-            got[o.request_id] += len(o.new_token_ids)
+    ids = _start_decoding(engine, prompts, params)
     prof = None
     if profile and torch.cuda.is_available():
         from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -88,10 +101,7 @@ def _steady_itl_ms(llm, prompts, decode_tokens: int, temperature: float = 0.0, p
         if prof is not None:
             prof.__exit__(None, None, None)
     stats = _idle_and_kernels(prof, decode_tokens) if prof is not None else {}
-    for rid in ids:
-        engine.abort(rid, report=False)
-    while engine.has_unfinished():
-        engine.step()
+    _abort_all(engine, ids)
     return elapsed / (tokens / len(ids)) * 1e3, stats
 
 
@@ -107,11 +117,7 @@ def mixed_step_profile(llm, prompts, prompt_len: int, vocab: int, steps: int = 6
 
     engine = llm.engine
     params = SamplingParams(max_tokens=512, ignore_eos=True, detokenize=False)
-    ids = [engine.add_request(p, params, use_prefix_cache=False) for p in prompts]
-    got = dict.fromkeys(ids, 0)
-    while min(got.values()) < 3:
-        for o in engine.step():
-            got[o.request_id] += len(o.new_token_ids)
+    ids = _start_decoding(engine, prompts, params)
     for _ in range(4):
         engine.step()
     _sync()
@@ -136,10 +142,7 @@ def mixed_step_profile(llm, prompts, prompt_len: int, vocab: int, steps: int = 6
           f"step wall times (ms) {[round(t, 2) for t in times]}", flush=True)
     print(json.dumps(stats, indent=1), flush=True)
     print(buf.getvalue(), flush=True)
-    for rid in ids:
-        engine.abort(rid, report=False)
-    while engine.has_unfinished():
-        engine.step()
+    _abort_all(engine, ids)
     return {"step_ms": times, "decoding": len(prompts), "prompt_len": prompt_len}
 
 
@@ -196,7 +199,8 @@ def measure_itl(model: str, overlap: bool, batches: list[int], context: int, dec
 
     # --mixed-step: one request more than the largest batch must find a free slot
     llm = LLM(model=model, progress=False, overlap_schedule=overlap, enable_prefix_caching=False,
-              max_running_requests=max(batches) + (1 if mixed_step else 0), cuda_graph_max_bs=max_bs, enable_compile=compile,
+              max_running_requests=max(batches) + (1 if mixed_step else 0), cuda_graph_max_bs=max_bs,
+              enable_compile=compile,
               **(parallel or {}))
     vocab = llm.engine.vocab_size
     rows = []
@@ -216,7 +220,8 @@ def measure_itl(model: str, overlap: bool, batches: list[int], context: int, dec
                      "ratio": itl_ms / replay_ms,
                      "steady_ratio": steady_ms / replay_ms, **({"steady_profile": stats} if stats else {})})
         print(f"overlap={overlap} bs={bs}: ITL through generate {itl_ms:.3f} ms, steady decode {steady_ms:.3f} ms, "
-              f"graph replay {replay_ms:.3f} ms (single, synced: {single_ms:.3f}), ratios {itl_ms / replay_ms:.3f} / {steady_ms / replay_ms:.3f}",
+              f"graph replay {replay_ms:.3f} ms (single, synced: {single_ms:.3f}), "
+              f"ratios {itl_ms / replay_ms:.3f} / {steady_ms / replay_ms:.3f}",
               flush=True)
         if stats:
             print(json.dumps(stats, indent=1), flush=True)
@@ -262,15 +267,16 @@ def to_markdown(result: dict) -> str:
     lines = [f"# Engine loop ({result['model']}, {result['device']}, tensor_parallel_size "
              f"{result['tensor_parallel_size']}, {result['distributed_executor_backend']})", "",
              "| overlap | batch | temperature (sampler) | ITL via generate (ms) | steady decode step (ms) | "
-             "graph replay back to back (ms) | single replays (ms) | ratios to back to back (generate / steady) |", "|---|---|---|---|---|---|---|---|"]
+             "graph replay back to back (ms) | single replays (ms) | ratios to back to back (generate / steady) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in result["itl"]:
         lines.append(f"| {r['overlap']} | {r['batch']} | {r['temperature']} ({r['sampler']}) | "
                      f"{r['itl_generate_ms']:.3f} | {r['itl_steady_ms']:.3f} | {r['graph_replay_ms']:.3f} | "
                      f"{r['graph_replay_single_ms']:.3f} | "
                      f"{r['ratio']:.3f} / {r['steady_ratio']:.3f} |")
     if result.get("bench"):
-        lines += ["", "| overlap | mixed | mixed prefill budget | output tok/s | ITL p50 (ms) | ITL p99 (ms) | p99/p50 | "
-                  "TTFT p50 (ms) | TTFT p99 (ms) |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| overlap | mixed | mixed prefill budget | output tok/s | ITL p50 (ms) | ITL p99 (ms) | "
+                  "p99/p50 | TTFT p50 (ms) | TTFT p99 (ms) |", "|---|---|---|---|---|---|---|---|---|"]
         for r in result["bench"]:
             budget = r.get("max_mixed_prefill_tokens")
             lines.append(f"| {r['overlap']} | {r.get('mixed', True)} | {'-' if budget is None else budget} | "

@@ -5,7 +5,8 @@ once per step (one host sync per step, not per token or per request).
 
 Sampling uses the exponential race: with E_v ~ Exp(1) i.i.d.,
 `argmax_v(p_v / E_v)` is a sample from p; it is computed in log space,
-`argmax_v(x_v / T - log E_v)` (`race_argmax`; one Triton pass on the GPU). The noise is not drawn from a
+`argmax_v(x_v / T - log E_v)` (`race_argmax`; one Triton pass on the GPU).
+The noise is not drawn from a
 stateful generator but computed by hashing (row key, vocab id), where the
 row key is derived from (request seed, output position). So a seeded
 request sees the same noise for its n-th token whatever else is in the
@@ -109,7 +110,6 @@ class SamplingBatch:
     min_p: torch.Tensor  # [B] fp32
     keys: torch.Tensor  # [B] int64 noise keys (64-bit, two's complement)
     all_greedy: bool
-    any_greedy: bool
     use_top_k: bool
     max_top_k: int  # largest enabled top-k (sizes torch.topk without a device sync)
     use_top_p: bool
@@ -144,7 +144,6 @@ class SamplingBatch:
             min_p=dev([p.min_p for p in params], torch.float32),
             keys=dev(keys, torch.int64),
             all_greedy=not sampling,
-            any_greedy=len(sampling) < len(params),
             use_top_k=any(0 < p.top_k < vocab_size for p in sampling),
             max_top_k=max([p.top_k for p in sampling if 0 < p.top_k < vocab_size], default=0),
             use_top_p=any(p.top_p < 1.0 for p in sampling),
@@ -184,16 +183,22 @@ def probabilities(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return filtered_logits(logits, sb).softmax(dim=-1)
 
 
-def race_argmax(x: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, greedy: torch.Tensor
+def race_scores(x: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, greedy: torch.Tensor
                 ) -> torch.Tensor:
-    """The exponential race in log space: per row, argmax of x (greedy rows) or x / temperature - log(E).
+    """The exponential race in log space, [B, V] fp32: x on greedy rows, x / temperature - log(E) on the others.
 
     argmax_v p_v / E_v = argmax_v (log p_v - log E_v), and log p_v is x_v / T up to a constant of the row, so no
-    softmax is needed. The torch reference of `kernels/sampling.race_argmax` (one pass on the GPU).
+    softmax is needed.
     """
     x = x.float()
     scores = x / temperature.unsqueeze(1) - torch.log(exponential_noise(keys, x.shape[1]))
-    return torch.where(greedy.unsqueeze(1), x, scores).argmax(dim=-1)
+    return torch.where(greedy.unsqueeze(1), x, scores)
+
+
+def race_argmax(x: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, greedy: torch.Tensor
+                ) -> torch.Tensor:
+    """The winner of each row's race: the torch reference of `kernels/sampling.race_argmax` (one GPU pass)."""
+    return race_scores(x, temperature, keys, greedy).argmax(dim=-1)
 
 
 RACES = ("torch", "triton")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from minidsa.request import InvalidRequest, SamplingParams
-from minidsa.sampling import (Sampler, SamplingBatch, as_int64, exponential_noise, exponential_noise_reference, row_key,
-                              sample)
+from minidsa.sampling import (Sampler, SamplingBatch, as_int64, exponential_noise, exponential_noise_reference,
+                              race_scores, row_key, sample)
 
 V = 16
 
@@ -169,8 +169,7 @@ def _race_inputs(rows: int, vocab: int, seed: int = 0):
 
 def _assert_same_or_tied(ids: torch.Tensor, ref: torch.Tensor, x, temperature, keys, greedy) -> None:
     """ids equal the reference's, except where the two scores are equal up to float rounding."""
-    x = x.float()
-    scores = torch.where(greedy[:, None], x, x / temperature[:, None] - torch.log(exponential_noise(keys, x.shape[1])))
+    scores = race_scores(x, temperature, keys, greedy)
     for r in torch.nonzero(ids != ref).flatten().tolist():
         a, b = scores[r, ids[r]].item(), scores[r, ref[r]].item()
         assert a == pytest.approx(b, rel=1e-6, abs=1e-6), (r, ids[r].item(), ref[r].item(), a, b)

@@ -29,12 +29,11 @@ def _inputs(rows: int, seed: int):
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_one_pass_race_chooses_the_reference_ids(seed):
     from minidsa.kernels.sampling import race_argmax as fast
-    from minidsa.sampling import exponential_noise, race_argmax
+    from minidsa.sampling import race_scores
 
     logits, temperature, keys, greedy = _inputs(256, seed)
-    ids, ref = fast(logits, temperature, keys, greedy), race_argmax(logits, temperature, keys, greedy)
-    x = logits.float()
-    scores = torch.where(greedy[:, None], x, x / temperature[:, None] - torch.log(exponential_noise(keys, VOCAB)))
+    scores = race_scores(logits, temperature, keys, greedy)
+    ids, ref = fast(logits, temperature, keys, greedy), scores.argmax(dim=-1)
     differ = torch.nonzero(ids != ref).flatten().tolist()
     for r in differ:
         a, b = scores[r, ids[r]].item(), scores[r, ref[r]].item()
