@@ -263,6 +263,169 @@ def run_bench(model: str, overlap: bool, out: str, extra: list[str], mixed: bool
             "duration_s": r["duration_s"], "num_requests": r["num_requests"]}
 
 
+class JitWatch:
+    """What compiles while it watches: Triton kernels (their JIT hooks: name, constexprs, seconds), DeepGEMM
+    kernels (new entries in its JIT cache folder), Dynamo frames. `take()` returns a summary since the last call.
+    Diagnostics for a benchmark: the engine does not depend on it."""
+
+    def __init__(self):
+        import triton
+
+        self.events: list[tuple[str, str, float]] = []
+        self._started: dict[tuple, float] = {}
+        knobs = getattr(triton, "knobs", None)
+        self.ok = knobs is not None and hasattr(knobs.runtime, "jit_post_compile_hook")
+        if self.ok:
+            knobs.runtime.jit_cache_hook = self._before
+            knobs.runtime.jit_post_compile_hook = self._after
+        self.dg_dir = os.environ.get("DG_JIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".deep_gemm")
+        self._dg_seen = self._dg_entries()
+        self._frames = self._dynamo_frames()
+
+    @staticmethod
+    def _name(kw: dict) -> str:
+        fn = kw.get("fn")
+        return str(getattr(fn, "name", fn))
+
+    def _before(self, **kw):  # keyword names as Triton's JITFunction._call_hook passes them
+        self._started[(self._name(kw), str(kw.get("key")))] = time.perf_counter()
+        return None  # compile as usual
+
+    def _after(self, **kw):
+        name = self._name(kw)
+        began = self._started.pop((name, str(kw.get("key"))), None)
+        constants = (kw.get("compile") or {}).get("constants") or {}
+        consts = {k[0] if isinstance(k, tuple) else k: v for k, v in constants.items()
+                  if isinstance(v, (int, bool, str))}
+        self.events.append((name, str(consts)[:160], time.perf_counter() - began if began else float("nan")))
+        return None
+
+    def _dg_entries(self) -> set[str]:
+        out = set()
+        for root, dirs, _files in os.walk(self.dg_dir):
+            out.update(os.path.join(root, d) for d in dirs if d.startswith("kernel"))
+        return out
+
+    @staticmethod
+    def _dynamo_frames() -> int:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+
+    def take(self) -> dict:
+        events, self.events = self.events, []
+        dg = self._dg_entries()
+        new_dg, self._dg_seen = sorted(dg - self._dg_seen), dg
+        frames = self._dynamo_frames()
+        new_frames, self._frames = frames - self._frames, frames
+        by_name: dict[str, list] = {}
+        for name, _consts, secs in events:
+            by_name.setdefault(name, [0, 0.0])
+            by_name[name][0] += 1
+            by_name[name][1] += secs if secs == secs else 0.0
+        return {"triton_compiles": len(events), "triton_compile_s": round(sum(v[1] for v in by_name.values()), 1),
+                "triton_by_kernel": {k: [v[0], round(v[1], 1)] for k, v in
+                                     sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]},
+                "triton_examples": [list(e) for e in events[:40]],
+                "deepgemm_new_kernels": len(new_dg), "deepgemm_examples": [os.path.basename(d) for d in new_dg[:20]],
+                "dynamo_new_graphs": new_frames}
+
+
+def bench_in_process(model: str, budgets: list[int] | None, extra: list[str], out: str, runs_per_budget: int = 1
+                     ) -> list[dict]:
+    """`minidsa bench`'s workload on ONE engine (start-up and JIT paid once): the first run right after start-up
+    (what is left to JIT after the start-up warm-up shows in its TTFT), then `runs_per_budget` runs per mixed
+    prefill budget, set on the live scheduler between runs. Each row also fits the step cost: wall time of a
+    step against its decode rows and prefill tokens (ms = a + b * rows + c * prefill tokens, least squares).
+    Rows are written to `out`/engine_loop_inprocess.json as they come (a timed-out call keeps what ran)."""
+    from minidsa import bench
+    from minidsa.cli import build_parser, engine_config_from_args
+    from minidsa.engine import Engine
+
+    args = build_parser().parse_args(["bench", "--model", model, *extra])
+    if args.log_level:  # e.g. --bench-args "--log-level INFO": the engine's start-up breakdown
+        import logging
+
+        logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(name)s: %(message)s")
+    jit = JitWatch()
+    start = time.perf_counter()
+    engine = Engine(engine_config_from_args(args), progress=False)
+    startup_s = time.perf_counter() - start
+    print(f"start-up {startup_s:.1f} s, compiled then: {json.dumps(jit.take())}", flush=True)
+    w = bench.make_workload(args.workload, args.num_requests, args.input_len, args.output_len, args.workload_seed,
+                            args.shared_prefix_len, engine.runner.device.type == "cuda", engine.vocab_size,
+                            engine.max_model_len)
+    composition: list[tuple[int, int] | None] = []  # per engine step: (decode rows, prefill tokens) it scheduled
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        batch = schedule()
+        composition.append(None if batch is None else
+                           (batch.num_decode, sum(batch.extend_lens) - batch.num_decode))
+        return batch
+
+    engine.scheduler.schedule = recording_schedule  # observe only: the same batches are returned
+    rows: list[dict] = []
+    default_budget = engine.scheduler.max_mixed_prefill_tokens
+    plan = [("first after start-up", default_budget)] + [
+        ("warm", b) for b in (budgets or [default_budget]) for _ in range(runs_per_budget)]
+    for label, budget in plan:
+        engine.scheduler.max_mixed_prefill_tokens = budget
+        composition.clear()
+        r = bench.run_workload(engine, w, progress=False)
+        engine.check_no_leaks()
+        row = {"run": label, "max_mixed_prefill_tokens": budget, "startup_s": startup_s,
+               "output_tokens_per_s": r["output_tokens_per_s"],
+               "itl_p50_ms": r["itl_s"]["p50"] * 1e3, "itl_p90_ms": r["itl_s"]["p90"] * 1e3,
+               "itl_p99_ms": r["itl_s"]["p99"] * 1e3,
+               "ttft_p50_ms": r["ttft_s"]["p50"] * 1e3, "ttft_p99_ms": r["ttft_s"]["p99"] * 1e3,
+               "duration_s": r["duration_s"], "num_requests": r["num_requests"], "num_steps": r["num_steps"],
+               "step_cost": _fit_step_cost(r["timeline"], composition, overlap=engine.overlap),
+               "slow_steps": _slow_steps(r["timeline"], composition), "compiled_during_run": jit.take()}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        with open(os.path.join(out, "engine_loop_inprocess.json"), "w") as f:
+            json.dump({"model": model, "extra": extra, "rows": rows}, f, indent=2)
+    engine.close()
+    return rows
+
+
+def _slow_steps(timeline: list, composition: list, over_ms: float = 100.0, keep: int = 40) -> list:
+    """Steps whose engine.step took over `over_ms`: [index, seconds since start, ms, this call's batch (decode
+    rows, prefill tokens), the previous call's batch] (under the overlap a call waits for the previous one)."""
+    out = []
+    for i in range(len(timeline)):
+        ms = (timeline[i][0] - (timeline[i - 1][0] if i else 0.0)) * 1e3
+        if ms > over_ms:
+            out.append([i, round(timeline[i][0], 2), round(ms, 1), composition[i] if i < len(composition) else None,
+                        composition[i - 1] if 0 < i <= len(composition) else None])
+    return out[:keep]
+
+
+def _fit_step_cost(timeline: list, composition: list, overlap: bool) -> dict:
+    """Least-squares fit of step wall time (ms) = a + b * decode rows + c * prefill tokens, and how the steps
+    with prefill compare with those without. Under the overlap, step i's wall time is mostly the wait for the
+    step launched by call i - 1, so the wall times are paired with the previous call's batch."""
+    times = [timeline[0][0]] + [timeline[i][0] - timeline[i - 1][0] for i in range(1, len(timeline))]
+    shift = 1 if overlap else 0
+    pairs = [(composition[i - shift], times[i] * 1e3) for i in range(shift, min(len(times), len(composition)))
+             if composition[i - shift] is not None]
+    pairs = pairs[2:]  # the first steps of a run carry its start (no steady state yet)
+    if len(pairs) < 4:
+        return {}
+    x = torch.tensor([[1.0, rows, prefill] for (rows, prefill), _ in pairs], dtype=torch.float64)
+    y = torch.tensor([ms for _, ms in pairs], dtype=torch.float64)
+    coef = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1).tolist()
+    mixed = [ms for (rows, prefill), ms in pairs if prefill and rows]
+    decode = [ms for (rows, prefill), ms in pairs if not prefill]
+    median = lambda xs: float(torch.tensor(xs).median()) if xs else float("nan")  # noqa: E731
+    prefill_tokens = sorted(prefill for (rows, prefill), _ in pairs if prefill and rows)
+    return {"ms_fixed": coef[0], "ms_per_decode_row": coef[1], "us_per_prefill_token": coef[2] * 1e3,
+            "decode_steps": len(decode), "decode_step_ms_median": median(decode),
+            "mixed_steps": len(mixed), "mixed_step_ms_median": median(mixed),
+            "mixed_prefill_tokens_median": prefill_tokens[len(prefill_tokens) // 2] if prefill_tokens else 0}
+
+
 def to_markdown(result: dict) -> str:
     lines = [f"# Engine loop ({result['model']}, {result['device']}, tensor_parallel_size "
              f"{result['tensor_parallel_size']}, {result['distributed_executor_backend']})", "",
@@ -284,6 +447,20 @@ def to_markdown(result: dict) -> str:
                          f"{r['itl_p50_ms']:.2f} | "
                          f"{r['itl_p99_ms']:.2f} | {r['itl_p99_ms'] / r['itl_p50_ms']:.2f} | "
                          f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} |")
+    if result.get("bench_in_process"):
+        lines += ["", "One engine, in process:", "", "| run | mixed prefill budget | output tok/s | ITL p50 (ms) | "
+                  "ITL p99 (ms) | p99/p50 | TTFT p50 (ms) | TTFT p99 (ms) | decode / mixed step median (ms) | "
+                  "mixed steps | fit: ms fixed + per row + us per prefill token |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in result["bench_in_process"]:
+            c = r["step_cost"] or {}
+            lines.append(f"| {r['run']} | {r['max_mixed_prefill_tokens']} | {r['output_tokens_per_s']:.0f} | "
+                         f"{r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} | {r['itl_p99_ms'] / r['itl_p50_ms']:.2f} | "
+                         f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
+                         f"{c.get('decode_step_ms_median', float('nan')):.2f} / "
+                         f"{c.get('mixed_step_ms_median', float('nan')):.2f} | {c.get('mixed_steps', 0)} | "
+                         f"{c.get('ms_fixed', float('nan')):.2f} + {c.get('ms_per_decode_row', float('nan')):.3f} + "
+                         f"{c.get('us_per_prefill_token', float('nan')):.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -317,6 +494,10 @@ def main(argv=None) -> int:
     p.add_argument("--mixed-budgets", type=_budgets, default=None, metavar="B1,B2,...",
                    help="part 2 as a sweep: one `minidsa bench` per --max-mixed-prefill-tokens value (overlap and "
                         "mixed steps on) instead of the overlap / mixed on-off settings, e.g. 256,512,1024,2048,8192")
+    p.add_argument("--in-process", action="store_true",
+                   help="part 2 on one engine in this process (one start-up, one JIT): the first run after start-up, "
+                        "then the --mixed-budgets (or the default budget) warm, with a fit of the step cost")
+    p.add_argument("--runs-per-budget", type=int, default=1, help="with --in-process: warm runs of each budget")
     p.add_argument("--allow-cpu", action="store_true", help="run without a GPU (a smoke run of this script)")
     p.add_argument("--profile", action="store_true",
                    help="profile the timed steady decode steps (torch.profiler): GPU idle time and GPU time per "
@@ -346,7 +527,11 @@ def main(argv=None) -> int:
                                      args.cuda_graph_max_bs, compile=not args.disable_compile, parallel=parallel,
                                      profile=args.profile, temperature=args.temperature,
                                      mixed_step=args.mixed_step)
-    if not args.skip_bench:
+    if not args.skip_bench and args.in_process:
+        extra = bench_parallel + args.bench_args.split() + (["--disable-compile"] if args.disable_compile else [])
+        result["bench_in_process"] = bench_in_process(args.model, args.mixed_budgets, extra, args.out,
+                                                      args.runs_per_budget)
+    elif not args.skip_bench:
         extra = bench_parallel + args.bench_args.split() + (["--disable-compile"] if args.disable_compile else [])
         # Triton compiles a kernel for each new shape class the first time it runs, and its disk cache keeps
         # it: the first run of a workload in a fresh machine pays that (seconds of TTFT), so one run whose
