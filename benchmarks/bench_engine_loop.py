@@ -297,7 +297,8 @@ class JitWatch:
         constants = (kw.get("compile") or {}).get("constants") or {}
         consts = {k[0] if isinstance(k, tuple) else k: v for k, v in constants.items()
                   if isinstance(v, (int, bool, str))}
-        self.events.append((name, str(consts)[:160], time.perf_counter() - began if began else float("nan")))
+        self.events.append((name, f"{str(consts)[:160]} key {str(kw.get('key'))[:400]}",
+                            time.perf_counter() - began if began else float("nan")))
         return None
 
     def _dg_entries(self) -> set[str]:
@@ -372,7 +373,8 @@ def bench_in_process(model: str, budgets: list[int] | None, extra: list[str], ou
     for label, budget in plan:
         engine.scheduler.max_mixed_prefill_tokens = budget
         composition.clear()
-        r = bench.run_workload(engine, w, progress=False)
+        # The prompts again, as a fresh engine would see them: no prefix-cache hits from the runs before
+        r = bench.run_workload(engine, w, progress=False, use_prefix_cache=False)
         engine.check_no_leaks()
         row = {"run": label, "max_mixed_prefill_tokens": budget, "startup_s": startup_s,
                "output_tokens_per_s": r["output_tokens_per_s"],
@@ -381,7 +383,10 @@ def bench_in_process(model: str, budgets: list[int] | None, extra: list[str], ou
                "ttft_p50_ms": r["ttft_s"]["p50"] * 1e3, "ttft_p99_ms": r["ttft_s"]["p99"] * 1e3,
                "duration_s": r["duration_s"], "num_requests": r["num_requests"], "num_steps": r["num_steps"],
                "step_cost": _fit_step_cost(r["timeline"], composition, overlap=engine.overlap),
-               "slow_steps": _slow_steps(r["timeline"], composition), "compiled_during_run": jit.take()}
+               "slow_steps": _slow_steps(r["timeline"], composition), "compiled_during_run": jit.take(),
+               # per engine.step: [ms, decode rows, prefill tokens] of the batch it launched ([ms, 0, 0]: none)
+               "steps": [[round((t - (r["timeline"][i - 1][0] if i else 0.0)) * 1e3, 2), *(c or (0, 0))]
+                         for i, ((t, _, _), c) in enumerate(zip(r["timeline"], composition))]}
         rows.append(row)
         print(json.dumps(row), flush=True)
         with open(os.path.join(out, "engine_loop_inprocess.json"), "w") as f:

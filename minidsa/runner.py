@@ -175,6 +175,8 @@ class ModelRunner:
                             self.device)
             return
         capture = self.device.type == "cuda"
+        if capture:
+            self._warm_up_deepgemm()
         if not cfg.enable_cuda_graph:
             logger.info("CUDA graphs disabled (enable_cuda_graph=False): decode runs eagerly, uncompiled "
                         "(torch.compile serves the captured steps)")
@@ -242,6 +244,24 @@ class ModelRunner:
             return self.model.forward_mtp(batch, self.attn, hidden_prev, prev_topk, layer)
 
         return run_main, run_mtp
+
+    def _warm_up_deepgemm(self) -> None:
+        """DeepGEMM's dense FP8 GEMM JIT-compiles per tile choice, and the choice follows the rows: every row
+        class a step can bring (`deepgemm.gemm_rows`, up to the largest step) runs once here, per weight shape,
+        so no prefill or mixed step compiles one mid-serving (seconds each)."""
+        from minidsa.kernels import deepgemm
+        from minidsa.layers.linear import deepgemm_weights
+
+        weights = deepgemm_weights(self.model)
+        if not weights:
+            return
+        start = time.perf_counter()
+        cfg = self.config
+        calls = deepgemm.warm_up_fp8_gemms(weights, max(cfg.max_prefill_tokens, cfg.chunked_prefill_size,
+                                                        cfg.max_running_requests))
+        torch.cuda.synchronize(self.device)
+        logger.info("DeepGEMM FP8 GEMM warmed up in %.1f s (%d calls: every row class of %d weight shapes)",
+                    time.perf_counter() - start, calls, len({tuple(w.shape) for w, _ in weights}))
 
     def _warm_up_uncaptured(self, with_mtp: bool, tokens: int) -> None:
         """Run the uncaptured compiled path once per shape class it will meet, so that Dynamo / inductor (and the

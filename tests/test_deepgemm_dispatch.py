@@ -33,7 +33,7 @@ from minidsa.attention.dsa import DSABackend  # noqa: E402
 from minidsa.kernels import choice as kernel_choice  # noqa: E402
 from minidsa.kernels.choice import KernelChoice, choose_kernels  # noqa: E402
 from minidsa.batch import ForwardBatch, ForwardMode  # noqa: E402
-from minidsa.kernels import deepgemm, dispatch  # noqa: E402
+from minidsa.kernels import deepgemm, dispatch, fp8  # noqa: E402
 from minidsa.kernels import reference as ref  # noqa: E402
 from minidsa.kv_cache import (IndexerLayout, KVCache, MLALayout, PageAllocator, ReqToTokenPool,  # noqa: E402
                               pages_needed, slots_of)
@@ -50,7 +50,27 @@ def test_dispatch_in_child_process():
 # ---------------------------------------------------------------------------
 # a torch stand-in for deep_gemm, following its documented contract
 # ---------------------------------------------------------------------------
-def make_stand_in(calls: dict, fail: bool = False, drop: str | None = None) -> types.ModuleType:
+def dg_schedule(context_lens: torch.Tensor, num_sms: int, split_kv: int = 256) -> torch.Tensor:
+    """DeepGEMM's paged schedule, one SM at a time: each row's context is cut into ceil(len / split_kv)
+    segments, the total dealt out evenly (the first total % num_sms SMs one more), and SM i's first segment
+    named as (row, segment within the row); a start past every segment is (rows, 0)."""
+    segments = [-(-int(n) // split_kv) for n in context_lens.reshape(-1)]
+    total = sum(segments)
+    out = []
+    for sm in range(num_sms + 1):
+        start = sm * (total // num_sms) + min(sm, total % num_sms)
+        row, before = 0, 0
+        while row < len(segments) and before + segments[row] <= start:
+            before += segments[row]
+            row += 1
+        out.append([row, start - before if row < len(segments) else 0])
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def make_stand_in(calls: dict, fail: bool = False, drop: str | None = None,
+                  schedule_differs: bool = False) -> types.ModuleType:
+    """`schedule_differs`: its metadata marks what it was made for instead (a build whose schedule is not
+    the one minidsa computes); its kernel then checks that marker."""
     mod = types.ModuleType("deep_gemm")
     mod.__version__ = "stand-in"
 
@@ -58,6 +78,8 @@ def make_stand_in(calls: dict, fail: bool = False, drop: str | None = None) -> t
         assert context_lens.dim() == 2 and context_lens.shape[1] == 1, "context lengths must be (N, 1)"
         assert context_lens.dtype == torch.int32 and context_lens.is_contiguous()
         calls["schedule"] = calls.get("schedule", 0) + 1
+        if not schedule_differs:
+            return dg_schedule(context_lens, num_sms)
         meta = torch.zeros(num_sms + 1, 2, dtype=torch.int32)
         meta[0] = torch.stack([context_lens.sum(), torch.tensor(block_kv)])  # what it was made for
         return meta
@@ -73,7 +95,10 @@ def make_stand_in(calls: dict, fail: bool = False, drop: str | None = None) -> t
         assert next_n == 1 and q.dtype == torch.float8_e4m3fn and weights.shape == (num_q, heads)
         assert kv_cache.dtype == torch.uint8 and kv_cache.shape[2:] == (1, d + 4)
         assert context_lens.shape == (num_q, 1) and block_table.dtype == torch.int32
-        assert int(schedule_meta[0, 0]) == int(context_lens.sum()), "stale schedule"
+        if schedule_differs:
+            assert int(schedule_meta[0, 0]) == int(context_lens.sum()), "stale schedule"
+        else:
+            assert torch.equal(schedule_meta, dg_schedule(context_lens, schedule_meta.shape[0] - 1)), "stale schedule"
         keys, scales = ref.fp8_views(kv_cache.reshape(num_pages, -1), block_kv, d)
         aligned = -(-max_context_len // 256) * 256
         out = torch.full((num_q, aligned), float("nan"))  # undefined past the context
@@ -228,9 +253,35 @@ def test_deepgemm_paged_path_matches_reference(sm90, monkeypatch, tree):
         want = ref.index_logits(*args)
         assert torch.equal(torch.isinf(got), torch.isinf(want)) and not got.isnan().any()
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert calls["paged"] == calls["schedule"] == 2  # a fresh schedule for every call
+    assert calls["paged"] == 2  # the stand-in checked each call's schedule against its context lengths
+    assert calls["schedule"] == 2  # the start-up check's two samples: minidsa computed the schedules
     vis_end = args[6] + (4 if tree else 0)
     assert torch.equal(calls["context_lens"][0], vis_end.view(-1, 1).int())
+
+
+@pytest.mark.skipif(INTERPRETED, reason="pure torch: runs once, in the parent process")
+@pytest.mark.parametrize("num_sms", [132, 7])
+def test_paged_schedule_is_deepgemms_split(num_sms):
+    g = torch.Generator().manual_seed(num_sms)
+    cases = [[1], [0], [0, 0, 5], [256], [257, 255, 0, 512], [70000], [3] * 300,
+             torch.randint(0, 3000, (97,), generator=g).tolist(), torch.randint(0, 200, (40,), generator=g).tolist()]
+    for lens in cases:
+        ctx = deepgemm.context_lens_2d(torch.tensor(lens))
+        assert torch.equal(deepgemm.paged_schedule(ctx, num_sms), dg_schedule(ctx, num_sms)), lens
+
+
+@in_this_process
+def test_build_with_another_schedule_keeps_its_own_metadata_kernel(sm90, monkeypatch, caplog):
+    calls: dict = {}
+    _with_module(monkeypatch, make_stand_in(calls, schedule_differs=True))
+    with caplog.at_level(logging.WARNING):
+        ops = dispatch.ops_for(kernel_choice.choose("cpu"))
+    assert "schedule differs from minidsa's at page size 64" in caplog.text
+    calls["schedule"] = 0
+    args = _paged_case(5)
+    for _ in range(2):
+        torch.testing.assert_close(ops.index_logits(*args), ref.index_logits(*args), rtol=1e-4, atol=1e-4)
+    assert calls["paged"] == calls["schedule"] == 2  # its metadata made fresh for every call
 
 
 @in_this_process
@@ -442,3 +493,52 @@ def test_compiled_prefill_with_deep_gemm_compiles_nothing_after_start_up(sm90, m
         llm.generate(wave, params)
     assert counter.frame_count == at_start_up, "compiled again while serving"
 
+
+
+# ---------------------------------------------------------------------------
+# the dense FP8 GEMM: row classes, so DeepGEMM's per-tile-choice JIT happens at start-up
+# ---------------------------------------------------------------------------
+@pytest.mark.skipif(INTERPRETED, reason="pure arithmetic: runs once, in the parent process")
+def test_gemm_rows_are_few_classes_with_little_padding():
+    classes = deepgemm.gemm_row_classes(8192)
+    assert len(classes) < 60 and classes == sorted(set(classes)) and classes[-1] == 8192
+    for m in range(1, 8193):
+        rows = deepgemm.gemm_rows(m)
+        assert rows >= m and rows in classes
+        assert rows - m < (16 if m <= 128 else m / 8)  # 12.5% at most past 128 rows
+        assert deepgemm.gemm_rows(rows) == rows
+
+
+def gemm_stand_in(rows_seen: list):
+    """DeepGEMM's fp8_gemm_nt contract in torch: out = (e4m3 a x its 1x128 scales) @ (e4m3 b x 128x128)^T."""
+    def fp8_gemm_nt(a, b, out):
+        (a8, a_s), (w8, w_s) = a, b
+        assert a8.dtype == w8.dtype == torch.float8_e4m3fn and out.dtype == torch.bfloat16
+        assert a8.shape[0] == a_s.shape[0] == out.shape[0]
+        rows_seen.append(a8.shape[0])
+        acts = a8.float() * a_s.repeat_interleave(128, 1)[:, :a8.shape[1]]
+        out.copy_(acts @ fp8.dequant_block(w8, w_s).T)
+
+    return types.SimpleNamespace(fp8_gemm_nt=fp8_gemm_nt, __version__="stand-in")
+
+
+@in_this_process
+def test_fp8_gemm_runs_row_classes_and_start_up_compiles_every_one(sm90, monkeypatch):
+    rows_seen: list = []
+    _with_module(monkeypatch, gemm_stand_in(rows_seen))
+    assert deepgemm.fp8_gemm_status(torch.device("cpu")).available
+    g = torch.Generator().manual_seed(0)
+    w8, ws = fp8.quant_block(torch.randn(192, 256, generator=g))
+    # Start-up: every class up to 300 rows, once per weight shape (the second weight has the same shape).
+    calls = deepgemm.warm_up_fp8_gemms([(w8, ws), (w8.clone(), ws.clone())], max_rows=300)
+    warmed = set(rows_seen)
+    served = [r for r in deepgemm.gemm_row_classes(300) if deepgemm.fp8_gemm_wins(r, 192, 256)]  # Triton below
+    assert calls == len(rows_seen) and rows_seen == served
+    rows_seen.clear()
+    for m in (17, 129, 200, 300):  # then any size runs a class compiled at start-up, with the exact result
+        x = torch.randn(m, 256, generator=g).bfloat16()
+        y = deepgemm.fp8_gemm_nt(x, w8, ws)
+        assert y.shape == (m, 192) and y.is_contiguous()
+        want = fp8.w8a8_block_matmul_reference(x.float(), w8, ws)
+        torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
+    assert rows_seen == [32, 144, 208, 320] and set(rows_seen) <= warmed

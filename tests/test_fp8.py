@@ -471,3 +471,17 @@ def test_quantization_flag():
     assert engine_config_from_args(parser.parse_args([])).quantization == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int4"])
+
+
+def test_deepgemm_weights_are_what_runs_each_fused_projection_once():
+    """The start-up DeepGEMM warm-up takes the weights that run: a FusedLinear's, not its members' views."""
+    from minidsa.layers.linear import FusedLinear, Linear, deepgemm_weights, set_gemm
+
+    q_a, kv_a, o = Linear(256, 128), Linear(256, 128), Linear(256, 64)
+    plain = Linear(256, 64)  # high precision: not DeepGEMM's
+    for lin in (q_a, kv_a, o):
+        lin.make_fp8_()
+    model = torch.nn.ModuleDict(dict(q_a=q_a, kv_a=kv_a, o=o, plain=plain, fused=FusedLinear(q_a, kv_a)))
+    assert deepgemm_weights(model) == []  # no module was given to DeepGEMM
+    set_gemm(model, "deepgemm")
+    assert sorted(tuple(w.shape) for w, _ in deepgemm_weights(model)) == [(64, 256), (256, 256)]

@@ -3,7 +3,8 @@
 Contract relied on (DeepGEMM's public Python API; see shared/REFERENCE_NOTES.md):
 - `get_paged_mqa_logits_metadata(context_lens [B, next_n] int32, block_kv, num_sms)`
   -> schedule `[num_sms + 1, 2]` int32. Recomputed on every call: a schedule
-  made for other context lengths can hang the kernel.
+  made for other context lengths can hang the kernel. `paged_schedule` computes
+  the same in torch (checked at start-up) without its per-size JIT.
 - `fp8_paged_mqa_logits(q [B, next_n, H, D] e4m3, kv_cache [pages, block_kv, 1, D + 4]
   uint8, weights [B * next_n, H] fp32, context_lens, block_table [B, blocks] int32,
   schedule, max_context_len, clean_logits)` -> `[B * next_n, max_context_len]`
@@ -62,6 +63,7 @@ def reset() -> None:
     _module, _disabled = None, None
     _gemm_module, _gemm_disabled, _grouped_contiguous, _grouped_disabled = None, None, None, None
     _status.clear()
+    _own_schedule.clear()
 
 
 def probe(device: torch.device) -> DeepGEMMStatus:
@@ -74,8 +76,58 @@ def probe(device: torch.device) -> DeepGEMMStatus:
                                "DeepGEMM's indexer needs SM90 or SM100")
     if mod is not None:
         _module = mod
+        _check_schedule(mod, device, (64,) if status.sm_major == 9 else (32, 64))
     _status[key] = status
     return status
+
+
+# fp8_paged_mqa_logits cuts each query row's context into segments of this many keys and deals the segments out
+# evenly to the SMs (DeepGEMM's split_kv, 256 with its 64-key pages).
+SCHEDULE_SPLIT_KV = 256
+_own_schedule: set[int] = set()  # page sizes for which `paged_schedule` was checked equal to DeepGEMM's
+
+
+def paged_schedule(context_lens: torch.Tensor, num_sms: int, split_kv: int = SCHEDULE_SPLIT_KV) -> torch.Tensor:
+    """The paged kernel's SM schedule for (N, 1) context lengths: [num_sms + 1, 2] int32, where SM i's share
+    starts (query row, segment within that row); entry num_sms is the end.
+
+    DeepGEMM's get_paged_mqa_logits_metadata computes the same, but its kernel is JIT-compiled per batch size
+    rounded up to 32, and every query token is a batch row here: each new size class of mixed step compiled one
+    (~1.5 s, 31 of them in the first `minidsa bench` on an H100). These torch ops take any size, have no host
+    sync (CUDA graphs capture them) and are checked equal to DeepGEMM's at start-up (`probe`)."""
+    lens = context_lens.reshape(-1).to(torch.int64)
+    if lens.numel() == 0:
+        return torch.zeros(num_sms + 1, 2, dtype=torch.int32, device=lens.device)
+    segments = (lens + split_kv - 1) // split_kv
+    ends = torch.cumsum(segments, 0)  # row r's segments are [ends[r] - segments[r], ends[r])
+    total = ends[-1]
+    sm = torch.arange(num_sms + 1, device=lens.device)
+    start = sm * (total // num_sms) + torch.minimum(sm, total % num_sms)  # the first SMs take one extra
+    row = torch.searchsorted(ends, start, right=True)  # the first row ending after `start`; N past the end
+    before = torch.where(row > 0, ends[(row - 1).clamp(min=0)], 0)
+    segment = torch.where(row < lens.numel(), start - before, 0)
+    return torch.stack([row, segment], 1).to(torch.int32)
+
+
+def _check_schedule(mod: ModuleType, device: torch.device, page_sizes: tuple[int, ...]) -> None:
+    """Use `paged_schedule` for a page size only where it equals this DeepGEMM build's metadata on a sample
+    (zero, partial and whole segments, more segments than SMs and fewer); elsewhere DeepGEMM's own serves."""
+    num_sms = _num_sms(device)
+    samples = [[0, 1, 255, 256, 257, 5000, 64, 3, 70000, 511, 512, 513, 9] * 3, [7, 300]]
+    for page_size in page_sizes:
+        try:
+            same = all(torch.equal(paged_schedule(ctx, num_sms).cpu(),
+                                   mod.get_paged_mqa_logits_metadata(ctx, page_size, num_sms).cpu())
+                       for ctx in (context_lens_2d(torch.tensor(s, device=device)) for s in samples))
+        except Exception as e:
+            same = False
+            logger.warning("DeepGEMM: comparing schedules failed (%s: %s)", type(e).__name__, e)
+        if same:
+            _own_schedule.add(page_size)
+        else:
+            _own_schedule.discard(page_size)
+            logger.warning("DeepGEMM: this build's paged-logits schedule differs from minidsa's at page size %d; its "
+                           "own metadata kernel serves (it compiles once per batch size class)", page_size)
 
 
 def unsupported(num_heads: int, head_dim: int, page_size: int, fp8_cache: bool) -> str | None:
@@ -152,6 +204,8 @@ def schedule(context_lens: torch.Tensor, page_size: int, num_sms: int) -> torch.
     """get_paged_mqa_logits_metadata; an unused zero schedule when DeepGEMM is not loaded or has failed."""
     if _module is None or _disabled is not None:
         return torch.zeros(num_sms + 1, 2, dtype=torch.int32, device=context_lens.device)
+    if page_size in _own_schedule:
+        return paged_schedule(context_lens, num_sms)
     try:
         return _module.get_paged_mqa_logits_metadata(context_lens, page_size, num_sms)
     except Exception as e:
@@ -282,8 +336,32 @@ def gemm_disabled_reason() -> str | None:
     return _gemm_disabled
 
 
+def gemm_rows(m: int) -> int:
+    """The rows fp8_gemm_nt is run with for an m-row input: m rounded up to its size class, multiples of 16 up to
+    128, then 8 classes per doubling (padding under 12.5%).
+
+    DeepGEMM picks its tiles, stages and cluster from M (the fewest waves over the SMs) and JIT-compiles each
+    new choice. Mixed steps and prefill chunks come in every token count, and the first `minidsa bench` on an H100
+    stalled ~1-20 s at a time compiling them mid-serving (up to 22 choices for one V3.2 projection at M <= 8192).
+    With classes the choices are few and fixed, and `warm_up_fp8_gemms` compiles them all at start-up."""
+    if m <= 128:
+        return -(-m // 16) * 16
+    step = 1 << ((m - 1).bit_length() - 4)
+    return -(-m // step) * step
+
+
+def gemm_row_classes(max_rows: int) -> list[int]:
+    """Every `gemm_rows` value of 1..max_rows."""
+    classes, m = [], 1
+    while m <= max_rows:
+        classes.append(gemm_rows(m))
+        m = classes[-1] + 1
+    return classes
+
+
 def fp8_gemm_nt(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor | None:
-    """x [M, K] bf16 @ weight^T through DeepGEMM; None when it cannot serve this call (the caller runs Triton)."""
+    """x [M, K] bf16 @ weight^T through DeepGEMM; None when it cannot serve this call (the caller runs Triton).
+    Runs `gemm_rows(M)` rows (the padding rows' outputs are never read)."""
     global _gemm_disabled
     if _gemm_module is None or _gemm_disabled is not None or x.dtype != torch.bfloat16 or x.shape[0] == 0:
         return None
@@ -291,15 +369,37 @@ def fp8_gemm_nt(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) 
         return None  # DeepGEMM's TMA tiles want K in whole 128-blocks and N in 64s
     from minidsa.kernels.fp8_gemm import quant_act
 
-    xq, xs = quant_act(x.contiguous())
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16, device=x.device)
+    m = x.shape[0]
+    rows = gemm_rows(m)
+    xq, xs = quant_act(x.contiguous(), rows)
+    out = torch.empty(rows, weight.shape[0], dtype=torch.bfloat16, device=x.device)
     try:
         _gemm_module.fp8_gemm_nt((xq, xs), (weight, scale_inv.float()), out)
     except Exception as e:  # a build whose contract differs: never fail the step for it
         _gemm_disabled = f"fp8_gemm_nt failed: {type(e).__name__}: {e}"
         logger.error("DeepGEMM %s; the Triton FP8 GEMM serves from now on", _gemm_disabled)
         return None
-    return out
+    return out[:m]
+
+
+def warm_up_fp8_gemms(weights: list[tuple[torch.Tensor, torch.Tensor]], max_rows: int) -> int:
+    """Run fp8_gemm_nt once per row class up to `max_rows` for each distinct weight shape, so DeepGEMM compiles
+    every kernel serving can ask for now (its disk cache keeps them for the next start). Returns the calls made."""
+    if _gemm_module is None or _gemm_disabled is not None:
+        return 0
+    calls, seen = 0, set()
+    for weight, scale_inv in weights:
+        if tuple(weight.shape) in seen:
+            continue
+        seen.add(tuple(weight.shape))
+        for rows in gemm_row_classes(max_rows):
+            if not fp8_gemm_wins(rows, weight.shape[0], weight.shape[1]):
+                continue  # served by the Triton GEMM at this size
+            x = torch.zeros(rows, weight.shape[1], dtype=torch.bfloat16, device=weight.device)
+            if fp8_gemm_nt(x, weight, scale_inv) is None:
+                return calls
+            calls += 1
+    return calls
 
 
 # ---------------------------------------------------------------- grouped FP8 GEMMs (routed experts, prefill)

@@ -148,12 +148,13 @@ def pick_tiles(m: int, n: int, k: int, num_sms: int) -> GemmTiles:
     return GemmTiles(block_m, 128, split, False, 4 if block_m == 64 else 8, 3)
 
 
-def quant_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K/128)]): `fp8.quant_act_per_token_group` on the GPU."""
+def quant_act(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K/128)]): `fp8.quant_act_per_token_group` on the GPU.
+    `rows` >= M: the outputs have that many rows, those past M left unwritten (a GEMM's padding rows)."""
     m, k = x.shape
     num_kb = -(-k // FP8_BLOCK)
-    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty(m, num_kb, dtype=torch.float32, device=x.device)
+    q = torch.empty(rows or m, k, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(rows or m, num_kb, dtype=torch.float32, device=x.device)
     rows = 16
     _act_quant_kernel[(triton.cdiv(m, rows), num_kb)](x, q, s, m, k, x.stride(0), q.stride(0), num_kb,
                                                        ROWS=rows, BLOCK_K=FP8_BLOCK, EMULATE_CAST=EMULATE_CAST)

@@ -194,3 +194,13 @@ def set_gemm(model: nn.Module, gemm: str) -> None:
     for mod in model.modules():
         if isinstance(mod, (Linear, FusedLinear)) or hasattr(mod, "gemm"):
             mod.gemm = gemm
+
+
+def deepgemm_weights(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(e4m3 weight, scales) of every FP8 projection `set_gemm` gave to DeepGEMM (fused ones as one)."""
+    mods = [m for m in model.modules() if isinstance(m, (Linear, FusedLinear)) and m.gemm == "deepgemm"
+            and m.weight is not None and getattr(m, "weight_scale_inv", None) is not None]
+    # A member of a FusedLinear holds a view of the fused weight and never runs alone.
+    fused = {m.weight.untyped_storage().data_ptr() for m in mods if isinstance(m, FusedLinear)}
+    return [(m.weight, m.weight_scale_inv) for m in mods
+            if isinstance(m, FusedLinear) or m.weight.untyped_storage().data_ptr() not in fused]

@@ -34,7 +34,7 @@ SHAPES = [
     ("glm5 q_a|wk|kv_a", 2048 + 128 + 576, 6144),
     ("glm5 o_proj", 6144, 64 * 256),
 ]
-MS = (1, 8, 32, 128, 2048)
+MS = (1, 8, 32, 128, 300, 2048)  # 300: DeepGEMM runs it as a 320-row class (deepgemm.gemm_rows)
 
 
 def _weights(n: int, k: int, seed: int = 0):

@@ -271,3 +271,19 @@ def test_deepgemm_and_triton_select_the_same_topk():
     assert dg is not None, deepgemm.disabled_reason()
     tr = indexer.index_logits(q, w, cache, PAGE, r2t, rows, kv_lens, width)
     assert _overlap(topk.topk_slots(dg, TOPK, r2t, rows)[0], topk.topk_slots(tr, TOPK, r2t, rows)[0]) >= 0.99
+
+
+@pytest.mark.parametrize("tokens", [1, 31, 32, 33, 200, 1000, 4099])
+def test_own_paged_schedule_is_what_deepgemm_computes(tokens):
+    """minidsa computes the paged kernel's schedule itself (DeepGEMM's metadata kernel compiles per batch size
+    class); the probe checked a sample, this checks batch sizes across classes against the library."""
+    status = deepgemm.probe(DEV)
+    if not status.available:
+        pytest.skip(f"DeepGEMM not usable here: {status.reason}")
+    assert PAGE in deepgemm._own_schedule, "the start-up check found DeepGEMM's schedule different"
+    num_sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    lens = torch.randint(0, 70000, (tokens,), device=DEV, generator=_gen(tokens))
+    lens[::7] = torch.randint(0, 300, lens[::7].shape, device=DEV, generator=_gen(tokens + 1))
+    ctx = deepgemm.context_lens_2d(lens)
+    want = deepgemm._module.get_paged_mqa_logits_metadata(ctx, PAGE, num_sms)
+    assert torch.equal(deepgemm.paged_schedule(ctx, num_sms), want)
