@@ -22,7 +22,7 @@ import torch
 from minidsa.attention.dsa import DSABackend
 from minidsa.batch import ForwardBatch, ForwardMode
 from minidsa.config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
-from minidsa.graphs import DEFAULT_BUCKETS, StepGraphs, StepKind
+from minidsa.graphs import DEFAULT_BUCKETS, EXTEND_TOKEN_BUCKETS, StepGraphs, StepKind
 from minidsa.kernels.choice import choose_fp8_gemm, choose_kernels
 from minidsa.kv_cache import (IndexerLayout, KVCache, MLALayout, PageAllocator, ReqToTokenPool, kv_bytes_per_token,
                                pages_needed)
@@ -194,14 +194,18 @@ class ModelRunner:
         buckets = [b for b in DEFAULT_BUCKETS if b <= limit] or [1]
         if buckets[-1] < limit:
             buckets.append(limit)
+        step_tokens = max(cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.max_running_requests)
+        extend_buckets = [b for b in EXTEND_TOKEN_BUCKETS if b <= step_tokens]
+        if extend_buckets:  # prefill chunks and mixed steps up to a bucket's tokens
+            kinds.append(StepKind("extend", ForwardMode.EXTEND, 0, 0, False))
         self.graphs = StepGraphs(run_main, run_mtp, kinds, buckets, self.table_width, self.model_config.hidden_size,
-                                 self.dtype, self.device, capture=capture, ctx_buckets=CTX_BUCKETS)
+                                 self.dtype, self.device, capture=capture, ctx_buckets=CTX_BUCKETS,
+                                 extend_buckets=extend_buckets, max_requests=cfg.max_running_requests)
         if self.compiled:
             # Batches without a graph (prefill chunks, mixed steps, oversized decode batches) run the same compiled
             # layer. Warmed up here, after capture: the first real prefill must not compile mid-serving.
             self._run_uncaptured = lambda batch: run_main(_at_least_two_keys(batch))
             self._run_mtp_uncaptured = lambda batch, hidden, topk: run_mtp(_at_least_two_keys(batch), hidden, topk)
-            step_tokens = max(cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.max_running_requests)
             self._warm_up_uncaptured(spec_layout is not None, step_tokens if capture else CPU_WARMUP_TOKENS)
 
     def step_functions(self, compile_backend: str | None = None):
@@ -315,6 +319,8 @@ class ModelRunner:
         if g is None:
             return None
         mode, tree = batch.mode, batch.tree_mask
+        if not mtp and mode == ForwardMode.EXTEND:
+            return "extend" if g.extend_key(batch) is not None else None
         if not mtp and mode == ForwardMode.DECODE and tree is None:
             name = "decode"
         elif not mtp and mode == ForwardMode.TARGET_VERIFY:

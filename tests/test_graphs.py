@@ -77,3 +77,40 @@ def test_padded_decode_and_verify_match_eager():
     assert torch.allclose(eager.logits, padded.logits, atol=1e-5)
     assert torch.allclose(eager.hidden, padded.hidden, atol=1e-5)
     d.release_all()
+
+
+def test_padded_mixed_step_matches_eager():
+    """The extend graph: decode rows beside a prefill chunk (any tokens per request), bucketed by tokens, with
+    padding tokens at a spare request row; the logits of each request's last token as the eager step gives."""
+    model, config, d = _setup()
+    run_main = lambda b: model(b, d.attn)  # noqa: E731
+    kinds = [StepKind("decode", ForwardMode.DECODE, 1, 0, False), StepKind("extend", ForwardMode.EXTEND, 0, 0, False)]
+    graphs = StepGraphs(run_main, None, kinds, [1, 2], max_kv_len=96, hidden_size=config.hidden_size,
+                        dtype=torch.float32, device=torch.device("cpu"), capture=False, ctx_buckets=[40],
+                        extend_buckets=[8, 16], max_requests=3)
+    g = torch.Generator().manual_seed(1)
+    d.add(torch.randint(2, config.vocab_size, (9,), generator=g).tolist(), reserve=8)  # request 3: not prefilled
+    rows = [d.reqs[i]["row"] for i in range(4)]
+    seq = [len(d.reqs[i]["tokens"]) for i in range(3)]
+    r2t = d.pool.req_to_token
+    # two decode rows (requests 0 and 2) and the first 7 tokens of request 3's prompt: 9 tokens -> bucket 16
+    starts, lens = [seq[0], seq[2], 0], [1, 1, 7]
+    loc = torch.cat([r2t[r, s:s + n].long() for r, s, n in zip([rows[0], rows[2], rows[3]], starts, lens)])
+    ids = [5, 6] + d.reqs[3]["tokens"][:7]
+    batch = ForwardBatch.build(ForwardMode.EXTEND, ids, [rows[0], rows[2], rows[3]], starts, lens, loc, "cpu")
+    assert graphs.extend_key(batch) == ("extend", 16, 40)
+    with torch.no_grad():
+        eager = model(batch, d.attn)
+        padded = graphs.replay("extend", batch)
+    assert padded.logits.shape == eager.logits.shape == (3, config.vocab_size)
+    assert torch.allclose(eager.logits, padded.logits, atol=1e-5)
+    assert torch.allclose(eager.hidden, padded.hidden, atol=1e-5)
+    assert torch.equal(eager.topk, padded.topk)
+    # no graph: more tokens than the largest bucket, more requests (or logits rows) than it has room for
+    many = ForwardBatch.build(ForwardMode.EXTEND, list(range(17)), [rows[3]], [0], [17],
+                              r2t[rows[3], :17].long(), "cpu")
+    assert graphs.extend_key(many) is None
+    four = ForwardBatch.build(ForwardMode.EXTEND, [1, 2, 3, 4], rows, [seq[0], seq[1], seq[2], 0], [1, 1, 1, 1],
+                              torch.stack([r2t[r, n].long() for r, n in zip(rows, seq + [0])]), "cpu")
+    assert graphs.extend_key(four) is None
+    d.release_all()

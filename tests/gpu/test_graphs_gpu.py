@@ -112,7 +112,8 @@ def test_bench_preset_graphs_and_compile_equal_eager():
 ], ids=["fp32", "fp32_spec", "defaults"])
 def test_tiny_compiled_prefill_and_mixed_steps_equal_eager_without_recompiles(settings, exact):
     """Prefill chunks, mixed steps (decode rows + a chunk), one-token prompts and decode batches past the largest
-    graph bucket run the compiled decoder layer, never the plain modules: nothing compiles after start-up
+    graph bucket run the compiled decoder layer (captured in extend graphs up to their buckets), never the plain
+    modules: nothing compiles after start-up
     (Dynamo's counters), and in fp32 the tokens are the eager engine's, token for token."""
     from torch._dynamo.utils import counters
 
@@ -147,6 +148,7 @@ def test_tiny_compiled_prefill_and_mixed_steps_equal_eager_without_recompiles(se
         return mtp_forward(batch, attn, hidden_prev, prev_topk, run_layer)
 
     runner.model.forward, runner.model.forward_mtp = compiled_only, compiled_mtp_only
+    replays = count_replays(runner.graphs)
     plans = []
     launch = llm.engine.worker.launch
     llm.engine.worker.launch = lambda plan: plans.append(plan) or launch(plan)
@@ -158,6 +160,8 @@ def test_tiny_compiled_prefill_and_mixed_steps_equal_eager_without_recompiles(se
     if "speculative_num_steps" not in settings:
         assert StepMode.MIXED in modes, modes
         assert any(p.mode == StepMode.DECODE and p.batch_size > runner.graphs.buckets[-1] for p in plans)
+    # Chunks and mixed steps of up to 64 tokens replay the extend graphs; the larger ones run uncaptured.
+    assert replays["extend"] > 0, replays
     if exact:
         assert got == want
     llm.engine.check_no_leaks()
