@@ -118,7 +118,8 @@ def max_padded_rows(num_pairs: int, n_experts: int, block_m: int) -> int:
 
 
 def align_pairs_to_blocks(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> ExpertBlocks:
-    """Sort pairs by expert, pad each expert's rows to a multiple of block_m; no host sync, static shapes.
+    """Sort pairs by expert, pad each expert's rows to a multiple of block_m; no host sync, no host copy, static
+    shapes: CUDA graphs capture it (extend graphs of more than ALIGN_KERNEL_MAX_PAIRS pairs).
 
     An id of -1 (SKIP: an expert of another rank) places no row: the pair is computed nowhere."""
     device = topk_ids.device
@@ -126,7 +127,7 @@ def align_pairs_to_blocks(topk_ids: torch.Tensor, n_experts: int, block_m: int) 
     num_pairs = flat.numel()
     key = torch.where(flat >= 0, flat, n_experts)  # skipped pairs: one bucket past the last expert
     counts = torch.zeros(n_experts + 1, dtype=torch.long, device=device).scatter_add_(0, key, torch.ones_like(key))
-    counts[n_experts] = 0  # ... that gets no rows
+    counts[n_experts:].zero_()  # ... that gets no rows (a kernel: a host scalar copy breaks graph capture)
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     count_start = counts.cumsum(0) - counts
