@@ -456,10 +456,12 @@ class EngineConfig:
     chunked_prefill_size: int = 2048
     max_prefill_tokens: int = 8192  # token budget of one step
     # Prefill tokens a step may carry beside decode rows: the decoders of a mixed step wait for its chunks, so
-    # a lower cap bounds their inter-token latency (and slows prefill while others decode). Steps without decode
-    # rows keep the whole max_prefill_tokens. Default = max_prefill_tokens' default: on the H100 a cap of 1024
-    # gave a worse ITL p99 and TTFT than none (benchmarks/ENGINE_LOOP.md); it is a knob for latency SLOs.
-    max_mixed_prefill_tokens: int = 8192
+    # the cap bounds their inter-token latency (and slows prefill while others decode). Steps without decode
+    # rows keep the whole max_prefill_tokens. On the H100 (bench-dsv32, `minidsa bench`'s 256 requests, 64
+    # decoding) a prefill token costs ~26 us and a decode step 6.1 ms: at 192, 64 decode rows + the chunk fill
+    # the 256-token extend graph and ITL p99 was 1.81x p50 at 7419 output tok/s; at 8192, 4.55x at 7551
+    # (benchmarks/ENGINE_LOOP.md). Raise it for TTFT under bursts, lower it for steadier streams.
+    max_mixed_prefill_tokens: int = 192
     kv_cache_mem_fraction: float = 0.85  # GPU, max_total_tokens 0: share of the memory free after loading weights
     seed: int = 0
     indexer_cache_dtype: str = "auto"  # "fp8" (Hadamard + e4m3) or "model" (full precision); auto = fp8 on GPU

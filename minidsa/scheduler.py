@@ -43,7 +43,8 @@ inflicts on them. A step without decode rows has the whole
 smaller than a chunk or a page only slows a prefill: the partially
 prefilled request goes first in the next step and takes at least one token.
 A step with decode rows only is a pure DECODE step (CUDA graphs); one with
-both is MIXED (compiled / eager).
+both is MIXED (an extend graph up to its largest token bucket, else compiled
+/ eager).
 Without `mixed` (speculation: the speculator needs pure decode batches)
 prefill and decode alternate as above.
 

@@ -182,7 +182,9 @@ section_engine_loop() {   # issue 16: overlapped scheduling on the bench preset 
     # ENGINE_LOOP_MIXED_BUDGETS="256,512,1024,2048,8192": the bench part becomes a sweep of --max-mixed-prefill-tokens
     # (overlap and mixed steps on, one fresh process per budget) instead of overlap / mixed on and off; with
     # ENGINE_LOOP_ARGS="--skip-itl --disable-compile ..." each budget costs a start-up and one bench run (the 64-request
-    # run took 17 s on an H100); without --disable-compile each process also compiles (~3 minutes).
+    # run took 17 s on an H100); without --disable-compile each process also compiles (~3 minutes). With
+    # ENGINE_LOOP_ARGS="--skip-itl --in-process" the sweep runs on one engine instead (one start-up, ~6 minutes on a
+    # fresh H100 with DeepGEMM; ~25 s per run of the default workload), with what compiled during each run.
     timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_loop_gpu.py -rs --durations=5
     local rc=$?
     timeout "$TIMEOUT" $PY benchmarks/bench_engine_loop.py --out "$OUT" ${ENGINE_LOOP_ARGS:-} \
