@@ -385,8 +385,7 @@ def bench_in_process(model: str, budgets: list[int] | None, extra: list[str], ou
                "step_cost": _fit_step_cost(r["timeline"], composition, overlap=engine.overlap),
                "slow_steps": _slow_steps(r["timeline"], composition), "compiled_during_run": jit.take(),
                # per engine.step: [ms, decode rows, prefill tokens] of the batch it launched ([ms, 0, 0]: none)
-               "steps": [[round((t - (r["timeline"][i - 1][0] if i else 0.0)) * 1e3, 2), *(c or (0, 0))]
-                         for i, ((t, _, _), c) in enumerate(zip(r["timeline"], composition))]}
+               "steps": [[round(ms, 2), *(c or (0, 0))] for ms, c in zip(_step_ms(r["timeline"]), composition)]}
         rows.append(row)
         print(json.dumps(row), flush=True)
         with open(os.path.join(out, "engine_loop_inprocess.json"), "w") as f:
@@ -395,12 +394,16 @@ def bench_in_process(model: str, budgets: list[int] | None, extra: list[str], ou
     return rows
 
 
+def _step_ms(timeline: list) -> list[float]:
+    """Wall time of each engine.step of a run (ms), from `bench.run_workload`'s timeline."""
+    return [(t - (timeline[i - 1][0] if i else 0.0)) * 1e3 for i, (t, _, _) in enumerate(timeline)]
+
+
 def _slow_steps(timeline: list, composition: list, over_ms: float = 100.0, keep: int = 40) -> list:
     """Steps whose engine.step took over `over_ms`: [index, seconds since start, ms, this call's batch (decode
     rows, prefill tokens), the previous call's batch] (under the overlap a call waits for the previous one)."""
     out = []
-    for i in range(len(timeline)):
-        ms = (timeline[i][0] - (timeline[i - 1][0] if i else 0.0)) * 1e3
+    for i, ms in enumerate(_step_ms(timeline)):
         if ms > over_ms:
             out.append([i, round(timeline[i][0], 2), round(ms, 1), composition[i] if i < len(composition) else None,
                         composition[i - 1] if 0 < i <= len(composition) else None])
@@ -411,9 +414,9 @@ def _fit_step_cost(timeline: list, composition: list, overlap: bool) -> dict:
     """Least-squares fit of step wall time (ms) = a + b * decode rows + c * prefill tokens, and how the steps
     with prefill compare with those without. Under the overlap, step i's wall time is mostly the wait for the
     step launched by call i - 1, so the wall times are paired with the previous call's batch."""
-    times = [timeline[0][0]] + [timeline[i][0] - timeline[i - 1][0] for i in range(1, len(timeline))]
+    times = _step_ms(timeline)
     shift = 1 if overlap else 0
-    pairs = [(composition[i - shift], times[i] * 1e3) for i in range(shift, min(len(times), len(composition)))
+    pairs = [(composition[i - shift], times[i]) for i in range(shift, min(len(times), len(composition)))
              if composition[i - shift] is not None]
     pairs = pairs[2:]  # the first steps of a run carry its start (no steady state yet)
     if len(pairs) < 4:

@@ -46,8 +46,8 @@ def warm_up_shapes(tokens: int, page_size: int, max_model_len: int, table_width:
     First the general shape, odd sizes (see there), then one-token and one-page variants, then a ladder of
     single-request extends, halving down to ~16 tokens, each an odd count and a multiple of 16. The kernels
     inside the layer pick tiles by size class (`fused_moe.tile_config` by pairs per expert, the FP8 GEMM's
-    BLOCK_M, DeepGEMM's JIT configurations), and Triton specialises integer arguments divisible by 16, so each
-    class compiles kernels the first time it runs. The first compiled `minidsa bench` on a fresh H100 stalled
+    BLOCK_M), and Triton specialises integer arguments divisible by 16, so each class compiles kernels the first
+    time it runs (DeepGEMM's GEMM classes have their own warm-up, `_warm_up_deepgemm`). The first compiled `minidsa bench` on a fresh H100 stalled
     for minutes of TTFT doing that mid-serving. The ladder pays it at start-up instead (the disk caches keep it).
     """
     n = max(3, tokens - 4)
@@ -175,8 +175,9 @@ class ModelRunner:
                             self.device)
             return
         capture = self.device.type == "cuda"
+        step_tokens = max(cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.max_running_requests)
         if capture:
-            self._warm_up_deepgemm()
+            self._warm_up_deepgemm(step_tokens)
         if not cfg.enable_cuda_graph:
             logger.info("CUDA graphs disabled (enable_cuda_graph=False): decode runs eagerly, uncompiled "
                         "(torch.compile serves the captured steps)")
@@ -194,7 +195,6 @@ class ModelRunner:
         buckets = [b for b in DEFAULT_BUCKETS if b <= limit] or [1]
         if buckets[-1] < limit:
             buckets.append(limit)
-        step_tokens = max(cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.max_running_requests)
         extend_buckets = [b for b in EXTEND_TOKEN_BUCKETS if b <= step_tokens]
         if extend_buckets:  # prefill chunks and mixed steps up to a bucket's tokens
             kinds.append(StepKind("extend", ForwardMode.EXTEND, 0, 0, False))
@@ -249,9 +249,9 @@ class ModelRunner:
 
         return run_main, run_mtp
 
-    def _warm_up_deepgemm(self) -> None:
+    def _warm_up_deepgemm(self, step_tokens: int) -> None:
         """DeepGEMM's dense FP8 GEMM JIT-compiles per tile choice, and the choice follows the rows: every row
-        class a step can bring (`deepgemm.gemm_rows`, up to the largest step) runs once here, per weight shape,
+        class a step can bring (`deepgemm.gemm_rows`, up to `step_tokens`) runs once here, per weight shape,
         so no prefill or mixed step compiles one mid-serving (seconds each)."""
         from minidsa.kernels import deepgemm
         from minidsa.layers.linear import deepgemm_weights
@@ -260,9 +260,7 @@ class ModelRunner:
         if not weights:
             return
         start = time.perf_counter()
-        cfg = self.config
-        calls = deepgemm.warm_up_fp8_gemms(weights, max(cfg.max_prefill_tokens, cfg.chunked_prefill_size,
-                                                        cfg.max_running_requests))
+        calls = deepgemm.warm_up_fp8_gemms(weights, step_tokens)
         torch.cuda.synchronize(self.device)
         logger.info("DeepGEMM FP8 GEMM warmed up in %.1f s (%d calls: every row class of %d weight shapes)",
                     time.perf_counter() - start, calls, len({tuple(w.shape) for w, _ in weights}))

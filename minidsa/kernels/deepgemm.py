@@ -387,16 +387,16 @@ def warm_up_fp8_gemms(weights: list[tuple[torch.Tensor, torch.Tensor]], max_rows
     every kernel serving can ask for now (its disk cache keeps them for the next start). Returns the calls made."""
     if _gemm_module is None or _gemm_disabled is not None:
         return 0
-    calls, seen = 0, set()
+    calls, seen, classes = 0, set(), gemm_row_classes(max_rows)
     for weight, scale_inv in weights:
         if tuple(weight.shape) in seen:
             continue
         seen.add(tuple(weight.shape))
-        for rows in gemm_row_classes(max_rows):
+        x = torch.zeros(classes[-1], weight.shape[1], dtype=torch.bfloat16, device=weight.device)
+        for rows in classes:
             if not fp8_gemm_wins(rows, weight.shape[0], weight.shape[1]):
                 continue  # served by the Triton GEMM at this size
-            x = torch.zeros(rows, weight.shape[1], dtype=torch.bfloat16, device=weight.device)
-            if fp8_gemm_nt(x, weight, scale_inv) is None:
+            if fp8_gemm_nt(x[:rows], weight, scale_inv) is None:
                 return calls
             calls += 1
     return calls

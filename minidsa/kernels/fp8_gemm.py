@@ -155,9 +155,10 @@ def quant_act(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, t
     num_kb = -(-k // FP8_BLOCK)
     q = torch.empty(rows or m, k, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(rows or m, num_kb, dtype=torch.float32, device=x.device)
-    rows = 16
-    _act_quant_kernel[(triton.cdiv(m, rows), num_kb)](x, q, s, m, k, x.stride(0), q.stride(0), num_kb,
-                                                       ROWS=rows, BLOCK_K=FP8_BLOCK, EMULATE_CAST=EMULATE_CAST)
+    block_rows = 16
+    _act_quant_kernel[(triton.cdiv(m, block_rows), num_kb)](x, q, s, m, k, x.stride(0), q.stride(0), num_kb,
+                                                             ROWS=block_rows, BLOCK_K=FP8_BLOCK,
+                                                             EMULATE_CAST=EMULATE_CAST)
     return q, s
 
 
