@@ -67,6 +67,12 @@ class SamplingParams(Struct):
     frequency_penalty: float = 0.0  # OpenAI: subtracted once per time a token was generated so far
     repetition_penalty: float = 1.0  # vLLM / SGLang: logits of prompt or generated tokens / it (> 0) or * it (< 0)
     detokenize: bool = True  # False: skip text (benchmarks); stop strings then cannot be used
+    # Structured output, OpenAI's shape: {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema":
+    # {"name": ..., "schema": {...}, "strict": true}}; None or "text" = unconstrained
+    response_format: dict[str, Any] | None = None
+    # The grammar of `response_format` binds only after this token was generated (a reasoning model's end of
+    # thinking, e.g. `</think>`); None = from the first generated token
+    structured_after_token_id: int | None = None
 
     @property
     def greedy(self) -> bool:
