@@ -156,6 +156,7 @@ def run_workload(engine: Engine, w: Workload, progress: bool = True, use_prefix_
         "itl_s": _percentiles(itl),
         "num_steps": len(steps),
         "preemptions": after.preemptions_total - before.preemptions_total,
+        "speculative": _speculative_summary(engine, before, after),
         "prefix_cache": {
             "enabled": engine.prefix_cache is not None,
             "query_tokens": query,  # prompt tokens looked up at admission (re-admissions after preemption too)
@@ -165,6 +166,17 @@ def run_workload(engine: Engine, w: Workload, progress: bool = True, use_prefix_
         },
         "timeline": steps,
     }
+
+
+def _speculative_summary(engine: Engine, before: Any, after: Any) -> dict[str, Any] | None:
+    """Tokens per speculative round over the run (None without speculation); `simulated` says when the acceptance
+    was the benchmark-only simulation, not the model's."""
+    if engine.speculator is None:
+        return None
+    rounds = after.spec_verify_steps_total - before.spec_verify_steps_total
+    accepted = after.spec_accepted_tokens_total - before.spec_accepted_tokens_total
+    return {"rounds": rounds, "tokens_per_round": (accepted + rounds) / rounds if rounds else 0.0,
+            "simulated_accept_len": after.spec_simulated_accept_len or None}
 
 
 def _git_commit() -> str | None:
@@ -200,6 +212,11 @@ def print_summary(result: dict[str, Any]) -> None:
         rows.append(("prefix cache", "off" if not pc["enabled"] else
                      f"hit rate {pc['hit_rate'] * 100:.1f}%  ({pc['hit_tokens']} of {pc['query_tokens']} prompt "
                      f"tokens from the cache; it holds {pc['cached_tokens']} tokens)"))
+    spec = r.get("speculative")
+    if spec is not None:
+        sim = spec["simulated_accept_len"]
+        rows.append(("speculative", f"{spec['tokens_per_round']:.2f} tokens per round over {spec['rounds']} rounds"
+                     + (f"  (SIMULATED acceptance {sim:g}: not the model's output)" if sim else "")))
     for name, key in (("TTFT", "ttft_s"), ("ITL", "itl_s")):
         s = r[key]
         rows.append((f"{name} ms (mean/p50/p90/p99)",

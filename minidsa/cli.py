@@ -55,6 +55,9 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "speculative_num_draft_tokens": "tree drafts: tokens verified per step; 0 = auto (num-steps + 1 for a chain)",
     "index_share_for_mtp_iteration": "whether the MTP draft reuses the indexer top-k across its steps; "
                                      "default: what the model config says",
+    "speculative_simulate_accept_len": "BENCHMARKS ONLY: accept drafts so that a speculative round yields this "
+                                       "many tokens on average (1 .. num-steps + 1); output is then not the "
+                                       "model's. 0 = off",
     "enable_prefix_caching": "do not reuse the KV of shared prompt prefixes",
     "enable_cuda_graph": "run decode eagerly instead of replaying CUDA graphs",
     "enable_compile": "run the plain modules instead of the torch.compile'd decoder layers (prefill and mixed "

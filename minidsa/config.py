@@ -476,6 +476,9 @@ class EngineConfig:
     speculative_topk: int = 1
     speculative_num_draft_tokens: int = 0
     index_share_for_mtp_iteration: bool | None = None
+    # Benchmarks only: verification accepts drafts so that a round yields this many tokens on average, in
+    # [1, speculative_num_steps + 1] (random MTP weights accept nothing). Output is then not the model's. 0 = off.
+    speculative_simulate_accept_len: float = 0.0
     enable_prefix_caching: bool = True
     enable_cuda_graph: bool = True
     enable_compile: bool = True
@@ -506,6 +509,9 @@ class EngineConfig:
         for name in ("page_size", "max_total_tokens", "max_model_len", "speculative_num_steps",
                      "speculative_num_draft_tokens", "seed"):
             positive(name, allow_zero=True)
+        sim = self.speculative_simulate_accept_len
+        if isinstance(sim, bool) or not isinstance(sim, (int, float)) or not math.isfinite(sim) or sim < 0:
+            raise ConfigError("speculative_simulate_accept_len", f"must be a number >= 0 (0 = off), got {sim!r}")
         mf = self.kv_cache_mem_fraction
         if isinstance(mf, bool) or not isinstance(mf, (int, float)) or not 0.0 < mf <= 1.0:
             raise ConfigError("kv_cache_mem_fraction", f"must be in (0, 1], got {mf!r}")

@@ -1,34 +1,40 @@
-"""CUDA graphs for the decode-like steps: DECODE, TARGET_VERIFY and the draft's DECODE steps.
+"""CUDA graphs for every step whose shape can be fixed: decode, target verify, the draft's steps, draft extend,
+and prefill chunks / mixed steps ("extend").
 
-One graph per (step kind, batch-size bucket, context bucket), captured at
-start-up largest first into one shared memory pool. Each graph reads static input buffers
-and writes static outputs; `replay` copies a real batch into the first rows,
-points padding rows at the dummy slot 0 (row 0 of req_to_token, one visible
-position), replays, and returns copies of the real rows' outputs. Per-step
-metadata lives in those static tensors and is refreshed before each replay;
-the graph itself never reads host state.
+One graph per (step kind, batch-size bucket, context bucket), all in one shared memory pool. Each graph reads
+static input buffers and writes static output buffers; `replay` copies a real batch into the first rows, points
+padding rows at the dummy slot 0 (row 0 of req_to_token, one visible position), replays, and returns views of the
+real rows' outputs. The graph itself never reads host state.
 
-Static shapes: a bucket of `bs` requests has `bs * tokens_per_req` tokens;
-its indexer rows span the context bucket (the smallest of `ctx_buckets` that
-holds the batch's longest context; the last is the req_to_token width, max
-context + draft tokens + 1), so short contexts do not pay for scoring and
-selecting over the whole table.
-Batches larger than the largest bucket, or of another shape, run eagerly.
+Buffers are per kind, not per graph: every graph of a kind reads views of one set of input buffers and writes one
+set of output buffers, sized for the kind's largest bucket. A graph's own intermediates live in the shared pool and
+are reused by the next capture, so the memory graphs hold is one kind-sized set of buffers plus the largest
+graph's working set, whatever the number of graphs. The price is that a replay's outputs stay valid only until
+the next replay of the same kind: callers consume them (enqueue the work that reads them) first, which every
+caller does (sampling, acceptance, the next draft step's input copy).
 
-The "extend" kind (prefill chunks and mixed steps: decode rows beside chunks, any tokens per request) is
-bucketed by tokens instead (`EXTEND_TOKEN_BUCKETS`), with room for `max_requests` requests; its per-token
-request index and logits rows are refreshed per step like every other input. Run uncaptured, such a step
-spent ~20 ms of host time on a 4-layer model (the GPU idle 72% of it) against a 6 ms decode step.
-Only (tokens, context) buckets whose indexer logits fit `EXTEND_GRAPH_MAX_LOGITS` are captured, so the
-memory the graphs hold stays bounded; larger steps run uncaptured, where the host time is a smaller share.
+Static shapes: a bucket of `bs` requests has `bs * tokens_per_req` tokens; its indexer rows span the context
+bucket (the smallest of `ctx_buckets` that holds the batch's longest context; the last is the req_to_token width,
+max context + draft tokens + 1), so short contexts do not pay for scoring and selecting over the whole table.
+The smallest context bucket of every kind is captured at start-up; a larger one the first time a batch needs it
+(a capture costs a few forwards and a device sync, once), so start-up does not pay for contexts a deployment
+never sees. Batches larger than the largest bucket, or of another shape, run uncaptured.
 
-Without a GPU the same static-buffer path can run eagerly (`capture=False`),
-which is how CPU tests check the padding logic.
+The "extend" kind (prefill chunks and mixed steps: decode rows beside chunks, any tokens per request) is bucketed by
+tokens instead (`EXTEND_TOKEN_BUCKETS`), with room for `max_requests` requests; its per-token request index and
+logits rows are refreshed per step like every other input. Run uncaptured, such a step spent ~20 ms of host time on
+a 4-layer model (the GPU idle 72% of it) against a 6 ms decode step. Only (tokens, context) buckets whose indexer
+logits fit `EXTEND_GRAPH_MAX_LOGITS` are captured, so the memory a graph's working set needs stays bounded; larger
+steps run uncaptured, where the host time is a smaller share.
+
+Without a GPU the same static-buffer path can run eagerly (`capture=False`), which is how CPU tests check the
+padding logic.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -53,14 +59,28 @@ class StepKind:
     tokens_per_req: int  # 0: any ("extend"; its buckets count tokens)
     tree_width: int  # 0 = causal (no tree mask)
     mtp: bool  # runs the MTP layer (with a hidden-state input) instead of the main model
+    logits_per_req: int = 0  # rows of logits per request (0: every token); the extend kind: one per request
+
+    def logit_rows(self, bs: int) -> int:
+        return bs * (self.logits_per_req or self.tokens_per_req)
 
 
 @dataclass
-class _Static:
+class _Buffers:
+    """One kind's static inputs (a batch of its largest size, plus the MTP hidden-state input) and outputs."""
+
     batch: ForwardBatch
     hidden_in: torch.Tensor | None
+    hidden: torch.Tensor | None = None  # outputs: allocated at the kind's first capture, from the output widths
+    logits: torch.Tensor | None = None
+    topk: torch.Tensor | None = None
+
+
+@dataclass
+class _Graph:
+    batch: ForwardBatch  # views of the kind's input buffers, this graph's shape
+    hidden_in: torch.Tensor | None
     graph: object | None = None
-    out: ModelOutput | None = None
 
 
 class StepGraphs:
@@ -79,21 +99,29 @@ class StepGraphs:
         self.ctx_buckets = sorted({c for c in (ctx_buckets or []) if c < max_kv_len} | {max_kv_len})
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
         self.capture = capture
-        self.static: dict[tuple[str, int, int], _Static] = {}
+        self.static: dict[tuple[str, int, int], _Graph] = {}
+        self.captured_lazily: list[tuple[str, int, int]] = []
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self._buffers = {k.name: self._kind_buffers(k) for k in kinds}
+        start = time.perf_counter()
+        smallest = self.ctx_buckets[0]
         for kind in kinds:
-            for ctx in reversed(self.ctx_buckets):  # largest first: later graphs reuse its pool memory
-                for bs in sorted(self._sizes(kind), reverse=True):
-                    if kind.tokens_per_req or bs * ctx <= EXTEND_GRAPH_MAX_LOGITS:
-                        self.static[(kind.name, bs, ctx)] = self._capture(kind, bs, ctx)
+            for bs in sorted(self._sizes(kind), reverse=True):  # largest first: later graphs reuse its pool memory
+                if self._capturable(kind, bs, smallest):
+                    self.static[(kind.name, bs, smallest)] = self._capture(kind, bs, smallest)
         if capture:
-            logger.info("captured CUDA graphs: %s x batch buckets %s x context buckets %s; extend (tokens, "
-                        "context): %s", [k.name for k in kinds if k.tokens_per_req], self.buckets,
-                        self.ctx_buckets, sorted(k[1:] for k in self.static if not self.kinds[k[0]].tokens_per_req))
+            logger.info("captured %d CUDA graphs in %.1f s: %s x batch buckets %s at context %d; extend token "
+                        "buckets %s; larger contexts (%s) are captured on first use", len(self.static),
+                        time.perf_counter() - start, [k.name for k in kinds if k.tokens_per_req], self.buckets,
+                        smallest, [b for (n, b, _) in self.static if n == "extend"], self.ctx_buckets[1:])
 
     def _sizes(self, kind: StepKind) -> list[int]:
         """Batch-size buckets of a kind; token buckets of the extend kind."""
         return self.buckets if kind.tokens_per_req else self.extend_buckets
+
+    @staticmethod
+    def _capturable(kind: StepKind, size: int, ctx: int) -> bool:
+        return bool(kind.tokens_per_req) or size * ctx <= EXTEND_GRAPH_MAX_LOGITS
 
     # -- shapes -----------------------------------------------------------------
     def bucket_for(self, kind: str, bs: int) -> int | None:
@@ -104,85 +132,145 @@ class StepGraphs:
     def ctx_bucket_for(self, max_kv_len: int) -> int | None:
         return next((c for c in self.ctx_buckets if c >= max_kv_len), None)
 
-    def extend_key(self, batch: ForwardBatch) -> tuple[str, int, int] | None:
-        """The extend graph that takes this batch (its tokens, requests and logits rows fit), or None."""
-        if "extend" not in self.kinds or batch.tree_mask is not None:
+    def key_for(self, kind_name: str, batch: ForwardBatch) -> tuple[str, int, int] | None:
+        """The graph that takes this batch of a kind (captured or not yet), or None when none can."""
+        kind = self.kinds.get(kind_name)
+        ctx = self.ctx_bucket_for(batch.max_kv_len)
+        if kind is None or ctx is None:
             return None
-        t, ctx = batch.num_tokens, self.ctx_bucket_for(batch.max_kv_len)
-        bucket = next((b for b in self.extend_buckets if b >= t), None)
-        if bucket is None or ctx is None or ("extend", bucket, ctx) not in self.static:
+        if (batch.tree_mask is None) != (kind.tree_width == 0):
+            return None
+        if kind.tree_width and batch.tree_mask.shape[1] != kind.tree_width:
+            return None
+        if kind.tokens_per_req:
+            bucket = self.bucket_for(kind_name, batch.batch_size)
+            if bucket is None or batch.num_tokens != batch.batch_size * kind.tokens_per_req:
+                return None
+            if batch.logits_indices.numel() > kind.logit_rows(bucket):
+                return None
+            return kind_name, bucket, ctx
+        bucket = next((b for b in self.extend_buckets if b >= batch.num_tokens), None)
+        if bucket is None or not self._capturable(kind, bucket, ctx):
             return None
         room = min(bucket, self.max_requests)
         if batch.batch_size > room or batch.logits_indices.numel() > room:
             return None
-        return "extend", bucket, ctx
+        return kind_name, bucket, ctx
 
-    def _static_batch(self, kind: StepKind, bs: int, ctx: int) -> ForwardBatch:
+    def extend_key(self, batch: ForwardBatch) -> tuple[str, int, int] | None:
+        return self.key_for("extend", batch) if "extend" in self.kinds else None
+
+    # -- static buffers -------------------------------------------------------------
+    def _kind_buffers(self, kind: StepKind) -> _Buffers:
+        """Inputs for the kind's largest graph; every graph of the kind reads views of them."""
         dev = self.device
         zeros = lambda n: torch.zeros(n, dtype=torch.int64, device=dev)  # noqa: E731
         if kind.tokens_per_req:
-            t, reqs, per_req = bs * kind.tokens_per_req, bs, kind.tokens_per_req
-            token_req, logits_rows = torch.arange(bs, device=dev).repeat_interleave(per_req), t
+            reqs = max(self.buckets)
+            tokens, logit_rows = reqs * kind.tokens_per_req, kind.logit_rows(reqs)
         else:  # extend: `bs` tokens from up to `room` requests, plus a spare request row for padding tokens
-            t, room = bs, min(bs, self.max_requests)
-            reqs, per_req, token_req, logits_rows = room + 1, 0, zeros(t), room
-        return ForwardBatch(
-            mode=kind.mode,
-            input_ids=zeros(t),
-            positions=zeros(t),
-            out_cache_loc=zeros(t),  # slot 0: the dummy slot
-            req_pool_indices=zeros(reqs),
-            seq_lens=torch.ones(reqs, dtype=torch.int64, device=dev),
-            extend_lens=torch.full((reqs,), per_req, dtype=torch.int64, device=dev),
-            token_req=token_req,
-            kv_lens=torch.ones(t, dtype=torch.int64, device=dev),
-            logits_indices=torch.arange(logits_rows, device=dev),
-            max_kv_len=ctx,
-            tree_mask=(torch.zeros(t, kind.tree_width, dtype=torch.bool, device=dev) if kind.tree_width else None),
-        )
+            tokens = max(self.extend_buckets, default=0)
+            reqs, logit_rows = min(tokens, self.max_requests) + 1, min(tokens, self.max_requests)
+        batch = ForwardBatch(
+            mode=kind.mode, input_ids=zeros(tokens), positions=zeros(tokens), out_cache_loc=zeros(tokens),
+            req_pool_indices=zeros(reqs), seq_lens=zeros(reqs), extend_lens=zeros(reqs), token_req=zeros(tokens),
+            kv_lens=zeros(tokens), logits_indices=zeros(logit_rows), max_kv_len=0,
+            tree_mask=(torch.zeros(tokens, kind.tree_width, dtype=torch.bool, device=dev)
+                       if kind.tree_width else None))
+        hidden_in = (torch.zeros(tokens, self.hidden_size, dtype=self.dtype, device=dev) if kind.mtp else None)
+        return _Buffers(batch, hidden_in)
 
-    def _run(self, kind: StepKind, st: _Static) -> ModelOutput:
-        if kind.mtp:
-            return self.run_mtp(st.batch, st.hidden_in)
-        return self.run_main(st.batch)
+    def _graph_views(self, kind: StepKind, size: int, ctx: int) -> _Graph:
+        """A graph's static batch: views of the kind's buffers, reset to the dummy state (slot 0, row 0, one
+        visible position), so warm-up and capture runs touch no request's cache."""
+        b = self._buffers[kind.name]
+        full = b.batch
+        if kind.tokens_per_req:
+            t, reqs, n = size * kind.tokens_per_req, size, kind.logit_rows(size)
+        else:
+            room = min(size, self.max_requests)
+            t, reqs, n = size, room + 1, room
+        batch = ForwardBatch(
+            mode=kind.mode, input_ids=full.input_ids[:t], positions=full.positions[:t],
+            out_cache_loc=full.out_cache_loc[:t], req_pool_indices=full.req_pool_indices[:reqs],
+            seq_lens=full.seq_lens[:reqs], extend_lens=full.extend_lens[:reqs], token_req=full.token_req[:t],
+            kv_lens=full.kv_lens[:t], logits_indices=full.logits_indices[:n], max_kv_len=ctx,
+            tree_mask=None if full.tree_mask is None else full.tree_mask[:t])
+        for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices"):
+            getattr(batch, name).zero_()
+        batch.seq_lens.fill_(1)
+        batch.kv_lens.fill_(1)
+        if kind.tokens_per_req:
+            batch.extend_lens.fill_(kind.tokens_per_req)
+            batch.token_req.copy_(torch.arange(reqs, device=self.device).repeat_interleave(kind.tokens_per_req))
+            per = kind.logits_per_req or kind.tokens_per_req
+            first = torch.arange(reqs, device=self.device).repeat_interleave(per) * kind.tokens_per_req
+            batch.logits_indices.copy_(first + torch.arange(per, device=self.device).repeat(reqs))
+        else:
+            batch.extend_lens.zero_()
+            batch.token_req.zero_()
+            batch.logits_indices.copy_(torch.arange(n, device=self.device))
+        if batch.tree_mask is not None:
+            batch.tree_mask.zero_()
+        hidden_in = None if b.hidden_in is None else b.hidden_in[:t]
+        if hidden_in is not None:
+            hidden_in.zero_()
+        return _Graph(batch, hidden_in)
 
-    def _capture(self, kind: StepKind, bs: int, ctx: int) -> _Static:
-        batch = self._static_batch(kind, bs, ctx)
-        hidden = (torch.zeros(batch.num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
-                  if kind.mtp else None)
-        st = _Static(batch=batch, hidden_in=hidden)
+    # -- capture ----------------------------------------------------------------
+    def _run(self, kind: StepKind, g: _Graph) -> ModelOutput:
+        """One step over a graph's static batch, its outputs written into the kind's output buffers."""
+        out = self.run_mtp(g.batch, g.hidden_in) if kind.mtp else self.run_main(g.batch)
+        b = self._buffers[kind.name]
+        if b.logits is None:  # the first run of the kind (its largest graph): output widths are known now
+            tokens, rows = b.batch.num_tokens, b.batch.logits_indices.numel()
+            b.hidden = out.hidden.new_empty(tokens, out.hidden.shape[1])
+            b.logits = out.logits.new_empty(rows, out.logits.shape[1])
+            b.topk = None if out.topk is None else out.topk.new_empty(tokens, out.topk.shape[1])
+        t, n = g.batch.num_tokens, g.batch.logits_indices.numel()
+        b.hidden[:t].copy_(out.hidden)
+        b.logits[:n].copy_(out.logits)
+        if b.topk is not None and out.topk is not None:
+            b.topk[:t].copy_(out.topk)
+        return ModelOutput(hidden=b.hidden[:t], logits=b.logits[:n], topk=None if b.topk is None else b.topk[:t])
+
+    def _capture(self, kind: StepKind, size: int, ctx: int) -> _Graph:
+        g = self._graph_views(kind, size, ctx)
         if not self.capture:
-            return st
+            return g
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm up: allocator, autotuning, lazy init stay out of the graph
-                self._run(kind, st)
+                self._run(kind, g)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            st.out = self._run(kind, st)
-        st.graph = graph
-        return st
+            self._run(kind, g)
+        g.graph = graph
+        return g
+
+    def _graph_for(self, key: tuple[str, int, int]) -> _Graph:
+        g = self.static.get(key)
+        if g is None:  # a context bucket this deployment meets for the first time
+            start = time.perf_counter()
+            g = self.static[key] = self._capture(self.kinds[key[0]], key[1], key[2])
+            self.captured_lazily.append(key)
+            if self.capture:
+                logger.info("captured the %s graph for %d at context %d on first use (%.0f ms)", key[0], key[1],
+                            key[2], 1000 * (time.perf_counter() - start))
+        return g
 
     # -- replay -----------------------------------------------------------------
     def replay(self, kind_name: str, batch: ForwardBatch, hidden_in: torch.Tensor | None = None) -> ModelOutput:
+        """Run `batch` through its graph. The outputs are views of the kind's buffers: valid until the next replay
+        of the same kind."""
         kind = self.kinds[kind_name]
-        bs = batch.batch_size
-        if kind.tokens_per_req:
-            bucket = self.bucket_for(kind_name, bs)
-            assert bucket is not None, f"no {kind_name} graph for batch size {bs}"
-            assert batch.num_tokens == bs * kind.tokens_per_req, (f"{kind_name} graph expects {kind.tokens_per_req} "
-                                                                  f"tokens per request, got {batch.num_tokens} for {bs}")
-            ctx = self.ctx_bucket_for(batch.max_kv_len)
-            assert ctx is not None, f"context {batch.max_kv_len} exceeds the graphs' {self.max_kv_len}"
-            key = (kind_name, bucket, ctx)
-        else:
-            key = self.extend_key(batch)
-            assert key is not None, (f"no extend graph for {batch.num_tokens} tokens of {bs} requests at context "
-                                     f"{batch.max_kv_len}")
-        st = self.static[key]
-        s, t = st.batch, batch.num_tokens
+        key = self.key_for(kind_name, batch)
+        assert key is not None, (f"no {kind_name} graph for {batch.num_tokens} tokens of {batch.batch_size} "
+                                 f"requests at context {batch.max_kv_len}")
+        g = self._graph_for(key)
+        s, t, bs = g.batch, batch.num_tokens, batch.batch_size
         # Refresh every per-step tensor: real rows, then padding rows at the dummy slot / row 0.
         for name in ("input_ids", "positions", "out_cache_loc", "kv_lens"):
             dst, src = getattr(s, name), getattr(batch, name)
@@ -193,27 +281,23 @@ class StepGraphs:
         s.seq_lens[:bs].copy_(batch.seq_lens)
         s.seq_lens[bs:].fill_(1)
         n = batch.logits_indices.numel()
-        if not kind.tokens_per_req:  # which request each token belongs to, which rows give logits
+        s.logits_indices[:n].copy_(batch.logits_indices)
+        s.logits_indices[n:].fill_(0)
+        if not kind.tokens_per_req:  # which request each token belongs to
             spare = s.batch_size - 1  # padding tokens: a request row of its own at the dummy row 0
             s.token_req[:t].copy_(batch.token_req)
             s.token_req[t:].fill_(spare)
             s.extend_lens[:bs].copy_(batch.extend_lens)
             s.extend_lens[bs:].fill_(0)
-            s.logits_indices[:n].copy_(batch.logits_indices)
-            s.logits_indices[n:].fill_(0)
         if kind.tree_width:
-            assert batch.tree_mask is not None and batch.tree_mask.shape[1] == kind.tree_width
             s.tree_mask[:t].copy_(batch.tree_mask)
             s.tree_mask[t:].fill_(False)
         if kind.mtp:
-            st.hidden_in[:t].copy_(hidden_in)
-            st.hidden_in[t:].zero_()
-        out = st.out if st.graph is not None else None
-        if st.graph is not None:
-            st.graph.replay()
+            g.hidden_in[:t].copy_(hidden_in)
+            g.hidden_in[t:].zero_()
+        if g.graph is not None:
+            g.graph.replay()
         else:
-            out = self._run(kind, st)
-        # Copies: the static outputs are overwritten by the next replay.
-        logits = out.logits[batch.logits_indices] if kind.tokens_per_req else out.logits[:n]
-        return ModelOutput(hidden=out.hidden[:t].clone(), logits=logits.clone(),
-                           topk=None if out.topk is None else out.topk[:t].clone())
+            self._run(kind, g)
+        b = self._buffers[kind_name]
+        return ModelOutput(hidden=b.hidden[:t], logits=b.logits[:n], topk=None if b.topk is None else b.topk[:t])

@@ -68,6 +68,25 @@ def warm_up_shapes(tokens: int, page_size: int, max_model_len: int, table_width:
     return shapes
 
 
+# Which captured kind serves a batch of a forward mode, on the main model (False) or the MTP layer (True).
+GRAPH_KIND_OF = {(ForwardMode.DECODE, False): "decode", (ForwardMode.TARGET_VERIFY, False): "verify",
+                 (ForwardMode.EXTEND, False): "extend", (ForwardMode.DECODE, True): "draft",
+                 (ForwardMode.DRAFT_EXTEND, True): "draft_extend"}
+
+
+def step_kinds(spec_layout: SpecLayout | None) -> list[StepKind]:
+    """The decode-like step kinds to capture: plain decode, or the speculator's verify / draft / draft extend (with a
+    speculator every decode step is a speculative round). Chains are causal (no tree mask); trees carry one."""
+    if spec_layout is None:
+        return [StepKind("decode", ForwardMode.DECODE, 1, 0, False, logits_per_req=1)]
+    nd, k, chain = spec_layout.num_draft_tokens, spec_layout.topk, spec_layout.topk == 1
+    kinds = [StepKind("verify", ForwardMode.TARGET_VERIFY, nd, 0 if chain else nd, False),
+             StepKind("draft_extend", ForwardMode.DRAFT_EXTEND, nd, 0, True, logits_per_req=1)]
+    if spec_layout.num_steps > 1:
+        kinds.append(StepKind("draft", ForwardMode.DECODE, k, 0 if chain else spec_layout.draft_width, True))
+    return kinds
+
+
 def _at_least_two_keys(batch: ForwardBatch) -> ForwardBatch:
     """The batch with an indexer-logits width of at least 2. A width of 1 (every request at its first position)
     would specialise the compiled layer on it, a second graph per layer kind; the extra key column is masked
@@ -184,13 +203,7 @@ class ModelRunner:
             return
         run_main, run_mtp = self.step_functions(
             compile_backend or ("inductor" if capture else None) if cfg.enable_compile else None)
-        kinds = [StepKind("decode", ForwardMode.DECODE, 1, 0, False)]
-        if spec_layout is not None:
-            nd, k = spec_layout.num_draft_tokens, spec_layout.topk
-            kinds.append(StepKind("verify", ForwardMode.TARGET_VERIFY, nd, nd, False))
-            kinds.append(StepKind("draft_extend", ForwardMode.DRAFT_EXTEND, nd, 0, True))
-            if spec_layout.num_steps > 1:
-                kinds.append(StepKind("draft", ForwardMode.DECODE, k, spec_layout.draft_width, True))
+        kinds = step_kinds(spec_layout)
         limit = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
         buckets = [b for b in DEFAULT_BUCKETS if b <= limit] or [1]
         if buckets[-1] < limit:
@@ -313,30 +326,11 @@ class ModelRunner:
         return self.graphs is not None and "draft_extend" in self.graphs.kinds
 
     def _graph_kind(self, batch: ForwardBatch, mtp: bool) -> str | None:
-        g = self.graphs
-        if g is None:
+        """The captured step kind that takes this batch, or None (it runs uncaptured)."""
+        if self.graphs is None:
             return None
-        mode, tree = batch.mode, batch.tree_mask
-        if not mtp and mode == ForwardMode.EXTEND:
-            return "extend" if g.extend_key(batch) is not None else None
-        if not mtp and mode == ForwardMode.DECODE and tree is None:
-            name = "decode"
-        elif not mtp and mode == ForwardMode.TARGET_VERIFY:
-            name = "verify"
-        elif mtp and mode == ForwardMode.DECODE and tree is not None:
-            name = "draft"
-        elif mtp and mode == ForwardMode.DRAFT_EXTEND and tree is None:
-            name = "draft_extend"
-        else:
-            return None
-        kind = g.kinds.get(name)
-        if kind is None or g.bucket_for(name, batch.batch_size) is None:
-            return None
-        if batch.num_tokens != batch.batch_size * kind.tokens_per_req:
-            return None
-        if kind.tree_width and (tree is None or tree.shape[1] != kind.tree_width):
-            return None
-        return name
+        name = GRAPH_KIND_OF.get((batch.mode, mtp))
+        return name if name is not None and self.graphs.key_for(name, batch) is not None else None
 
     # -- execution --------------------------------------------------------------
     def forward(self, batch: ForwardBatch) -> ModelOutput:

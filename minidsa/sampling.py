@@ -84,6 +84,12 @@ def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return -torch.log(u)
 
 
+def uniforms(keys: torch.Tensor) -> torch.Tensor:
+    """One U(0, 1) draw per key [B] fp32: exp(-E) of the key's noise at vocab id 0 (E ~ Exp(1)). Callers that also
+    race on the same key pass a salted key, so the two draws are independent."""
+    return torch.exp(-exponential_noise(keys, 1)[:, 0])
+
+
 def exponential_noise_reference(key: int, vocab_id: int) -> float:
     """Pure-Python value of exponential_noise for one entry (pins the bit-exact definition in tests)."""
     def mul(a: int, b: int) -> int:

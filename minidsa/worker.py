@@ -23,6 +23,7 @@ from draft tokens on the host), prompt logprobs, and the speculator's draft exte
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -35,6 +36,8 @@ from minidsa.runner import ModelRunner
 from minidsa.sampling import SampledTokens, Sampler, race_for
 from minidsa.speculative.mtp import SpecRows
 from minidsa.step_plan import PromptScoring, StepMode, StepPlan, StepResult
+
+logger = logging.getLogger(__name__)
 
 
 class PendingStep:
@@ -225,7 +228,11 @@ def build_speculator(config: EngineConfig, model_config: ModelConfig, runner: Mo
     options = resolve_spec_options(config, model_config, config.page_size)
     if options is None:
         return None
-    speculator = MTPSpeculator(runner, options, sampler)
+    speculator = MTPSpeculator(runner, options, sampler, seed=config.seed)
+    if options.simulate_accept_len:
+        logger.warning("speculative decoding SIMULATES an acceptance length of %.2f tokens per round "
+                       "(--speculative-simulate-accept-len, benchmarks only): outputs are not the model's",
+                       options.simulate_accept_len)
     if speculator.reserved_tokens > decode_reserve:
         raise RuntimeError(f"speculator needs {speculator.reserved_tokens} KV positions per decode step, "
                            f"the scheduler reserves {decode_reserve}")

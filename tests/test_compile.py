@@ -103,12 +103,11 @@ def test_compiled_steps_equal_eager_with_one_graph_per_kind(monkeypatch):
     assert all(replays[k] > 0 for k in ("verify", "draft_extend"))
 
     # Regional compilation: a fixed set of graphs per decoder-layer kind, whatever the depth, the step kind and
-    # the batch / context buckets. Dense and MoE layers: without a tree mask (prefill, warmed up at start-up:
-    # the general shape and one token), with one (verify: bucket 1, whose 2 tokens equal the tree width and
-    # duck-size into one symbol, then the general shape); the MTP layer: handed the top-k (after a prefill,
-    # warmed up: general and one token) and computing its own (the draft-extend graph).
+    # the batch / context buckets. Dense and MoE layers: the general shape and one token (prefill, warmed up at
+    # start-up; a chain's verify is causal like a prefill, so it adds no tree-mask graph); the MTP layer: handed
+    # the top-k (after a prefill, warmed up: general and one token) and computing its own (the draft-extend graph).
     graphs = [g for g in backend.graphs if len(g.graph.nodes) > 0]  # Dynamo also hands over empty frames
-    assert len(graphs) == 2 * 4 + 3, [len(g.graph.nodes) for g in backend.graphs]
+    assert len(graphs) == 2 * 2 + 3, [len(g.graph.nodes) for g in backend.graphs]
     own_topk = 0
     for gm in graphs:  # the DSA kernels stay opaque custom ops inside the traced graph
         ops = backend.custom_ops(gm)

@@ -203,3 +203,63 @@ def test_static_graph_buffers_keep_speculation_lossless():
         replays = count_replays(llm.engine.runner.graphs)
         assert run(llm, prompts) == reference
         assert replays["verify"] > 0 and replays["draft_extend"] > 0 and replays["draft"] > 0
+
+
+# -- simulated acceptance (benchmarks only) -------------------------------------------------------------------------
+@pytest.mark.parametrize("accept_len", [1.0, 2.5, 3.2, 4.0])
+def test_simulated_acceptance_yields_its_mean_tokens_per_round(accept_len):
+    llm = make(None, speculative_num_steps=3, speculative_simulate_accept_len=accept_len)
+    eng = llm.engine
+    prompts = prompts_for(eng.model_config, 7)
+    outs = run(llm, prompts + prompts[:1], SamplingParams(max_tokens=90, ignore_eos=True, detokenize=False))
+    assert all(len(o) == 90 for o in outs)  # truncated to max_tokens whatever a round yields
+    stats = eng.speculator.stats
+    assert stats.verify_steps > 80
+    per_round = (stats.accepted_tokens + stats.verify_steps) / stats.verify_steps
+    assert abs(per_round - accept_len) <= 0.05 * accept_len, per_round
+    m = eng.metrics()
+    assert m.spec_simulated_accept_len == accept_len
+    eng.check_no_leaks()
+
+
+def test_simulated_acceptance_frees_slots_on_abort_and_preemption():
+    llm = LLM(model=None, device="cpu", dtype="float32", max_total_tokens=220, max_running_requests=4,
+              chunked_prefill_size=40, progress=False, speculative_num_steps=3,
+              speculative_simulate_accept_len=3.5)
+    eng = llm.engine
+    prompts = prompts_for(eng.model_config, 8) + prompts_for(eng.model_config, 9)[:1]
+    params = SamplingParams(max_tokens=80, ignore_eos=True, detokenize=False)
+    ids = [eng.add_request(p, params) for p in prompts]
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        if steps == 12:
+            eng.abort(ids[1])
+    assert eng.metrics().preemptions_total > 0
+    eng.check_no_leaks()
+
+
+@pytest.mark.parametrize("args,hint", [
+    (dict(speculative_simulate_accept_len=2.0), "needs speculative decoding"),
+    (dict(speculative_num_steps=3, speculative_simulate_accept_len=4.5), "outside [1, 4]"),
+    (dict(speculative_num_steps=3, speculative_simulate_accept_len=0.5), "outside [1, 4]"),
+    (dict(speculative_num_steps=2, speculative_topk=2, speculative_num_draft_tokens=4, page_size=1,
+          speculative_simulate_accept_len=2.0), "chains only"),
+    (dict(speculative_num_steps=2, speculative_simulate_accept_len=-1.0), ">= 0"),
+])
+def test_simulated_acceptance_arguments_are_checked(args, hint):
+    with pytest.raises(ConfigError) as e:
+        make(None, **args)
+    assert "speculative_simulate_accept_len" in str(e.value) and hint in str(e.value)
+
+
+def test_speculation_without_an_mtp_layer_fails_before_any_rank_starts(tmp_path):
+    """Under tensor parallelism the same one-line error, raised by the engine before it starts a process."""
+    import multiprocessing
+
+    hf, kw = build_hf("deepseek_v32", seed=2)
+    path = save_hf(hf, kw, str(tmp_path / "no_mtp"))
+    with pytest.raises(ConfigError, match="MTP"):
+        make(path, speculative_num_steps=2, tensor_parallel_size=2)
+    assert not multiprocessing.active_children()

@@ -39,6 +39,7 @@ from minidsa.request import (InvalidRequest, QueueFull, Request, RequestOutput, 
 from minidsa.runner import ModelRunner
 from minidsa.sampling import Sampler
 from minidsa.scheduler import ScheduledBatch, Scheduler
+from minidsa.speculative.mtp import resolve_spec_options
 from minidsa.step_plan import PromptScoring, StepMode, StepPlan
 from minidsa.tokenizer import Tokenizer, load_tokenizer
 from minidsa.worker import PendingStep, Worker, start_worker
@@ -59,6 +60,7 @@ class EngineMetrics(Struct):
     spec_draft_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0
     spec_verify_steps_total: int = 0
+    spec_simulated_accept_len: float = 0.0  # benchmarks: the simulated tokens per round (0 = the model's own)
     prefix_cache_query_tokens_total: int = 0  # prompt (+ recomputed) tokens looked up at admission
     prefix_cache_hit_tokens_total: int = 0  # of which were found in the cache and not prefilled
     prefix_cache_pages: int = 0  # pages the prefix cache holds now (shared or evictable)
@@ -131,6 +133,8 @@ class Engine:
         self.config = resolve_engine_config(config)
         cfg = self.config
         self.model_config, model_path, init_std, self.model_name = resolve_model(cfg.model)
+        # Checked here, before any tensor-parallel rank starts: a bad combination is one line, not a rank's traceback.
+        resolve_spec_options(cfg, self.model_config, cfg.page_size)
         self._model_path = model_path
         self._tokenizer: Tokenizer | None = None  # loaded on first use: token-id workloads run without one
         self.vocab_size = self.model_config.vocab_size
@@ -461,6 +465,7 @@ class Engine:
             spec_draft_tokens_total=getattr(spec, "draft_tokens", 0),
             spec_accepted_tokens_total=getattr(spec, "accepted_tokens", 0),
             spec_verify_steps_total=getattr(spec, "verify_steps", 0),
+            spec_simulated_accept_len=self.config.speculative_simulate_accept_len,
             prefix_cache_query_tokens_total=self.scheduler.cache_query_tokens,
             prefix_cache_hit_tokens_total=self.scheduler.cache_hit_tokens,
             prefix_cache_pages=alloc.num_cached_pages,

@@ -288,7 +288,9 @@ def extend_index_logits(
     if _module is None or _disabled is not None:
         return None
     head_dim = q.shape[2]
-    slots = req_to_token[token_rows[0], :max_kv_len]
+    # The request's row as a device index: no host read, so a captured step (a verify or draft extend of one
+    # request) can take this path too.
+    slots = req_to_token.index_select(0, token_rows[:1])[0, :max_kv_len]
     k8, k_scale = indexer.gather_index_k(index_k, slots, page_size, head_dim)
     ks = torch.zeros_like(kv_lens, dtype=torch.int32)
     ke = kv_lens.to(torch.int32)

@@ -461,6 +461,9 @@ def render_metrics(ae: AsyncEngine) -> str:
            get("spec_verify_steps_total"))
     simple("minidsa_spec_decode_acceptance_ratio", "gauge", "Accepted over proposed draft tokens (0 when off).",
            accepted / draft if draft else 0.0)
+    simple("minidsa_spec_decode_simulated_accept_length", "gauge", "Benchmarks only: the simulated tokens per "
+           "speculative round (--speculative-simulate-accept-len); 0 = acceptance is the model's own.",
+           float(get("spec_simulated_accept_len")))
     query, hits = get("prefix_cache_query_tokens_total"), get("prefix_cache_hit_tokens_total")
     simple("minidsa_prefix_cache_query_tokens_total", "counter", "Prompt tokens looked up in the prefix cache.",
            query)
