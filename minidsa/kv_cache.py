@@ -363,6 +363,28 @@ class IndexerLayout:
         ref.store_index_k(layer_cache, loc, k, self.page_size)
 
 
+@dataclass(frozen=True)
+class CacheLayouts:
+    """A model's two cache layouts and which of its layers (MTP layer last) keep indexer keys."""
+
+    mla: MLALayout
+    index: IndexerLayout
+    indexer_layers: tuple[bool, ...]
+
+    @classmethod
+    def for_model(cls, model_config, dtype: torch.dtype, kv_cache_dtype: str, indexer_fp8: bool,
+                  page_size: int) -> "CacheLayouts":
+        """ValueError (naming kv_cache_dtype) when the model's shapes cannot take the MLA layout asked for."""
+        mla = MLALayout.for_model(model_config.kv_lora_rank, model_config.qk_rope_head_dim, dtype, kv_cache_dtype)
+        index = IndexerLayout(model_config.index_head_dim, dtype, indexer_fp8, page_size)
+        layers = tuple(model_config.indexer_full) + (True,) * model_config.num_nextn_predict_layers
+        return cls(mla, index, layers)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.mla, self.index, len(self.indexer_layers), sum(self.indexer_layers))
+
+
 def kv_bytes_per_token(mla: MLALayout, index: IndexerLayout, num_layers: int, num_indexer_layers: int) -> int:
     """KV bytes one token costs across the model (what capacity is computed from)."""
     return num_layers * mla.bytes_per_token + num_indexer_layers * index.bytes_per_token

@@ -24,9 +24,9 @@ from minidsa.batch import ForwardBatch, ForwardMode
 from minidsa.config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
 from minidsa.graphs import DEFAULT_BUCKETS, EXTEND_TOKEN_BUCKETS, StepGraphs, StepKind
 from minidsa.kernels.choice import choose_fp8_gemm, choose_kernels
-from minidsa.kv_cache import (IndexerLayout, KVCache, MLALayout, PageAllocator, ReqToTokenPool, kv_bytes_per_token,
-                               pages_needed)
+from minidsa.kv_cache import CacheLayouts, KVCache, PageAllocator, ReqToTokenPool, pages_needed
 from minidsa.models.deepseek_v32 import ModelOutput, call_layer
+from minidsa.memory import GiB, MIN_KV_TOKENS, DoesNotFit, graph_buffer_bytes, margin_bytes
 from minidsa.models.loader import build_model
 from minidsa.speculative.layout import SpecLayout
 
@@ -104,22 +104,23 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype)
         self.page_size = config.page_size
         try:  # before loading weights: a layout the model's shapes cannot take fails fast
-            self.mla_layout = MLALayout.for_model(model_config.kv_lora_rank, model_config.qk_rope_head_dim,
-                                                  self.dtype, config.kv_cache_dtype)
+            layouts = CacheLayouts.for_model(model_config, self.dtype, config.kv_cache_dtype,
+                                             config.indexer_cache_dtype == "fp8", self.page_size)
         except ValueError as e:
             raise ConfigError("kv_cache_dtype", str(e)) from e
+        self.mla_layout, self.index_layout = layouts.mla, layouts.index
         self.model = build_model(model_config, model_path, self.dtype, self.device, seed=config.seed,
                                  init_std=init_std, progress=progress, quantization=config.quantization,
                                  gemm=choose_fp8_gemm(self.device, config.kernel_backend, config.use_deep_gemm))
 
+        self.kernels = choose_kernels(self.device, config.kernel_backend, config.use_deep_gemm,
+                                      config.use_flash_mla)
         num_layers = model_config.num_layers_with_mtp
-        indexer_layers = list(model_config.indexer_full) + [True] * model_config.num_nextn_predict_layers
-        self.index_layout = IndexerLayout(model_config.index_head_dim, self.dtype,
-                                          config.indexer_cache_dtype == "fp8", self.page_size)
-        self.kv_bytes_per_token = kv_bytes_per_token(self.mla_layout, self.index_layout, num_layers,
-                                                     sum(indexer_layers))
+        indexer_layers = list(layouts.indexer_layers)
+        self._indexer_layers = indexer_layers
+        self.kv_bytes_per_token = layouts.bytes_per_token
         if config.max_total_tokens == 0:
-            config.max_total_tokens = self._auto_kv_tokens()
+            config.max_total_tokens = self._auto_kv_tokens(decode_reserve)
         num_pages = pages_needed(config.max_total_tokens, self.page_size) + 1  # + the reserved dummy page
         self.allocator = PageAllocator(num_pages, self.page_size)
         capacity = self.allocator.num_usable_pages * self.page_size
@@ -139,8 +140,6 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, table_width, self.device)
         self.kv_cache = KVCache(num_layers, num_pages, self.mla_layout, self.index_layout, self.device,
                                 indexer_layers)
-        self.kernels = choose_kernels(self.device, config.kernel_backend, config.use_deep_gemm,
-                                      config.use_flash_mla)
         self.attn = DSABackend(self.kv_cache, self.req_to_token_pool.req_to_token, model_config.index_topk,
                                self.kernels)
         self.table_width = table_width
@@ -160,21 +159,90 @@ class ModelRunner:
         """[max_running_requests, width] int32: row position -> KV slot, one row per running request."""
         return self.req_to_token_pool.req_to_token
 
-    def _auto_kv_tokens(self) -> int:
+    def _auto_kv_tokens(self, decode_reserve: int) -> int:
         if self.device.type != "cuda":
             return CPU_DEFAULT_MAX_TOTAL_TOKENS
         per_token = self.kv_bytes_per_token  # from the layouts (fp8 MLA: 1.6-1.8x the tokens of bf16)
-        # Share of what is free once the weights are in, so other tenants of the GPU are respected;
-        # the rest is left to activations (and CUDA graphs).
+        reserve = self._activation_reserve(decode_reserve)
         free, _ = torch.cuda.mem_get_info(self.device)
-        budget = int(free * self.config.kv_cache_mem_fraction)
+        # The KV cache takes a share of what the weights and the activation reserve leave, so other tenants of
+        # the GPU and the allocator's fragmentation keep some room.
+        budget = int(max(free - reserve, 0) * self.config.kv_cache_mem_fraction)
         # Never more than every request slot filled to the longest context could use.
         longest = self.config.max_model_len or self.model_config.max_position_embeddings
         tokens = min(budget // per_token, self.config.max_running_requests * (longest + 2 * self.page_size))
-        if tokens < 4 * self.page_size:
-            raise ConfigError("kv_cache_mem_fraction", f"{self.config.kv_cache_mem_fraction} of the "
-                              f"{free / 2**30:.2f} GiB free after loading the weights is too little for a KV cache")
+        needed = (self.config.max_model_len or min(longest, MIN_KV_TOKENS)) + decode_reserve
+        if tokens < needed:
+            raise DoesNotFit(
+                f"the KV cache does not fit: {free / GiB:.1f} GiB free after the weights, {reserve / GiB:.1f} GiB "
+                f"reserved for activations and CUDA graphs, {budget / GiB:.2f} GiB left for the KV cache "
+                f"(kv_cache_mem_fraction {self.config.kv_cache_mem_fraction}) = {tokens} tokens, {needed} needed; "
+                f"try a smaller --max-prefill-tokens / --max-running-requests / --max-model-len, or more GPUs")
+        logger.info("KV cache sized automatically: %.1f GiB free after the weights, %.2f GiB reserved for the largest "
+                    "step of each kind and the CUDA graphs' buffers, %.1f%% of the rest", free / GiB, reserve / GiB,
+                    100 * self.config.kv_cache_mem_fraction)
         return tokens
+
+    @torch.no_grad()
+    def _activation_reserve(self, decode_reserve: int) -> int:
+        """Bytes the steps need beside the weights and the KV cache, measured: the largest prefill step (and the MTP
+        layer's catch-up over it), and the largest decode-like step (a speculative verify: every request's draft
+        tokens, logits for each) are run once, eagerly, on a one-page scratch cache at the longest context the KV
+        cache could give them; their peaks (graphs have their own pool, uncaptured steps the allocator's cache:
+        both are counted), the CUDA graphs' per-kind buffers and a margin are reserved."""
+        cfg, mc, dev = self.config, self.model_config, self.device
+        free, total = torch.cuda.mem_get_info(dev)
+        context = min(mc.max_position_embeddings, cfg.max_model_len or mc.max_position_embeddings,
+                      max(free // self.kv_bytes_per_token, 2))
+        context = pages_needed(context + decode_reserve, self.page_size) * self.page_size
+        scratch_rows = ReqToTokenPool(1, context, dev)  # every position maps to the dummy slot 0
+        scratch = KVCache(mc.num_layers_with_mtp, 1, self.mla_layout, self.index_layout, dev, self._indexer_layers)
+        attn = DSABackend(scratch, scratch_rows.req_to_token, mc.index_topk, self.kernels)
+        step_tokens = max(cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.max_running_requests)
+        decode_rows = cfg.max_running_requests
+
+        def scratch_batch(lens: list[int], logits: str) -> ForwardBatch:
+            n = sum(lens)
+            return ForwardBatch.build(ForwardMode.EXTEND, torch.arange(n, device=dev) % mc.vocab_size, [0] * len(lens),
+                                      [0] * len(lens), lens, torch.zeros(n, dtype=torch.int64, device=dev), dev,
+                                      logits=logits, kv_lens=torch.ones(n, dtype=torch.int64, device=dev),
+                                      max_kv_len=context)
+
+        def peak(run) -> int:
+            torch.cuda.synchronize(dev)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+            run()
+            torch.cuda.synchronize(dev)
+            return torch.cuda.max_memory_allocated(dev) - base
+
+        with_mtp = decode_reserve > 1 and self.model.mtp_layer is not None  # speculation is on
+
+        def prefill() -> None:
+            batch = scratch_batch([step_tokens], "last")
+            out = self.model(batch, attn)
+            if with_mtp:
+                self.model.forward_mtp(batch, attn, out.hidden, out.topk)
+
+        def decode_like() -> None:
+            self.model(scratch_batch([decode_reserve] * decode_rows, "all"), attn)
+
+        peaks = {"prefill": peak(prefill), "decode": peak(decode_like)}
+        del scratch, attn, scratch_rows
+        torch.cuda.empty_cache()
+        nd, logit_rows = decode_reserve, (decode_reserve if decode_reserve > 1 else 1)
+        kinds_tokens, kinds_rows = ([nd, nd, 1], [logit_rows, 1, 1]) if with_mtp else ([1], [1])
+        buffers = graph_buffer_bytes(mc, self.dtype, min(cfg.cuda_graph_max_bs, cfg.max_running_requests),
+                                     kinds_tokens, kinds_rows, max(b for b in EXTEND_TOKEN_BUCKETS
+                                                                   if b <= step_tokens) if cfg.enable_cuda_graph else 0,
+                                     cfg.max_running_requests) if cfg.enable_cuda_graph else 0
+        reserve = peaks["prefill"] + peaks["decode"] + buffers + margin_bytes(total)
+        logger.info("activation reserve %.2f GiB: prefill step of %d tokens at context %d %.2f GiB%s, decode-like "
+                    "step of %d x %d tokens %.2f GiB, CUDA graph buffers %.2f GiB, margin %.2f GiB", reserve / GiB,
+                    step_tokens, context, peaks["prefill"] / GiB, " (with the MTP catch-up)" if with_mtp else "",
+                    decode_rows, decode_reserve, peaks["decode"] / GiB, buffers / GiB, margin_bytes(total) / GiB)
+        return reserve
 
     # -- compile and graphs -------------------------------------------------------
     def prepare_fast_paths(self, spec_layout: SpecLayout | None, static_on_cpu: bool = False,

@@ -30,8 +30,10 @@ from typing import Any
 
 import torch
 
-from minidsa.config import ConfigError, EngineConfig, ModelConfig
+from minidsa.config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
 from minidsa.engine.outputs import OutputProcessor
+from minidsa.kv_cache import CacheLayouts
+from minidsa.memory import check_fit
 from minidsa.models.presets import DEFAULT_PRESET, PRESETS, is_preset, preset_config
 from minidsa.prefix_cache import PrefixCache
 from minidsa.request import (InvalidRequest, QueueFull, Request, RequestOutput, RequestStatus, SamplingParams,
@@ -140,6 +142,13 @@ class Engine:
         self.vocab_size = self.model_config.vocab_size
         eos_token_ids = frozenset(self.model_config.eos_token_ids or self._tokenizer_eos())
         self.decode_reserve = decode_reserve_tokens(cfg)
+        try:
+            layouts = CacheLayouts.for_model(self.model_config, resolve_dtype(cfg.dtype), cfg.kv_cache_dtype,
+                                             cfg.indexer_cache_dtype == "fp8", cfg.page_size)
+        except ValueError as e:
+            raise ConfigError("kv_cache_dtype", str(e)) from e
+        # Before any weight is allocated (and before tensor-parallel ranks start): one line if it cannot fit.
+        check_fit(cfg, self.model_config, model_path, layouts.bytes_per_token, self.decode_reserve)
         t0 = time.perf_counter()
         # One process, or rank 0 of a tensor-parallel group (the other ranks run the same worker on the plans
         # this engine hands its own)
