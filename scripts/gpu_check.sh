@@ -224,6 +224,33 @@ section_tp() {   # issue 17: tensor_parallel_size 1 through the distributed path
     return $rc
 }
 
+section_spec() {   # issue 31: speculation at real shapes with each kernel library (starts, one host sync per chain
+    # round, no leak: tests/gpu/test_spec_gpu.py), then plain vs MTP 3/1/4 at simulated acceptance lengths
+    # (benchmarks/bench_speculative.py; SPEC_BENCH_ARGS, e.g. "--bench" for minidsa bench's workload on both)
+    timeout "$TIMEOUT" $PY -m pytest -q -s -p no:cacheprovider tests/gpu/test_spec_gpu.py -rs --durations=10 \
+        ${SPEC_TEST_ARGS:-}
+    local rc=$?
+    timeout "$TIMEOUT" $PY benchmarks/bench_speculative.py --out "$OUT" ${SPEC_BENCH_ARGS:-} || rc=1
+    return $rc
+}
+
+section_spec_test() {   # issue 31: only the GPU test of speculation at real shapes
+    timeout "$TIMEOUT" $PY -m pytest -q -s -p no:cacheprovider tests/gpu/test_spec_gpu.py -rs --durations=10 \
+        ${SPEC_TEST_ARGS:-}
+}
+
+section_spec_bench() {   # issue 31: only plain vs MTP at simulated acceptance lengths (SPEC_BENCH_ARGS)
+    timeout "$TIMEOUT" $PY benchmarks/bench_speculative.py --out "$OUT" ${SPEC_BENCH_ARGS:-}
+}
+
+section_serving_matrix() {   # issue 31: one server per speculative combination, minidsa bench over HTTP (MATRIX_ARGS,
+    # e.g. "--only guide_dsv32 guide_glm5"); server logs and per-combination JSON stay in $OUT/matrix
+    timeout "$TIMEOUT" $PY benchmarks/serving_matrix.py --out "$OUT/matrix" ${MATRIX_ARGS:-}
+    local rc=$?
+    cp "$OUT/matrix/serving_matrix.md" "$OUT/matrix/serving_matrix.json" "$OUT/" 2>/dev/null
+    return $rc
+}
+
 SECTIONS=${*:-$ALL_SECTIONS}
 : > "$OUT/summary.txt"
 status=0
