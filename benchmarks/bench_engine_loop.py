@@ -339,7 +339,7 @@ def bench_in_process(model: str, budgets: list[int] | None, extra: list[str], ou
     prefill budget, set on the live scheduler between runs. Each row also fits the step cost: wall time of a
     step against its decode rows and prefill tokens (ms = a + b * rows + c * prefill tokens, least squares).
     Rows are written to `out`/engine_loop_inprocess.json as they come (a timed-out call keeps what ran)."""
-    from minidsa import bench
+    from minidsa.bench import offline as bench
     from minidsa.cli import build_parser, engine_config_from_args
     from minidsa.engine import Engine
 

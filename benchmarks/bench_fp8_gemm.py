@@ -80,7 +80,7 @@ def main(argv=None) -> int:
                    help="also time other Triton tile configs at M <= 64 (best one reported per shape)")
     args = p.parse_args(argv)
 
-    from minidsa import perf
+    from minidsa.bench import decode_suite as perf
     from minidsa.kernels import deepgemm, fp8_gemm
     from minidsa.kernels.fp8 import FP8_MAX, quant_block
 

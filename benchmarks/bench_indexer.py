@@ -27,7 +27,7 @@ import sys
 import torch
 import triton
 
-from minidsa import perf
+from minidsa.bench import decode_suite as perf
 from minidsa.kernels import custom_ops, deepgemm, indexer  # noqa: F401  (custom_ops registers the ops)
 from minidsa.kernels import reference as ref
 

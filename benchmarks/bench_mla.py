@@ -40,10 +40,10 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_kernels as bk  # noqa: E402  (Recorder, row, timing, ceilings: one set of helpers)
 
-from minidsa import perf  # noqa: E402
+from minidsa.bench import decode_suite as perf  # noqa: E402
 from minidsa.kernels import custom_ops, flashmla, mla_store, sparse_mla  # noqa: E402,F401
 from minidsa.kernels import reference as ref  # noqa: E402
-from minidsa.kv_cache import MLALayout  # noqa: E402
+from minidsa.exec.kv_cache import MLALayout  # noqa: E402
 
 DEV = torch.device("cuda")
 D_V, D_R, TOPK = 512, 64, 2048
@@ -254,7 +254,7 @@ def bench_store_section(rec: Recorder, ceil: dict) -> None:
 def _runner(kv_cache_dtype: str, max_total_tokens: int = 0, max_running_requests: int = 1024):
     from minidsa.config import EngineConfig, ModelConfig
     from minidsa.models.presets import preset_config
-    from minidsa.runner import ModelRunner
+    from minidsa.exec.runner import ModelRunner
 
     raw = preset_config("bench-dsv32")
     init_std = raw.pop("initializer_range", 0.02)
@@ -271,7 +271,7 @@ def _free() -> None:
 
 
 def bench_capacity_section(rec: Recorder) -> None:
-    from minidsa.kv_cache import IndexerLayout, kv_bytes_per_token
+    from minidsa.exec.kv_cache import IndexerLayout, kv_bytes_per_token
 
     tokens = {}
     for layout in ("auto", "fp8"):
@@ -316,9 +316,9 @@ def bench_step_section(rec: Recorder, iters: int, batch: int = 128, ctx: int = 3
 
 @torch.no_grad()
 def bench_accuracy_section(rec: Recorder, prompt_len: int = 3000, steps: int = 16) -> None:
-    from minidsa.attention.dsa import DSABackend
-    from minidsa.batch import ForwardBatch, ForwardMode
-    from minidsa.kv_cache import KVCache, MLALayout as Layout, pages_needed, slots_of
+    from minidsa.attention.backend import DSABackend
+    from minidsa.exec.batch import ForwardBatch, ForwardMode
+    from minidsa.exec.kv_cache import KVCache, MLALayout as Layout, pages_needed, slots_of
 
     runner = _runner("auto", max_total_tokens=8192, max_running_requests=4)
     kv = runner.kv_cache

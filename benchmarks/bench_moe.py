@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import torch
 import triton
 
-from minidsa import perf
+from minidsa.bench import decode_suite as perf
 from minidsa.kernels import deepgemm, fp8
 from minidsa.kernels import fused_moe as fm
 from minidsa.models.deepseek_v32 import Router

@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from minidsa.perf import time_cuda
-from minidsa.request import SamplingParams
-from minidsa.sampling import SamplingBatch, race_for, sample
+from minidsa.bench.decode_suite import time_cuda
+from minidsa.engine.request import SamplingParams
+from minidsa.exec.sampling import SamplingBatch, race_for, sample
 
 VOCAB = 129280
 

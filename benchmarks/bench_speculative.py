@@ -123,7 +123,7 @@ def steady_decode(engine, timer: ForwardTimer, bs: int, prompt_len: int, decode_
 
 
 def run_engine(args, extra: dict, label: str, accept_lens: list[float | None]) -> dict:
-    from minidsa.bench import run_bench
+    from minidsa.bench.offline import run_bench
     from minidsa.cli import engine_config_from_args
     from minidsa.engine.core import Engine
     from minidsa.speculative.mtp import AcceptanceSimulator

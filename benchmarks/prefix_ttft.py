@@ -13,7 +13,7 @@ import json
 
 import torch
 
-from minidsa.bench import run_bench
+from minidsa.bench.offline import run_bench
 from minidsa.engine import Engine
 
 

@@ -6,7 +6,7 @@
 """
 
 from minidsa.config import EngineConfig
-from minidsa.request import SamplingParams
+from minidsa.engine.request import SamplingParams
 
 __version__ = "0.1.0"
 
@@ -15,8 +15,12 @@ __all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams"]
 
 def __getattr__(name: str):
     # The engine pulls in the model code; import it only when asked for.
-    if name in ("LLM", "Engine"):
-        from minidsa import engine
+    if name == "LLM":
+        from minidsa.llm import LLM
 
-        return getattr(engine, name)
+        return LLM
+    if name == "Engine":
+        from minidsa.engine.core import Engine
+
+        return Engine
     raise AttributeError(f"module 'minidsa' has no attribute {name!r}")

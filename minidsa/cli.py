@@ -18,7 +18,7 @@ from typing import Any
 
 from minidsa import __version__
 from minidsa.config import ENGINE_CHOICES, ConfigError, EngineConfig
-from minidsa.request import InvalidRequest
+from minidsa.engine.request import InvalidRequest
 
 _SKIP_FIELDS = {"extra"}
 
@@ -269,8 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from minidsa.engine import LLM
-    from minidsa.request import SamplingParams
+    from minidsa.llm import LLM
+    from minidsa.engine.request import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop,
@@ -294,7 +294,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from minidsa import bench, bench_online
+    from minidsa.bench import offline as bench, online as bench_online
 
     online = args.request_rate is not None or args.max_concurrency is not None or args.base_url is not None
     goodput = bench_online.parse_goodput(args.goodput)
@@ -354,10 +354,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:3] == ["bench", "--suite", "decode"]:  # the GPU decode suite has its own flags (minidsa/perf.py)
-        from minidsa import perf
+    if argv[:3] == ["bench", "--suite", "decode"]:  # the GPU decode suite has its own flags (bench/decode_suite.py)
+        from minidsa.bench import decode_suite
 
-        return perf.main(argv[3:])
+        return decode_suite.main(argv[3:])
     args = build_parser().parse_args(argv)
     level = args.log_level or DEFAULT_LOG_LEVEL[args.command]
     logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

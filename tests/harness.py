@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from minidsa.attention.dsa import DSABackend
-from minidsa.batch import ForwardBatch, ForwardMode
+from minidsa.attention.backend import DSABackend
+from minidsa.exec.batch import ForwardBatch, ForwardMode
 from minidsa.config import ModelConfig
-from minidsa.kv_cache import IndexerLayout, KVCache, MLALayout, PageAllocator, ReqToTokenPool, pages_needed, slots_of
+from minidsa.exec.kv_cache import IndexerLayout, KVCache, MLALayout, PageAllocator, ReqToTokenPool, pages_needed, slots_of
 from minidsa.topk_recording import TopkRecorder
 
 

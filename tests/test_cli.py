@@ -43,7 +43,7 @@ def test_bench_on_the_embedded_model_writes_json(tmp_path):
 
 
 def test_bench_same_workload_for_same_seed(tiny_llm):
-    from minidsa.bench import Workload
+    from minidsa.bench.offline import Workload
 
     a = Workload.synthetic(5, (10, 50), (3, 9), 0, tiny_llm.engine.vocab_size, tiny_llm.engine.max_model_len)
     b = Workload.synthetic(5, (10, 50), (3, 9), 0, tiny_llm.engine.vocab_size, tiny_llm.engine.max_model_len)

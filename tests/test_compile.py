@@ -17,7 +17,7 @@ from torch._dynamo.backends.debugging import aot_eager
 
 from harness import PagedDriver, count_replays
 from minidsa import LLM, SamplingParams
-from minidsa.batch import ForwardBatch, ForwardMode
+from minidsa.exec.batch import ForwardBatch, ForwardMode
 from minidsa.config import ModelConfig
 from minidsa.kernels.choice import triton_usable
 from minidsa.models.loader import build_model
@@ -92,7 +92,7 @@ def test_compiled_steps_equal_eager_with_one_graph_per_kind(monkeypatch):
     backend = RecordingBackend()
     llm = _llm(kernel_backend="triton", speculative_num_steps=1)
     runner = llm.engine.runner
-    monkeypatch.setattr("minidsa.runner.CTX_BUCKETS", [64])  # two context buckets on short prompts
+    monkeypatch.setattr("minidsa.exec.runner.CTX_BUCKETS", [64])  # two context buckets on short prompts
     runner.prepare_fast_paths(llm.engine.speculator.layout, static_on_cpu=True, compile_backend=backend)
     assert runner.compiled and len(runner.graphs.ctx_buckets) == 2
     replays = count_replays(runner.graphs)
@@ -170,7 +170,7 @@ def test_compiled_layers_do_not_grow_with_depth():
     2-layer one (one per layer kind), because layers read their caches as inputs, never their index."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from minidsa.batch import ForwardMode
+    from minidsa.exec.batch import ForwardMode
     from minidsa.models.deepseek_v32 import call_layer
 
     frames = []
@@ -228,7 +228,7 @@ def test_serving_after_start_up_compiles_nothing_and_matches_eager(compiled_llm,
     into decode steps, and decode batches past the largest graph bucket all run the compiled layer (never the
     plain modules) with zero new compilations, giving the eager engine's greedy tokens. The warm-up writes only
     the reserved dummy slot: every other cache row and the req->token table are untouched."""
-    from minidsa.step_plan import StepMode
+    from minidsa.sched.plan import StepMode
 
     llm, counter, (before, after) = compiled_llm
     assert counter.frame_count > 0  # the warm-up compiled the layer kinds
@@ -306,7 +306,7 @@ def test_start_up_warm_up_reaches_every_kernel_tile_class():
     from minidsa.kernels import fp8
     from minidsa.kernels.fp8_gemm import pick_tiles
     from minidsa.kernels.fused_moe import tile_config
-    from minidsa.runner import warm_up_shapes
+    from minidsa.exec.runner import warm_up_shapes
 
     tokens = 8192
     shapes = warm_up_shapes(tokens, page_size=64, max_model_len=163840, table_width=2560)

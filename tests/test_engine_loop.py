@@ -13,7 +13,7 @@ import pytest
 
 from minidsa import SamplingParams
 from minidsa.engine import Engine
-from minidsa.step_plan import StepMode, StepPlan
+from minidsa.sched.plan import StepMode, StepPlan
 
 MAX_TOKENS = 12
 

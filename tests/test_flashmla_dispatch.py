@@ -30,7 +30,7 @@ in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child 
 from minidsa.kernels import choice as kernel_choice  # noqa: E402
 from minidsa.kernels import dispatch, flashmla  # noqa: E402
 from minidsa.kernels import reference as ref  # noqa: E402
-from minidsa.kv_cache import MLALayout  # noqa: E402
+from minidsa.exec.kv_cache import MLALayout  # noqa: E402
 
 LATENT, ROPE = 512, 64
 

@@ -19,7 +19,7 @@ from harness import PagedDriver
 from minidsa.config import ConfigError, EngineConfig, ModelConfig
 from minidsa.kernels.fp8 import (FP8_DTYPE, dequant_block, quant_act_per_token_group, quant_block,
                                  w8a8_block_matmul_reference)
-from minidsa.layers.linear import FusedLinear, Linear
+from minidsa.models.layers.linear import FusedLinear, Linear
 from minidsa.models.deepseek_v32 import DeepseekV32ForCausalLM, Experts
 from minidsa.models.loader import CheckpointError, build_model, init_random_weights, serving_dtypes_
 from minidsa.models.presets import preset_config
@@ -475,7 +475,7 @@ def test_quantization_flag():
 
 def test_deepgemm_weights_are_what_runs_each_fused_projection_once():
     """The start-up DeepGEMM warm-up takes the weights that run: a FusedLinear's, not its members' views."""
-    from minidsa.layers.linear import FusedLinear, Linear, deepgemm_weights, set_gemm
+    from minidsa.models.layers.linear import FusedLinear, Linear, deepgemm_weights, set_gemm
 
     q_a, kv_a, o = Linear(256, 128), Linear(256, 128), Linear(256, 64)
     plain = Linear(256, 64)  # high precision: not DeepGEMM's

@@ -11,9 +11,9 @@ import torch
 
 from hf_tiny import tiny_kwargs
 from harness import PagedDriver
-from minidsa.batch import ForwardBatch, ForwardMode
+from minidsa.exec.batch import ForwardBatch, ForwardMode
 from minidsa.config import ModelConfig
-from minidsa.graphs import StepGraphs, StepKind
+from minidsa.exec.graphs import StepGraphs, StepKind
 from minidsa.models.loader import build_model
 
 

@@ -35,7 +35,7 @@ from minidsa.kernels import reference as ref  # noqa: E402
 from minidsa.kernels import sparse_mla as sparse_mla_mod  # noqa: E402
 from minidsa.kernels import topk as topk_mod  # noqa: E402
 from minidsa.kernels import indexer  # noqa: E402
-from minidsa.kv_cache import IndexerLayout, KVCache, MLALayout  # noqa: E402
+from minidsa.exec.kv_cache import IndexerLayout, KVCache, MLALayout  # noqa: E402
 
 
 def _kv_cache(num_layers: int, num_pages: int, page_size: int, index_fp8: bool, mla: str = "auto",

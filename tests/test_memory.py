@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import minidsa.memory as memory
+import minidsa.exec.memory as memory
 from minidsa import cli
 from minidsa.config import ModelConfig
 from minidsa.engine.core import Engine
@@ -32,7 +32,7 @@ def small_machine(monkeypatch):
     def no_build(*args, **kwargs):
         raise AssertionError("the weights were being built although the model cannot fit")
 
-    monkeypatch.setattr("minidsa.runner.build_model", no_build)
+    monkeypatch.setattr("minidsa.exec.runner.build_model", no_build)
 
 
 def test_a_model_that_cannot_fit_fails_before_loading(small_machine):
@@ -52,7 +52,7 @@ def test_the_cli_reports_it_in_one_line_with_exit_code_2(small_machine, capsys):
 def test_the_tiny_model_fits_and_says_what_it_needs(caplog):
     import logging
 
-    with caplog.at_level(logging.INFO, logger="minidsa.memory"):
+    with caplog.at_level(logging.INFO, logger="minidsa.exec.memory"):
         engine = Engine(device="cpu", progress=False)
     assert any("memory: weights" in r.message for r in caplog.records)
     engine.close()

@@ -19,12 +19,12 @@ import types
 import pytest
 import torch
 
-from minidsa.step_plan import StepMode
+from minidsa.sched.plan import StepMode
 from minidsa.engine import Engine
-from minidsa.kv_cache import OutOfPages, PageAllocator, ReqToTokenPool
-from minidsa.prefix_cache import PrefixCache
-from minidsa.request import Request, RequestStatus, SamplingParams
-from minidsa.scheduler import Scheduler
+from minidsa.exec.kv_cache import OutOfPages, PageAllocator, ReqToTokenPool
+from minidsa.sched.prefix_cache import PrefixCache
+from minidsa.engine.request import Request, RequestStatus, SamplingParams
+from minidsa.sched.scheduler import Scheduler
 
 MAX_TOKENS = 10
 
@@ -425,7 +425,7 @@ def test_disabled_prefix_caching_computes_everything():
 
 
 def test_bench_shared_prefix_ttft_is_lower_with_the_cache(capsys):
-    from minidsa.bench import print_summary, run_bench
+    from minidsa.bench.offline import print_summary, run_bench
 
     results = {}
     for on in (True, False):

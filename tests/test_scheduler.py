@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minidsa.step_plan import StepMode as ForwardMode
-from minidsa.kv_cache import PageAllocator, ReqToTokenPool
-from minidsa.request import Request, RequestStatus, SamplingParams
-from minidsa.scheduler import Scheduler
+from minidsa.sched.plan import StepMode as ForwardMode
+from minidsa.exec.kv_cache import PageAllocator, ReqToTokenPool
+from minidsa.engine.request import Request, RequestStatus, SamplingParams
+from minidsa.sched.scheduler import Scheduler
 
 
 def make(num_pages=64, page_size=4, max_reqs=8, width=256, **kw) -> Scheduler:

@@ -216,7 +216,7 @@ def test_bench_base_url_against_a_live_server(server, tmp_path, capsys):
 
 
 def test_bench_in_process_server_with_poisson_arrivals():
-    from minidsa.bench_online import arrival_times, run_online_bench
+    from minidsa.bench.online import arrival_times, run_online_bench
     from minidsa.config import EngineConfig
 
     times = arrival_times(200, 50.0, 0)

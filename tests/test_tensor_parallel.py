@@ -22,7 +22,7 @@ from harness import count_replays
 from hf_tiny import save_hf_with_mtp
 from minidsa import LLM, SamplingParams
 from minidsa.config import ConfigError, EngineConfig, ModelConfig
-from minidsa.distributed.launch import RankFailedError
+from minidsa.parallel.launch import RankFailedError
 from minidsa.kernels.choice import triton_usable
 from test_speculative import forced_override, run as run_with_forced_drafts
 from tp_forced_rank import ENV as FORCED_DRAFTS_ENV
@@ -141,7 +141,7 @@ def test_killed_rank_is_named_and_the_run_ends(tiny_llm):
     prompt whose plan is longer than the channel's first message (it follows in a second broadcast)."""
     import pickle
 
-    from minidsa.distributed.plan import FIRST_MESSAGE_BYTES
+    from minidsa.parallel.channel import FIRST_MESSAGE_BYTES
 
     prompt = [[3 + 5 * i for i in range(40)], [(7 * i) % 900 + 2 for i in range(1500)]]
     llm = LLM(tensor_parallel_size=2, **COMMON)
@@ -228,7 +228,7 @@ def test_each_rank_holds_its_slice_of_the_one_process_weights(expert_parallel):
     """Built for rank r of 2 (no processes needed), every parameter is rank r's slice of the one-process
     model's: column-parallel rows, row-parallel columns, vocab rows, experts' intermediate slices or whole
     experts; replicated ones equal."""
-    from minidsa.distributed.parallel_state import TensorParallel, building_with
+    from minidsa.parallel.state import TensorParallel, building_with
     from minidsa.engine import resolve_model
     from minidsa.models.loader import build_model
 

@@ -2,7 +2,7 @@
 
 Every rank runs its own speculator on the same plans, so a test that forces rank 0's drafts (`force_drafts`)
 must force every rank's the same way, or their verify forwards would differ. The test points the rank
-launcher's interpreter at a script running this file instead of `-m minidsa.distributed.worker`;
+launcher's interpreter at a script running this file instead of `-m minidsa.parallel`;
 `FORCED_DRAFTS_JSON` names the reference tokens. Requests whose ids the reference does not name (another
 round's) keep their real drafts, on rank 0 as here.
 """
@@ -43,7 +43,7 @@ def main() -> None:
                                                                      random.Random(spec["seed"]))))
 
     MTPSpeculator.__init__ = forcing_init
-    runpy.run_module("minidsa.distributed.worker", run_name="__main__", alter_sys=True)
+    runpy.run_module("minidsa.parallel", run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

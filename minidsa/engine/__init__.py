@@ -3,13 +3,23 @@
 - `core.Engine`: requests in (add / abort), one step at a time: asks the scheduler what runs, turns it
   into a `StepPlan` for the worker, takes the `StepResult` back; overlapped scheduling lives here.
 - `outputs.OutputProcessor`: tokens into requests (stop conditions), detokenising, `RequestOutput`.
-- `llm.LLM`: the synchronous Python API over an Engine.
+- `request`: `Request`, `SamplingParams`, `RequestOutput`, `InvalidRequest`; `tokenizer.Tokenizer`.
+
+The synchronous Python API over an Engine is `minidsa.llm.LLM`. Names below are imported lazily, so that
+`minidsa.engine.request` (which `import minidsa` and the scheduler use) does not pull in the model code.
 """
 
-from minidsa.engine.core import (Engine, EngineMetrics, decode_reserve_tokens, make_engine_config,
-                                 resolve_engine_config, resolve_model)
-from minidsa.engine.llm import LLM
-from minidsa.engine.outputs import OutputProcessor
-
-__all__ = ["LLM", "Engine", "EngineMetrics", "OutputProcessor", "decode_reserve_tokens", "make_engine_config",
+__all__ = ["Engine", "EngineMetrics", "OutputProcessor", "decode_reserve_tokens", "make_engine_config",
            "resolve_engine_config", "resolve_model"]
+
+
+def __getattr__(name: str):
+    if name == "OutputProcessor":
+        from minidsa.engine.outputs import OutputProcessor
+
+        return OutputProcessor
+    if name in __all__:
+        from minidsa.engine import core
+
+        return getattr(core, name)
+    raise AttributeError(f"module 'minidsa.engine' has no attribute {name!r}")

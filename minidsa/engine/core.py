@@ -1,8 +1,8 @@
 """Engine: the control plane. Requests in (add / abort), one step at a time, outputs out.
 
-A step: the scheduler decides which requests run (scheduler.py); the engine turns that into a `StepPlan`
-(plain data: rows, positions, input tokens, sampling parameters, page-table writes; step_plan.py) and
-hands it to the `Worker` (worker.py), the only owner of device state, which returns a `StepResult`
+A step: the scheduler decides which requests run (sched/scheduler.py); the engine turns that into a `StepPlan`
+(plain data: rows, positions, input tokens, sampling parameters, page-table writes; sched/plan.py) and
+hands it to the `Worker` (exec/worker.py), the only owner of device state, which returns a `StepResult`
 (tokens, logprobs). The tokens enter their requests through the `OutputProcessor` (outputs.py: stop
 conditions, detokenising, RequestOutput).
 
@@ -32,19 +32,19 @@ import torch
 
 from minidsa.config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
 from minidsa.engine.outputs import OutputProcessor
-from minidsa.kv_cache import CacheLayouts
-from minidsa.memory import check_fit
+from minidsa.exec.kv_cache import CacheLayouts
+from minidsa.exec.memory import check_fit
 from minidsa.models.presets import DEFAULT_PRESET, PRESETS, is_preset, preset_config
-from minidsa.prefix_cache import PrefixCache
-from minidsa.request import (InvalidRequest, QueueFull, Request, RequestOutput, RequestStatus, SamplingParams,
+from minidsa.sched.prefix_cache import PrefixCache
+from minidsa.engine.request import (InvalidRequest, QueueFull, Request, RequestOutput, RequestStatus, SamplingParams,
                              Struct, now)
-from minidsa.runner import ModelRunner
-from minidsa.sampling import Sampler
-from minidsa.scheduler import ScheduledBatch, Scheduler
+from minidsa.exec.runner import ModelRunner
+from minidsa.exec.sampling import Sampler
+from minidsa.sched.scheduler import ScheduledBatch, Scheduler
 from minidsa.speculative.mtp import resolve_spec_options
-from minidsa.step_plan import PromptScoring, StepMode, StepPlan
-from minidsa.tokenizer import Tokenizer, load_tokenizer
-from minidsa.worker import PendingStep, Worker, start_worker
+from minidsa.sched.plan import PromptScoring, StepMode, StepPlan
+from minidsa.engine.tokenizer import Tokenizer, load_tokenizer
+from minidsa.exec.worker import PendingStep, Worker, start_worker
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from minidsa.request import Request, RequestOutput, now
-from minidsa.tokenizer import Tokenizer
+from minidsa.engine.request import Request, RequestOutput, now
+from minidsa.engine.tokenizer import Tokenizer
 
 
 class OutputProcessor:

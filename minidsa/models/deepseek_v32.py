@@ -9,7 +9,7 @@ All attention goes through the absorbed MLA form (one KV head of
 kv_lora_rank + qk_rope_head_dim dims) over the paged cache, for every
 forward mode; the DSA backend decides how the cache is read.
 
-Tensor parallelism (the `TensorParallel` the model is built under, `distributed.parallel_state.building_with`):
+Tensor parallelism (the `TensorParallel` the model is built under, `parallel.state.building_with`):
 attention heads split across ranks (q_b_proj and kv_b_proj by heads, o_proj row-parallel + all-reduce); the
 latent KV cache is replicated on every rank (it is per token, not per head: each rank attends its heads over
 the same 576-value entries); the indexer is replicated too (its top-k must be identical on every rank, and
@@ -30,14 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minidsa.attention.dsa import DSABackend, IndexStep, LayerCaches
-from minidsa.batch import ForwardBatch
+from minidsa.attention.backend import DSABackend, IndexStep, LayerCaches
+from minidsa.exec.batch import ForwardBatch
 from minidsa.config import ModelConfig
-from minidsa.distributed.parallel_state import building_tp
+from minidsa.parallel.state import building_tp
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape
 from minidsa.kernels.fused_moe import SKIP
-from minidsa.layers.linear import FusedLinear, Linear, WeightLoadError, as_tensor, load_block_scaled
-from minidsa.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, checkpoint_shard
+from minidsa.models.layers.linear import FusedLinear, Linear, WeightLoadError, as_tensor, load_block_scaled
+from minidsa.models.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, checkpoint_shard
 
 importlib.import_module("minidsa.kernels.custom_ops")  # registers torch.ops.minidsa.* (fused_moe below)
 

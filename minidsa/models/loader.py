@@ -33,7 +33,7 @@ from torch import nn
 
 from minidsa.config import QUANTIZATIONS, ConfigError, ModelConfig
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape, quant_block
-from minidsa.layers.linear import WeightLoadError, default_weight_loader, set_gemm
+from minidsa.models.layers.linear import WeightLoadError, default_weight_loader, set_gemm
 from minidsa.models.deepseek_v32 import DeepseekV32ForCausalLM, RMSNorm, Rotary
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from minidsa.request import InvalidRequest, SamplingParams
+from minidsa.engine.request import InvalidRequest, SamplingParams
 from minidsa.server import protocol as P
 from minidsa.server.async_engine import AsyncEngine, ChatPrompt, EngineRequest, Histogram, RequestStream, StreamEnd
 

@@ -23,8 +23,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from minidsa.distributed.launch import RankFailedError
-from minidsa.request import InvalidRequest
+from minidsa.parallel.launch import RankFailedError
+from minidsa.engine.request import InvalidRequest
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class ChatPrompt:
 class EngineRequest:
     request_id: str
     prompt: str | list[int] | ChatPrompt
-    params: Any  # minidsa.request.SamplingParams
+    params: Any  # minidsa.engine.request.SamplingParams
     max_tokens_to_context: bool = False  # params.max_tokens := context length - prompt length
 
 

@@ -41,11 +41,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minidsa.batch import ForwardBatch, ForwardMode, ints_to_device
+from minidsa.exec.batch import ForwardBatch, ForwardMode, ints_to_device
 from minidsa.config import ConfigError, EngineConfig, ModelConfig
 from minidsa.models.deepseek_v32 import ModelOutput
-from minidsa.request import SamplingParams
-from minidsa.sampling import Sampler, probabilities, row_key, uniforms
+from minidsa.engine.request import SamplingParams
+from minidsa.exec.sampling import Sampler, probabilities, row_key, uniforms
 from minidsa.speculative.layout import SpecLayout
 from minidsa.speculative.tree import DraftTree, accept_greedy, accept_sampled, grow_tree
 

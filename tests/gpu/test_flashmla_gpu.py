@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
 
 from minidsa.kernels import custom_ops, flashmla, sparse_mla  # noqa: E402,F401
 from minidsa.kernels import reference as ref  # noqa: E402
-from minidsa.kv_cache import MLALayout  # noqa: E402
+from minidsa.exec.kv_cache import MLALayout  # noqa: E402
 
 DEV = torch.device("cuda")
 STATUS = flashmla.probe(DEV)

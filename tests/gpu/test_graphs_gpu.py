@@ -118,7 +118,7 @@ def test_tiny_compiled_prefill_and_mixed_steps_equal_eager_without_recompiles(se
     from torch._dynamo.utils import counters
 
     from minidsa import LLM, SamplingParams
-    from minidsa.step_plan import StepMode
+    from minidsa.sched.plan import StepMode
 
     kw = dict(model="tiny", progress=False, max_running_requests=8, cuda_graph_max_bs=4, chunked_prefill_size=64,
               max_prefill_tokens=96, **settings)

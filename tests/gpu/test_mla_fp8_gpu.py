@@ -16,10 +16,10 @@ if not torch.cuda.is_available():
 
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from minidsa.attention.dsa import KernelChoice  # noqa: E402
+from minidsa.attention.backend import KernelChoice  # noqa: E402
 from minidsa.kernels import dispatch, kv_move, mla_store, sparse_mla  # noqa: E402
 from minidsa.kernels import reference as ref  # noqa: E402
-from minidsa.kv_cache import MLALayout  # noqa: E402
+from minidsa.exec.kv_cache import MLALayout  # noqa: E402
 
 if not isinstance(sparse_mla._sparse_mla_kernel, JITFunction):
     pytest.skip("Triton kernels were imported as interpreted functions in this process", allow_module_level=True)

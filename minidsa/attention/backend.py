@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from minidsa.batch import ForwardBatch
+from minidsa.exec.batch import ForwardBatch
 from minidsa.kernels import num_sms
 from minidsa.kernels import reference as ref
 from minidsa.kernels.choice import KernelChoice
-from minidsa.kv_cache import KVCache
+from minidsa.exec.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from typing import NamedTuple
 
 import torch
 
-from minidsa.batch import host_to_device
-from minidsa.request import SamplingParams
+from minidsa.exec.batch import host_to_device
+from minidsa.engine.request import SamplingParams
 
 _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF

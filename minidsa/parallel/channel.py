@@ -12,7 +12,7 @@ import struct
 import torch
 import torch.distributed as dist
 
-from minidsa.distributed.launch import RankGroup
+from minidsa.parallel.launch import RankGroup
 
 # Most plans fit the first message; a longer one follows in a second broadcast of exactly its size.
 FIRST_MESSAGE_BYTES = 4096

@@ -70,10 +70,10 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from minidsa.kv_cache import PageAllocator, RowAllocator, pages_needed
-from minidsa.prefix_cache import Node, PrefixCache
-from minidsa.request import Request, RequestStatus
-from minidsa.step_plan import StepMode, TableWrite
+from minidsa.exec.kv_cache import PageAllocator, RowAllocator, pages_needed
+from minidsa.sched.prefix_cache import Node, PrefixCache
+from minidsa.engine.request import Request, RequestStatus
+from minidsa.sched.plan import StepMode, TableWrite
 
 
 @dataclass

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minidsa.distributed.parallel_state import TensorParallel, building_tp
+from minidsa.parallel.state import TensorParallel, building_tp
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE
-from minidsa.layers.linear import Linear, WeightLoadError, load_block_scaled
+from minidsa.models.layers.linear import Linear, WeightLoadError, load_block_scaled
 
 
 def checkpoint_shard(loaded, scale_inv, dim: int, start: int, length: int, full: int, name: str):

@@ -1,6 +1,6 @@
 """Online serving benchmark (`minidsa bench --request-rate R --max-concurrency C [--base-url URL]`).
 
-The same synthetic workloads as the offline benchmark (bench.py), sent as streaming
+The same synthetic workloads as the offline benchmark (offline.py), sent as streaming
 `/v1/completions` requests (token-id prompts, `max_tokens` = the request's output length,
 `ignore_eos`, greedy) to an OpenAI-compatible server: minidsa's own, started in-process on a
 free loopback port, or any other one (`base_url`: minidsa, vLLM, SGLang). Requests arrive as a
@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from minidsa.bench import PERCENTILES, Workload, _git_commit, _percentiles, make_workload, throughput
+from minidsa.bench.offline import PERCENTILES, Workload, _git_commit, _percentiles, make_workload, throughput
 
 REMOTE_VOCAB = 32000  # prompts for a server whose tokenizer is unknown use ids below this
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
@@ -234,7 +234,7 @@ def run_online_bench(engine_config: Any | None, *, base_url: str | None = None, 
         return asyncio.run(_remote(base_url, num_requests, input_len, output_len, seed, request_rate,
                                    max_concurrency, workload, shared_prefix_len, model_name, api_key, slos, warmup,
                                    progress))
-    from minidsa.bench import describe_device
+    from minidsa.bench.offline import describe_device
     from minidsa.engine import Engine
 
     engine = Engine(engine_config, progress=progress)

@@ -1,7 +1,7 @@
 """One process per tensor-parallel rank, started by minidsa itself; process groups; a watch on every rank.
 
 Rank 0 is the process that builds the engine (a script, a notebook, `minidsa serve`). It starts ranks
-1..N-1 as `python -m minidsa.distributed.worker` children (no torchrun needed; a script run under torchrun
+1..N-1 as `python -m minidsa.parallel` children (no torchrun needed; a script run under torchrun
 joins the group torchrun made instead, see `launch_mode`), hands each its `WorkerSpec` on stdin, and keeps
 the pipe open: a child reads its stdin until EOF, so when rank 0 goes away, however it dies, its children exit
 too (a notebook kernel restart included). Children ignore SIGINT and SIGTERM: a Ctrl-C or a `kill` of the
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from minidsa.config import ConfigError
-from minidsa.distributed.parallel_state import TensorParallel
+from minidsa.parallel.state import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ def start_ranks(engine_config: Any, model_config: Any, model_path: str | None, i
                               engine_config=_with_device(engine_config, rank_device(engine_config.device, r)),
                               model_config=model_config, model_path=model_path, init_std=init_std,
                               decode_reserve=decode_reserve, log_level=logging.getLogger("minidsa").getEffectiveLevel())
-            procs[r] = subprocess.Popen([sys.executable, "-m", "minidsa.distributed.worker"], stdin=subprocess.PIPE,
+            procs[r] = subprocess.Popen([sys.executable, "-m", "minidsa.parallel"], stdin=subprocess.PIPE,
                                         env=_child_env())
             with contextlib.suppress(BrokenPipeError):  # it exited at once: the watch below names it
                 _write_spec(procs[r], spec)

@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from minidsa.batch import ForwardBatch, ForwardMode
+from minidsa.exec.batch import ForwardBatch, ForwardMode
 from minidsa.models.deepseek_v32 import ModelOutput
 
 logger = logging.getLogger(__name__)

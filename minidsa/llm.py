@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from minidsa.engine.core import Engine, make_engine_config
-from minidsa.request import InvalidRequest, RequestOutput, SamplingParams
-from minidsa.tokenizer import Tokenizer
+from minidsa.engine.request import InvalidRequest, RequestOutput, SamplingParams
+from minidsa.engine.tokenizer import Tokenizer
 
 
 class LLM:

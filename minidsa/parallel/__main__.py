@@ -1,7 +1,7 @@
-"""A tensor-parallel rank > 0: `python -m minidsa.distributed.worker` (started by rank 0, spec on stdin).
+"""A tensor-parallel rank > 0: `python -m minidsa.parallel` (started by rank 0, spec on stdin).
 
 It builds its worker (its shard of the model, the caches, sampler and speculator) and launches each of rank
-0's step plans until told to stop (`executor.run_rank`). Its stdin stays open as a lifeline: EOF (rank 0
+0's step plans until told to stop (`ranks.run_rank`). Its stdin stays open as a lifeline: EOF (rank 0
 exited, was killed, or stopped the group) ends the process at once.
 """
 
@@ -13,7 +13,7 @@ import sys
 import threading
 import traceback
 
-logger = logging.getLogger("minidsa.distributed.worker")
+logger = logging.getLogger("minidsa.parallel")
 
 
 def _exit_when_rank0_goes(stream) -> None:
@@ -29,8 +29,8 @@ def _configure_logging(rank: int, level: int) -> None:
 
 
 def main() -> int:
-    from minidsa.distributed.executor import run_rank
-    from minidsa.distributed.launch import ignore_interrupts, join_ranks, read_spec
+    from minidsa.parallel.ranks import run_rank
+    from minidsa.parallel.launch import ignore_interrupts, join_ranks, read_spec
 
     ignore_interrupts()
     spec = read_spec(sys.stdin.buffer)
@@ -53,8 +53,8 @@ def main() -> int:
 
 def run_torchrun_rank(config, model_config, model_path, init_std, decode_reserve) -> None:
     """A rank > 0 of a torchrun launch, inside the user's `LLM(...)`: serve rank 0, then exit the process."""
-    from minidsa.distributed.executor import run_rank
-    from minidsa.distributed.launch import start_ranks
+    from minidsa.parallel.ranks import run_rank
+    from minidsa.parallel.launch import start_ranks
 
     ranks = start_ranks(config, model_config, model_path, init_std, decode_reserve)
     import dataclasses

@@ -10,7 +10,7 @@ sampled ids to pinned host memory) and records one CUDA event; `PendingStep.resu
 event, the only host sync of a plain step, and turns the ids into lists. `execute(plan)` is both at
 once.
 
-Under tensor parallelism (minidsa/distributed/) every rank holds a Worker built the same way
+Under tensor parallelism (minidsa/parallel/) every rank holds a Worker built the same way
 (`build_worker`) and runs every plan: rank 0's engine broadcasts each plan before launching it, the other
 ranks launch it as it arrives. Their forwards meet in the collectives; the all-gathered logits are the same
 on every rank, so every rank samples the same tokens (the sampler's keys come from the plan and the shared
@@ -28,14 +28,14 @@ from typing import Any
 
 import torch
 
-from minidsa.batch import ForwardBatch, ForwardMode, host_to_device, ints_to_device
-from minidsa.kv_cache import row_slots
+from minidsa.exec.batch import ForwardBatch, ForwardMode, host_to_device, ints_to_device
+from minidsa.exec.kv_cache import row_slots
 from minidsa.config import EngineConfig, ModelConfig
 from minidsa.models.deepseek_v32 import ModelOutput
-from minidsa.runner import ModelRunner
-from minidsa.sampling import SampledTokens, Sampler, race_for
+from minidsa.exec.runner import ModelRunner
+from minidsa.exec.sampling import SampledTokens, Sampler, race_for
 from minidsa.speculative.mtp import SpecRows
-from minidsa.step_plan import PromptScoring, StepMode, StepPlan, StepResult
+from minidsa.sched.plan import PromptScoring, StepMode, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -251,9 +251,9 @@ def build_worker(runner: ModelRunner, config: EngineConfig, decode_reserve: int,
 def start_worker(config: EngineConfig, model_config: ModelConfig, model_path: str | None, init_std: float = 0.02,
                  decode_reserve: int = 1, progress: bool = True) -> Worker:
     """The engine's worker, chosen once: one process, or rank 0 of a tensor-parallel group (which starts the
-    other ranks; see minidsa/distributed/executor.py). `config` must be resolved."""
+    other ranks; see minidsa/parallel/ranks.py). `config` must be resolved."""
     if config.distributed:
-        from minidsa.distributed.executor import start_tensor_parallel_worker
+        from minidsa.parallel.ranks import start_tensor_parallel_worker
 
         return start_tensor_parallel_worker(config, model_config, model_path, init_std, decode_reserve, progress)
     runner = ModelRunner(config, model_config, model_path, init_std, decode_reserve, progress)

@@ -19,14 +19,14 @@ from collections.abc import Callable
 
 import torch
 
-from minidsa.attention.dsa import DSABackend
-from minidsa.batch import ForwardBatch, ForwardMode
+from minidsa.attention.backend import DSABackend
+from minidsa.exec.batch import ForwardBatch, ForwardMode
 from minidsa.config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
-from minidsa.graphs import DEFAULT_BUCKETS, EXTEND_TOKEN_BUCKETS, StepGraphs, StepKind
+from minidsa.exec.graphs import DEFAULT_BUCKETS, EXTEND_TOKEN_BUCKETS, StepGraphs, StepKind
 from minidsa.kernels.choice import choose_fp8_gemm, choose_kernels
-from minidsa.kv_cache import CacheLayouts, KVCache, PageAllocator, ReqToTokenPool, pages_needed
+from minidsa.exec.kv_cache import CacheLayouts, KVCache, PageAllocator, ReqToTokenPool, pages_needed
 from minidsa.models.deepseek_v32 import ModelOutput, call_layer
-from minidsa.memory import GiB, MIN_KV_TOKENS, DoesNotFit, graph_buffer_bytes, margin_bytes
+from minidsa.exec.memory import GiB, MIN_KV_TOKENS, DoesNotFit, graph_buffer_bytes, margin_bytes
 from minidsa.models.loader import build_model
 from minidsa.speculative.layout import SpecLayout
 
@@ -335,7 +335,7 @@ class ModelRunner:
         class a step can bring (`deepgemm.gemm_rows`, up to `step_tokens`) runs once here, per weight shape,
         so no prefill or mixed step compiles one mid-serving (seconds each)."""
         from minidsa.kernels import deepgemm
-        from minidsa.layers.linear import deepgemm_weights
+        from minidsa.models.layers.linear import deepgemm_weights
 
         weights = deepgemm_weights(self.model)
         if not weights:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from minidsa.request import SamplingParams
+from minidsa.engine.request import SamplingParams
 
 
 class StepMode(enum.IntEnum):

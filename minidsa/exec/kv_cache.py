@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minidsa.batch import host_to_device
+from minidsa.exec.batch import host_to_device
 from minidsa.kernels import reference as ref
 
 KV_CACHE_DTYPES = ("auto", "fp8")

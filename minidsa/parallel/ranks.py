@@ -32,12 +32,12 @@ from dataclasses import dataclass
 import torch
 
 from minidsa.config import ConfigError, EngineConfig, ModelConfig
-from minidsa.distributed.launch import RankFailedError, RankGroup, single_rank_group, start_ranks
-from minidsa.distributed.parallel_state import building_with
-from minidsa.distributed.plan import PlanChannel
-from minidsa.runner import ModelRunner
-from minidsa.step_plan import StepPlan, StepResult
-from minidsa.worker import PendingStep, Worker, build_worker
+from minidsa.parallel.launch import RankFailedError, RankGroup, single_rank_group, start_ranks
+from minidsa.parallel.state import building_with
+from minidsa.parallel.channel import PlanChannel
+from minidsa.exec.runner import ModelRunner
+from minidsa.sched.plan import StepPlan, StepResult
+from minidsa.exec.worker import PendingStep, Worker, build_worker
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +61,8 @@ class RankModelRunner(ModelRunner):
         with ranks.guard(), building_with(ranks.tp):
             super().__init__(config, model_config, model_path, init_std, decode_reserve, progress)
 
-    def _auto_kv_tokens(self) -> int:
-        tokens = torch.tensor([super()._auto_kv_tokens()], dtype=torch.int64)
+    def _auto_kv_tokens(self, decode_reserve: int) -> int:
+        tokens = torch.tensor([super()._auto_kv_tokens(decode_reserve)], dtype=torch.int64)
         if self.ranks.world_size > 1:
             torch.distributed.all_reduce(tokens, op=torch.distributed.ReduceOp.MIN, group=self.ranks.control_group)
         return int(tokens.item())
@@ -156,14 +156,14 @@ def start_tensor_parallel_worker(config: EngineConfig, model_config: ModelConfig
     rank 0's plans and exit the process when it stops.
     """
     config.validate_parallel(model_config)
-    from minidsa.distributed.launch import launch_mode
+    from minidsa.parallel.launch import launch_mode
 
     try:
         mode, rank, _ = launch_mode(config.tensor_parallel_size)
     except ValueError as e:
         raise ConfigError("tensor_parallel_size", str(e)) from None
     if mode == "torchrun" and rank > 0:
-        from minidsa.distributed.worker import run_torchrun_rank
+        from minidsa.parallel.__main__ import run_torchrun_rank
 
         run_torchrun_rank(config, model_config, model_path, init_std, decode_reserve)
     if config.tensor_parallel_size > 1:

@@ -1,4 +1,4 @@
-"""GPU decode performance suite: `minidsa bench --suite decode` (or `python -m minidsa.perf`).
+"""GPU decode performance suite: `minidsa bench --suite decode` (or `python -m minidsa.bench.decode_suite`).
 
 Measures, in one run on one GPU, on a benchmark preset with random bf16 weights:
  (a) decode step latency and tokens/s at several batch sizes and contexts (CUDA graphs);
@@ -29,12 +29,12 @@ import time
 
 import torch
 
-from minidsa.batch import ForwardBatch, ForwardMode
+from minidsa.exec.batch import ForwardBatch, ForwardMode
 from minidsa.config import EngineConfig, ModelConfig
-from minidsa.graphs import StepGraphs, StepKind
-from minidsa.kv_cache import pages_needed
+from minidsa.exec.graphs import StepGraphs, StepKind
+from minidsa.exec.kv_cache import pages_needed
 from minidsa.models.presets import preset_config
-from minidsa.runner import ModelRunner
+from minidsa.exec.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +158,8 @@ class Bench:
         # "mp": tensor_parallel_size 1 through the distributed path (a process group of one, its collectives
         # inside the graphs): what it costs beside "uni"
         if distributed_executor_backend == "mp":
-            from minidsa.distributed.executor import RankModelRunner
-            from minidsa.distributed.launch import single_rank_group
+            from minidsa.parallel.ranks import RankModelRunner
+            from minidsa.parallel.launch import single_rank_group
 
             self.runner = RankModelRunner(single_rank_group(cfg.device), cfg, self.model_config, None,
                                           init_std=init_std, decode_reserve=64, progress=False)

@@ -1,0 +1,1 @@
+"""`minidsa bench`: the offline and online serving benchmarks and the GPU decode suite."""

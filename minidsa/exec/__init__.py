@@ -1,0 +1,1 @@
+"""Execution: the only owner of device state (worker, model runner, CUDA graphs, KV cache, sampler)."""

@@ -1,0 +1,1 @@
+"""The scheduler side of the control plane: which requests run each step, prefix cache, the step plan."""
