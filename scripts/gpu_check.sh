@@ -9,6 +9,8 @@
 # (prefill / mixed steps through the compiled layer: GPU tests, then bench_prefill compiled vs eager); flashmla (builds FlashMLA from a
 # carried .fmla folder first; minutes).
 #
+# FlashMLA: FLASHMLA=on builds it from .fmla (scripts/prepare_flashmla.sh) alongside DeepGEMM's build; the built
+# module comes back as $OUT/flashmla_cuda.so.
 # DeepGEMM: DEEPGEMM=on builds it from the folder .dg (carried; made on the CPU machine with
 # ../shared/tools/deepgemm/prepare.sh, never committed) and puts it on PYTHONPATH for every section; the
 # built _C.so is copied to $OUT/deep_gemm_C.so (put it at .dg/src/deep_gemm/_C.so to skip the build next
@@ -26,19 +28,42 @@ export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 ALL_SECTIONS="env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla fp8_gemm moe"
 
+# The optional libraries' sources can travel as xz tarballs (.gpu/dg.tar.xz, .gpu/fmla.tar.xz: the carried tree is
+# limited in size) with the .so files an earlier call built (.gpu/prebuilt/): unpack them where the builds look.
+[ -f .gpu/dg.tar.xz ] && [ ! -d .dg ] && tar -xJf .gpu/dg.tar.xz
+[ -f .gpu/fmla.tar.xz ] && [ ! -d .fmla ] && tar -xJf .gpu/fmla.tar.xz
+[ -f .gpu/prebuilt/deep_gemm_C.so ] && [ -d .dg ] && cp .gpu/prebuilt/deep_gemm_C.so .dg/src/deep_gemm/_C.so
+[ -f .gpu/prebuilt/flashmla_cuda.so ] && [ -d .fmla ] && mkdir -p .fmla/prebuilt && cp .gpu/prebuilt/flashmla_cuda.so .fmla/prebuilt/
+if ls .gpu/whl/*.whl >/dev/null 2>&1; then mkdir -p .whl && cp .gpu/whl/*.whl .whl/; fi
 if ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+# FLASHMLA=on: build FlashMLA (from .fmla) in the background while DeepGEMM builds; every section then imports it.
+if [ "${FLASHMLA:-off}" = on ] && [ -d .fmla ]; then
+    export FLASHMLA_BUILD_DIR=$(pwd)/build/flashmla
+    ( bash scripts/build_flashmla.sh .fmla > "$OUT/flashmla_env.txt" 2> "$OUT/flashmla_build.log" ) &
+    flashmla_pid=$!
 fi
 if [ "${DEEPGEMM:-off}" = on ]; then
     start=$(date +%s)
     if eval "$(bash .dg/build.sh 2> "$OUT/deepgemm_build.log")"; then
         so=$($PY -c "import deep_gemm, os; print(os.path.dirname(deep_gemm.__file__) + '/_C.so')" 2>/dev/null)
-        [ -n "$so" ] && [ -f "$so" ] && [ ! -f .dg/src/deep_gemm/_C.so ] && cp "$so" "$OUT/deep_gemm_C.so"
+        [ -n "$so" ] && [ -f "$so" ] && [ ! -f .gpu/prebuilt/deep_gemm_C.so ] && cp "$so" "$OUT/deep_gemm_C.so"
         echo "DeepGEMM ready in $(( $(date +%s) - start )) s: $so"
     else
         echo "DeepGEMM build failed (see deepgemm_build.log)"; tail -20 "$OUT/deepgemm_build.log"
     fi
+fi
+if [ -n "${flashmla_pid:-}" ]; then
+    if wait "$flashmla_pid"; then
+        eval "$(cat "$OUT/flashmla_env.txt")"
+        [ -f .gpu/prebuilt/flashmla_cuda.so ] || cp "$FLASHMLA_BUILD_DIR"/flash_mla/cuda*.so "$OUT/flashmla_cuda.so" 2>/dev/null
+        echo "FlashMLA ready: $(tail -1 "$OUT/flashmla_build.log")"
+    else
+        echo "FlashMLA build failed (see flashmla_build.log)"; tail -20 "$OUT/flashmla_build.log"
+    fi
+    rm -f "$OUT/flashmla_env.txt"
 fi
 
 section_env() {   # TIMEOUT: seconds for this section, 0 = none
