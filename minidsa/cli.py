@@ -41,7 +41,7 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "max_mixed_prefill_tokens": "most prefill tokens a step carries beside decode rows (mixed steps): lower = "
                                 "steadier inter-token latency, slower prefill while requests decode",
     "kv_cache_mem_fraction": "with max-total-tokens 0 on GPU: share of the memory free after loading the weights "
-                             "that the KV cache takes, in (0, 1]",
+                             "and reserving the largest step's activations that the KV cache takes, in (0, 1]",
     "seed": "seed of the random weights (presets) and of unseeded sampling",
     "indexer_cache_dtype": "indexer key cache: fp8 (Hadamard-rotated e4m3, DeepGEMM layout) or model (full "
                            "precision); auto = fp8 on GPU, model on CPU",
