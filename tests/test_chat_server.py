@@ -33,6 +33,7 @@ D = "｜DSML｜"
 
 class Family:
     def __init__(self, path: str):
+        self.path = path
         self.llm = LLM(model=path, device="cpu", dtype="float32", progress=False, max_total_tokens=16384)
         self.script = ScriptedCompletions(self.llm.engine)
         self.server = LiveServer(self.llm.engine)
@@ -157,6 +158,22 @@ def test_dsv32_checkpoint_without_template_chats_through_deepseeks_encoding(ds):
     ds.script.queue("Hello! 你好")
     out = post(ds, "/v1/chat/completions", {"messages": hi, "max_tokens": 20})
     assert out["choices"][0]["message"] == {"role": "assistant", "content": "Hello! 你好"}
+
+
+def test_chat_template_flag_overrides_deepseeks_encoding(ds, tmp_path):
+    from minidsa.config import ConfigError
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<bot>")
+    llm = LLM(model=ds.path, device="cpu", dtype="float32", progress=False, max_total_tokens=1024,
+              chat_template=str(template))
+    assert isinstance(llm.chat_format, TemplateFormat) and llm.chat_format.origin == f"--chat-template {template}"
+    ids = llm.chat_prompt([{"role": "user", "content": "Hi"}])
+    assert llm.tokenizer.decode(ids) == "<user>Hi<bot>"
+    out = llm.chat([{"role": "user", "content": "Hi"}], None)
+    assert out.prompt_token_ids == ids and out.content == out.text
+    with pytest.raises(ConfigError, match="chat_template"):
+        LLM(model=ds.path, device="cpu", chat_template=str(tmp_path / "missing.jinja"))
 
 
 def test_dsv32_tool_round_trip_thinking(ds):
