@@ -163,19 +163,26 @@ class ChatOutputParser:
         return name in self.spec.tool_types
 
 
-class _Plain:
+class _Answer:
+    """Stage 2: reads the answer's text (after any reasoning) into the parser's content and tool calls."""
+
     def __init__(self, parser: ChatOutputParser):
         self.p = parser
 
     def feed(self, text: str, final: bool) -> None:
+        raise NotImplementedError
+
+
+class _Plain(_Answer):
+    def feed(self, text: str, final: bool) -> None:
         self.p.content += text
 
 
-class _NamedJson:
+class _NamedJson(_Answer):
     """tool_choice names a function: the answer is its arguments (JSON the grammar forced)."""
 
     def __init__(self, parser: ChatOutputParser):
-        self.p = parser
+        super().__init__(parser)
         self.call: int | None = None
         self.opened = False
         self.space = ""  # leading whitespace, before the JSON starts
@@ -195,12 +202,12 @@ class _NamedJson:
         self.p._arguments(self.call, text)
 
 
-class _RequiredJson:
+class _RequiredJson(_Answer):
     """tool_choice "required": the answer is a JSON array of {"name", "arguments"} objects; each becomes a call as
     soon as its object is complete. An answer that is not that array stays content (none of it becomes a call)."""
 
     def __init__(self, parser: ChatOutputParser):
-        self.p = parser
+        super().__init__(parser)
         self.buf = ""
         self.pos = 0  # scanned up to here
         self.depth = 0
@@ -253,7 +260,7 @@ class _RequiredJson:
         self.p._arguments(call, json.dumps(args, ensure_ascii=False))
 
 
-class _Markup:
+class _Markup(_Answer):
     """Content with tool calls written in the DSML or GLM syntax: a state machine over a buffer of undecided text.
 
     Each state's step either consumes a prefix of the buffer (and reports what it means), waits for more text,
@@ -265,7 +272,7 @@ class _Markup:
     WAIT, FAIL, GO = 0, 1, 2
 
     def __init__(self, parser: ChatOutputParser, syntax: str):
-        self.p = parser
+        super().__init__(parser)
         self.syntax = syntax
         self.start = dsv32.FUNCTION_CALLS if syntax == DSML else GLM_CALL
         self.buf = ""

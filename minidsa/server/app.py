@@ -384,11 +384,13 @@ def _chat_message(c: _Choice) -> P.ChatResponseMessage:
 
 
 def _chat_deltas(c: _Choice) -> list[P.ChatDelta]:
-    """A choice's news as OpenAI streams it: text first, then per call its id and name (arguments ""), then its
-    argument fragments."""
+    """A choice's news as OpenAI streams it: reasoning, then content, then per call its id and name (arguments ""),
+    then its argument fragments."""
     deltas = []
-    if c.pending_content or c.pending_reasoning:
-        deltas.append(P.ChatDelta(content=c.pending_content or None, reasoning_content=c.pending_reasoning or None))
+    if c.pending_reasoning:
+        deltas.append(P.ChatDelta(reasoning_content=c.pending_reasoning))
+    if c.pending_content:
+        deltas.append(P.ChatDelta(content=c.pending_content))
     for i in sorted(c.pending_calls):
         args = c.pending_calls[i]
         call = c.tool_calls[i]
