@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import shutil
 
 from hf_tiny import build_hf, save_hf
 
@@ -115,16 +114,6 @@ def glm5_checkpoint(path: str) -> str:
                          max_position_embeddings=2048)
     save_hf(model, kw, path)
     return path
-
-
-def copy_without_template(src: str, dst: str) -> str:
-    shutil.copytree(src, dst)
-    with open(os.path.join(dst, "tokenizer_config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
-    cfg.pop("chat_template", None)
-    with open(os.path.join(dst, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-        json.dump(cfg, f)
-    return dst
 
 
 class ScriptedCompletions:

@@ -186,7 +186,7 @@ def test_glm5_template_with_tools_and_thinking(glm_tokenizer):
     assert fmt.prepare(glm_tokenizer, msgs[:1], ChatOptions(reasoning_effort="none")).output.reasoning == CONTENT
 
 
-def test_template_features(ds_tokenizer):
+def test_template_features(ds_tokenizer, tmp_path):
     def render(src, **kw):
         return TemplateFormat(src, "t").prepare(ds_tokenizer, [{"role": "user", "content": "x"}],
                                                 ChatOptions(**kw)).prompt
@@ -202,17 +202,10 @@ def test_template_features(ds_tokenizer):
         render("{{ raise_exception('no system message') }}")
     with pytest.raises(ChatFormatError, match="cannot set messages"):
         render("x", chat_template_kwargs={"messages": []})
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% if %}")
     with pytest.raises(ChatFormatError, match="does not parse"):
-        select_chat_format.__wrapped__("glm_moe_dsa", ds_tokenizer, _write_tmp("{% if %}"))
-
-
-def _write_tmp(text: str) -> str:
-    import tempfile
-
-    f = tempfile.NamedTemporaryFile("w", suffix=".jinja", delete=False)
-    f.write(text)
-    f.close()
-    return f.name
+        select_chat_format.__wrapped__("glm_moe_dsa", ds_tokenizer, str(bad))
 
 
 # -- which format a model gets -------------------------------------------------------------------------------
@@ -229,7 +222,9 @@ def test_format_selection_and_log(tmp_path, ds_tokenizer, glm_tokenizer, caplog)
     assert isinstance(preset, DeepSeekV32Format) and "package's template is DeepSeek-V3's" in preset.describe()
     glm = select("glm_moe_dsa", glm_tokenizer)
     assert isinstance(glm, TemplateFormat) and glm.tool_syntax == GLM and "the checkpoint's" in glm.describe()
-    override = _write_tmp("{% for m in messages %}{{ m.content }}{% endfor %}<think>")
+    override = str(tmp_path / "override.jinja")
+    with open(override, "w") as f:
+        f.write("{% for m in messages %}{{ m.content }}{% endfor %}<think>")
     for arch, tok in (("deepseek_v32", Tokenizer(str(no_template))), ("glm_moe_dsa", glm_tokenizer)):
         fmt = select(arch, tok, override)
         assert isinstance(fmt, TemplateFormat) and fmt.origin == f"--chat-template {override}"

@@ -147,11 +147,12 @@ def test_dsv32_checkpoint_without_template_chats_through_deepseeks_encoding(ds):
     tok = ds.llm.tokenizer
     hi = [{"role": "user", "content": "Hi"}]
     ids = tokenize(ds, {"messages": hi})
-    assert tok.decode(ids, skip_special_tokens=False) == "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜></think>"
+    bos = "<｜begin▁of▁sentence｜>"
+    assert tok.decode(ids, skip_special_tokens=False) == f"{bos}<｜User｜>Hi<｜Assistant｜></think>"
     assert ids == ds.llm.chat_prompt(hi) and ids[0] == 0  # BOS is the special token, not its text
     thinking = tokenize(ds, {"messages": hi, "tools": [WEATHER], "chat_template_kwargs": {"thinking": True}})
     text = tok.decode(thinking, skip_special_tokens=False)
-    assert text.startswith("<｜begin▁of▁sentence｜>\n\n## Tools\n") and text.endswith("Hi<｜Assistant｜><think>")
+    assert text.startswith(f"{bos}\n\n## Tools\n") and text.endswith("Hi<｜Assistant｜><think>")
     assert tokenize(ds, {"prompt": "Hello there"}) == tok.encode("Hello there")
     assert post(ds, "/detokenize", {"tokens": ids})["prompt"] == tok.decode(ids, skip_special_tokens=False)
     # a chat without tools answers as before: the content is the text
@@ -243,7 +244,8 @@ def test_bad_fields_are_400_and_harmless_ones_are_ignored(ds, caplog):
         status, _, data = _post(ds.server, path, body, key=None)
         _assert_error(status, data, 400)
     harmless = {"store": True, "metadata": {"k": "v"}, "user": "u", "service_tier": "auto", "prompt_cache_key": "p",
-                "safety_identifier": "s", "parallel_tool_calls": False, "prediction": {"type": "content", "content": "x"},
+                "safety_identifier": "s", "parallel_tool_calls": False,
+                "prediction": {"type": "content", "content": "x"},
                 "stream_options": {"include_obfuscation": False}, "response_format": {"type": "text"},
                 "verbosity": "medium", "modalities": ["text"], "tool_choice": "none", "reasoning_effort": "none"}
     caplog.set_level(logging.DEBUG, logger="minidsa.server.protocol")

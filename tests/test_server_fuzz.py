@@ -61,7 +61,8 @@ message = st.fixed_dictionaries(
               "reasoning_content": text})
 chat_options = {
     "tools": st.just([TOOL]) | st.lists(json_value, max_size=2),
-    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "function": {"name": "get_weather"}},
+    "tool_choice": st.sampled_from(["auto", "none", "required",
+                                    {"type": "function", "function": {"name": "get_weather"}},
                                     {"type": "function", "function": {"name": "nope"}}]) | json_value,
     "parallel_tool_calls": st.booleans(),
     "chat_template_kwargs": st.fixed_dictionaries({}, optional={"thinking": st.booleans() | json_scalar,
@@ -102,7 +103,8 @@ endpoint_body = st.one_of(
     st.tuples(st.just("/v1/completions"), mutated(completion)),
     st.tuples(st.just("/v1/chat/completions"), mutated(chat)),
     st.tuples(st.just("/tokenize"), tokenize.map(lambda d: json.dumps(d).encode())),
-    st.tuples(st.just("/detokenize"), st.fixed_dictionaries({"tokens": token_ids}).map(lambda d: json.dumps(d).encode())),
+    st.tuples(st.just("/detokenize"),
+              st.fixed_dictionaries({"tokens": token_ids}).map(lambda d: json.dumps(d).encode())),
     st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
               st.binary(max_size=40) | json_value.map(lambda v: json.dumps(v).encode())),
 )

@@ -70,7 +70,8 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for m in messages:
         m = dict(m)
         if m.get("tool_calls"):
-            m["tool_calls"] = [{**tc, "function": {**tc["function"], "arguments": json.loads(tc["function"]["arguments"])}}
+            m["tool_calls"] = [{**tc, "function": {**tc["function"],
+                                                   "arguments": json.loads(tc["function"]["arguments"])}}
                                for tc in m["tool_calls"]]
         out.append(m)
     return out

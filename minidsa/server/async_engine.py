@@ -26,7 +26,6 @@ from typing import Any, Callable
 from minidsa.chat.formats import ChatOptions
 from minidsa.distributed.launch import RankFailedError
 from minidsa.engine.chat import prepare_chat
-from minidsa.request import InvalidRequest
 
 logger = logging.getLogger(__name__)
 
