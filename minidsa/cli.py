@@ -76,6 +76,8 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "distributed_executor_backend": "mp = one process per rank (also at --tp 1: the distributed code path), uni "
                                     "= one process; auto = mp when --tp > 1",
     "tokenizer": "tokenizer directory or name; default: the checkpoint's, or the DeepSeek-V3 tokenizer for presets",
+    "chat_template": "jinja chat template FILE for chat requests, used instead of the checkpoint's template and "
+                     "DeepSeek-V3.2's encoding (the log says which format serves chat)",
     "trust_remote_code": "allow a checkpoint's tokenizer to run its own code",
 }
 
@@ -196,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     _add_common(gen, top=False)
     gen.add_argument("--prompt", action="append", help="a prompt (repeat for a batch); default 'Hello'")
-    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the model's chat format")
     gen.add_argument("--max-tokens", type=int, default=32, metavar="N",
                      help="tokens to generate at most (default: 32)")
     gen.add_argument("--temperature", type=float, default=0.0, metavar="X",
@@ -278,7 +280,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
     prompts: list[Any] = args.prompt or ["Hello"]
     if args.chat:
-        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
     if args.stream:
         for p in prompts:
             for out in llm.stream(p, params):
