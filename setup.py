@@ -8,7 +8,9 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.11",
-        "triton",
+        # Triton has wheels for Linux only; elsewhere (macOS) minidsa serves with its torch references
+        # (minidsa/kernels/triton_compat.py).
+        "triton; platform_system == 'Linux'",
         "transformers>=5.13",
         "safetensors",
         "aiohttp",

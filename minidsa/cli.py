@@ -1,4 +1,4 @@
-"""Command line: `minidsa generate | bench | serve`.
+"""Command line: `minidsa generate | bench | serve | precompile`.
 
 Engine arguments are derived from EngineConfig's fields: `max_total_tokens`
 is `--max-total-tokens`; booleans that default to True are turned off with
@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import logging
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -79,6 +80,9 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "chat_template": "jinja chat template FILE for chat requests, used instead of the checkpoint's template and "
                      "DeepSeek-V3.2's encoding (the log says which format serves chat)",
     "trust_remote_code": "allow a checkpoint's tokenizer to run its own code",
+    "compile_cache_dir": "directory of the persistent compile cache (inductor, Triton and DeepGEMM kernels, torch's "
+                         "cache artifacts), reused by the next start with the same model and settings; default: "
+                         "$MINIDSA_CACHE_DIR, else $XDG_CACHE_HOME/minidsa or ~/.cache/minidsa; none = off",
 }
 
 
@@ -178,7 +182,7 @@ def _length_range(text: str) -> tuple[int, int]:
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-DEFAULT_LOG_LEVEL = {"serve": "INFO", "generate": "WARNING", "bench": "WARNING"}
+DEFAULT_LOG_LEVEL = {"serve": "INFO", "generate": "WARNING", "bench": "WARNING", "precompile": "INFO"}
 
 
 def _add_common(parser: argparse.ArgumentParser, top: bool) -> None:
@@ -267,6 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGTERM / Ctrl-C, let in-flight requests finish for up to SECONDS, answering new "
                             "ones 503; then (or on a second signal) abort them (default: 30)")
     add_engine_args(serve)
+
+    pre = sub.add_parser("precompile", help="start the engine once to fill the compile cache, then exit",
+                         description="Start the engine with these engine arguments (weights, DeepGEMM's kernels, "
+                                     "torch.compile, CUDA-graph capture, warm-up), so everything it compiles lands in "
+                                     "the compile cache (--compile-cache-dir / $MINIDSA_CACHE_DIR); a later "
+                                     "generate / bench / serve with the same model and arguments starts from it. "
+                                     "Nothing is compiled on CPU.")
+    _add_common(pre, top=False)
+    add_engine_args(pre)
     return parser
 
 
@@ -347,6 +360,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_precompile(args: argparse.Namespace) -> int:
+    from minidsa.compile_cache import cache_root
+    from minidsa.engine import Engine
+
+    config = engine_config_from_args(args)
+    start = time.perf_counter()
+    engine = Engine(config, progress=True)
+    try:
+        summary = engine.runner.startup.summary(time.perf_counter() - start)
+        cache = engine.runner.compile_cache
+        where = cache.root if cache is not None else (
+            "off" if cache_root(config.compile_cache_dir) is None else f"not used on {engine.config.device}")
+        print(f"minidsa precompile: {engine.model_name}: {summary}")
+        print(f"compile cache: {where}")
+    finally:
+        engine.close()
+    return 0
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input (arguments, files, ports), reported in one line with exit code 2."""
     from minidsa.models.loader import CheckpointError
@@ -363,8 +395,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = args.log_level or DEFAULT_LOG_LEVEL[args.command]
     logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # A benchmark of a big model starts for minutes: it says what it is doing, phase by phase (minidsa/startup.py),
+    # unless a log level was asked for.
+    startup_level = logging.INFO if args.command == "bench" and args.log_level is None else logging.NOTSET
+    logging.getLogger("minidsa.startup").setLevel(startup_level)
     try:
-        return {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve}[args.command](args)
+        return {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve,
+                "precompile": cmd_precompile}[args.command](args)
     except KeyboardInterrupt:
         print(f"minidsa {args.command}: interrupted", file=sys.stderr)
         return 130

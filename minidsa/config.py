@@ -498,6 +498,9 @@ class EngineConfig:
     # DeepSeek-V3.2's encoding (minidsa.chat.formats)
     chat_template: str | None = None
     trust_remote_code: bool = False
+    # Where start-up keeps what it compiles (inductor, Triton, DeepGEMM; minidsa/compile_cache.py). None =
+    # $MINIDSA_CACHE_DIR, else $XDG_CACHE_HOME/minidsa or ~/.cache/minidsa; "none" = the tools' own defaults.
+    compile_cache_dir: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> "EngineConfig":

@@ -5,7 +5,7 @@
 #
 # Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla
 # fp8_gemm moe. Not in the default list: moe_sweep (other MoE tile configs, for tuning).
-# Also: tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (4 vs 61 layers); bench_prefill; compiled_prefill; sampling
+# Also: tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (start-up phase by phase, cold and warm caches); startup_tests; bench_prefill; compiled_prefill; sampling
 # (prefill / mixed steps through the compiled layer: GPU tests, then bench_prefill compiled vs eager); flashmla (builds FlashMLA from a
 # carried .fmla folder first; minutes).
 #
@@ -91,8 +91,17 @@ section_compiled_prefill() {   # issue 16: prefill chunks / mixed steps / oversi
     return $rc
 }
 
-section_startup() {   # issue 15: start-up by depth (fresh process and inductor cache each): 4 vs 61 layers
-    timeout "$TIMEOUT" $PY benchmarks/startup.py --out "$OUT" ${STARTUP_ARGS:-}
+section_startup() {   # issue 28: start-up phase by phase (benchmarks/STARTUP.md): a fresh process each,
+    # "cold" = an empty compile cache dir, "warm" = the same dir again. STARTUP_ARGS picks them (default: bench-dsv32
+    # cold + warm, ~7 min; "--models tiny:4 tiny:61 --runs cold" for depth). DEEPGEMM=on for the DeepGEMM phases.
+    timeout "$TIMEOUT" $PY benchmarks/startup.py --out "$OUT" ${STARTUP_ARGS:---models bench-dsv32 --runs cold warm}
+}
+
+section_startup_tests() {   # issue 28: the DeepGEMM compile pool on the real DeepGEMM (DEEPGEMM=on; ~1-2 min), then
+    # the compile cache: a second start loads the artifacts and compiles nothing (tiny model, two starts, ~3 min)
+    timeout "$TIMEOUT" $PY -m pytest -v -p no:cacheprovider tests/gpu/test_startup_gpu.py -rs --durations=5 2>&1 \
+        | timestamped
+    return "${PIPESTATUS[0]}"
 }
 
 section_bench_indexer() {   # issue 14: DeepGEMM vs Triton indexer logits, kernels alone and served, eager and graph

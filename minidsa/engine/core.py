@@ -47,6 +47,7 @@ from minidsa.tokenizer import Tokenizer, load_tokenizer
 from minidsa.worker import PendingStep, Worker, start_worker
 
 logger = logging.getLogger(__name__)
+startup_logger = logging.getLogger("minidsa.startup")
 
 
 class EngineMetrics(Struct):
@@ -150,12 +151,13 @@ class Engine:
         # Before any weight is allocated (and before tensor-parallel ranks start): one line if it cannot fit.
         check_fit(cfg, self.model_config, model_path, layouts.bytes_per_token, self.decode_reserve)
         t0 = time.perf_counter()
+        startup_logger.info("start-up: %s on %s (%s); one line per phase follows", self.model_name, cfg.device,
+                            cfg.dtype)
         # One process, or rank 0 of a tensor-parallel group (the other ranks run the same worker on the plans
         # this engine hands its own)
         self.worker: Worker = start_worker(cfg, self.model_config, model_path, init_std, self.decode_reserve, progress)
         runner, speculator = self.worker.runner, self.worker.speculator
         try:  # a failure from here on must not leave tensor-parallel ranks behind
-            t_load = time.perf_counter()
             self.max_model_len: int = runner.max_model_len
             # With MTP speculation a page's last MTP slot depends on the token after the page: it is part of the key.
             self.prefix_cache = PrefixCache(runner.allocator, lookahead=1 if cfg.speculative_num_steps else 0) \
@@ -169,16 +171,13 @@ class Engine:
                                        chunked_prefill_size=cfg.chunked_prefill_size,
                                        decode_reserve=self.decode_reserve, prefix_cache=self.prefix_cache,
                                        mixed=self.mixed_steps)
-            t_ready = time.perf_counter()
             self.worker.prepare_fast_paths()
         except BaseException:
             self.worker.close()
             raise
         t_graphs = time.perf_counter()
-        # Compilation happens during the graphs' warm-up calls and the compiled prefill path's warm-up (the runner
-        # logs that part on its own line): one figure for all three.
-        logger.info("start-up %.1f s: weights and KV cache %.1f s, engine %.1f s, compile + CUDA graph capture + "
-                    "prefill warm-up %.1f s", t_graphs - t0, t_load - t0, t_ready - t_load, t_graphs - t_ready)
+        # Each phase logged its own line (minidsa/startup.py); this is the total, phase by phase.
+        startup_logger.info("%s", runner.startup.summary(t_graphs - t0))
         self.outputs = OutputProcessor(lambda: self.tokenizer, eos_token_ids, self.max_model_len)
         # Speculative rounds need the previous round's tokens on the host: no overlap with them.
         self.overlap = cfg.overlap_schedule and speculator is None

@@ -16,6 +16,7 @@ import re
 import errno
 import signal
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -732,22 +733,33 @@ class EngineDied(RuntimeError):
 
 def serve(engine_config: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, *,
           drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S, served_model_name: str | None = None,
-          sock: socket.socket | None = None) -> None:
+          sock: socket.socket | None = None, engine_factory: Callable[[Any], Any] | None = None) -> None:
     """Load an Engine from `engine_config` (an EngineConfig; None = the embedded tiny preset) and serve it
-    until SIGTERM / SIGINT. The first signal stops taking requests (new ones get 503) and lets the open ones
+    until SIGTERM / SIGINT. While the engine starts, the port already answers: /health with 503
+    {"status": "starting"}, the API with 503 (`_StartingServer`); an engine that fails to start raises its
+    error here. The first signal stops taking requests (new ones get 503) and lets the open ones
     finish for up to `drain_timeout` s; a second signal, or the timeout, aborts what is left (each stream
     ends with finish_reason "abort"). An engine that stops by itself (a dead tensor-parallel rank) fails the
-    open requests, shuts the server down the same way and raises EngineDied naming why."""
+    open requests, shuts the server down the same way and raises EngineDied naming why.
+    `engine_factory(engine_config)` builds the engine (default: `Engine`)."""
     from minidsa.config import EngineConfig
     from minidsa.engine import Engine
+    from minidsa.engine.core import resolve_model
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_config = engine_config if engine_config is not None else EngineConfig()
+    resolve_model(engine_config.model)  # a model that does not exist fails now, in one line, before listening
     if sock is None:
         sock = bind_socket(host, port)
     try:
         started = time.monotonic()
-        engine = Engine(engine_config if engine_config is not None else EngineConfig())
+        starting = _StartingServer(sock)
+        logger.info("listening on %s; /health answers 503 \"starting\" until the engine is ready", starting.url)
+        try:
+            engine = (engine_factory or Engine)(engine_config)
+        finally:
+            starting.stop()
         logger.info("engine ready in %.1f s: %s", time.monotonic() - started, engine)
         try:
             chat_format(engine)  # decided (and logged) now rather than on the first chat request
@@ -762,6 +774,55 @@ def serve(engine_config: Any, host: str = "127.0.0.1", port: int = 8000, api_key
             raise EngineDied(ae.death_reason)
     finally:
         sock.close()
+
+
+def _starting_app() -> web.Application:
+    """Answers every request while the engine starts: /health 503 {"status": "starting"}, the rest an
+    OpenAI-style 503, both with Retry-After, so an orchestrator can tell a starting server from a dead one."""
+    async def starting(request: web.Request) -> web.Response:
+        if request.path == "/health":
+            return web.json_response({"status": "starting"}, status=503, headers={"Retry-After": RETRY_AFTER_S})
+        return _error_response(P.RequestError("the server is starting: the model is loading; retry later",
+                                              status=503, type="server_error", headers={"Retry-After": RETRY_AFTER_S}))
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", starting)
+    return app
+
+
+class _StartingServer:
+    """`_starting_app` served from a thread of its own on a duplicate of `sock` while this thread builds the
+    engine (a signal then interrupts the build as before); `stop` closes the duplicate, so `sock` stays bound
+    and listening for the real server."""
+
+    def __init__(self, sock: socket.socket):
+        self.loop = asyncio.new_event_loop()
+        started: list = []
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            try:
+                started.append(self.loop.run_until_complete(start_server(_starting_app(), "", 0, sock=sock.dup())))
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+                started.append(e)
+            ready.set()
+            if isinstance(started[0], BaseException):
+                return
+            self.loop.run_forever()
+            self.loop.run_until_complete(started[0][0].cleanup())
+
+        self.thread = threading.Thread(target=run, name="minidsa-starting", daemon=True)
+        self.thread.start()
+        ready.wait()
+        if isinstance(started[0], BaseException):
+            raise started[0]
+        self.url = started[0][1]
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
 
 
 async def _signal_when_engine_dies(ae: AsyncEngine, signals: asyncio.Queue) -> None:
