@@ -27,7 +27,7 @@ from minidsa.batch import ForwardBatch, ForwardMode
 from minidsa.compile_cache import CompileCache, CompileStats, cache_root, count_entries
 from minidsa.config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
 from minidsa.graphs import DEFAULT_BUCKETS, EXTEND_TOKEN_BUCKETS, StepGraphs, StepKind
-from minidsa.kernels.choice import choose_fp8_gemm, choose_kernels
+from minidsa.kernels.choice import IndexerShape, choose_fp8_gemm, choose_kernels
 from minidsa.kv_cache import CacheLayouts, KVCache, PageAllocator, ReqToTokenPool, pages_needed
 from minidsa.models.deepseek_v32 import ModelOutput, call_layer
 from minidsa.memory import GiB, MIN_KV_TOKENS, DoesNotFit, graph_buffer_bytes, margin_bytes
@@ -146,8 +146,9 @@ class ModelRunner:
             with self.startup.phase("DeepGEMM JIT") as phase:
                 phase.detail = self._gemm_jit.compile_in_pool(progress)
 
-        self.kernels = choose_kernels(self.device, config.kernel_backend, config.use_deep_gemm,
-                                      config.use_flash_mla)
+        self.kernels = choose_kernels(self.device, config.kernel_backend, config.use_deep_gemm, config.use_flash_mla,
+                                      IndexerShape(model_config.index_n_heads, model_config.index_head_dim,
+                                                   self.page_size, config.indexer_cache_dtype == "fp8"))
         num_layers = model_config.num_layers_with_mtp
         indexer_layers = list(layouts.indexer_layers)
         self._indexer_layers = indexer_layers
