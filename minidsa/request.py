@@ -188,6 +188,9 @@ class Request(Struct):
     # A chat request's output parser (minidsa.chat.ChatOutputParser): splits the text into reasoning, content
     # and tool calls as it is handed out; None for plain prompts
     chat: Any = None
+    # Structured outputs: the request's place in its grammar (minidsa.chat.grammar.GrammarState), fed every
+    # generated token; None when unconstrained
+    grammar: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -7,7 +7,8 @@
 # fp8_gemm moe. Not in the default list: moe_sweep (other MoE tile configs, for tuning).
 # Also: tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (start-up phase by phase, cold and warm caches); startup_tests; bench_prefill; compiled_prefill; sampling
 # (prefill / mixed steps through the compiled layer: GPU tests, then bench_prefill compiled vs eager); flashmla (builds FlashMLA from a
-# carried .fmla folder first; minutes).
+# carried .fmla folder first; minutes); structured (structured outputs: GPU tests, then ITL with and without a
+# json_schema at batch 1 and 64 on bench-dsv32; needs xgrammar's wheels in .whl or .gpu/whl).
 #
 # FlashMLA: FLASHMLA=on builds it from .fmla (scripts/prepare_flashmla.sh) alongside DeepGEMM's build; the built
 # module comes back as $OUT/flashmla_cuda.so.
@@ -231,6 +232,23 @@ section_sampling() {   # issue 16: the one-pass sampler == the torch race at voc
     timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_sampling_gpu.py -rs
     local rc=$?
     timeout "$TIMEOUT" $PY benchmarks/bench_sampling.py --out "$OUT" || rc=1
+    return $rc
+}
+
+section_structured() {   # issue 27: structured outputs. GPU tests (the mask kernel == the torch reference at vocab
+    # 129280; the embedded model's answers follow their schemas with overlap on and off, unconstrained requests
+    # unchanged; a constrained decode step's two halves launch without a host sync), then steady decode ITL with and
+    # without a json_schema at batch 1 and 64 on bench-dsv32, one engine (benchmarks/bench_structured.py ->
+    # structured.md / structured.json; STRUCTURED_ARGS adds flags, e.g. "--disable-compile"). Target: <= 10% at 64.
+    # xgrammar is not on the GPU machine: carry xgrammar 0.2.8, apache-tvm-ffi and pydantic (+ pydantic-core,
+    # annotated-types, typing-inspection) wheels for its Python in .whl (or .gpu/whl).
+    if ! $PY -c "import xgrammar" 2>&1; then
+        echo "xgrammar does not import: put its wheels in .whl (see the comment of section_structured)"
+        return 1
+    fi
+    timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_structured_gpu.py -rs --durations=5
+    local rc=$?
+    timeout "$TIMEOUT" $PY benchmarks/bench_structured.py --out "$OUT" ${STRUCTURED_ARGS:-} || rc=1
     return $rc
 }
 

@@ -7,11 +7,14 @@
 - `parser.py`: the answer parsed back, whole or streamed: reasoning, content, tool calls (DSML, GLM).
 - `tools.py`: tools and tool_choice checked; the JSON schema of a forced call; typed parameter values.
 - `messages.py`: OpenAI messages checked and normalised once for every format.
+- `grammar.py`: structured outputs: a response_format compiled into a grammar (xgrammar), each request's
+  `GrammarState`, the token masks of a step.
 """
 
 from minidsa.chat.formats import ChatFormat, ChatOptions, PreparedChat, select_chat_format
+from minidsa.chat.grammar import GrammarState, StructuredOutputs, parse_response_format
 from minidsa.chat.messages import ChatFormatError
 from minidsa.chat.parser import ChatOutputParser, OutputSpec
 
-__all__ = ["ChatFormat", "ChatFormatError", "ChatOptions", "ChatOutputParser", "OutputSpec", "PreparedChat",
-           "select_chat_format"]
+__all__ = ["ChatFormat", "ChatFormatError", "ChatOptions", "ChatOutputParser", "GrammarState", "OutputSpec",
+           "PreparedChat", "StructuredOutputs", "parse_response_format", "select_chat_format"]
