@@ -129,7 +129,9 @@ class Worker:
         for w in plan.table_writes:
             pool.write_pages(w.row, w.first_page, w.pages, self.page_size)
         if plan.mode == StepMode.SPEC:
-            return PendingStep(plan, [], None, None, None, done=self._speculate(plan))
+            if plan.grammar_rows:  # the round needs its constrained requests' masks (`launch_sampling`)
+                return PendingStep(plan, [], None, None, None, forward=(None, None))
+            return PendingStep(plan, [], None, None, None, done=self._speculate(plan, None))
         batch = self._batch(plan)
         out = self.runner.forward(batch)
         prompt_logprobs = self._score_prompts(plan, out.hidden) if plan.prompt_scoring else None
@@ -156,6 +158,10 @@ class Worker:
                                  f"{(rows, self.bitmask_width)}")
             mask = host_to_device(bitmask, self.device)
         self._share_mask(mask)
+        if pending.plan.mode == StepMode.SPEC:
+            pending.forward = None
+            pending._done = self._speculate(pending.plan, mask)
+            return
         self._sample(pending, mask)
 
     def _share_mask(self, mask: torch.Tensor) -> None:
@@ -261,9 +267,9 @@ class Worker:
             lookahead.append(ids.get(b, nxt))
         self.speculator.on_extend(plan.rows, batch, out, lookahead)
 
-    def _speculate(self, plan: StepPlan) -> StepResult:
+    def _speculate(self, plan: StepPlan, mask: torch.Tensor | None) -> StepResult:
         spec = SpecRows(plan.rows, plan.prefix_lens, plan.spec_roots, plan.params, plan.output_positions,
-                        plan.request_ids)
+                        plan.request_ids, list(plan.grammar_rows or []), mask)
         tokens = self.speculator.decode(spec)
         assert len(tokens) == plan.batch_size and all(tokens), "speculator must return >= 1 token per request"
         rows, last = ints_to_device(plan.rows + [t[-1] for t in tokens], self.device).split(plan.batch_size)

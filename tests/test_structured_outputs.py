@@ -499,13 +499,36 @@ def test_without_xgrammar_structured_requests_get_a_clear_error(monkeypatch):
     assert len(tokens) == 2  # unconstrained requests need no xgrammar
 
 
-def test_a_speculative_engine_refuses_structured_outputs():
-    engine = Engine(device="cpu", dtype="float32", progress=False, max_total_tokens=512, speculative_num_steps=1)
+@pytest.mark.parametrize("spec", [dict(speculative_num_steps=2),
+                                  dict(speculative_num_steps=2, speculative_topk=2, speculative_num_draft_tokens=4,
+                                       page_size=1)], ids=["chain", "tree"])
+def test_a_speculative_engine_serves_structured_outputs(tiny_llm, spec):
+    """A constrained request takes no draft in a speculative round: its token is sampled from the verify's first
+    position under its mask, as plain decoding would (the same answers as the plain engine's); unconstrained
+    requests in the same rounds keep speculating, token for token what they give alone."""
+    engine = Engine(device="cpu", dtype="float32", progress=False, max_total_tokens=4096, **spec)
     assert engine.speculator is not None
-    with pytest.raises(InvalidRequest, match="not supported with speculative decoding"):
-        engine.add_request(PROMPTS[0], SamplingParams(response_format=json_schema(CODE)))
-    assert not engine.requests
-    engine.abort(engine.add_request(PROMPTS[0], SamplingParams(response_format={"type": "text"})), report=False)
+    reqs = _requests()[:4]
+    plain_params = [SamplingParams(max_tokens=12, ignore_eos=True), SamplingParams(max_tokens=12, ignore_eos=True)]
+    alone = [engine.add_request(PROMPTS[i], sp) for i, sp in enumerate(plain_params)]
+    final = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            final[o.request_id] = o
+    alone_tokens = [final[i].token_ids for i in alone]
+    ids = [engine.add_request(p, sp) for p, sp in reqs] + \
+        [engine.add_request(PROMPTS[i], sp) for i, sp in enumerate(plain_params)]
+    while engine.has_unfinished():
+        for o in engine.step():
+            final[o.request_id] = o
+    want = tiny_llm.generate([p for p, _ in reqs], [sp for _, sp in reqs])
+    for (_, params), rid, w in zip(reqs, ids, want):
+        _check_answer(final[rid], params.response_format["json_schema"]["schema"])
+        if params.greedy:  # a constrained request decodes as it would without speculation
+            assert final[rid].token_ids == w.token_ids
+    assert [final[i].token_ids for i in ids[len(reqs):]] == alone_tokens
+    assert engine.speculator.stats.verify_steps > 0
+    engine.check_no_leaks()
 
 
 def test_tensor_parallel_ranks_sample_with_rank_0s_masks(tiny_llm):

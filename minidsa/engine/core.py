@@ -22,7 +22,8 @@ N+1's forward, takes step N's tokens (each constrained request's grammar accepts
 accepted the end-of-sequence token after a complete value finishes the request, finish_reason "stop"), fills
 N+1's masks on the host and launches N+1's sampling. The device runs N+1's forward meanwhile. Steps without
 grammar rows launch as before. Masks only touch sampling: prefix caching, preemption (a grammar follows the
-request's output ids, not its KV) and chunked prefill are unaffected.
+request's output ids, not its KV) and chunked prefill are unaffected. In a speculative round a constrained request
+takes no draft: its token is sampled under its mask from the verify's first position (mtp.SpecRows.constrained).
 """
 
 from __future__ import annotations
@@ -314,10 +315,6 @@ class Engine:
         fmt = parse_response_format(params.response_format)
         if fmt is None:
             return None
-        if self.speculator is not None:
-            raise InvalidRequest("SamplingParams.response_format (structured outputs) is not supported with "
-                                 "speculative decoding yet: serve it from an engine without speculative decoding "
-                                 "(--speculative-num-steps 0)")
         if self._structured is None:
             try:
                 tokenizer = self.tokenizer
@@ -434,7 +431,8 @@ class Engine:
             prompt_scoring=scoring if any(s is not None for s in scoring) else None,
             spec_roots=[r.last_token for r in reqs] if spec else None,
             spec_lookahead=lookahead if self.speculator is not None and not spec else None,
-            grammar_rows=[b for b, (r, s) in enumerate(zip(reqs, sample)) if s and r.grammar is not None] or None)
+            grammar_rows=[b for b, (r, s) in enumerate(zip(reqs, sample))
+                          if (s or spec) and r.grammar is not None] or None)
         for r, n, s in zip(reqs, sched.extend_lens, sample):
             if spec:
                 r.num_pending += 1  # the round's tokens (>= 1): seq_len advances when they arrive
