@@ -36,6 +36,12 @@ ALL_SECTIONS="env kernels bench_kernels graphs graphs_bench bench_decode bench_p
 [ -f .gpu/prebuilt/deep_gemm_C.so ] && [ -d .dg ] && cp .gpu/prebuilt/deep_gemm_C.so .dg/src/deep_gemm/_C.so
 [ -f .gpu/prebuilt/flashmla_cuda.so ] && [ -d .fmla ] && mkdir -p .fmla/prebuilt && cp .gpu/prebuilt/flashmla_cuda.so .fmla/prebuilt/
 if ls .gpu/whl/*.whl >/dev/null 2>&1; then mkdir -p .whl && cp .gpu/whl/*.whl .whl/; fi
+# Compile caches an earlier call brought back (xz split into parts, paths cache/...): unpacked beside
+# MINIDSA_CACHE_DIR (which must then end in /cache), once.
+if ls .gpu/cache.tar.xz.* >/dev/null 2>&1 && [ -n "${MINIDSA_CACHE_DIR:-}" ] && [ ! -d "$MINIDSA_CACHE_DIR/triton" ]; then
+    mkdir -p "$MINIDSA_CACHE_DIR" && cat .gpu/cache.tar.xz.* | xz -d | tar -x -C "$(dirname "$MINIDSA_CACHE_DIR")" \
+        && echo "compile caches unpacked: $(du -sh "$MINIDSA_CACHE_DIR" | cut -f1)"
+fi
 if ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=$PYTHONPATH:/tmp/site

@@ -59,8 +59,8 @@ def test_speculation_starts_and_syncs_once_per_round_at_real_shapes(combo):
     params = SamplingParams(max_tokens=48, ignore_eos=True, detokenize=False)
     for n in (700, 1500, 2300):
         eng.add_request(torch.randint(2, 120000, (n,), generator=g).tolist(), params)
-    while any(r.seq_len < r.prefill_len for r in eng.requests.values()):
-        eng.step()  # prefills (their MTP catch-up reads the chunk's ids on the host: not a decode round)
+    while eng.num_waiting() or any(r.seq_len < r.prefill_len for r in eng.requests.values()):
+        eng.step()  # admissions and prefills (their MTP catch-up reads the chunk's ids on the host: not a round)
     rounds = [_syncs(eng.step) for _ in range(5)]
     print(f"{combo}: host syncs per speculative round {rounds}")
     if eng.speculator.opts.topk == 1:  # a chain's round reads the device once: its tokens
