@@ -36,7 +36,8 @@ RECORD = {"type": "object", "properties": {
     "active": {"type": "boolean"}, "role": {"enum": ["admin", "user", "guest"]}, "score": {"type": "number"},
     "tags": {"type": "array", "items": {"type": "string"}}},
     "required": ["name", "age", "email", "active", "role", "score", "tags"], "additionalProperties": False}
-SCHEMA = {"type": "object", "properties": {"records": {"type": "array", "items": RECORD}},
+# minItems: random weights would otherwise close the array within the timed window (the first H100 run did)
+SCHEMA = {"type": "object", "properties": {"records": {"type": "array", "items": RECORD, "minItems": 64}},
           "required": ["records"], "additionalProperties": False}
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "records", "schema": SCHEMA, "strict": True}}
 
