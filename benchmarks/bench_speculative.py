@@ -89,7 +89,9 @@ def steady_decode(engine, timer: ForwardTimer, bs: int, prompt_len: int, decode_
     """Prefill `bs` requests, then time the steps until each has `decode_tokens` more tokens."""
     from minidsa import SamplingParams
 
-    params = SamplingParams(max_tokens=decode_tokens + 8, ignore_eos=True, detokenize=False)
+    # Room beyond the timed tokens: requests that start decoding while later ones still prefill (mixed steps) are
+    # ahead when the window opens, and must not finish inside it (every request is aborted at the end).
+    params = SamplingParams(max_tokens=decode_tokens + 1024, ignore_eos=True, detokenize=False)
     ids = [engine.add_request(p, params, use_prefix_cache=False)
            for p in _prompts(bs, prompt_len, engine.vocab_size, seed)]
     got = dict.fromkeys(ids, 0)

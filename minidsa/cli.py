@@ -1,4 +1,4 @@
-"""Command line: `minidsa generate | bench | serve`.
+"""Command line: `minidsa generate | bench | serve | precompile`.
 
 Engine arguments are derived from EngineConfig's fields: `max_total_tokens`
 is `--max-total-tokens`; booleans that default to True are turned off with
@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import logging
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -41,7 +42,7 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "max_mixed_prefill_tokens": "most prefill tokens a step carries beside decode rows (mixed steps): lower = "
                                 "steadier inter-token latency, slower prefill while requests decode",
     "kv_cache_mem_fraction": "with max-total-tokens 0 on GPU: share of the memory free after loading the weights "
-                             "that the KV cache takes, in (0, 1]",
+                             "and reserving the largest step's activations that the KV cache takes, in (0, 1]",
     "seed": "seed of the random weights (presets) and of unseeded sampling",
     "indexer_cache_dtype": "indexer key cache: fp8 (Hadamard-rotated e4m3, DeepGEMM layout) or model (full "
                            "precision); auto = fp8 on GPU, model on CPU",
@@ -76,7 +77,12 @@ ENGINE_FLAG_HELP: dict[str, str] = {
     "distributed_executor_backend": "mp = one process per rank (also at --tp 1: the distributed code path), uni "
                                     "= one process; auto = mp when --tp > 1",
     "tokenizer": "tokenizer directory or name; default: the checkpoint's, or the DeepSeek-V3 tokenizer for presets",
+    "chat_template": "jinja chat template FILE for chat requests, used instead of the checkpoint's template and "
+                     "DeepSeek-V3.2's encoding (the log says which format serves chat)",
     "trust_remote_code": "allow a checkpoint's tokenizer to run its own code",
+    "compile_cache_dir": "directory of the persistent compile cache (inductor, Triton and DeepGEMM kernels, torch's "
+                         "cache artifacts), reused by the next start with the same model and settings; default: "
+                         "$MINIDSA_CACHE_DIR, else $XDG_CACHE_HOME/minidsa or ~/.cache/minidsa; none = off",
 }
 
 
@@ -176,7 +182,7 @@ def _length_range(text: str) -> tuple[int, int]:
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-DEFAULT_LOG_LEVEL = {"serve": "INFO", "generate": "WARNING", "bench": "WARNING"}
+DEFAULT_LOG_LEVEL = {"serve": "INFO", "generate": "WARNING", "bench": "WARNING", "precompile": "INFO"}
 
 
 def _add_common(parser: argparse.ArgumentParser, top: bool) -> None:
@@ -196,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     _add_common(gen, top=False)
     gen.add_argument("--prompt", action="append", help="a prompt (repeat for a batch); default 'Hello'")
-    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the model's chat format")
     gen.add_argument("--max-tokens", type=int, default=32, metavar="N",
                      help="tokens to generate at most (default: 32)")
     gen.add_argument("--temperature", type=float, default=0.0, metavar="X",
@@ -265,6 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGTERM / Ctrl-C, let in-flight requests finish for up to SECONDS, answering new "
                             "ones 503; then (or on a second signal) abort them (default: 30)")
     add_engine_args(serve)
+
+    pre = sub.add_parser("precompile", help="start the engine once to fill the compile cache, then exit",
+                         description="Start the engine with these engine arguments (weights, DeepGEMM's kernels, "
+                                     "torch.compile, CUDA-graph capture, warm-up), so everything it compiles lands in "
+                                     "the compile cache (--compile-cache-dir / $MINIDSA_CACHE_DIR); a later "
+                                     "generate / bench / serve with the same model and arguments starts from it. "
+                                     "Nothing is compiled on CPU.")
+    _add_common(pre, top=False)
+    add_engine_args(pre)
     return parser
 
 
@@ -278,7 +293,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
     prompts: list[Any] = args.prompt or ["Hello"]
     if args.chat:
-        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
     if args.stream:
         for p in prompts:
             for out in llm.stream(p, params):
@@ -345,6 +360,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_precompile(args: argparse.Namespace) -> int:
+    from minidsa.exec.compile_cache import cache_root
+    from minidsa.engine import Engine
+
+    config = engine_config_from_args(args)
+    start = time.perf_counter()
+    engine = Engine(config, progress=True)
+    try:
+        summary = engine.runner.startup.summary(time.perf_counter() - start)
+        cache = engine.runner.compile_cache
+        where = cache.root if cache is not None else (
+            "off" if cache_root(config.compile_cache_dir) is None else f"not used on {engine.config.device}")
+        print(f"minidsa precompile: {engine.model_name}: {summary}")
+        print(f"compile cache: {where}")
+    finally:
+        engine.close()
+    return 0
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input (arguments, files, ports), reported in one line with exit code 2."""
     from minidsa.models.loader import CheckpointError
@@ -361,8 +395,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = args.log_level or DEFAULT_LOG_LEVEL[args.command]
     logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # A benchmark of a big model starts for minutes: it says what it is doing, phase by phase (minidsa/exec/startup.py),
+    # unless a log level was asked for.
+    startup_level = logging.INFO if args.command == "bench" and args.log_level is None else logging.NOTSET
+    logging.getLogger("minidsa.exec.startup").setLevel(startup_level)
     try:
-        return {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve}[args.command](args)
+        return {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve,
+                "precompile": cmd_precompile}[args.command](args)
     except KeyboardInterrupt:
         print(f"minidsa {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -494,7 +494,13 @@ class EngineConfig:
     enable_expert_parallel: bool = False  # routed experts whole, n_routed_experts / size per rank
     distributed_executor_backend: str = "auto"
     tokenizer: str | None = None
+    # A jinja chat template file: how conversations become prompts, over the checkpoint's template and
+    # DeepSeek-V3.2's encoding (minidsa.chat.formats)
+    chat_template: str | None = None
     trust_remote_code: bool = False
+    # Where start-up keeps what it compiles (inductor, Triton, DeepGEMM; minidsa/exec/compile_cache.py). None =
+    # $MINIDSA_CACHE_DIR, else $XDG_CACHE_HOME/minidsa or ~/.cache/minidsa; "none" = the tools' own defaults.
+    compile_cache_dir: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> "EngineConfig":
@@ -530,6 +536,8 @@ class EngineConfig:
         if self.distributed_executor_backend not in ENGINE_CHOICES["distributed_executor_backend"]:
             raise ConfigError("distributed_executor_backend",
                               f"'{self.distributed_executor_backend}' is not auto, mp or uni")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ConfigError("chat_template", f"'{self.chat_template}' is not a file (a jinja chat template)")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ConfigError("distributed_executor_backend", f"uni (one process) cannot serve tensor_parallel_size "
                               f"{self.tensor_parallel_size}: use auto or mp")

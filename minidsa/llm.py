@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from minidsa.chat.formats import ChatFormat, ChatOptions
+from minidsa.engine.chat import add_chat_request, chat_format, prepare_chat
 from minidsa.engine.core import Engine, make_engine_config
 from minidsa.engine.request import InvalidRequest, RequestOutput, SamplingParams
 from minidsa.engine.tokenizer import Tokenizer
@@ -47,10 +49,15 @@ class LLM:
             plist = params
         else:
             plist = [params] * len(batch)
+        return self._run([lambda prompt=prompt, p=p: self.engine.add_request(prompt, p)
+                          for prompt, p in zip(batch, plist)], progress)
+
+    def _run(self, adds: list[Any], progress: bool) -> list[RequestOutput]:
+        """Add requests (each callable returns its id; all or none are added) and step until all finished."""
         ids: list[str] = []
         try:
-            for prompt, p in zip(batch, plist):
-                ids.append(self.engine.add_request(prompt, p))
+            for add in adds:
+                ids.append(add())
         except Exception:
             for rid in ids:
                 self.engine.abort(rid, report=False)
@@ -94,8 +101,36 @@ class LLM:
             if not finished:
                 self.engine.abort(rid, report=False)
 
-    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None) -> RequestOutput:
-        return self.generate([self.engine.tokenizer.apply_chat_template(messages)], params)[0]
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | None = None, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, *, tool_choice: Any = "auto",
+             parallel_tool_calls: bool = True, reasoning_effort: str | None = None,
+             progress: bool = False) -> RequestOutput | list[RequestOutput]:
+        """Answer a conversation (OpenAI messages) with the model's chat format; a list of conversations gives a
+        list of outputs. The output's `content`, `reasoning_content` and `tool_calls` are the answer parsed
+        (finish_reason "tool_calls" when it called tools); `text` is the raw generated text.
+
+        tools / tool_choice / parallel_tool_calls: OpenAI's. chat_template_kwargs: e.g. {"thinking": True}
+        (DeepSeek-V3.2: thinking mode; GLM-5 templates read "enable_thinking", default on).
+        `sampling_params.response_format` constrains the answer (after the thinking, if any)."""
+        options = ChatOptions(tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+                              chat_template_kwargs=dict(chat_template_kwargs or {}), reasoning_effort=reasoning_effort)
+        single = not messages or isinstance(messages[0], dict)
+        conversations = [messages] if single else list(messages)
+        outs = self._run([lambda m=m: add_chat_request(self.engine, m, sampling_params, options)
+                          for m in conversations], progress)
+        return outs[0] if single else outs
+
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None, **options: Any) -> list[int]:
+        """The token ids `chat` would prompt the model with (what the server's /tokenize returns)."""
+        opts = ChatOptions(tools=tools, chat_template_kwargs=dict(chat_template_kwargs or {}), **options)
+        return prepare_chat(self.engine, messages, None, opts)[0].token_ids
+
+    @property
+    def chat_format(self) -> ChatFormat:
+        """How this model's conversations become prompts (decided once per model, and logged)."""
+        return chat_format(self.engine)
 
 
 def _as_prompt_list(prompts: Any) -> list[str | list[int]]:

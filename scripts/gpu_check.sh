@@ -5,10 +5,13 @@
 #
 # Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla
 # fp8_gemm moe. Not in the default list: moe_sweep (other MoE tile configs, for tuning).
-# Also: tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (4 vs 61 layers); bench_prefill; compiled_prefill; sampling
+# Also: tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (start-up phase by phase, cold and warm caches); startup_tests; bench_prefill; compiled_prefill; sampling
 # (prefill / mixed steps through the compiled layer: GPU tests, then bench_prefill compiled vs eager); flashmla (builds FlashMLA from a
-# carried .fmla folder first; minutes).
+# carried .fmla folder first; minutes); structured (structured outputs: GPU tests, then ITL with and without a
+# json_schema at batch 1 and 64 on bench-dsv32; needs xgrammar's wheels in .whl or .gpu/whl).
 #
+# FlashMLA: FLASHMLA=on builds it from .fmla (scripts/prepare_flashmla.sh) alongside DeepGEMM's build; the built
+# module comes back as $OUT/flashmla_cuda.so.
 # DeepGEMM: DEEPGEMM=on builds it from the folder .dg (carried; made on the CPU machine with
 # ../shared/tools/deepgemm/prepare.sh, never committed) and puts it on PYTHONPATH for every section; the
 # built _C.so is copied to $OUT/deep_gemm_C.so (put it at .dg/src/deep_gemm/_C.so to skip the build next
@@ -26,19 +29,48 @@ export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 ALL_SECTIONS="env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla fp8_gemm moe"
 
+# The optional libraries' sources can travel as xz tarballs (.gpu/dg.tar.xz, .gpu/fmla.tar.xz: the carried tree is
+# limited in size) with the .so files an earlier call built (.gpu/prebuilt/): unpack them where the builds look.
+[ -f .gpu/dg.tar.xz ] && [ ! -d .dg ] && tar -xJf .gpu/dg.tar.xz
+[ -f .gpu/fmla.tar.xz ] && [ ! -d .fmla ] && tar -xJf .gpu/fmla.tar.xz
+[ -f .gpu/prebuilt/deep_gemm_C.so ] && [ -d .dg ] && cp .gpu/prebuilt/deep_gemm_C.so .dg/src/deep_gemm/_C.so
+[ -f .gpu/prebuilt/flashmla_cuda.so ] && [ -d .fmla ] && mkdir -p .fmla/prebuilt && cp .gpu/prebuilt/flashmla_cuda.so .fmla/prebuilt/
+if ls .gpu/whl/*.whl >/dev/null 2>&1; then mkdir -p .whl && cp .gpu/whl/*.whl .whl/; fi
+# Compile caches an earlier call brought back (xz split into parts, paths cache/...): unpacked beside
+# MINIDSA_CACHE_DIR (which must then end in /cache), once.
+if ls .gpu/cache.tar.xz.* >/dev/null 2>&1 && [ -n "${MINIDSA_CACHE_DIR:-}" ] && [ ! -d "$MINIDSA_CACHE_DIR/triton" ]; then
+    mkdir -p "$MINIDSA_CACHE_DIR" && cat .gpu/cache.tar.xz.* | xz -d | tar -x -C "$(dirname "$MINIDSA_CACHE_DIR")" \
+        && echo "compile caches unpacked: $(du -sh "$MINIDSA_CACHE_DIR" | cut -f1)"
+fi
 if ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+# FLASHMLA=on: build FlashMLA (from .fmla) in the background while DeepGEMM builds; every section then imports it.
+if [ "${FLASHMLA:-off}" = on ] && [ -d .fmla ]; then
+    export FLASHMLA_BUILD_DIR=$(pwd)/build/flashmla
+    ( bash scripts/build_flashmla.sh .fmla > "$OUT/flashmla_env.txt" 2> "$OUT/flashmla_build.log" ) &
+    flashmla_pid=$!
 fi
 if [ "${DEEPGEMM:-off}" = on ]; then
     start=$(date +%s)
     if eval "$(bash .dg/build.sh 2> "$OUT/deepgemm_build.log")"; then
         so=$($PY -c "import deep_gemm, os; print(os.path.dirname(deep_gemm.__file__) + '/_C.so')" 2>/dev/null)
-        [ -n "$so" ] && [ -f "$so" ] && [ ! -f .dg/src/deep_gemm/_C.so ] && cp "$so" "$OUT/deep_gemm_C.so"
+        [ -n "$so" ] && [ -f "$so" ] && [ ! -f .gpu/prebuilt/deep_gemm_C.so ] && cp "$so" "$OUT/deep_gemm_C.so"
         echo "DeepGEMM ready in $(( $(date +%s) - start )) s: $so"
     else
         echo "DeepGEMM build failed (see deepgemm_build.log)"; tail -20 "$OUT/deepgemm_build.log"
     fi
+fi
+if [ -n "${flashmla_pid:-}" ]; then
+    if wait "$flashmla_pid"; then
+        eval "$(cat "$OUT/flashmla_env.txt")"
+        [ -f .gpu/prebuilt/flashmla_cuda.so ] || cp "$FLASHMLA_BUILD_DIR"/flash_mla/cuda*.so "$OUT/flashmla_cuda.so" 2>/dev/null
+        echo "FlashMLA ready: $(tail -1 "$OUT/flashmla_build.log")"
+    else
+        echo "FlashMLA build failed (see flashmla_build.log)"; tail -20 "$OUT/flashmla_build.log"
+    fi
+    rm -f "$OUT/flashmla_env.txt"
 fi
 
 section_env() {   # TIMEOUT: seconds for this section, 0 = none
@@ -66,8 +98,17 @@ section_compiled_prefill() {   # issue 16: prefill chunks / mixed steps / oversi
     return $rc
 }
 
-section_startup() {   # issue 15: start-up by depth (fresh process and inductor cache each): 4 vs 61 layers
-    timeout "$TIMEOUT" $PY benchmarks/startup.py --out "$OUT" ${STARTUP_ARGS:-}
+section_startup() {   # issue 28: start-up phase by phase (benchmarks/STARTUP.md): a fresh process each,
+    # "cold" = an empty compile cache dir, "warm" = the same dir again. STARTUP_ARGS picks them (default: bench-dsv32
+    # cold + warm, ~7 min; "--models tiny:4 tiny:61 --runs cold" for depth). DEEPGEMM=on for the DeepGEMM phases.
+    timeout "$TIMEOUT" $PY benchmarks/startup.py --out "$OUT" ${STARTUP_ARGS:---models bench-dsv32 --runs cold warm}
+}
+
+section_startup_tests() {   # issue 28: the DeepGEMM compile pool on the real DeepGEMM (DEEPGEMM=on; ~1-2 min), then
+    # the compile cache: a second start loads the artifacts and compiles nothing (tiny model, two starts, ~3 min)
+    timeout "$TIMEOUT" $PY -m pytest -v -p no:cacheprovider tests/gpu/test_startup_gpu.py -rs --durations=5 2>&1 \
+        | timestamped
+    return "${PIPESTATUS[0]}"
 }
 
 section_bench_indexer() {   # issue 14: DeepGEMM vs Triton indexer logits, kernels alone and served, eager and graph
@@ -197,6 +238,23 @@ section_sampling() {   # issue 16: the one-pass sampler == the torch race at voc
     timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_sampling_gpu.py -rs
     local rc=$?
     timeout "$TIMEOUT" $PY benchmarks/bench_sampling.py --out "$OUT" || rc=1
+    return $rc
+}
+
+section_structured() {   # issue 27: structured outputs. GPU tests (the mask kernel == the torch reference at vocab
+    # 129280; the embedded model's answers follow their schemas with overlap on and off, unconstrained requests
+    # unchanged; a constrained decode step's two halves launch without a host sync), then steady decode ITL with and
+    # without a json_schema at batch 1 and 64 on bench-dsv32, one engine (benchmarks/bench_structured.py ->
+    # structured.md / structured.json; STRUCTURED_ARGS adds flags, e.g. "--disable-compile"). Target: <= 10% at 64.
+    # xgrammar is not on the GPU machine: carry xgrammar 0.2.8, apache-tvm-ffi and pydantic (+ pydantic-core,
+    # annotated-types, typing-inspection) wheels for its Python in .whl (or .gpu/whl).
+    if ! $PY -c "import xgrammar" 2>&1; then
+        echo "xgrammar does not import: put its wheels in .whl (see the comment of section_structured)"
+        return 1
+    fi
+    timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_structured_gpu.py -rs --durations=5
+    local rc=$?
+    timeout "$TIMEOUT" $PY benchmarks/bench_structured.py --out "$OUT" ${STRUCTURED_ARGS:-} || rc=1
     return $rc
 }
 

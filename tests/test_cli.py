@@ -28,6 +28,10 @@ def test_bench_on_the_embedded_model_writes_json(tmp_path):
     assert elapsed < 60
     for label in ("requests/s", "input tokens/s", "output tokens/s", "TTFT", "ITL"):
         assert label in proc.stdout
+    # at its default log level (WARNING) it still says what it does while the engine starts, phase by phase
+    startup = [line for line in proc.stderr.splitlines() if "minidsa.exec.startup" in line]
+    assert "start-up: minidsa-tiny on cpu" in startup[0], proc.stderr
+    assert any("start-up: weights" in line for line in startup) and "start-up " in startup[-1], proc.stderr
     result = json.loads(out.read_text())
     r = result["results"]
     assert result["model"] == "minidsa-tiny" and result["workload"]["num_requests"] == 6
@@ -104,3 +108,12 @@ def test_serve_hands_the_engine_config_to_the_server(monkeypatch):
     assert cli.main(["serve", "--port", "8123", "--api-key", "k", "--max-running-requests", "8"]) == 0
     assert seen["port"] == 8123 and seen["api_key"] == "k" and seen["host"] == "127.0.0.1"
     assert isinstance(seen["config"], EngineConfig) and seen["config"].max_running_requests == 8
+
+
+def test_precompile_starts_the_engine_once_and_says_where_the_cache_is(capsys):
+    assert cli.main(["precompile", "--device", "cpu", "--max-total-tokens", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "minidsa precompile: minidsa-tiny: start-up" in out and "weights" in out
+    assert "compile cache: not used on cpu" in out  # nothing compiles on CPU
+    assert cli.main(["precompile", "--device", "cpu", "--max-total-tokens", "4096", "--compile-cache-dir", "none"]) == 0
+    assert "compile cache: off" in capsys.readouterr().out

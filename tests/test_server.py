@@ -89,11 +89,10 @@ def llm():
 @pytest.fixture(scope="module")
 def refs(llm):
     """Greedy LLM.generate outputs, taken before the server owns the engine."""
-    tok = llm.engine.tokenizer
     greedy = SamplingParams(max_tokens=MAX_TOKENS)
     return {
         "prompts": llm.generate(PROMPTS, greedy),
-        "chats": llm.generate([list(tok.apply_chat_template(m)) for m in CHATS], greedy),
+        "chats": llm.chat(CHATS, greedy),
         "concurrent": llm.generate(CONCURRENT_PROMPTS, greedy),
     }
 

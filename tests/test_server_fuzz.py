@@ -48,13 +48,39 @@ completion = st.fixed_dictionaries(
     {"prompt": text | token_ids | st.lists(text, min_size=1, max_size=3) | st.lists(token_ids, min_size=1, max_size=2),
      "max_tokens": st.integers(1, 4)},
     optional={**sampling, "logprobs": st.sampled_from([0, 1, None]), "echo": st.booleans()})
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+tool_call = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["get_weather", "x"]), "arguments": st.sampled_from(['{"city": "Paris"}', "{}", "[1]",
+                                                                                 "{oops"]) | text})},
+    optional={"id": text})
 message = st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "user", "assistant", "developer"]),
+    {"role": st.sampled_from(["system", "user", "assistant", "developer", "tool"]),
      "content": text | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=2)},
-    optional={"name": text})
+    optional={"name": text, "tool_calls": st.lists(tool_call, max_size=2), "tool_call_id": text,
+              "reasoning_content": text})
+chat_options = {
+    "tools": st.just([TOOL]) | st.lists(json_value, max_size=2),
+    "tool_choice": st.sampled_from(["auto", "none", "required",
+                                    {"type": "function", "function": {"name": "get_weather"}},
+                                    {"type": "function", "function": {"name": "nope"}}]) | json_value,
+    "parallel_tool_calls": st.booleans(),
+    "chat_template_kwargs": st.fixed_dictionaries({}, optional={"thinking": st.booleans() | json_scalar,
+                                                                "enable_thinking": st.booleans()}),
+    "reasoning_effort": st.sampled_from(["none", "low", "high", "bogus"]),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"},
+                                        {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+                                            "type": "object", "properties": {"b": {"type": "boolean"}}}}}]),
+    "store": st.booleans(),
+    "metadata": st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2),
+}
 chat = st.fixed_dictionaries(
     {"messages": st.lists(message, min_size=0, max_size=3), "max_tokens": st.integers(1, 4)},
-    optional={**sampling, "logprobs": st.booleans(), "top_logprobs": st.just(0)})
+    optional={**sampling, **chat_options, "logprobs": st.booleans(), "top_logprobs": st.just(0)})
+tokenize = st.fixed_dictionaries({}, optional={"prompt": text, "messages": st.lists(message, min_size=0, max_size=3),
+                                               "tools": chat_options["tools"],
+                                               "chat_template_kwargs": chat_options["chat_template_kwargs"],
+                                               "add_generation_prompt": st.booleans()})
 
 
 @st.composite
@@ -76,6 +102,9 @@ def mutated(draw, body: st.SearchStrategy) -> bytes:
 endpoint_body = st.one_of(
     st.tuples(st.just("/v1/completions"), mutated(completion)),
     st.tuples(st.just("/v1/chat/completions"), mutated(chat)),
+    st.tuples(st.just("/tokenize"), tokenize.map(lambda d: json.dumps(d).encode())),
+    st.tuples(st.just("/detokenize"),
+              st.fixed_dictionaries({"tokens": token_ids}).map(lambda d: json.dumps(d).encode())),
     st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
               st.binary(max_size=40) | json_value.map(lambda v: json.dumps(v).encode())),
 )
@@ -115,6 +144,8 @@ def test_fuzzed_bodies_never_5xx(server):
             events = [json.loads(line[6:]) for line in data.decode().split("\n")
                       if line.startswith("data: {")]
             assert any(c["choices"] and c["choices"][0]["finish_reason"] for c in events)
+        elif path in ("/tokenize", "/detokenize"):
+            assert set(json.loads(data)) in ({"tokens", "count", "max_model_len"}, {"prompt"}), data
         else:
             out = json.loads(data)
             assert out["choices"] and all(c["finish_reason"] for c in out["choices"])

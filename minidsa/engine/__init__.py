@@ -2,7 +2,10 @@
 
 - `core.Engine`: requests in (add / abort), one step at a time: asks the scheduler what runs, turns it
   into a `StepPlan` for the worker, takes the `StepResult` back; overlapped scheduling lives here.
-- `outputs.OutputProcessor`: tokens into requests (stop conditions), detokenising, `RequestOutput`.
+- `outputs.OutputProcessor`: tokens into requests (stop conditions), detokenising, chat answers parsed,
+  `RequestOutput`.
+- `chat`: chat requests: a conversation rendered with the model's chat format (minidsa.chat) and added with
+  its output parser (LLM.chat and the server both use it).
 - `request`: `Request`, `SamplingParams`, `RequestOutput`, `InvalidRequest`; `tokenizer.Tokenizer`.
 
 The synchronous Python API over an Engine is `minidsa.llm.LLM`. Names below are imported lazily, so that

@@ -15,6 +15,15 @@ max_tokens are never planned (`Request.all_tokens_planned`). Outputs come one st
 overlap. Steps run without overlap (the previous step's tokens are processed first) when the plan needs
 host data the in-flight step has not delivered: speculative rounds (the speculator builds trees on the
 host) and requests with presence / frequency / repetition penalties (they need every output id).
+
+Structured outputs (`SamplingParams.response_format`, minidsa/chat/grammar.py) keep the overlap: step N+1's
+grammar masks depend on step N's tokens, so a step with grammar rows launches in two halves. `step()` launches
+N+1's forward, takes step N's tokens (each constrained request's grammar accepts its token; a grammar that
+accepted the end-of-sequence token after a complete value finishes the request, finish_reason "stop"), fills
+N+1's masks on the host and launches N+1's sampling. The device runs N+1's forward meanwhile. Steps without
+grammar rows launch as before. Masks only touch sampling: prefix caching, preemption (a grammar follows the
+request's output ids, not its KV) and chunked prefill are unaffected. In a speculative round a constrained request
+takes no draft: its token is sampled under its mask from the verify's first position (mtp.SpecRows.constrained).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from typing import Any
 
 import torch
 
+from minidsa.chat.grammar import GrammarState, StructuredOutputs, parse_response_format
 from minidsa.config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
 from minidsa.engine.outputs import OutputProcessor
 from minidsa.exec.kv_cache import CacheLayouts
@@ -47,6 +57,7 @@ from minidsa.engine.tokenizer import Tokenizer, load_tokenizer
 from minidsa.exec.worker import PendingStep, Worker, start_worker
 
 logger = logging.getLogger(__name__)
+startup_logger = logging.getLogger("minidsa.exec.startup")
 
 
 class EngineMetrics(Struct):
@@ -150,12 +161,13 @@ class Engine:
         # Before any weight is allocated (and before tensor-parallel ranks start): one line if it cannot fit.
         check_fit(cfg, self.model_config, model_path, layouts.bytes_per_token, self.decode_reserve)
         t0 = time.perf_counter()
+        startup_logger.info("start-up: %s on %s (%s); one line per phase follows", self.model_name, cfg.device,
+                            cfg.dtype)
         # One process, or rank 0 of a tensor-parallel group (the other ranks run the same worker on the plans
         # this engine hands its own)
         self.worker: Worker = start_worker(cfg, self.model_config, model_path, init_std, self.decode_reserve, progress)
         runner, speculator = self.worker.runner, self.worker.speculator
         try:  # a failure from here on must not leave tensor-parallel ranks behind
-            t_load = time.perf_counter()
             self.max_model_len: int = runner.max_model_len
             # With MTP speculation a page's last MTP slot depends on the token after the page: it is part of the key.
             self.prefix_cache = PrefixCache(runner.allocator, lookahead=1 if cfg.speculative_num_steps else 0) \
@@ -169,22 +181,20 @@ class Engine:
                                        chunked_prefill_size=cfg.chunked_prefill_size,
                                        decode_reserve=self.decode_reserve, prefix_cache=self.prefix_cache,
                                        mixed=self.mixed_steps)
-            t_ready = time.perf_counter()
             self.worker.prepare_fast_paths()
         except BaseException:
             self.worker.close()
             raise
         t_graphs = time.perf_counter()
-        # Compilation happens during the graphs' warm-up calls and the compiled prefill path's warm-up (the runner
-        # logs that part on its own line): one figure for all three.
-        logger.info("start-up %.1f s: weights and KV cache %.1f s, engine %.1f s, compile + CUDA graph capture + "
-                    "prefill warm-up %.1f s", t_graphs - t0, t_load - t0, t_ready - t_load, t_graphs - t_ready)
+        # Each phase logged its own line (minidsa/exec/startup.py); this is the total, phase by phase.
+        startup_logger.info("%s", runner.startup.summary(t_graphs - t0))
         self.outputs = OutputProcessor(lambda: self.tokenizer, eos_token_ids, self.max_model_len)
         # Speculative rounds need the previous round's tokens on the host: no overlap with them.
         self.overlap = cfg.overlap_schedule and speculator is None
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self._pending: list[RequestOutput] = []  # abort outputs handed out by the next step()
         self._in_flight: _InFlight | None = None
+        self._structured: StructuredOutputs | None = None  # built by the first request with a response_format
         self._ids = itertools.count()
         self._prompt_tokens_total = 0
         self._finished_total = 0
@@ -250,6 +260,7 @@ class Engine:
         if bad:
             raise InvalidRequest(f"SamplingParams.stop_token_ids {bad} are outside the vocabulary "
                                  f"(size {self.vocab_size})")
+        grammar = self._grammar_state(params)
         if params.detokenize or isinstance(prompt, str):
             self.tokenizer  # noqa: B018 - fails here, before anything changed, if there is no tokenizer
         text = None
@@ -286,12 +297,31 @@ class Engine:
         if self._pending:  # an id reused right after its abort must not receive the old abort output
             self._pending = [o for o in self._pending if o.request_id != request_id]
         req = Request(request_id=request_id, prompt_ids=ids, params=params, prompt=text, arrival_time=now(),
-                      use_prefix_cache=bool(use_prefix_cache))
+                      use_prefix_cache=bool(use_prefix_cache), grammar=grammar)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs, req.prompt_top_logprobs = [None], [None]  # the first prompt token has none
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
+
+    def _grammar_state(self, params: SamplingParams) -> GrammarState | None:
+        """The grammar a request's response_format asks for, at its start (None: unconstrained); InvalidRequest if
+        it cannot be served. Compiling a new schema takes ~0.1 s; the first one also builds the vocabulary (~1 s)."""
+        after = params.structured_after_token_id
+        if after is not None and (not isinstance(after, int) or isinstance(after, bool)
+                                  or not 0 <= after < self.vocab_size):
+            raise InvalidRequest(f"SamplingParams.structured_after_token_id must be a token id in [0, "
+                                 f"{self.vocab_size}), got {after!r}")
+        fmt = parse_response_format(params.response_format)
+        if fmt is None:
+            return None
+        if self._structured is None:
+            try:
+                tokenizer = self.tokenizer
+            except (RuntimeError, OSError) as e:
+                raise InvalidRequest(f"structured outputs need the model's tokenizer: {e}") from None
+            self._structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._structured.new_state(fmt, after)
 
     def abort(self, request_id: str, report: bool = True) -> bool:
         """Drop a request now and free its KV. With `report`, its final output (finish_reason "abort")
@@ -331,6 +361,8 @@ class Engine:
         launched = self._launch_next()
         if previous is not None:  # the device runs `launched` meanwhile
             outputs += self._finish(previous)
+        if launched is not None and launched.plan.grammar_rows:  # its masks needed the tokens just taken
+            self._launch_sampling(launched)
         if launched is not None:
             if self.overlap and self._can_overlap():
                 self._in_flight = launched
@@ -355,6 +387,16 @@ class Engine:
             return None
         plan, completes = self._plan(sched)
         return _InFlight(plan, list(sched.reqs), completes, self.worker.launch(plan))
+
+    def _launch_sampling(self, step: _InFlight) -> None:
+        """The sampling half of a step with grammar rows: their masks, from the grammars as they stand now (every
+        earlier step's tokens accepted). A request that finished since the step was planned gets no mask (its
+        token will be dropped)."""
+        rows = step.plan.grammar_rows
+        bitmask = self.worker.mask_buffer(len(rows))
+        self._structured.fill_bitmask(
+            [step.reqs[b].grammar if step.reqs[b].finish_reason is None else None for b in rows], bitmask)
+        self.worker.launch_sampling(step.pending, bitmask)
 
     def _plan(self, sched: ScheduledBatch) -> tuple[StepPlan, list[bool]]:
         """The step plan of a scheduled batch; advances each request's planned state (seq_len, num_pending)."""
@@ -388,7 +430,9 @@ class Engine:
                              if any(r.params.penalised for r in reqs) else None),
             prompt_scoring=scoring if any(s is not None for s in scoring) else None,
             spec_roots=[r.last_token for r in reqs] if spec else None,
-            spec_lookahead=lookahead if self.speculator is not None and not spec else None)
+            spec_lookahead=lookahead if self.speculator is not None and not spec else None,
+            grammar_rows=[b for b, (r, s) in enumerate(zip(reqs, sample))
+                          if (s or spec) and r.grammar is not None] or None)
         for r, n, s in zip(reqs, sched.extend_lens, sample):
             if spec:
                 r.num_pending += 1  # the round's tokens (>= 1): seq_len advances when they arrive
@@ -431,6 +475,8 @@ class Engine:
                 kept, text = self.outputs.append_tokens(
                     req, toks, None if result.logprobs is None else result.logprobs[b],
                     None if result.top_logprobs is None else result.top_logprobs[b])
+                if req.grammar is not None and kept:
+                    text += self._advance_grammar(req, kept)
                 outputs.append(self.outputs.make_output(req, kept, text))
             elif step.completes[b] and req.params.max_tokens == 0:  # the prompt scored, no token wanted
                 self._prompt_tokens_total += len(req.prompt_ids)
@@ -439,6 +485,24 @@ class Engine:
             if req.finish_reason is not None:
                 self._retire(req)
         return outputs
+
+    def _advance_grammar(self, req: Request, tokens: list[int]) -> str:
+        """A constrained request's new tokens into its grammar. Returns the text it still held back when the
+        grammar ends it."""
+        left = req.grammar.accept(tokens) < len(tokens)
+        if left:  # its masks allow only what the grammar accepts: an engine bug. End this request, serve the others
+            logger.error("request %s: generated tokens %s leave its grammar; it ends (abort)", req.request_id, tokens)
+        if req.finish_reason is not None:
+            return ""
+        if left:
+            req.finish_reason = "abort"
+        elif req.grammar.terminated:
+            req.finish_reason = "stop"  # the value is complete and its end token came (ignore_eos or not)
+        else:
+            return ""
+        rest = req.text[req.emitted:]
+        req.emitted = len(req.text)
+        return rest
 
     def _retire(self, req: Request) -> None:
         """A request finished: free its KV now (exactly once; later steps' tokens for it are dropped)."""

@@ -4,14 +4,22 @@ Every generated token, from a plain step or several accepted at once by the spec
 through `OutputProcessor.append_tokens`, which checks stop conditions per token (eos, stop token ids, stop
 strings on the detokenised text, max_tokens, max_model_len) and drops tokens after a stop. Text is
 detokenised incrementally and held back while it could still be the start of a stop string.
+
+A chat request (`parse_chat`) also has its text, as it is handed out, split by its chat format's parser
+(minidsa.chat) into reasoning, content and tool calls, which its outputs carry. A parser failure never fails the
+step: the rest of that request's text becomes plain content.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
-from minidsa.engine.request import Request, RequestOutput, now
+from minidsa.chat.parser import ChatOutputParser, OutputSpec
+from minidsa.engine.request import Request, RequestOutput, ToolCall, now
 from minidsa.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class OutputProcessor:
@@ -20,6 +28,11 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.generation_tokens_total = 0
+
+    @staticmethod
+    def parse_chat(req: Request, spec: OutputSpec) -> None:
+        """Read this request's output as a chat answer (before its first token)."""
+        req.chat = ChatOutputParser(spec)
 
     def append_tokens(self, req: Request, tokens: list[int], logprobs: list[float] | None = None,
                       top_logprobs: list[dict[int, float]] | None = None) -> tuple[list[int], str]:
@@ -54,6 +67,8 @@ class OutputProcessor:
         safe = len(req.text) if req.finish_reason else len(req.text) - stop_prefix_len(req.text, p.stop)
         new_text = req.text[req.emitted:safe] if safe > req.emitted else ""
         req.emitted = min(max(req.emitted, safe), len(req.text))
+        if req.chat is not None:
+            _feed_chat(req, new_text)
         return kept, new_text
 
     def _detokenize(self, req: Request) -> bool:
@@ -64,8 +79,9 @@ class OutputProcessor:
         """
         tokenizer = self._tokenizer()
         ids = req.output_ids
-        prefix = tokenizer.decode(ids[req.prefix_offset:req.read_offset])
-        full = tokenizer.decode(ids[req.prefix_offset:])
+        keep = req.chat.spec.keep_special_ids if req.chat is not None else frozenset()
+        prefix = tokenizer.decode(ids[req.prefix_offset:req.read_offset], keep_special=keep)
+        full = tokenizer.decode(ids[req.prefix_offset:], keep_special=keep)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return False
         start = len(req.text)
@@ -87,6 +103,13 @@ class OutputProcessor:
         ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
         # Prompt logprobs (as long as the prompt) go with the first output and the final one, not every step.
         with_prompt_logprobs = req.params.prompt_logprobs is not None and (finished or len(req.output_ids) <= 1)
+        chat = req.chat
+        finish_reason = req.finish_reason
+        if chat is not None:
+            if finished and not chat.finished:  # aborted: no more text comes
+                _feed_chat(req, "")
+            if finish_reason == "stop" and chat.tool_calls:
+                finish_reason = "tool_calls"
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_ids,
@@ -95,7 +118,7 @@ class OutputProcessor:
             new_token_ids=new_ids,
             new_text=new_text,
             finished=finished,
-            finish_reason=req.finish_reason,
+            finish_reason=finish_reason,
             logprobs=list(req.output_logprobs) if req.params.logprobs else None,
             top_logprobs=list(req.output_top_logprobs) if req.params.top_logprobs else None,
             prompt_logprobs=list(req.prompt_logprobs) if with_prompt_logprobs else None,
@@ -103,7 +126,24 @@ class OutputProcessor:
             ttft_s=ttft,
             prompt=req.prompt,
             num_preemptions=req.num_preemptions,
+            reasoning_content=None if chat is None or not chat.has_reasoning else chat.reasoning,
+            content=None if chat is None else chat.content,
+            tool_calls=None if chat is None else [ToolCall(c.id, c.name, c.arguments) for c in chat.tool_calls],
         )
+
+
+def _feed_chat(req: Request, text: str) -> None:
+    """Hand newly safe text to the request's chat parser; the whole rest once the request finished."""
+    chat = req.chat
+    try:
+        if text:
+            chat.feed(text)
+        if req.finish_reason is not None:
+            chat.finish()
+    except Exception:  # noqa: BLE001 - a parser bug must not fail the step for everyone
+        logger.exception("request %s: the chat output parser failed; the rest of its text is plain content",
+                         req.request_id)
+        chat.degrade(text)
 
 
 def stop_prefix_len(text: str, stops: list[str]) -> int:

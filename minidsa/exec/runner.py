@@ -12,23 +12,28 @@ start-up; otherwise the uncaptured path is `forward_eager` / `forward_mtp_eager`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 
 import torch
+from tqdm.auto import tqdm
 
 from minidsa.attention.backend import DSABackend
 from minidsa.exec.batch import ForwardBatch, ForwardMode
+from minidsa.exec.compile_cache import CompileCache, CompileStats, cache_root, count_entries
 from minidsa.config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
 from minidsa.exec.graphs import DEFAULT_BUCKETS, EXTEND_TOKEN_BUCKETS, StepGraphs, StepKind
-from minidsa.kernels.choice import choose_fp8_gemm, choose_kernels
+from minidsa.kernels.choice import IndexerShape, choose_fp8_gemm, choose_kernels
 from minidsa.exec.kv_cache import CacheLayouts, KVCache, PageAllocator, ReqToTokenPool, pages_needed
 from minidsa.models.deepseek_v32 import ModelOutput, call_layer
 from minidsa.exec.memory import GiB, MIN_KV_TOKENS, DoesNotFit, graph_buffer_bytes, margin_bytes
 from minidsa.models.loader import build_model
 from minidsa.speculative.layout import SpecLayout
+from minidsa.exec.startup import StartupPhases
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +92,11 @@ def step_kinds(spec_layout: SpecLayout | None) -> list[StepKind]:
     return kinds
 
 
+def _weights_detail(model: torch.nn.Module, path: str | None) -> str:
+    size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    return f"{size / 2**30:.1f} GiB, {'from ' + path if path else 'random'}"
+
+
 def _at_least_two_keys(batch: ForwardBatch) -> ForwardBatch:
     """The batch with an indexer-logits width of at least 2. A width of 1 (every request at its first position)
     would specialise the compiled layer on it, a second graph per layer kind; the extra key column is masked
@@ -103,22 +113,47 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype)
         self.page_size = config.page_size
+        self.progress = progress
+        self.startup = StartupPhases()
         try:  # before loading weights: a layout the model's shapes cannot take fails fast
             layouts = CacheLayouts.for_model(model_config, self.dtype, config.kv_cache_dtype,
                                              config.indexer_cache_dtype == "fp8", self.page_size)
         except ValueError as e:
             raise ConfigError("kv_cache_dtype", str(e)) from e
         self.mla_layout, self.index_layout = layouts.mla, layouts.index
-        self.model = build_model(model_config, model_path, self.dtype, self.device, seed=config.seed,
-                                 init_std=init_std, progress=progress, quantization=config.quantization,
-                                 gemm=choose_fp8_gemm(self.device, config.kernel_backend, config.use_deep_gemm))
+        # What start-up compiles (GPU only) goes to the persistent compile cache: the tools are pointed at it
+        # before anything compiles (DeepGEMM's probe below already does).
+        self.compile_cache: CompileCache | None = None
+        root = cache_root(config.compile_cache_dir) if self.device.type == "cuda" else None
+        if root is not None:
+            CompileCache.activate_dirs(root)
+        with self.startup.phase("weights") as phase:
+            self.model = build_model(model_config, model_path, self.dtype, self.device, seed=config.seed,
+                                     init_std=init_std, progress=progress, quantization=config.quantization,
+                                     gemm=choose_fp8_gemm(self.device, config.kernel_backend, config.use_deep_gemm))
+            phase.detail = _weights_detail(self.model, model_path)
+        if root is not None:
+            self.compile_cache = CompileCache.for_engine(config, model_config, self.device, root)
+        # DeepGEMM's GEMM kernels compile in a pool of processes now, before the KV cache takes the free memory
+        # their CUDA contexts use; the warm-up in `prepare_fast_paths` loads them.
+        self._gemm_jit = None
+        if self.device.type == "cuda":
+            from minidsa.kernels.deepgemm_jit import GemmWarmUp
 
-        self.kernels = choose_kernels(self.device, config.kernel_backend, config.use_deep_gemm,
-                                      config.use_flash_mla)
+            self._gemm_jit = GemmWarmUp.for_model(self.model, self.step_tokens, self.device,
+                                                  share=config.tensor_parallel_size)
+        if self._gemm_jit is not None:
+            with self.startup.phase("DeepGEMM JIT") as phase:
+                phase.detail = self._gemm_jit.compile_in_pool(progress)
+
+        self.kernels = choose_kernels(self.device, config.kernel_backend, config.use_deep_gemm, config.use_flash_mla,
+                                      IndexerShape(model_config.index_n_heads, model_config.index_head_dim,
+                                                   self.page_size, config.indexer_cache_dtype == "fp8"))
         num_layers = model_config.num_layers_with_mtp
         indexer_layers = list(layouts.indexer_layers)
         self._indexer_layers = indexer_layers
         self.kv_bytes_per_token = layouts.bytes_per_token
+        kv_start = time.perf_counter()
         if config.max_total_tokens == 0:
             config.max_total_tokens = self._auto_kv_tokens(decode_reserve)
         num_pages = pages_needed(config.max_total_tokens, self.page_size) + 1  # + the reserved dummy page
@@ -140,6 +175,8 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, table_width, self.device)
         self.kv_cache = KVCache(num_layers, num_pages, self.mla_layout, self.index_layout, self.device,
                                 indexer_layers)
+        self.startup.record("KV cache", time.perf_counter() - kv_start,
+                            f"{capacity} tokens, {self.kv_bytes_per_token * capacity / 2**30:.1f} GiB")
         self.attn = DSABackend(self.kv_cache, self.req_to_token_pool.req_to_token, model_config.index_topk,
                                self.kernels)
         self.table_width = table_width
@@ -153,6 +190,12 @@ class ModelRunner:
         logger.info("KV cache: %d tokens in %d pages of %d (%d bytes per token, MLA %s); max_model_len %d",
                     capacity, num_pages - 1, self.page_size, self.kv_bytes_per_token, self.mla_layout.kind,
                     self.max_model_len)
+
+    @property
+    def step_tokens(self) -> int:
+        """The most tokens one step can hold (DeepGEMM's row classes and the warm-up go up to it)."""
+        cfg = self.config
+        return max(cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.max_running_requests)
 
     @property
     def req_to_token(self) -> torch.Tensor:
@@ -171,6 +214,11 @@ class ModelRunner:
         # Never more than every request slot filled to the longest context could use.
         longest = self.config.max_model_len or self.model_config.max_position_embeddings
         tokens = min(budget // per_token, self.config.max_running_requests * (longest + 2 * self.page_size))
+        # On a coarse grid (under 1.6% less): free memory differs by megabytes from one start to the next, and the
+        # cache's page count is a static shape of the compiled layers, so an exact count would miss the persistent
+        # compile cache on every start.
+        step = max(self.page_size, 1 << max(tokens.bit_length() - 7, 0))
+        tokens = tokens // step * step
         needed = (self.config.max_model_len or min(longest, MIN_KV_TOKENS)) + decode_reserve
         if tokens < needed:
             raise DoesNotFit(
@@ -198,7 +246,7 @@ class ModelRunner:
         scratch_rows = ReqToTokenPool(1, context, dev)  # every position maps to the dummy slot 0
         scratch = KVCache(mc.num_layers_with_mtp, 1, self.mla_layout, self.index_layout, dev, self._indexer_layers)
         attn = DSABackend(scratch, scratch_rows.req_to_token, mc.index_topk, self.kernels)
-        step_tokens = max(cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.max_running_requests)
+        step_tokens = self.step_tokens
         decode_rows = cfg.max_running_requests
 
         def scratch_batch(lens: list[int], logits: str) -> ForwardBatch:
@@ -262,13 +310,16 @@ class ModelRunner:
                             self.device)
             return
         capture = self.device.type == "cuda"
-        step_tokens = max(cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.max_running_requests)
+        step_tokens = self.step_tokens
         if capture:
             self._warm_up_deepgemm(step_tokens)
         if not cfg.enable_cuda_graph:
             logger.info("CUDA graphs disabled (enable_cuda_graph=False): decode runs eagerly, uncompiled "
                         "(torch.compile serves the captured steps)")
             return
+        if self.compile_cache is not None and cfg.enable_compile and capture:
+            with self.startup.phase("compile cache") as phase:
+                phase.detail = self.compile_cache.load()
         run_main, run_mtp = self.step_functions(
             compile_backend or ("inductor" if capture else None) if cfg.enable_compile else None)
         kinds = step_kinds(spec_layout)
@@ -279,15 +330,37 @@ class ModelRunner:
         extend_buckets = [b for b in EXTEND_TOKEN_BUCKETS if b <= step_tokens]
         if extend_buckets:  # prefill chunks and mixed steps up to a bucket's tokens
             kinds.append(StepKind("extend", ForwardMode.EXTEND, 0, 0, False))
-        self.graphs = StepGraphs(run_main, run_mtp, kinds, buckets, self.table_width, self.model_config.hidden_size,
-                                 self.dtype, self.device, capture=capture, ctx_buckets=CTX_BUCKETS,
-                                 extend_buckets=extend_buckets, max_requests=cfg.max_running_requests)
+        # torch.compile runs inside the first calls of the capture and of the warm-up: their lines say how long.
+        with self._compiling_phase("capture") as phase:
+            self.graphs = StepGraphs(run_main, run_mtp, kinds, buckets, self.table_width,
+                                     self.model_config.hidden_size, self.dtype, self.device, capture=capture,
+                                     ctx_buckets=CTX_BUCKETS, extend_buckets=extend_buckets,
+                                     max_requests=cfg.max_running_requests)
+            phase.detail = f"{len(self.graphs.static)} CUDA graphs" if capture else "static buffers, not captured"
         if self.compiled:
             # Batches without a graph (prefill chunks, mixed steps, oversized decode batches) run the same compiled
             # layer. Warmed up here, after capture: the first real prefill must not compile mid-serving.
             self._run_uncaptured = lambda batch: run_main(_at_least_two_keys(batch))
             self._run_mtp_uncaptured = lambda batch, hidden, topk: run_mtp(_at_least_two_keys(batch), hidden, topk)
-            self._warm_up_uncaptured(spec_layout is not None, step_tokens if capture else CPU_WARMUP_TOKENS)
+            with self._compiling_phase("warm-up") as phase:
+                shapes = self._warm_up_uncaptured(spec_layout is not None,
+                                                  step_tokens if capture else CPU_WARMUP_TOKENS)
+                phase.detail = f"{len(shapes)} prefill / mixed shapes"
+        if self.compile_cache is not None and self.compiled and capture:
+            with self.startup.phase("compile cache save") as phase:
+                phase.detail = self.compile_cache.save()
+
+    @contextlib.contextmanager
+    def _compiling_phase(self, name: str):
+        """A start-up phase that may compile: its line adds what torch.compile and Triton did meanwhile."""
+        triton_dir = os.environ.get("TRITON_CACHE_DIR") if self.compile_cache is not None else None
+        before, kernels = CompileStats.now(), count_entries(triton_dir)
+        with self.startup.phase(name) as phase:
+            yield phase
+            done = CompileStats.now().since(before).describe()
+            if triton_dir:
+                done += f", {count_entries(triton_dir) - kernels} Triton kernels compiled"
+            phase.detail = f"{phase.detail}; {done}" if phase.detail else done
 
     def step_functions(self, compile_backend: str | None = None):
         """(run_main(batch), run_mtp(batch, hidden_prev, prev_topk=None)); compiled when a backend is named.
@@ -333,20 +406,14 @@ class ModelRunner:
     def _warm_up_deepgemm(self, step_tokens: int) -> None:
         """DeepGEMM's dense FP8 GEMM JIT-compiles per tile choice, and the choice follows the rows: every row
         class a step can bring (`deepgemm.gemm_rows`, up to `step_tokens`) runs once here, per weight shape,
-        so no prefill or mixed step compiles one mid-serving (seconds each)."""
-        from minidsa.kernels import deepgemm
-        from minidsa.models.layers.linear import deepgemm_weights
-
-        weights = deepgemm_weights(self.model)
-        if not weights:
+        so no prefill or mixed step compiles one mid-serving (seconds each). The pool of processes started in
+        `__init__` compiled them: this loads them (and compiles what it left)."""
+        if self._gemm_jit is None:
             return
-        start = time.perf_counter()
-        calls = deepgemm.warm_up_fp8_gemms(weights, step_tokens)
-        torch.cuda.synchronize(self.device)
-        logger.info("DeepGEMM FP8 GEMM warmed up in %.1f s (%d calls: every row class of %d weight shapes)",
-                    time.perf_counter() - start, calls, len({tuple(w.shape) for w, _ in weights}))
+        with self.startup.phase("DeepGEMM") as phase:
+            phase.detail = self._gemm_jit.load()
 
-    def _warm_up_uncaptured(self, with_mtp: bool, tokens: int) -> None:
+    def _warm_up_uncaptured(self, with_mtp: bool, tokens: int) -> list[tuple[list[int], int]]:
         """Run the uncaptured compiled path once per shape class it will meet, so that Dynamo / inductor (and the
         kernels' JIT) are paid at start-up, not by the first prefill: a mixed step (a long run beside two short
         rows), a single request, a one-token extend (Dynamo specialises size 1); with speculation, the MTP layer
@@ -362,7 +429,8 @@ class ModelRunner:
         only touch the reserved dummy slot (`_scratch_extend_batch`)."""
         shapes = warm_up_shapes(tokens, self.page_size, self.max_model_len, self.table_width)
         start = time.perf_counter()
-        for lens, ctx in shapes:
+        for lens, ctx in tqdm(shapes, desc="Warm-up", unit="shape", disable=None if self.progress else True,
+                              leave=False):
             batch = self._scratch_extend_batch(lens, ctx)
             self._run_uncaptured(batch)
             if with_mtp and self.model.mtp_layer is not None:
@@ -373,8 +441,9 @@ class ModelRunner:
                 self._run_mtp_uncaptured(batch, hidden, topk)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        logger.info("compiled prefill / mixed path warmed up in %.1f s (extends of %s tokens per request, with "
-                    "contexts)", time.perf_counter() - start, shapes)
+        logger.debug("compiled prefill / mixed path warmed up in %.1f s (extends of %s tokens per request, with "
+                     "contexts)", time.perf_counter() - start, shapes)
+        return shapes
 
     def _scratch_extend_batch(self, lens: list[int], context: int) -> ForwardBatch:
         """An EXTEND batch of len(lens) requests and `context` key positions that touches no request's cache:

@@ -16,6 +16,13 @@ generator state (CUDA-graph friendly). Unseeded rows take a fresh
 key from the engine's host RNG (itself seeded by EngineConfig.seed).
 
 Greedy rows (temperature 0) take the exact argmax of the raw logits.
+
+Grammar masks (structured outputs, minidsa/chat/grammar.py) come as a packed bitmask per constrained row
+(`TokenMask`: int32 words, bit j of word w allows token 32 * w + j). They are applied to the logits first, in
+place, so nothing else can pick a disallowed token: greedy, the race, the filters and the logprobs all see the
+masked logits. Reported logprobs are therefore those of the grammar-masked distribution (disallowed tokens at
+-inf, the rest renormalised), before temperature and penalties: what vLLM reports, since it masks the logits
+before its sampler computes them.
 """
 
 from __future__ import annotations
@@ -70,6 +77,9 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ ((h >> 16) & 0xFFFF)
 
 
+NOISE_FLOOR = 2.0**-25  # the smallest Exp(1) noise: -log(1 - 2^-25), rounded
+
+
 def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exp(1) noise [B, V] fp32, a pure function of (keys [B] int64 64-bit key, vocab id).
 
@@ -80,8 +90,11 @@ def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     key_hi = ((keys >> 32) & _M32).to(torch.int32).unsqueeze(1)
     cols = torch.arange(vocab_size, dtype=torch.int32, device=keys.device) * _i32(_GOLDEN32)
     h = _fmix32((cols.unsqueeze(0) + key_lo) ^ key_hi)
-    u = ((h >> 8) & 0xFFFFFF).to(torch.float32) * (2.0**-24) + 2.0**-25  # (0, 1), exactly representable
-    return -torch.log(u)
+    u = ((h >> 8) & 0xFFFFFF).to(torch.float32) * (2.0**-24) + 2.0**-25
+    # The top bucket's 1 - 2^-25 rounds to 1.0 in fp32 (once in 2^24 entries: ~0.8% of rows at vocab 129280), and
+    # -log(1) = 0 would win any race (+inf) and turn a -inf logit (a grammar-masked token) into NaN, which argmax
+    # picks. The floor is that bucket's value, as the float64 reference computes it.
+    return torch.clamp_min(-torch.log(u), NOISE_FLOOR)
 
 
 def uniforms(keys: torch.Tensor) -> torch.Tensor:
@@ -158,6 +171,32 @@ class SamplingBatch:
         )
 
 
+class TokenMask(NamedTuple):
+    """Grammar masks for some rows of a step's logits: bit v % 32 of word v // 32 of bitmask[i] allows token v in
+    logits row rows[i]."""
+
+    bitmask: torch.Tensor  # [N, ceil(V / 32)] int32, on the logits' device
+    rows: torch.Tensor  # [N] int64, rows of the logits
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [N, vocab_size]: which tokens each row of a packed bitmask allows."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
+
+
+def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
+    """In place: the logits of disallowed tokens become -inf (the torch reference of
+    `kernels/sampling.apply_token_mask`, one pass on the GPU). Returns `logits`."""
+    vocab = logits.shape[1]
+    if mask.bitmask.shape[1] * 32 < vocab:
+        raise ValueError(f"a bitmask of {mask.bitmask.shape[1]} words covers {mask.bitmask.shape[1] * 32} tokens, "
+                         f"the logits have {vocab}")
+    rows = logits[mask.rows]
+    logits[mask.rows] = rows.masked_fill(~unpack_bitmask(mask.bitmask, vocab), float("-inf"))
+    return logits
+
+
 def filtered_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """Logits / temperature with tokens outside top-k, top-p and min-p set to -inf (rows keep >= 1 token)."""
     x = logits.float() / sb.temperature.unsqueeze(1)
@@ -221,6 +260,17 @@ def race_for(impl: str):
     return race_argmax
 
 
+def token_mask_for(impl: str):
+    """The grammar-mask implementation of the same kernel choice as `race_for`."""
+    if impl == "triton":
+        from minidsa.kernels.sampling import apply_token_mask as triton_mask  # imports Triton
+
+        return triton_mask
+    if impl != "torch":
+        raise ValueError(f"sampler implementation {impl!r}, want one of {RACES}")
+    return apply_token_mask
+
+
 def sample(logits: torch.Tensor, sb: SamplingBatch, race=race_argmax) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token ids [B] int64 (on device) and, if any row asked, log-probs [B] of the chosen ids under the model."""
     if sb.all_greedy:
@@ -273,9 +323,11 @@ class SampledTokens(NamedTuple):
 class Sampler:
     """Holds the host RNG for unseeded rows; the engine and the speculator sample through it."""
 
-    def __init__(self, vocab_size: int, device: torch.device | str, seed: int = 0, race=race_argmax):
+    def __init__(self, vocab_size: int, device: torch.device | str, seed: int = 0, race=race_argmax,
+                 mask=apply_token_mask):
         self.vocab_size = vocab_size
         self.race = race  # race_argmax or its one-pass kernel (race_for(KernelChoice.sample))
+        self.apply_mask = mask  # apply_token_mask or its one-pass kernel (token_mask_for(KernelChoice.sample))
         self.device = torch.device(device)
         self.rng = random.Random(seed)
 
@@ -283,9 +335,14 @@ class Sampler:
         return SamplingBatch.build(params, positions, self.rng, self.vocab_size, self.device)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
-                 prompts: list[list[int]] | None = None, outputs: list[list[int]] | None = None) -> SampledTokens:
+                 prompts: list[list[int]] | None = None, outputs: list[list[int]] | None = None,
+                 mask: TokenMask | None = None) -> SampledTokens:
         """Sample one token per row. Penalties (rows that set them) need each row's prompt and output ids;
-        they change what is sampled, not the reported logprobs (those stay the model's own)."""
+        they change what is sampled, not the reported logprobs (those stay the model's own). `mask`: grammar
+        masks of some rows, applied to `logits` in place before anything else (those rows' logprobs are then the
+        masked distribution's)."""
+        if mask is not None and mask.rows.numel():
+            self.apply_mask(logits, mask)
         if all(p.greedy and not p.logprobs and not p.penalised for p in params):  # the common case: no tensors
             return SampledTokens(logits.argmax(dim=-1), None, None, None)
         raw = logits

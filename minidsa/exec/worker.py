@@ -10,12 +10,19 @@ sampled ids to pinned host memory) and records one CUDA event; `PendingStep.resu
 event, the only host sync of a plain step, and turns the ids into lists. `execute(plan)` is both at
 once.
 
+A plan with grammar rows (structured outputs) launches in two halves: `launch(plan)` enqueues the forward and
+returns the step awaiting its mask; `launch_sampling(pending, bitmask)` copies the rows' packed bitmask (filled
+on the host once the previous step's tokens reached the grammars, `mask_buffer` pinned memory) without a host
+sync, masks those rows' logits and samples. So the engine launches step N+1's forward before it reads step N's
+tokens, as for any step, and only the sampling waits for the mask.
+
 Under tensor parallelism (minidsa/parallel/) every rank holds a Worker built the same way
 (`build_worker`) and runs every plan: rank 0's engine broadcasts each plan before launching it, the other
 ranks launch it as it arrives. Their forwards meet in the collectives; the all-gathered logits are the same
 on every rank, so every rank samples the same tokens (the sampler's keys come from the plan and the shared
 seed) and the speculator makes the same choices, without any token travelling back. Only rank 0 reads the
-results.
+results. Grammar masks are filled on rank 0 only: `_share_mask` broadcasts each step's bitmask from rank 0's
+device to the others' over the device group (in stream order, no host sync) before every rank samples.
 
 Steps that need host data mid-step synchronise inside `launch`: a speculative round (trees are built
 from draft tokens on the host), prompt logprobs, and the speculator's draft extend after a prefill.
@@ -33,7 +40,7 @@ from minidsa.exec.kv_cache import row_slots
 from minidsa.config import EngineConfig, ModelConfig
 from minidsa.models.deepseek_v32 import ModelOutput
 from minidsa.exec.runner import ModelRunner
-from minidsa.exec.sampling import SampledTokens, Sampler, race_for
+from minidsa.exec.sampling import SampledTokens, Sampler, TokenMask, race_for, token_mask_for
 from minidsa.speculative.mtp import SpecRows
 from minidsa.sched.plan import PromptScoring, StepMode, StepPlan, StepResult
 
@@ -41,21 +48,29 @@ logger = logging.getLogger(__name__)
 
 
 class PendingStep:
-    """A launched step: its sampled tokens are on their way to the host."""
+    """A launched step: its sampled tokens are on their way to the host (or, `awaits_mask`, its forward ran and
+    its sampling waits for `Worker.launch_sampling`)."""
 
     def __init__(self, plan: StepPlan, sampled: list[int], tokens: SampledTokens | None,
                  prompt_logprobs: list | None, event: "torch.cuda.Event | None",
-                 done: StepResult | None = None):
+                 done: StepResult | None = None, forward: tuple[ForwardBatch, ModelOutput] | None = None):
         self.plan = plan
         self._sampled = sampled  # plan indices of the rows that sampled, in the order of `tokens`
         self._tokens = tokens
         self._prompt_logprobs = prompt_logprobs
         self._event = event
         self._done = done
+        self.forward = forward  # the batch and model output, until the sampling is launched
+
+    @property
+    def awaits_mask(self) -> bool:
+        return self.forward is not None
 
     def result(self) -> StepResult:
         if self._done is not None:
             return self._done
+        if self.forward is not None:
+            raise RuntimeError("the step's sampling was never launched (Worker.launch_sampling)")
         if self._event is not None:
             self._event.synchronize()  # the one host sync of the step: the tokens are needed now
         n = self.plan.batch_size
@@ -96,6 +111,7 @@ class Worker:
         self.page_size = runner.page_size
         # The token last sampled for each req_to_token row: the next decode step's input.
         self.next_input_ids = torch.zeros(runner.req_to_token_pool.max_reqs, dtype=torch.int64, device=self.device)
+        self.bitmask_width = (sampler.vocab_size + 31) // 32  # int32 words of a grammar mask row
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.launch(plan).result()
@@ -113,10 +129,49 @@ class Worker:
         for w in plan.table_writes:
             pool.write_pages(w.row, w.first_page, w.pages, self.page_size)
         if plan.mode == StepMode.SPEC:
-            return PendingStep(plan, [], None, None, None, done=self._speculate(plan))
+            if plan.grammar_rows:  # the round needs its constrained requests' masks (`launch_sampling`)
+                return PendingStep(plan, [], None, None, None, forward=(None, None))
+            return PendingStep(plan, [], None, None, None, done=self._speculate(plan, None))
         batch = self._batch(plan)
         out = self.runner.forward(batch)
         prompt_logprobs = self._score_prompts(plan, out.hidden) if plan.prompt_scoring else None
+        pending = PendingStep(plan, [], None, prompt_logprobs, None, forward=(batch, out))
+        if not plan.grammar_rows:
+            self._sample(pending, None)
+        return pending
+
+    def mask_buffer(self, rows: int) -> torch.Tensor:
+        """Host memory for a step's grammar bitmask, int32 [rows, bitmask_width]: pinned where the device is a GPU,
+        so `launch_sampling` copies it without a host sync (the caching host allocator holds on to it until that
+        copy has run)."""
+        return torch.empty((rows, self.bitmask_width), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+
+    def launch_sampling(self, pending: PendingStep, bitmask: torch.Tensor | None) -> None:
+        """Sample a step that `launch` left awaiting its mask. `bitmask`: row i allows the tokens of plan row
+        `plan.grammar_rows[i]` (from `mask_buffer`); None on tensor-parallel ranks > 0, which get rank 0's."""
+        rows = len(pending.plan.grammar_rows)
+        if bitmask is None:
+            mask = torch.empty((rows, self.bitmask_width), dtype=torch.int32, device=self.device)
+        else:
+            if tuple(bitmask.shape) != (rows, self.bitmask_width):
+                raise ValueError(f"grammar bitmask of shape {tuple(bitmask.shape)}, the step needs "
+                                 f"{(rows, self.bitmask_width)}")
+            mask = host_to_device(bitmask, self.device)
+        self._share_mask(mask)
+        if pending.plan.mode == StepMode.SPEC:
+            pending.forward = None
+            pending._done = self._speculate(pending.plan, mask)
+            return
+        self._sample(pending, mask)
+
+    def _share_mask(self, mask: torch.Tensor) -> None:
+        """Tensor parallelism: every rank samples with rank 0's mask (one process: nothing to share)."""
+
+    def _sample(self, pending: PendingStep, mask: torch.Tensor | None) -> None:
+        """The step's sampling (with the grammar rows' device bitmask, if any), the copy of its tokens to the host."""
+        plan = pending.plan
+        batch, out = pending.forward
+        pending.forward = None
         sampled = [b for b, s in enumerate(plan.sample) if s]
         tokens = None
         if sampled:
@@ -125,9 +180,14 @@ class Worker:
             params = [plan.params[b] for b in sampled]
             penalty = plan.penalty_context
             penalised = penalty is not None and any(penalty[b] is not None for b in sampled)
+            token_mask = None
+            if mask is not None:
+                at = {b: i for i, b in enumerate(sampled)}  # grammar rows are sampled rows
+                token_mask = TokenMask(mask, ints_to_device([at[b] for b in plan.grammar_rows], self.device))
             tokens = self.sampler(logits, params, [plan.output_positions[b] for b in sampled],
                                   [penalty[b][0] if penalty[b] else [] for b in sampled] if penalised else None,
-                                  [penalty[b][1] if penalty[b] else [] for b in sampled] if penalised else None)
+                                  [penalty[b][1] if penalty[b] else [] for b in sampled] if penalised else None,
+                                  mask=token_mask)
             rows = batch.req_pool_indices if len(sampled) == plan.batch_size else \
                 ints_to_device([plan.rows[b] for b in sampled], self.device)
             self.next_input_ids[rows] = tokens.ids
@@ -139,7 +199,7 @@ class Worker:
             if self.device.type == "cuda":
                 event = torch.cuda.Event()
                 event.record()
-        return PendingStep(plan, sampled, tokens, prompt_logprobs, event)
+        pending._sampled, pending._tokens, pending._event = sampled, tokens, event
 
     # -- batches ------------------------------------------------------------------
     def _batch(self, plan: StepPlan) -> ForwardBatch:
@@ -207,9 +267,9 @@ class Worker:
             lookahead.append(ids.get(b, nxt))
         self.speculator.on_extend(plan.rows, batch, out, lookahead)
 
-    def _speculate(self, plan: StepPlan) -> StepResult:
+    def _speculate(self, plan: StepPlan, mask: torch.Tensor | None) -> StepResult:
         spec = SpecRows(plan.rows, plan.prefix_lens, plan.spec_roots, plan.params, plan.output_positions,
-                        plan.request_ids)
+                        plan.request_ids, list(plan.grammar_rows or []), mask)
         tokens = self.speculator.decode(spec)
         assert len(tokens) == plan.batch_size and all(tokens), "speculator must return >= 1 token per request"
         rows, last = ints_to_device(plan.rows + [t[-1] for t in tokens], self.device).split(plan.batch_size)
@@ -243,7 +303,8 @@ def build_worker(runner: ModelRunner, config: EngineConfig, decode_reserve: int,
                  ) -> Worker:
     """A worker around a built runner: its sampler (host RNG seeded by `config.seed`, so every
     tensor-parallel rank draws the same keys) and speculator."""
-    sampler = Sampler(runner.model_config.vocab_size, runner.device, config.seed, race_for(runner.kernels.sample))
+    sampler = Sampler(runner.model_config.vocab_size, runner.device, config.seed, race_for(runner.kernels.sample),
+                      token_mask_for(runner.kernels.sample))
     return worker_cls(runner, sampler, build_speculator(config, runner.model_config, runner, sampler,
                                                         decode_reserve))
 

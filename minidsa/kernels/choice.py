@@ -90,7 +90,18 @@ def _optional_library(device: torch.device, enabled: bool, module: str, op: str,
     return status.available
 
 
-def choose(device: torch.device | str, use_deep_gemm: bool = True, use_flash_mla: bool = True) -> KernelChoice:
+@dataclass(frozen=True)
+class IndexerShape:
+    """What the engine's indexer runs: DeepGEMM's kernels take only some of these (`deepgemm.paged_supported`)."""
+
+    num_heads: int
+    head_dim: int
+    page_size: int
+    fp8_cache: bool
+
+
+def choose(device: torch.device | str, use_deep_gemm: bool = True, use_flash_mla: bool = True,
+           indexer: IndexerShape | None = None) -> KernelChoice:
     """The Triton / DeepGEMM / FlashMLA choice on `device` (the torch references where Triton cannot run)."""
     device = torch.device(device)
     ok, why = triton_usable(device)
@@ -99,6 +110,13 @@ def choose(device: torch.device | str, use_deep_gemm: bool = True, use_flash_mla
         return KernelChoice()
     index = "deepgemm" if _optional_library(device, use_deep_gemm, "deepgemm", "DSA indexer logits", "DeepGEMM",
                                             "DeepGEMM where measured faster, else Triton", "use_deep_gemm") else "triton"
+    if index == "deepgemm" and indexer is not None:
+        dg = _deepgemm()
+        why_not = dg.paged_supported(dg.probe(device), indexer.num_heads, indexer.head_dim, indexer.page_size,
+                                     indexer.fp8_cache)
+        if why_not is not None:  # decided here, once: no step asks DeepGEMM for what it cannot take
+            logger.info("DSA indexer logits: Triton (DeepGEMM cannot serve this engine: %s)", why_not)
+            index = "triton"
     sparse_mla = "flashmla" if _optional_library(device, use_flash_mla, "flashmla", "DSA sparse MLA", "FlashMLA",
                                                  "FlashMLA where it takes the shape, else Triton", "use_flash_mla") \
         else "triton"
@@ -113,13 +131,13 @@ def choose(device: torch.device | str, use_deep_gemm: bool = True, use_flash_mla
 
 
 def choose_kernels(device: torch.device | str, kernel_backend: str = "auto", use_deep_gemm: bool = True,
-                   use_flash_mla: bool = True) -> KernelChoice:
+                   use_flash_mla: bool = True, indexer: IndexerShape | None = None) -> KernelChoice:
     """Decide once, at start-up, which kernels run; logs the decision."""
     device = torch.device(device)
     if kernel_backend == "torch" or (kernel_backend == "auto" and device.type != "cuda"):
         choice = KernelChoice()
     else:
-        choice = choose(device, use_deep_gemm=use_deep_gemm, use_flash_mla=use_flash_mla)
+        choice = choose(device, use_deep_gemm=use_deep_gemm, use_flash_mla=use_flash_mla, indexer=indexer)
     logger.info("DSA kernels: %s", choice.describe())
     return choice
 

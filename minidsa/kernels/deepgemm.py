@@ -361,46 +361,63 @@ def gemm_row_classes(max_rows: int) -> list[int]:
     return classes
 
 
-def fp8_gemm_nt(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor | None:
-    """x [M, K] bf16 @ weight^T through DeepGEMM; None when it cannot serve this call (the caller runs Triton).
-    Runs `gemm_rows(M)` rows (the padding rows' outputs are never read)."""
-    global _gemm_disabled
-    if _gemm_module is None or _gemm_disabled is not None or x.dtype != torch.bfloat16 or x.shape[0] == 0:
-        return None
-    if x.shape[1] % 128 or weight.shape[0] % 64:
-        return None  # DeepGEMM's TMA tiles want K in whole 128-blocks and N in 64s
+def run_fp8_gemm(module: ModuleType, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """`module.fp8_gemm_nt` on x [M, K] bf16 and an e4m3 weight, run with `gemm_rows(M)` rows (the padding rows'
+    outputs are never read); raises what DeepGEMM raises. The one way minidsa calls it, so the start-up JIT
+    (`warm_up_fp8_gemms`, `deepgemm_jit`'s worker processes) compiles exactly the kernels serving asks for."""
     from minidsa.kernels.fp8_gemm import quant_act
 
     m = x.shape[0]
     rows = gemm_rows(m)
     xq, xs = quant_act(x.contiguous(), rows)
     out = torch.empty(rows, weight.shape[0], dtype=torch.bfloat16, device=x.device)
+    module.fp8_gemm_nt((xq, xs), (weight, scale_inv.float()), out)
+    return out[:m]
+
+
+def fp8_gemm_nt(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor | None:
+    """x [M, K] bf16 @ weight^T through DeepGEMM; None when it cannot serve this call (the caller runs Triton).
+    Runs `gemm_rows(M)` rows (`run_fp8_gemm`)."""
+    global _gemm_disabled
+    if _gemm_module is None or _gemm_disabled is not None or x.dtype != torch.bfloat16 or x.shape[0] == 0:
+        return None
+    if x.shape[1] % 128 or weight.shape[0] % 64:
+        return None  # DeepGEMM's TMA tiles want K in whole 128-blocks and N in 64s
     try:
-        _gemm_module.fp8_gemm_nt((xq, xs), (weight, scale_inv.float()), out)
+        return run_fp8_gemm(_gemm_module, x, weight, scale_inv)
     except Exception as e:  # a build whose contract differs: never fail the step for it
         _gemm_disabled = f"fp8_gemm_nt failed: {type(e).__name__}: {e}"
         logger.error("DeepGEMM %s; the Triton FP8 GEMM serves from now on", _gemm_disabled)
         return None
-    return out[:m]
+
+
+def gemm_tasks(weight_shapes: list[tuple[int, int]], max_rows: int) -> list[tuple[int, int, int]]:
+    """(rows, N, K) of every fp8_gemm_nt call serving can make up to `max_rows` rows: each row class DeepGEMM
+    serves (`fp8_gemm_wins`; the Triton GEMM takes the rest) of each distinct [N, K] weight shape it takes."""
+    tasks, seen, classes = [], set(), gemm_row_classes(max_rows)
+    for n, k in weight_shapes:
+        if (n, k) in seen or k % 128 or n % 64:
+            continue
+        seen.add((n, k))
+        tasks += [(rows, n, k) for rows in classes if fp8_gemm_wins(rows, n, k)]
+    return tasks
 
 
 def warm_up_fp8_gemms(weights: list[tuple[torch.Tensor, torch.Tensor]], max_rows: int) -> int:
-    """Run fp8_gemm_nt once per row class up to `max_rows` for each distinct weight shape, so DeepGEMM compiles
-    every kernel serving can ask for now (its disk cache keeps them for the next start). Returns the calls made."""
+    """Run fp8_gemm_nt once per row class up to `max_rows` for each distinct weight shape (`gemm_tasks`), so
+    DeepGEMM has every kernel serving can ask for now: it compiles the ones its disk cache lacks (the start-up
+    compiles them beforehand in parallel processes, `deepgemm_jit`) and loads the rest. Returns the calls made."""
     if _gemm_module is None or _gemm_disabled is not None:
         return 0
-    calls, seen, classes = 0, set(), gemm_row_classes(max_rows)
-    for weight, scale_inv in weights:
-        if tuple(weight.shape) in seen:
-            continue
-        seen.add(tuple(weight.shape))
-        x = torch.zeros(classes[-1], weight.shape[1], dtype=torch.bfloat16, device=weight.device)
-        for rows in classes:
-            if not fp8_gemm_wins(rows, weight.shape[0], weight.shape[1]):
-                continue  # served by the Triton GEMM at this size
-            if fp8_gemm_nt(x[:rows], weight, scale_inv) is None:
-                return calls
-            calls += 1
+    by_shape = {tuple(w.shape): (w, s) for w, s in reversed(weights)}  # the first weight of each shape
+    calls, x = 0, None
+    for rows, n, k in gemm_tasks([tuple(w.shape) for w, _ in weights], max_rows):
+        weight, scale_inv = by_shape[(n, k)]
+        if x is None or x.shape[1] != k:  # one zero input per weight shape, sliced per class
+            x = torch.zeros(gemm_row_classes(max_rows)[-1], k, dtype=torch.bfloat16, device=weight.device)
+        if fp8_gemm_nt(x[:rows], weight, scale_inv) is None:
+            return calls
+        calls += 1
     return calls
 
 

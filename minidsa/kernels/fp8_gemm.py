@@ -25,11 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
-from triton.runtime.jit import JITFunction
 
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, FP8_MAX
+from minidsa.kernels.triton_compat import JITFunction, tl, triton
 
 
 @dataclass(frozen=True)

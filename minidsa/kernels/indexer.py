@@ -15,10 +15,9 @@ from __future__ import annotations
 
 
 import torch
-import triton
-import triton.language as tl
 
 from minidsa.kernels import reference as ref
+from minidsa.kernels.triton_compat import tl, triton
 
 FP8_MAX = ref.FP8_MAX
 

@@ -17,8 +17,8 @@ Regions (the addressing of a slot's words inside one layer):
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from minidsa.kernels.triton_compat import tl, triton
 
 MAX_WORDS_PER_PROGRAM = 4096  # registers per program: moves x column chunk
 MAX_MOVES = 8192

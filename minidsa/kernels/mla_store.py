@@ -9,11 +9,10 @@ in bf16. Layout and reference: `reference.mla_fp8_views` / `store_mla`.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from minidsa.kernels import reference as ref
 from minidsa.kernels.indexer import _pow2_scale, _round_to_e4m3
+from minidsa.kernels.triton_compat import tl, triton
 
 
 @triton.jit

@@ -11,6 +11,10 @@ lowest id everywhere, as torch.argmax does.
 The arithmetic is the reference's, operation for operation: the logs are libdevice's correctly rounded
 `log` (Triton's default `tl.log` is an approximation whose error near u = 1, where the winning noise lives,
 changed the chosen id in about 1 row in 256), and the division is IEEE round-to-nearest (`div_rn`).
+
+`apply_token_mask(logits, mask)`: a grammar's packed bitmask (`sampling.TokenMask`) applied to its rows in one
+pass, in place: each program reads the mask words of BLOCK tokens of one row and writes -inf only where a token
+is disallowed. The torch reference (`sampling.apply_token_mask`) unpacks the whole mask first.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ def _race_kernel(x_ptr, stride_x, temperature_ptr, keys_ptr, greedy_ptr, best_pt
         h = h * 0xC2B2AE35
         h = h ^ (h >> 16)
         u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08 + 2.9802322387695312e-08  # (h24 + 1/2) / 2^24
-        noise = -_log(u)
+        noise = tl.maximum(-_log(u), 2.9802322387695312e-08)  # sampling.NOISE_FLOOR: u rounds to 1 at the top
         score = tl.where(greedy, x, tl.math.div_rn(x, temperature) - _log(noise))
         score = tl.where(inb, score, float("-inf"))
         better = score > best  # strict: the first (lowest) id of a lane keeps a tie
@@ -85,3 +89,35 @@ def race_argmax(x: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, 
     _race_kernel[(b, num_chunks)](x, x.stride(0), temperature, keys, greedy, best, best_id, vocab, num_chunks,
                                   CHUNK=CHUNK, BLOCK=BLOCK)
     return best_id.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1).long()
+
+
+MASK_BLOCK = 2048
+
+
+@triton.jit
+def _token_mask_kernel(x_ptr, stride_x, bitmask_ptr, stride_bitmask, rows_ptr, vocab, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    ids = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inb = ids < vocab
+    words = tl.load(bitmask_ptr + i.to(tl.int64) * stride_bitmask + ids // 32, mask=inb, other=-1)
+    allowed = ((words >> (ids % 32)) & 1) != 0  # arithmetic shift: a negative word's bit k still lands at bit 0
+    row = tl.load(rows_ptr + i)
+    minus_inf = tl.full((BLOCK,), float("-inf"), x_ptr.dtype.element_ty)
+    tl.store(x_ptr + row * stride_x + ids, minus_inf, mask=inb & ~allowed)
+
+
+def apply_token_mask(logits: torch.Tensor, mask) -> torch.Tensor:
+    """In place: logits[mask.rows[i], v] = -inf where bit v of mask.bitmask[i] is 0 (`sampling.TokenMask`).
+    logits [B, V] (any float dtype, last dim contiguous); returns `logits`."""
+    bitmask, rows = mask.bitmask, mask.rows
+    vocab = logits.shape[1]
+    if bitmask.shape[1] * 32 < vocab:
+        raise ValueError(f"a bitmask of {bitmask.shape[1]} words covers {bitmask.shape[1] * 32} tokens, "
+                         f"the logits have {vocab}")
+    if logits.stride(1) != 1 or bitmask.stride(1) != 1:
+        raise ValueError("apply_token_mask writes in place: the logits' and the bitmask's last dims must be contiguous")
+    n = rows.numel()
+    if n:
+        _token_mask_kernel[(n, triton.cdiv(vocab, MASK_BLOCK))](logits, logits.stride(0), bitmask, bitmask.stride(0),
+                                                                rows, vocab, BLOCK=MASK_BLOCK)
+    return logits

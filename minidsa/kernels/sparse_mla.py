@@ -17,11 +17,10 @@ from __future__ import annotations
 
 
 import torch
-import triton
-import triton.language as tl
 
 from minidsa.kernels import num_sms
 from minidsa.kernels import reference as ref
+from minidsa.kernels.triton_compat import tl, triton
 
 LOG2E = 1.4426950408889634
 

@@ -17,10 +17,9 @@ Two implementations of `reference.topk_slots`' contract (slots and positions
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from minidsa.kernels import few_rows, num_sms
+from minidsa.kernels.triton_compat import tl, triton
 
 
 @triton.jit

@@ -362,7 +362,7 @@ def build_model(config: ModelConfig, path: str | None, dtype: torch.dtype, devic
     serving_dtypes_(model, dtype)
     with torch.no_grad():
         if path is None:
-            init_random_weights(model, seed, init_std, device)
+            init_random_weights(model, seed, init_std, device, progress=progress)
         else:
             load_checkpoint(model, path, device, progress=progress, files=files)
     model.rotary = Rotary(config).to(device)
@@ -378,7 +378,7 @@ INIT_CHUNK_ELEMS = 1 << 24  # random FP8 weights are drawn and quantised this ma
 
 @torch.no_grad()
 def init_random_weights(model: DeepseekV32ForCausalLM, seed: int, std: float, device: torch.device | None = None,
-                        chunk_elems: int = INIT_CHUNK_ELEMS) -> None:
+                        chunk_elems: int = INIT_CHUNK_ELEMS, progress: bool = False) -> None:
     """Deterministic random weights: the same seed gives the same model on the same device type.
 
     A meta model is allocated piece by piece (embedding, each layer, head) and filled in its serving format;
@@ -388,7 +388,9 @@ def init_random_weights(model: DeepseekV32ForCausalLM, seed: int, std: float, de
     device = torch.device(device) if device is not None else next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     backbone = model.model
-    for unit in [backbone.embed_tokens, *backbone.layers, backbone.norm, model.lm_head]:
+    units = [backbone.embed_tokens, *backbone.layers, backbone.norm, model.lm_head]
+    # A bar on a terminal only (disable=None): 61 real-shape layers take a while on a GPU.
+    for unit in tqdm(units, desc="Random weights", unit="module", disable=None if progress else True, leave=False):
         materialize(unit, device)
         for mod in unit.modules():
             for pname, p in mod.named_parameters(recurse=False):

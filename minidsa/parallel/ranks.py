@@ -17,6 +17,11 @@ step N's tokens afterwards; ranks > 0 never read their results (they launch and 
 for the host of another except in the collectives of the forward itself. Sends and collectives happen in
 the same order on every rank (control group: plans; device group: the forward's collectives).
 
+Structured outputs: only rank 0 holds the grammars. A plan with grammar rows launches its forward on every rank;
+rank 0 then fills the masks and every rank joins one broadcast of the bitmask from rank 0's device over the
+device group (`_share_mask`) before it samples. The broadcast is in stream order, so no rank's host waits for it;
+ranks > 0 (`RankWorker`) launch the sampling right after the forward and wait in the broadcast.
+
 What this module keeps besides: the KV capacity agreement (`RankModelRunner`: the smallest any rank's free
 memory allows) and the group's lifetime (stopping the ranks when the engine goes).
 """
@@ -88,6 +93,27 @@ class _GuardedStep:
             return self.pending.result()
 
 
+def _broadcast_mask(ranks: RankGroup, mask: torch.Tensor) -> None:
+    """Every rank's `mask` becomes rank 0's (a step's grammar bitmask, on the device)."""
+    if ranks.world_size > 1:
+        torch.distributed.broadcast(mask, src=0, group=ranks.device_group)
+
+
+class RankWorker(Worker):
+    """A rank > 0's worker: a plan with grammar rows samples with the bitmask rank 0 broadcasts."""
+
+    runner: RankModelRunner
+
+    def launch(self, plan: StepPlan) -> PendingStep:
+        pending = super().launch(plan)
+        if pending.awaits_mask:
+            self.launch_sampling(pending, None)
+        return pending
+
+    def _share_mask(self, mask: torch.Tensor) -> None:
+        _broadcast_mask(self.runner.ranks, mask)
+
+
 class TensorParallelWorker(Worker):
     """Rank 0's worker: every plan goes to the other ranks before it runs here."""
 
@@ -102,6 +128,13 @@ class TensorParallelWorker(Worker):
         with self.ranks.guard():
             self.channel.send(plan)
             return _GuardedStep(super().launch(plan), self.ranks)
+
+    def launch_sampling(self, pending: _GuardedStep, bitmask: torch.Tensor | None) -> None:
+        with self.ranks.guard():
+            super().launch_sampling(pending.pending, bitmask)
+
+    def _share_mask(self, mask: torch.Tensor) -> None:
+        _broadcast_mask(self.ranks, mask)
 
     def prepare_fast_paths(self) -> None:
         with self.ranks.guard():  # capture runs the model: collectives with the other ranks
@@ -142,7 +175,8 @@ def build_rank_worker(ranks: RankGroup, config: EngineConfig, model_config: Mode
 def run_rank(ranks: RankGroup, config: EngineConfig, model_config: ModelConfig, model_path: str | None,
              init_std: float, decode_reserve: int) -> None:
     """A rank > 0: build the worker, capture, execute rank 0's plans until it stops."""
-    worker = build_rank_worker(ranks, config, model_config, model_path, init_std, decode_reserve, progress=False)
+    worker = build_rank_worker(ranks, config, model_config, model_path, init_std, decode_reserve, progress=False,
+                               worker_cls=RankWorker)
     worker.prepare_fast_paths()
     serve_plans(PlanChannel(ranks), worker.launch)
 
@@ -182,5 +216,5 @@ def start_tensor_parallel_worker(config: EngineConfig, model_config: ModelConfig
     return worker
 
 
-__all__ = ["RankFailedError", "RankModelRunner", "StopPlan", "TensorParallelWorker", "run_rank", "serve_plans",
-           "start_tensor_parallel_worker"]
+__all__ = ["RankFailedError", "RankModelRunner", "RankWorker", "StopPlan", "TensorParallelWorker", "run_rank",
+           "serve_plans", "start_tensor_parallel_worker"]

@@ -11,6 +11,9 @@ has `prefix_lens[b]` positions cached before the step and runs `extend_lens[b]` 
   in an earlier step, kept on the device (so a step can be planned before the previous one has
   delivered its tokens to the host: overlapped scheduling).
 `sample[b]`: the last position's logits are sampled (a completed prefill or a decode row).
+`grammar_rows`: the sampled rows a grammar constrains (structured outputs). Their masks depend on the tokens of
+the step before, which the plan is made without: they come to `Worker.launch_sampling` as a bitmask, after the
+forward was launched.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class StepPlan:
     # EXTEND under speculation, per request: the token after the chunk when it is known (the first token of
     # the next chunk), for the draft layer's catch-up; None where the chunk completes the prefill
     spec_lookahead: list[int | None] | None = None
+    grammar_rows: list[int] | None = None  # plan indices of sampled rows a grammar masks (None: none)
 
     @property
     def batch_size(self) -> int:

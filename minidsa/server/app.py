@@ -16,6 +16,7 @@ import re
 import errno
 import signal
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -23,7 +24,9 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from minidsa.engine.request import InvalidRequest, SamplingParams
+from minidsa.chat.formats import ChatOptions
+from minidsa.engine.chat import chat_format, prepare_chat
+from minidsa.engine.request import InvalidRequest, SamplingParams, ToolCall
 from minidsa.server import protocol as P
 from minidsa.server.async_engine import AsyncEngine, ChatPrompt, EngineRequest, Histogram, RequestStream, StreamEnd
 
@@ -57,6 +60,7 @@ def _sampling_params(req: P.CompletionRequest | P.ChatCompletionRequest, max_tok
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty,
+        response_format=P.response_format_dict(req.response_format),
     )
 
 
@@ -92,7 +96,8 @@ def _engine_error_param(message: str) -> str | None:
 
 _PARAM_NAMES = {"prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                 "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "prompt_logprobs", "presence_penalty",
-                "frequency_penalty", "repetition_penalty"}
+                "frequency_penalty", "repetition_penalty", "response_format", "tools", "tool_choice",
+                "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort"}
 
 
 def _disconnected(request: web.Request) -> bool:
@@ -107,6 +112,7 @@ def _disconnected(request: web.Request) -> bool:
 class _Choice:
     index: int
     count_prompt: bool  # only the first of n choices of a prompt counts its prompt tokens
+    chat: bool = False  # a chat answer (streams its parsed message)
     echo: str | None = None  # completions with echo: the prompt text, sent before the output
     text: str = ""
     num_tokens: int = 0
@@ -120,16 +126,36 @@ class _Choice:
     prompt_logprob_tokens: list[str] = field(default_factory=list)
     prompt_logprobs: list[float | None] = field(default_factory=list)
     prompt_top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
+    # chat answers: the parsed message so far (RequestOutput.content / reasoning_content / tool_calls)
+    content: str = ""
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
     # deltas since the last emitted chunk
     pending_text: str = ""
     pending_logprobs: int = 0
     pending_echo: bool = False  # the echoed prompt is still to be sent (with the first chunk)
+    pending_content: str = ""
+    pending_reasoning: str = ""
+    pending_calls: dict[int, str] = field(default_factory=dict)  # call index -> new argument text
+    pending_new_calls: set[int] = field(default_factory=set)  # calls not announced yet (id and name)
+
+    @property
+    def has_pending(self) -> bool:
+        """Something to stream: a chat choice streams its parsed message, not the raw text (held markup or
+        not-yet-complete values send nothing)."""
+        text = self.pending_content or self.pending_reasoning or self.pending_calls if self.chat else self.pending_text
+        return bool(text or self.pending_logprobs or self.finish_reason or self.pending_echo)
+
+    def clear_pending(self) -> None:
+        self.pending_text, self.pending_logprobs, self.pending_echo = "", 0, False
+        self.pending_content, self.pending_reasoning, self.pending_calls = "", "", {}
+        self.pending_new_calls = set()
 
 
 class _Choices:
     def __init__(self, request_ids: list[str], n: int, tokenizer: Any, want_logprobs: bool,
-                 echoes: list[str] | None = None):
-        self.by_id = {rid: _Choice(i, i % n == 0, None if echoes is None else echoes[i // n])
+                 echoes: list[str] | None = None, chat: bool = False):
+        self.by_id = {rid: _Choice(i, i % n == 0, chat, None if echoes is None else echoes[i // n])
                       for i, rid in enumerate(request_ids)}
         for c in self.by_id.values():
             c.pending_echo = c.echo is not None
@@ -170,9 +196,29 @@ class _Choices:
             c.pending_logprobs += len(new_ids)
         c.num_tokens = len(item.token_ids)
         c.prompt_tokens = len(item.prompt_token_ids)
+        if item.content is not None:
+            self._update_message(c, item)
         if item.finished:
             c.finish_reason = item.finish_reason or "stop"
         return c
+
+    @staticmethod
+    def _update_message(c: _Choice, item: Any) -> None:
+        """The parsed message's growth since the last output (its fields only grow)."""
+        c.pending_content += item.content[len(c.content):]
+        c.content = item.content
+        if item.reasoning_content is not None:
+            c.pending_reasoning += item.reasoning_content[len(c.reasoning or ""):]
+            c.reasoning = item.reasoning_content
+        for i, call in enumerate(item.tool_calls or ()):
+            sent = c.tool_calls[i].arguments if i < len(c.tool_calls) else None
+            if sent is None:
+                c.tool_calls.append(call)
+                c.pending_new_calls.add(i)
+                c.pending_calls[i] = c.pending_calls.get(i, "") + call.arguments
+            elif len(call.arguments) > len(sent):
+                c.pending_calls[i] = c.pending_calls.get(i, "") + call.arguments[len(sent):]
+                c.tool_calls[i] = call
 
     def usage(self) -> P.UsageInfo:
         prompt = sum(c.prompt_tokens for c in self.by_id.values() if c.count_prompt)
@@ -248,9 +294,9 @@ async def _stream(request: web.Request, stream: RequestStream, choices: _Choices
             out = []
             for index in sorted(changed):
                 c = changed[index]
-                if c.pending_text or c.pending_logprobs or c.finish_reason or c.pending_echo:
+                if c.has_pending:
                     out.append(make_chunk(c, c.finish_reason is not None))
-                    c.pending_text, c.pending_logprobs, c.pending_echo = "", 0, False
+                    c.clear_pending()
             if out:
                 await resp.write(b"".join(out))
         tail = [usage_chunk()] if usage_chunk is not None else []
@@ -324,12 +370,45 @@ async def completions(request: web.Request) -> web.StreamResponse:
         ae.release(stream)
 
 
+def _chat_options(req: P.ChatCompletionRequest | P.TokenizeRequest) -> ChatOptions:
+    return ChatOptions(tools=P.tools_list(req.tools), tool_choice=P.tool_choice_value(req.tool_choice),
+                       parallel_tool_calls=getattr(req, "parallel_tool_calls", True),
+                       chat_template_kwargs=dict(req.chat_template_kwargs or {}),
+                       reasoning_effort=req.reasoning_effort,
+                       add_generation_prompt=getattr(req, "add_generation_prompt", True))
+
+
+def _chat_message(c: _Choice) -> P.ChatResponseMessage:
+    calls = [P.ToolCallOut(t.id, P.FunctionCallOut(t.name, t.arguments)) for t in c.tool_calls]
+    return P.ChatResponseMessage("assistant", None if calls and not c.content else c.content,
+                                 c.reasoning or None, calls)
+
+
+def _chat_deltas(c: _Choice) -> list[P.ChatDelta]:
+    """A choice's news as OpenAI streams it: reasoning, then content, then per call its id and name (arguments ""),
+    then its argument fragments."""
+    deltas = []
+    if c.pending_reasoning:
+        deltas.append(P.ChatDelta(reasoning_content=c.pending_reasoning))
+    if c.pending_content:
+        deltas.append(P.ChatDelta(content=c.pending_content))
+    for i in sorted(c.pending_calls):
+        args = c.pending_calls[i]
+        call = c.tool_calls[i]
+        if i in c.pending_new_calls:  # announced first: id, type and name
+            deltas.append(P.ChatDelta(tool_calls=[P.ToolCallDelta(i, P.FunctionCallDelta(call.name, ""), call.id,
+                                                                  "function")]))
+        if args:
+            deltas.append(P.ChatDelta(tool_calls=[P.ToolCallDelta(i, P.FunctionCallDelta(arguments=args))]))
+    return deltas or [P.ChatDelta()]
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     ae = request.app[ENGINE_KEY]
     req = P.decode_chat_request(await request.read())
     _check_model(ae, req.model)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    prompt = ChatPrompt(P.chat_messages(req))
+    prompt = ChatPrompt(P.chat_messages(req.messages), _chat_options(req))
     base_id = f"chatcmpl-{uuid.uuid4().hex}"
     engine_requests = [
         EngineRequest(f"{base_id}-{j}", prompt,
@@ -339,15 +418,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ]
     stream = await _start(ae, engine_requests)
     try:
-        choices = _Choices(stream.request_ids, req.n, ae.engine.tokenizer, req.logprobs)
+        choices = _Choices(stream.request_ids, req.n, ae.engine.tokenizer, req.logprobs, chat=True)
         created = P.now()
         if req.stream:
             def chunk(c: _Choice, final: bool) -> bytes:
                 start = len(c.logprobs) - c.pending_logprobs
                 lp = _chat_logprobs(c, start) if req.logprobs else None
-                delta = P.ChatDelta(content=c.pending_text) if c.pending_text else P.ChatDelta()
-                choice = P.ChatChunkChoice(c.index, delta, lp, c.finish_reason if final else None)
-                return _sse(P.ChatCompletionChunk(base_id, created, ae.model_name, [choice]))
+                deltas = _chat_deltas(c)
+                events = [P.ChatChunkChoice(c.index, d, lp if k == 0 else None,
+                                            c.finish_reason if final and k == len(deltas) - 1 else None)
+                          for k, d in enumerate(deltas)]
+                return b"".join(_sse(P.ChatCompletionChunk(base_id, created, ae.model_name, [e])) for e in events)
 
             first = [_sse(P.ChatCompletionChunk(base_id, created, ae.model_name,
                                                 [P.ChatChunkChoice(j, P.ChatDelta(role="assistant", content=""))]))
@@ -360,13 +441,52 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             return web.Response(status=CLIENT_CLOSED)  # nobody reads it; counted in /metrics
         body = P.ChatCompletionResponse(
             base_id, created, ae.model_name,
-            [P.ChatChoice(c.index, P.ChatResponseMessage("assistant", c.text),
-                          _chat_logprobs(c, 0) if req.logprobs else None, c.finish_reason)
-             for c in choices.ordered()],
+            [P.ChatChoice(c.index, _chat_message(c), _chat_logprobs(c, 0) if req.logprobs else None,
+                          c.finish_reason) for c in choices.ordered()],
             choices.usage())
         return web.Response(body=P.encode(body), content_type="application/json")
     finally:
         ae.release(stream)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: the tokens a completion prompt or a conversation becomes (the same as generation uses)."""
+    ae = request.app[ENGINE_KEY]
+    req = P.decode_tokenize_request(await request.read())
+    _check_model(ae, req.model)
+
+    def run(engine: Any) -> list[int]:
+        if req.prompt is not None:
+            return engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        params = SamplingParams(response_format=P.response_format_dict(req.response_format))
+        return prepare_chat(engine, P.chat_messages(req.messages), params, _chat_options(req))[0].token_ids
+
+    tokens = await _on_engine(ae, run)
+    return web.Response(body=P.encode(P.TokenizeResponse(tokens, len(tokens), ae.max_model_len)),
+                        content_type="application/json")
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    ae = request.app[ENGINE_KEY]
+    req = P.decode_detokenize_request(await request.read())
+    _check_model(ae, req.model)
+    vocab = ae.engine.vocab_size
+    bad = [t for t in req.tokens if t >= vocab]
+    if bad:
+        raise P.RequestError(f"token ids {bad[:8]} are outside the vocabulary (size {vocab})", param="tokens")
+    prompt = await _on_engine(ae, lambda engine: engine.tokenizer.decode(req.tokens, skip_special_tokens=False))
+    return web.Response(body=P.encode(P.DetokenizeResponse(prompt)), content_type="application/json")
+
+
+async def _on_engine(ae: AsyncEngine, fn: Callable[[Any], Any]) -> Any:
+    """fn(engine) on the engine thread (the tokenizer and chat format are the engine's); refusals are 400s."""
+    try:
+        return await ae.run_on_engine(fn)
+    except InvalidRequest as e:
+        raise P.RequestError(str(e), param=_engine_error_param(str(e))) from None
+    except RuntimeError as e:  # the engine thread is not running
+        raise P.RequestError(f"the engine is not available: {e}", status=503, type="server_error",
+                             code="unavailable") from None
 
 
 async def models(request: web.Request) -> web.Response:
@@ -519,7 +639,7 @@ def _auth(api_key: str | None) -> Any:
     @web.middleware
     async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
         # /health and /metrics stay open for load balancers and scrapers; the API needs the key
-        if expected is not None and request.path.startswith("/v1"):
+        if expected is not None and request.path.startswith(("/v1", "/tokenize", "/detokenize")):
             got = request.headers.get("Authorization", "").encode("utf-8", "replace")
             if not hmac.compare_digest(got, expected):
                 raise P.RequestError("invalid or missing API key (send 'Authorization: Bearer <key>')",
@@ -554,6 +674,8 @@ def build_app(async_engine: AsyncEngine, api_key: str | None = None, *, drain_ti
     app[_DRAIN_KEY] = float(drain_timeout)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model)
     app.router.add_get("/health", health)
@@ -611,23 +733,38 @@ class EngineDied(RuntimeError):
 
 def serve(engine_config: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, *,
           drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S, served_model_name: str | None = None,
-          sock: socket.socket | None = None) -> None:
+          sock: socket.socket | None = None, engine_factory: Callable[[Any], Any] | None = None) -> None:
     """Load an Engine from `engine_config` (an EngineConfig; None = the embedded tiny preset) and serve it
-    until SIGTERM / SIGINT. The first signal stops taking requests (new ones get 503) and lets the open ones
+    until SIGTERM / SIGINT. While the engine starts, the port already answers: /health with 503
+    {"status": "starting"}, the API with 503 (`_StartingServer`); an engine that fails to start raises its
+    error here. The first signal stops taking requests (new ones get 503) and lets the open ones
     finish for up to `drain_timeout` s; a second signal, or the timeout, aborts what is left (each stream
     ends with finish_reason "abort"). An engine that stops by itself (a dead tensor-parallel rank) fails the
-    open requests, shuts the server down the same way and raises EngineDied naming why."""
+    open requests, shuts the server down the same way and raises EngineDied naming why.
+    `engine_factory(engine_config)` builds the engine (default: `Engine`)."""
     from minidsa.config import EngineConfig
     from minidsa.engine import Engine
+    from minidsa.engine.core import resolve_model
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_config = engine_config if engine_config is not None else EngineConfig()
+    resolve_model(engine_config.model)  # a model that does not exist fails now, in one line, before listening
     if sock is None:
         sock = bind_socket(host, port)
     try:
         started = time.monotonic()
-        engine = Engine(engine_config if engine_config is not None else EngineConfig())
+        starting = _StartingServer(sock)
+        logger.info("listening on %s; /health answers 503 \"starting\" until the engine is ready", starting.url)
+        try:
+            engine = (engine_factory or Engine)(engine_config)
+        finally:
+            starting.stop()
         logger.info("engine ready in %.1f s: %s", time.monotonic() - started, engine)
+        try:
+            chat_format(engine)  # decided (and logged) now rather than on the first chat request
+        except Exception as e:  # noqa: BLE001 - e.g. no tokenizer: completions by token ids still work
+            logger.error("chat requests will fail: %s", e)
         ae = AsyncEngine(engine, model_name=served_model_name)
         try:
             asyncio.run(_serve(ae, sock, api_key, drain_timeout))
@@ -637,6 +774,55 @@ def serve(engine_config: Any, host: str = "127.0.0.1", port: int = 8000, api_key
             raise EngineDied(ae.death_reason)
     finally:
         sock.close()
+
+
+def _starting_app() -> web.Application:
+    """Answers every request while the engine starts: /health 503 {"status": "starting"}, the rest an
+    OpenAI-style 503, both with Retry-After, so an orchestrator can tell a starting server from a dead one."""
+    async def starting(request: web.Request) -> web.Response:
+        if request.path == "/health":
+            return web.json_response({"status": "starting"}, status=503, headers={"Retry-After": RETRY_AFTER_S})
+        return _error_response(P.RequestError("the server is starting: the model is loading; retry later",
+                                              status=503, type="server_error", headers={"Retry-After": RETRY_AFTER_S}))
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", starting)
+    return app
+
+
+class _StartingServer:
+    """`_starting_app` served from a thread of its own on a duplicate of `sock` while this thread builds the
+    engine (a signal then interrupts the build as before); `stop` closes the duplicate, so `sock` stays bound
+    and listening for the real server."""
+
+    def __init__(self, sock: socket.socket):
+        self.loop = asyncio.new_event_loop()
+        started: list = []
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            try:
+                started.append(self.loop.run_until_complete(start_server(_starting_app(), "", 0, sock=sock.dup())))
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+                started.append(e)
+            ready.set()
+            if isinstance(started[0], BaseException):
+                return
+            self.loop.run_forever()
+            self.loop.run_until_complete(started[0][0].cleanup())
+
+        self.thread = threading.Thread(target=run, name="minidsa-starting", daemon=True)
+        self.thread.start()
+        ready.wait()
+        if isinstance(started[0], BaseException):
+            raise started[0]
+        self.url = started[0][1]
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
 
 
 async def _signal_when_engine_dies(ae: AsyncEngine, signals: asyncio.Queue) -> None:

@@ -23,17 +23,20 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from minidsa.parallel.launch import RankFailedError
+from minidsa.chat.formats import ChatOptions
+from minidsa.engine.chat import prepare_chat
 from minidsa.engine.request import InvalidRequest
+from minidsa.parallel.launch import RankFailedError
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ChatPrompt:
-    """A chat conversation; the engine thread renders it with the tokenizer's chat template."""
+    """A chat conversation; the engine thread renders it with the model's chat format and parses the answer."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
+    options: ChatOptions = field(default_factory=ChatOptions)
 
 
 @dataclass
@@ -227,9 +230,11 @@ class AsyncEngine:
             added = []
             try:
                 for r in requests:
-                    prompt, params = self._resolve(r)
+                    prompt, params, chat_output = self._resolve(r)
                     self.engine.add_request(prompt, params, request_id=r.request_id)
                     added.append(r.request_id)
+                    if chat_output is not None:
+                        self.engine.outputs.parse_chat(self.engine.requests[r.request_id], chat_output)
                     # for the request's log line even if it ends before any output (an int write: no race)
                     stream.timing[r.request_id].prompt_tokens = len(self.engine.requests[r.request_id].prompt_ids)
                     self._engine_streams[r.request_id] = stream
@@ -357,21 +362,19 @@ class AsyncEngine:
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
 
-    def _resolve(self, r: EngineRequest) -> tuple[str | list[int], Any]:
-        prompt = r.prompt
+    def _resolve(self, r: EngineRequest) -> tuple[str | list[int], Any, Any]:
+        """(prompt, sampling params, the chat answer's OutputSpec or None) of a request."""
+        prompt, params, chat_output = r.prompt, r.params, None
         if isinstance(prompt, ChatPrompt):
-            try:
-                prompt = list(self.engine.tokenizer.apply_chat_template(prompt.messages))
-            except Exception as e:  # noqa: BLE001 - templates reject conversations with raise_exception etc.
-                raise InvalidRequest(f"messages: the chat template rejected them: {e}") from None
-        params = r.params
+            prepared, params = prepare_chat(self.engine, prompt.messages, params, prompt.options)
+            prompt, chat_output = prepared.token_ids, prepared.output
         if r.max_tokens_to_context:
             if isinstance(prompt, str):
                 prompt = list(self.engine.tokenizer.encode(prompt))
             # at least 1, so a prompt that fills the context is refused by the engine's length check
             params = copy.copy(params)
             params.max_tokens = max(1, self.max_model_len - len(prompt))
-        return prompt, params
+        return prompt, params, chat_output
 
     def _run(self) -> None:
         why = "the engine thread stopped"

@@ -3,19 +3,25 @@
 Requests are strict: an unknown field, a wrong type or an out-of-range value
 is a `RequestError` (HTTP 400) naming the offending field, in OpenAI's error
 shape. OpenAI fields minidsa does not implement (logit_bias, suffix, best_of
-other than n) are accepted only at their neutral value, so a client that sends
-the default is served and one that relies on the feature is told it is missing,
-always in the same words (`unsupported`).
+other than n, audio, web search, ...) are accepted only at their neutral value,
+so a client that sends the default is served and one that relies on the
+feature is told it is missing, always in the same words (`unsupported`).
+OpenAI fields that change nothing about the output here (store, metadata,
+user, service_tier, prompt_cache_key, ...) are accepted and ignored, with a
+debug log line, as agent frameworks send them on every request.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
+
+logger = logging.getLogger(__name__)
 
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
@@ -48,6 +54,21 @@ class RequestError(Exception):
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # ignored: no obfuscation padding is sent
+
+
+class JsonSchemaFormat(Struct, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(Struct, forbid_unknown_fields=True):
+    """OpenAI's response_format: {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {...}}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -69,7 +90,15 @@ class _SamplingFields(Struct, forbid_unknown_fields=True, kw_only=True):
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0  # extension (vLLM / SGLang)
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    # accepted and ignored: they change nothing about the output here
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
 
 
 # A completion prompt: one string, a list of strings, one token-id list, or a list of token-id lists.
@@ -91,10 +120,47 @@ class TextPart(Struct, forbid_unknown_fields=True):
     text: str
 
 
+class FunctionCallIn(Struct, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1)]
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(Struct, forbid_unknown_fields=True):
+    function: FunctionCallIn
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(Struct, forbid_unknown_fields=True):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool results
+    reasoning_content: str | None = None  # an assistant turn's reasoning (dropped by formats that drop it)
+    reasoning: str | None = None  # the same, by vLLM's newer name
+    refusal: str | None = None  # ignored
+
+
+class FunctionDef(Struct, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1, max_length=128)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -103,6 +169,49 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: int | None = None  # bounds checked below, as for completions' logprobs
+    tools: Annotated[list[ToolDef], Meta(min_length=1, max_length=512)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"thinking": true} / {"enable_thinking": false}
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    # OpenAI features minidsa does not have: only their neutral values are accepted
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    verbosity: str | None = None
+    prediction: dict[str, Any] | None = None  # ignored: a latency hint, the output is the same
+
+
+class TokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's /tokenize: a completion prompt, or a conversation rendered as chat requests render it."""
+
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool | None = None  # prompt: default true (as completions encode it)
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    tools: Annotated[list[ToolDef], Meta(min_length=1, max_length=512)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(Struct):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    tokens: list[TokenId]
+    model: str | None = None
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
 
 
 # ---------------------------------------------------------------- responses
@@ -157,9 +266,22 @@ class ChatLogprobs(Struct):
     content: list[ChatTokenLogprob]
 
 
-class ChatResponseMessage(Struct):
+class FunctionCallOut(Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(Struct):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
+class ChatResponseMessage(Struct, omit_defaults=True):
     role: str
-    content: str
+    content: str | None  # null when the answer is only tool calls
+    reasoning_content: str | None = None  # the model's thinking, when it thought
+    tool_calls: list[ToolCallOut] = []
 
 
 class ChatChoice(Struct):
@@ -179,9 +301,26 @@ class ChatCompletionResponse(Struct):
     system_fingerprint: str | None = None
 
 
+class FunctionCallDelta(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(Struct, omit_defaults=True):
+    """A streamed call: the first delta of a call has its id, type and name (arguments ""), later ones carry
+    argument fragments; concatenated they are the call's JSON arguments."""
+
+    index: int
+    function: FunctionCallDelta
+    id: str | None = None
+    type: str | None = None
+
+
 class ChatDelta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Struct):
@@ -229,6 +368,8 @@ class ErrorResponse(Struct):
 
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+_tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
+_detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
 _encoder = msgspec.json.Encoder()
 _PATH_RE = re.compile(r"at `\$\.?([^`]*)`")
 _FIELD_RE = re.compile(r"field `([^`]*)`")
@@ -242,7 +383,7 @@ def error_body(err: RequestError) -> bytes:
     return encode(ErrorResponse(ErrorBody(err.message, err.type, err.param, err.code)))
 
 
-def _decode(decoder: msgspec.json.Decoder, body: bytes):
+def _decode(decoder: msgspec.json.Decoder, body: bytes, sampling: bool = True):
     try:
         req = decoder.decode(body)
     except msgspec.ValidationError as e:
@@ -257,7 +398,8 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes):
         raise RequestError(f"invalid request: {msg}", param=param) from None
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"request body is not valid JSON: {e}") from None
-    _check_unsupported(req)
+    if sampling:
+        _check_unsupported(req)
     return req
 
 
@@ -286,6 +428,21 @@ def decode_completion_request(body: bytes) -> CompletionRequest:
 
 def decode_chat_request(body: bytes) -> ChatCompletionRequest:
     req = _decode(_chat_decoder, body)
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise unsupported("modalities", "text output only")
+    for name, why in (("audio", "no audio output"), ("web_search_options", "no web search"),
+                      ("functions", "use 'tools'"), ("function_call", "use 'tool_choice'")):
+        if getattr(req, name) is not None:
+            raise unsupported(name, why)
+    if req.verbosity not in (None, "medium"):
+        raise unsupported("verbosity", "the answer's length is the model's; use max_tokens to bound it")
+    if req.tool_choice is not None and req.tool_choice != "none" and not req.tools:
+        raise RequestError("'tool_choice' needs 'tools'", param="tool_choice")
+    if isinstance(req.tool_choice, NamedToolChoice) and \
+            req.tool_choice.function.name not in {t.function.name for t in req.tools}:
+        raise RequestError(f"'tool_choice' names the function '{req.tool_choice.function.name}', which is not in "
+                           "'tools'", param="tool_choice")
+    _check_messages(req.messages)
     _check_count("top_logprobs", req.top_logprobs)
     if req.top_logprobs and not req.logprobs:
         raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
@@ -298,9 +455,70 @@ def decode_chat_request(body: bytes) -> ChatCompletionRequest:
     return req
 
 
+def decode_tokenize_request(body: bytes) -> TokenizeRequest:
+    req = _decode(_tokenize_decoder, body, sampling=False)
+    if (req.prompt is None) == (req.messages is None):
+        raise RequestError("send either 'prompt' or 'messages'", param="prompt")
+    if req.messages is not None:
+        _check_messages(req.messages)
+    if req.response_format is not None:
+        _check_response_format(req.response_format)
+    return req
+
+
+def decode_detokenize_request(body: bytes) -> DetokenizeRequest:
+    return _decode(_detokenize_decoder, body, sampling=False)
+
+
+_IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+                   "safety_identifier", "prediction", "refusal")
+
+
 def _check_unsupported(req: _SamplingFields) -> None:
     if req.logit_bias:
         raise unsupported("logit_bias", "no per-token logit offsets")
+    if req.response_format is not None:
+        _check_response_format(req.response_format)
+    if logger.isEnabledFor(logging.DEBUG):
+        ignored = [name for name in _IGNORED_FIELDS if getattr(req, name, None) is not None]
+        if req.stream_options is not None and req.stream_options.include_obfuscation is not None:
+            ignored.append("stream_options.include_obfuscation")
+        if ignored:
+            logger.debug("ignoring request fields that change nothing here: %s", ", ".join(ignored))
+
+
+def _check_response_format(rf: ResponseFormat) -> None:
+    if rf.type == "json_schema" and rf.json_schema is None:
+        raise RequestError("response_format of type 'json_schema' needs 'json_schema': {'name': ..., "
+                           "'schema': {...}}", param="response_format.json_schema")
+    if rf.type != "json_schema" and rf.json_schema is not None:
+        raise RequestError(f"response_format of type '{rf.type}' takes no 'json_schema'",
+                           param="response_format.json_schema")
+
+
+def response_format_dict(rf: ResponseFormat | None) -> dict[str, Any] | None:
+    """The request's response_format in OpenAI's dict shape (SamplingParams.response_format); None for text."""
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return {"type": "json_object"}
+    js = rf.json_schema
+    spec: dict[str, Any] = {"name": js.name, "schema": js.schema if js.schema is not None else {}}
+    if js.strict is not None:
+        spec["strict"] = js.strict
+    if js.description is not None:
+        spec["description"] = js.description
+    return {"type": "json_schema", "json_schema": spec}
+
+
+def _check_messages(messages: list[ChatMessage]) -> None:
+    for i, m in enumerate(messages):
+        if m.tool_calls and m.role != "assistant":
+            raise RequestError(f"messages[{i}]: only assistant messages carry 'tool_calls'",
+                               param=f"messages[{i}].tool_calls")
+        if m.tool_call_id is not None and m.role != "tool":
+            raise RequestError(f"messages[{i}]: only tool messages carry 'tool_call_id'",
+                               param=f"messages[{i}].tool_call_id")
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -326,22 +544,41 @@ def prompt_list(prompt: str | list) -> list[str | list[int]]:
                        "token-id lists (not a mix)", param="prompt")
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages as the plain dicts a chat template expects (text parts joined)."""
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as plain dicts in OpenAI's shape (the chat formats check and render them)."""
     out = []
-    for m in req.messages:
-        if m.content is None:
-            content = ""
-        elif isinstance(m.content, str):
+    for m in messages:
+        if m.content is None or isinstance(m.content, str):
             content = m.content
         else:
             content = "".join(p.text for p in m.content)
-        role = "system" if m.role == "developer" else m.role
-        msg = {"role": role, "content": content}
+        msg: dict[str, Any] = {"role": m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": tc.id, "type": "function",
+                                  "function": {"name": tc.function.name, "arguments": tc.function.arguments}}
+                                 for tc in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None:
+            msg["reasoning_content"] = reasoning
         out.append(msg)
     return out
+
+
+def tools_list(tools: list[ToolDef] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    return [{"type": "function", "function": {k: v for k, v in msgspec.structs.asdict(t.function).items()
+                                              if v is not None}} for t in tools]
+
+
+def tool_choice_value(choice: str | NamedToolChoice | None) -> Any:
+    if isinstance(choice, NamedToolChoice):
+        return {"type": "function", "function": {"name": choice.function.name}}
+    return choice or "auto"
 
 
 def now() -> int:

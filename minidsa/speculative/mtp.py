@@ -45,7 +45,7 @@ from minidsa.exec.batch import ForwardBatch, ForwardMode, ints_to_device
 from minidsa.config import ConfigError, EngineConfig, ModelConfig
 from minidsa.models.deepseek_v32 import ModelOutput
 from minidsa.engine.request import SamplingParams
-from minidsa.exec.sampling import Sampler, probabilities, row_key, uniforms
+from minidsa.exec.sampling import Sampler, TokenMask, probabilities, row_key, uniforms
 from minidsa.speculative.layout import SpecLayout
 from minidsa.speculative.tree import DraftTree, accept_greedy, accept_sampled, grow_tree
 
@@ -118,6 +118,11 @@ class SpecRows:
     params: list[SamplingParams]
     output_positions: list[int]  # index among the request's outputs of the first token this round emits
     request_ids: list[str]
+    # Structured outputs: these requests take no draft this round; their one token is sampled from the verify's
+    # first position under their grammar's mask (`mask`: packed int32 [len(constrained), ceil(V / 32)] on the
+    # device), as a plain decode step would
+    constrained: list[int] = field(default_factory=list)
+    mask: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -271,6 +276,11 @@ class MTPSpeculator:
         verify = ForwardBatch.build(ForwardMode.TARGET_VERIFY, ids, rows, seq, [nd] * bs, loc, dev, logits="all")
         out = runner.forward(verify)
         accepted, emitted = self._accept_chain(reqs, drafted, out.logits.view(bs, nd, -1))
+        if reqs.constrained:
+            first = self._constrained_tokens(reqs, out.logits.view(bs, nd, -1)[:, 0])
+            sel = ints_to_device(reqs.constrained, dev)
+            accepted[sel] = 0
+            emitted[sel] = first.unsqueeze(1).expand(-1, nd)
 
         # Draft extend over all nd positions (target hidden at n + j with the token at n + j + 1); the next
         # round's state comes from position n + accepted.
@@ -334,6 +344,15 @@ class MTPSpeculator:
         target = target.clone()
         target[sel] = draw
         return accept_mask, target
+
+    def _constrained_tokens(self, reqs: SpecRows, first_logits: torch.Tensor) -> torch.Tensor:
+        """The constrained requests' tokens: their verify logits at the root's position (the target's next-token
+        logits, as a decode step computes them), masked by their grammars and sampled as the plain sampler does."""
+        rows = reqs.constrained
+        logits = first_logits[ints_to_device(rows, first_logits.device)].float()
+        mask = TokenMask(reqs.mask, torch.arange(len(rows), device=logits.device))
+        return self.sampler(logits, [reqs.params[b] for b in rows], [reqs.output_positions[b] for b in rows],
+                            mask=mask).ids
 
     def _count(self, reqs: SpecRows, accepted: list[int], nd: int) -> None:
         for rid, a in zip(reqs.request_ids, accepted):
@@ -404,7 +423,10 @@ class MTPSpeculator:
         out = runner.forward(batch)
         logits = out.logits.view(bs, nd, -1)
 
-        paths, new_tokens = self._accept_tree(reqs, trees, logits)
+        forced = {}
+        if reqs.constrained:
+            forced = dict(zip(reqs.constrained, self._constrained_tokens(reqs, logits[:, 0]).tolist()))
+        paths, new_tokens = self._accept_tree(reqs, trees, logits, forced)
 
         # Compaction: accepted nodes to the front.
         src, dst = lay.compaction_moves(runner.req_to_token, reqs.rows, reqs.seq_lens, paths)
@@ -451,8 +473,10 @@ class MTPSpeculator:
         pad_hidden[real] = hidden
         return batch, pad_hidden
 
-    def _accept_tree(self, reqs: SpecRows, trees: list[DraftTree],
-                     logits: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+    def _accept_tree(self, reqs: SpecRows, trees: list[DraftTree], logits: torch.Tensor,
+                     forced: dict[int, int]) -> tuple[list[list[int]], list[list[int]]]:
+        """Per request: the accepted path from the root and the tokens emitted. `forced`: requests that take no
+        draft, with their token."""
         paths, new_tokens = [], []
         greedy_rows = [b for b, p in enumerate(reqs.params) if p.greedy]
         argmax = logits[greedy_rows].argmax(-1).tolist() if greedy_rows else []
@@ -468,7 +492,11 @@ class MTPSpeculator:
                 probs[b] = p[i * nd:(i + 1) * nd].cpu()
         g = iter(argmax)
         for b, (p, pos, tree) in enumerate(zip(reqs.params, reqs.output_positions, trees)):
-            if p.greedy:
+            if b in forced:
+                path, nxt = [0], forced[b]
+                if p.greedy:
+                    next(g)
+            elif p.greedy:
                 path, nxt = accept_greedy(tree, next(g))
             else:
                 key = row_key(p.seed, pos) if p.seed is not None \

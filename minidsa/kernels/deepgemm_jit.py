@@ -1,0 +1,383 @@
+"""DeepGEMM's FP8 GEMM kernels compiled at start-up by a pool of processes, so the engine's own warm-up only
+loads them.
+
+DeepGEMM JIT-compiles one kernel per tile choice with nvcc, and the choice follows the GEMM's rows: the
+start-up warm-up (`deepgemm.warm_up_fp8_gemms`) runs every row class of every weight shape once, 499 calls for
+bench-dsv32, and on a fresh H100 that took ~200 s, one nvcc after another. What DeepGEMM's JIT does (its
+`csrc/jit/compiler.hpp` on the `dev` branch):
+- kernels live in `$DG_JIT_CACHE_DIR/cache/kernel.<name>.<hash of the generated code and nvcc flags>/`
+  (default `~/.deep_gemm`); a kernel is compiled into `tmp/<uuid>` and renamed into place, so processes may
+  compile into one cache at the same time (the rename of a kernel another process finished first fails and
+  is dropped); a later call, in any process, loads it from disk;
+- M, N and K are not compiled in (fp8_gemm_nt's `compiled_dims` is empty): a kernel is the tile config
+  (block sizes, stages, multicast, SM count) chosen from (M, N, K), so many row classes, and weight shapes,
+  share one (an estimate of its heuristic gives 32 distinct kernels for those 499 calls), plus a small
+  scale-transpose kernel per K;
+- nvcc runs in a child process (popen) behind a process-wide kernel map that is not thread-safe, and there is
+  no compile-only call: a kernel is compiled by running the GEMM.
+Hence processes: `precompile` starts `workers` processes (`python -m minidsa.kernels.deepgemm_jit`, one CUDA
+context each; before the KV cache is sized, so their memory comes back), deals them the (rows, N, K) classes
+from one queue, each class to exactly one process, and each runs it on zero inputs of that shape through
+`deepgemm.run_fp8_gemm`, the call serving makes. The queue interleaves the shapes and spreads each shape's row
+classes (`spread`): neighbouring classes mostly share a kernel, and a kernel two processes compile at once is
+compiled twice. A worker that fails or dies is reported (one warning) and its classes are left to the
+engine's warm-up, which compiles what is missing itself.
+
+A manifest in the cache dir (`manifest_path`) records that every class of a task list was built there; the next
+start with the same tasks, GPU and DeepGEMM build skips the pool while the kernels it lists are still there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import select
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Task = tuple[int, int, int]  # (rows, N, K) of one fp8_gemm_nt call
+WORKERS_ENV = "MINIDSA_DEEPGEMM_WORKERS"  # processes of the pool; 0 = none (the engine's warm-up compiles alone)
+TASK_TIMEOUT_S = 600.0  # one class: an nvcc run takes seconds; a worker silent this long is stopped
+# Per worker: the CUDA context and allocator slack, plus the largest class's tensors (`_task_bytes`).
+WORKER_BASE_BYTES = 1 << 30
+
+
+def cache_dir() -> str:
+    """DeepGEMM's JIT cache directory, as its compiler resolves it."""
+    return os.environ.get("DG_JIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".deep_gemm")
+
+
+def cached_kernels(root: str | None = None) -> set[str]:
+    """Names of the kernels in DeepGEMM's cache (`cache/kernel.*` directories)."""
+    try:
+        return {n for n in os.listdir(os.path.join(root or cache_dir(), "cache")) if n.startswith("kernel.")}
+    except OSError:
+        return set()
+
+
+def spread(tasks: list[Task]) -> list[Task]:
+    """The tasks in queue order: shapes interleaved, each shape's row classes in bit-reversed order (far apart
+    first, then the gaps halve), so processes taking tasks side by side mostly meet different kernels."""
+    by_shape: dict[tuple[int, int], list[Task]] = {}
+    for t in tasks:
+        by_shape.setdefault(t[1:], []).append(t)
+    lanes = []
+    for lane in by_shape.values():
+        bits = max(1, (len(lane) - 1).bit_length())
+        lanes.append([lane[i] for i in sorted(range(len(lane)), key=lambda i: int(f"{i:0{bits}b}"[::-1], 2))])
+    return [lane[i] for i in range(max(map(len, lanes), default=0)) for lane in lanes if i < len(lane)]
+
+
+def _task_bytes(task: Task) -> int:
+    rows, n, k = task
+    # e4m3 weight and its scales; bf16 input, its e4m3 copy and scales; bf16 output
+    return n * k + (n * k >> 12) + rows * k * 3 + (rows * k >> 5) + rows * n * 2
+
+
+def worker_count(tasks: list[Task], device: torch.device, share: int = 1) -> int:
+    """How many processes compile `tasks`: the CPUs (nvcc is one process per kernel) divided among the `share`
+    engines starting on this machine at once (tensor-parallel ranks), no more than there are tasks or than the
+    free GPU memory holds. `MINIDSA_DEEPGEMM_WORKERS` sets it (0: no pool)."""
+    forced = os.environ.get(WORKERS_ENV)
+    if forced is not None:
+        try:
+            return max(0, int(forced))
+        except ValueError:
+            raise ValueError(f"{WORKERS_ENV} must be an integer, got {forced!r}") from None
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    count = min(max(1, cpus // max(1, share)), len(tasks))
+    if device.type == "cuda" and tasks:
+        free, _ = torch.cuda.mem_get_info(device)
+        count = min(count, int(0.8 * free) // (WORKER_BASE_BYTES + max(map(_task_bytes, tasks))))
+    return count
+
+
+def manifest_path(tasks: list[Task], device: torch.device, root: str | None = None) -> str:
+    """Where the manifest of `tasks` on this GPU and DeepGEMM build lives in the cache."""
+    mod = sys.modules.get("deep_gemm")
+    gpu = (torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device),
+           torch.cuda.get_device_properties(device).multi_processor_count) if device.type == "cuda" else device.type
+    ident = json.dumps([sorted(tasks), gpu, getattr(mod, "__version__", None), getattr(mod, "__file__", None)])
+    return os.path.join(root or cache_dir(), f"minidsa-gemms-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json")
+
+
+def manifest_complete(path: str) -> bool:
+    """Does the manifest exist, and is every kernel it lists still in the cache?"""
+    try:
+        with open(path) as f:
+            kernels = set(json.load(f)["kernels"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return kernels <= cached_kernels(os.path.dirname(path))
+
+
+def write_manifest(path: str) -> None:
+    """Record the kernels now in the cache as those `path`'s tasks need (after they all ran)."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"kernels": sorted(cached_kernels(os.path.dirname(path)))}, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("DeepGEMM JIT: could not write %s (%s); the next start checks the kernels again", path, e)
+
+
+@dataclass
+class JitReport:
+    """What `precompile` did."""
+
+    tasks: int = 0
+    workers: int = 0
+    seconds: float = 0.0
+    compiled: int = 0  # kernels that appeared in the cache meanwhile
+    cached_before: int = 0  # kernels the cache held at the start
+    skipped: str = ""  # why no pool ran, if none did
+    failures: list[str] = field(default_factory=list)  # one line per failed class or worker
+
+    def describe(self) -> str:
+        if self.skipped:
+            return self.skipped
+        text = (f"{self.tasks} GEMM classes on {self.workers} processes in {self.seconds:.1f} s: "
+                f"{self.compiled} kernels compiled, {self.cached_before} were in the cache")
+        return text + (f"; {len(self.failures)} failed" if self.failures else "")
+
+
+class _Worker:
+    """One compile process and the thread in this process that feeds it tasks from the shared queue."""
+
+    def __init__(self, index: int, device: str, env: dict[str, str]):
+        self.index = index
+        self.stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, "-m", "minidsa.kernels.deepgemm_jit", device],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=env)
+
+    def stderr_tail(self, lines: int = 3) -> str:
+        self.stderr.seek(0)
+        text = self.stderr.read().decode("utf-8", "replace").strip().splitlines()
+        return " | ".join(text[-lines:])
+
+    def _read(self, timeout: float) -> dict | None:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else b""
+        if not line:
+            return None
+        try:
+            return json.loads(line)
+        except ValueError:
+            return None
+
+    def serve(self, tasks: queue.Queue, done: list[Task], failures: list[str], on_done) -> None:
+        """Hand this process tasks until the queue is empty or the process fails; records every outcome."""
+        hello = self._read(TASK_TIMEOUT_S)
+        if hello is None or not hello.get("ready"):
+            failures.append(f"worker {self.index} failed to start ({self._exit()}): "
+                            f"{(hello or {}).get('error') or self.stderr_tail()}")
+            return
+        while True:
+            try:
+                task = tasks.get_nowait()
+            except queue.Empty:
+                break
+            rows, n, k = task
+            try:
+                self.proc.stdin.write(json.dumps([rows, n, k]).encode() + b"\n")
+                self.proc.stdin.flush()
+            except OSError:
+                failures.append(f"worker {self.index} died before {rows}x{n}x{k} ({self._exit()}): "
+                                f"{self.stderr_tail()}")
+                return
+            reply = self._read(TASK_TIMEOUT_S)
+            if reply is None:
+                failures.append(f"worker {self.index} died on {rows}x{n}x{k} ({self._exit()}): {self.stderr_tail()}")
+                return
+            if reply.get("ok"):
+                done.append(task)
+            else:
+                failures.append(f"worker {self.index}: {rows}x{n}x{k} failed: {reply.get('error')}")
+            on_done()
+
+    def _exit(self) -> str:
+        try:
+            code = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return "stopped: no answer"
+        return f"exit code {code}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()  # end of tasks: the process exits
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.stderr.close()
+
+
+def precompile(tasks: list[Task], device: torch.device, workers: int, progress: bool = True) -> JitReport:
+    """Run every task once across `workers` processes on `device` (DeepGEMM's cache: `cache_dir()`, inherited
+    through the environment), so the kernels they need are on disk. Never raises for a failing worker or
+    class: the report lists them, and the caller's warm-up compiles what is missing."""
+    report = JitReport(tasks=len(tasks), workers=min(workers, len(tasks)))
+    if not tasks:
+        report.skipped = "no GEMM classes"
+        return report
+    before = cached_kernels()
+    report.cached_before = len(before)
+    if report.workers < 1:
+        report.skipped = f"no worker processes ({WORKERS_ENV}=0, or no GPU memory free for one)"
+        return report
+    start = time.perf_counter()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    pending: queue.Queue = queue.Queue()
+    for t in spread(tasks):
+        pending.put(t)
+    done: list[Task] = []
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(tasks), desc="DeepGEMM JIT", unit="class", disable=None if progress else True, leave=False)
+    lock = threading.Lock()
+
+    def tick() -> None:
+        with lock:
+            bar.update(1)
+
+    env = dict(os.environ)
+    # The workers import what this process imported (deep_gemm, minidsa), from where this process found them.
+    paths = [*env.get("PYTHONPATH", "").split(os.pathsep), *(os.path.abspath(p) for p in sys.path if p)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+    pool = [_Worker(i, str(device), env) for i in range(report.workers)]
+    try:
+        threads = [threading.Thread(target=w.serve, args=(pending, done, report.failures, tick), daemon=True)
+                   for w in pool]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    except BaseException:  # interrupted: do not wait for the compilers
+        for w in pool:
+            w.proc.kill()
+        raise
+    finally:
+        for w in pool:
+            w.close()
+        bar.close()
+    if not pending.empty():
+        report.failures.append(f"{pending.qsize()} classes were not run (no worker left)")
+    report.compiled = len(cached_kernels() - before)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+class GemmWarmUp:
+    """DeepGEMM's GEMM kernels for one model at start-up: `compile_in_pool` (before the KV cache is allocated)
+    builds what the disk cache lacks in worker processes, `load` (the engine's warm-up) runs every class in this
+    process, compiling only what the pool left; each returns its start-up log detail."""
+
+    def __init__(self, weights: list[tuple[torch.Tensor, torch.Tensor]], max_rows: int, device: torch.device,
+                 share: int = 1):
+        from minidsa.kernels import deepgemm
+
+        self.weights, self.max_rows, self.device, self.share = weights, max_rows, device, share
+        self.tasks = deepgemm.gemm_tasks([tuple(w.shape) for w, _ in weights], max_rows)
+        self.manifest = manifest_path(self.tasks, device)
+        self.pool_failures: list[str] = []
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, max_rows: int, device: torch.device, share: int = 1
+                  ) -> "GemmWarmUp | None":
+        """None when no projection of `model` runs through DeepGEMM."""
+        from minidsa.models.layers.linear import deepgemm_weights
+
+        weights = deepgemm_weights(model)
+        return cls(weights, max_rows, device, share) if weights else None
+
+    def compile_in_pool(self, progress: bool = True) -> str:
+        if manifest_complete(self.manifest):
+            return f"all {len(self.tasks)} GEMM classes were built before ({os.path.basename(self.manifest)})"
+        report = precompile(self.tasks, self.device, worker_count(self.tasks, self.device, self.share), progress)
+        self.pool_failures = report.failures
+        if report.failures:
+            logger.warning("DeepGEMM JIT: %d failure(s) in the worker processes, the first: %s; the start-up warm-up "
+                           "compiles what they left, in this process", len(report.failures), report.failures[0])
+        return report.describe()
+
+    def load(self) -> str:
+        from minidsa.kernels import deepgemm
+
+        before = cached_kernels()
+        start = time.perf_counter()
+        calls = deepgemm.warm_up_fp8_gemms(self.weights, self.max_rows)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        compiled = len(cached_kernels() - before)
+        if calls == len(self.tasks) and deepgemm.gemm_disabled_reason() is None:
+            write_manifest(self.manifest)
+        text = (f"{calls} of {len(self.tasks)} GEMM classes run in {time.perf_counter() - start:.1f} s, "
+                f"{compiled} kernels compiled in this process")
+        if deepgemm.gemm_disabled_reason() is not None:
+            text += f"; DeepGEMM's GEMM is off ({deepgemm.gemm_disabled_reason()}): Triton serves"
+        return text
+
+
+# ---------------------------------------------------------------- the worker process
+
+def _run_worker(device_name: str) -> int:
+    """Read tasks `[rows, n, k]` (one JSON line each) from stdin, run each, answer one JSON line per task.
+
+    DeepGEMM prints with C's printf: this process's stdout is moved to stderr first, so replies travel on a
+    descriptor of their own."""
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    try:
+        import deep_gemm
+
+        from minidsa.kernels import deepgemm
+        from minidsa.kernels.fp8 import FP8_DTYPE
+
+        device = torch.device(device_name)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+    except Exception as e:  # noqa: BLE001 - reported to the engine, which goes on without the pool
+        replies.write(json.dumps({"ready": False, "error": f"{type(e).__name__}: {e}"}) + "\n")
+        return 1
+    replies.write(json.dumps({"ready": True}) + "\n")
+    shape, weight, scale, x = None, None, None, None
+    for line in sys.stdin:
+        rows, n, k = json.loads(line)
+        try:
+            if shape != (n, k):
+                weight = scale = x = None  # one shape's tensors at a time
+                weight = torch.zeros(n, k, dtype=FP8_DTYPE, device=device)
+                scale = torch.ones(-(-n // 128), -(-k // 128), dtype=torch.float32, device=device)
+                shape = (n, k)
+            if x is None or x.shape[0] < rows:
+                x = torch.zeros(rows, k, dtype=torch.bfloat16, device=device)
+            deepgemm.run_fp8_gemm(deep_gemm, x[:rows], weight, scale)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            replies.write(json.dumps({"ok": True}) + "\n")
+        except Exception as e:  # noqa: BLE001 - one class failed; the engine's warm-up meets it again
+            replies.write(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_run_worker(sys.argv[1]))

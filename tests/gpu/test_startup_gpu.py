@@ -1,0 +1,108 @@
+"""Start-up on a GPU (issue 28): DeepGEMM's GEMM kernels compiled by the pool of processes, then only loaded by
+the engine's process; the compile cache filled by one start and used by the next.
+
+Each case runs in fresh processes: DeepGEMM's JIT reads its cache directory once per process, and inductor's
+caches live in memory too. Run by `bash scripts/gpu_check.sh startup_tests` (DEEPGEMM=on for the first case).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _child(code: str, env: dict[str, str | None], timeout: float = 540) -> tuple[dict, str]:
+    """Run `code` in a fresh python with `env` (None: unset); its last stdout line is JSON."""
+    full = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+    full["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full,
+                       timeout=timeout, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+
+POOL = """
+    import json, torch
+    from minidsa.kernels import deepgemm, fp8
+    from minidsa.kernels.deepgemm_jit import GemmWarmUp, cached_kernels
+    dev = torch.device("cuda")
+    status = deepgemm.fp8_gemm_status(dev)
+    if not status.available:
+        print(json.dumps({"skip": status.reason}))
+        raise SystemExit
+    g = torch.Generator(device=dev).manual_seed(0)
+    # DeepSeek-V3.2's shared expert gate|up and down projections
+    weights = [fp8.quant_block(torch.randn(n, k, device=dev, generator=g) * 0.02) for n, k in ((4096, 7168), (7168, 2048))]
+    jit = GemmWarmUp(weights, 512, dev)
+    pool = jit.compile_in_pool(progress=False)
+    after_pool = len(cached_kernels())
+    load = jit.load()
+    errors = []
+    for (w, s), m in ((weights[0], 17), (weights[0], 300), (weights[1], 129), (weights[1], 512)):
+        x = torch.randn(m, w.shape[1], device=dev, generator=g).bfloat16()
+        y = deepgemm.fp8_gemm_nt(x, w, s)
+        want = fp8.w8a8_block_matmul_reference(x.float(), w, s)
+        errors.append(((y.float() - want).norm() / want.norm()).item())
+    again = GemmWarmUp(weights, 512, dev).compile_in_pool(progress=False)
+    print(json.dumps({"tasks": len(jit.tasks), "pool": pool, "failures": jit.pool_failures, "after_pool": after_pool,
+                      "after_load": len(cached_kernels()), "load": load, "errors": errors, "again": again,
+                      "disabled": deepgemm.gemm_disabled_reason()}))
+"""
+
+
+def test_deepgemm_pool_compiles_every_kernel_and_the_engine_process_only_loads(tmp_path):
+    got, err = _child(POOL, {"DG_JIT_CACHE_DIR": str(tmp_path / "dg"), "MINIDSA_DEEPGEMM_WORKERS": "4"})
+    if "skip" in got:
+        pytest.skip(f"DeepGEMM's GEMM not usable here: {got['skip']}")
+    assert not got["failures"], got
+    assert f"{got['tasks']} GEMM classes on 4 processes" in got["pool"] and got["after_pool"] > 0, got
+    assert got["after_load"] == got["after_pool"] and "0 kernels compiled in this process" in got["load"], got
+    assert got["disabled"] is None and max(got["errors"]) < 0.02, got
+    assert "were built before" in got["again"], got  # the manifest: the next start skips the pool
+
+
+ENGINE = """
+    import json, logging
+    logging.basicConfig(level=logging.WARNING)
+    lines = []
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+    startup = logging.getLogger("minidsa.exec.startup")
+    startup.setLevel(logging.INFO)
+    startup.addHandler(Keep())
+    from minidsa import LLM, SamplingParams
+    # A fixed KV size: the caches are static shapes of the compiled graphs (auto sizing follows free memory).
+    llm = LLM(model="tiny", progress=False, max_total_tokens=65536, max_running_requests=8, cuda_graph_max_bs=8)
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
+    print(json.dumps({"lines": lines, "tokens": out[0].token_ids}))
+"""
+
+
+def test_second_start_loads_the_artifacts_and_hits_the_inductor_cache(tmp_path):
+    cache = tmp_path / "cache"
+    env = {"MINIDSA_CACHE_DIR": str(cache), "TORCHINDUCTOR_CACHE_DIR": None, "TRITON_CACHE_DIR": None,
+           "DG_JIT_CACHE_DIR": None}
+    first, _ = _child(ENGINE, env)
+    text = "\n".join(first["lines"])
+    for phase in ("weights", "KV cache", "compile cache", "capture", "warm-up", "compile cache save"):
+        assert f"start-up: {phase} " in text, text
+    assert "saved" in text and os.listdir(cache / "artifacts"), text
+    assert os.listdir(cache / "inductor") and os.listdir(cache / "triton"), text
+    second, _ = _child(ENGINE, env)
+    text2 = "\n".join(second["lines"])
+    assert "loaded" in next(x for x in second["lines"] if x.startswith("start-up: compile cache ")), text2
+    capture = next(x for x in second["lines"] if x.startswith("start-up: capture "))
+    assert "inductor cache" in capture and "/ 0 misses" in capture, text2  # every compiled graph from the cache
+    assert second["tokens"] == first["tokens"]

@@ -1,0 +1,168 @@
+"""DeepGEMM's GEMM kernels compiled at start-up by a pool of processes (minidsa/kernels/deepgemm_jit.py).
+
+No DeepGEMM build runs here: `tests/deep_gemm_stand_in/deep_gemm.py` stands in for it, in this process and in
+the worker processes (through PYTHONPATH), with a JIT disk cache of its own kind (kernels shared by several
+classes, compiled into `$DG_JIT_CACHE_DIR/cache` when missing) and a log of every call: which process ran
+which (rows, N, K) class, and whether it compiled or loaded its kernel. The activation quantisation before each
+call is a Triton kernel, run by Triton's interpreter as in tests/test_kernels.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import sys
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: the GPU check runs the pool on the real DeepGEMM (benchmarks/startup.py)",
+                allow_module_level=True)
+
+from triton_interp import import_kernels_interpreted  # noqa: E402
+
+if not import_kernels_interpreted():
+    pytest.skip("triton was imported compiled in this process: run this file alone", allow_module_level=True)
+
+from minidsa.kernels import deepgemm, fp8  # noqa: E402
+from minidsa.kernels.deepgemm_jit import WORKERS_ENV, GemmWarmUp, spread, worker_count  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAND_IN_DIR = os.path.join(ROOT, "tests", "deep_gemm_stand_in")
+CPU = torch.device("cpu")
+MAX_ROWS = 160  # 9 row classes per weight shape (17 rows and up: small weights)
+
+
+class StandIn:
+    def __init__(self, log: str):
+        self.log = log
+        self.seen = 0
+
+    def events(self) -> list[dict]:
+        """The calls logged since the last look."""
+        try:
+            with open(self.log) as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            lines = []
+        new, self.seen = lines[self.seen:], len(lines)
+        return [json.loads(line) for line in new]
+
+
+@pytest.fixture
+def stand_in(monkeypatch, tmp_path):
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path / "dg"))
+    monkeypatch.setenv("STAND_IN_DG_LOG", str(tmp_path / "calls.jsonl"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([STAND_IN_DIR, ROOT, os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.delenv("STAND_IN_DG_CRASH_WORKER", raising=False)
+    spec = importlib.util.spec_from_file_location("deep_gemm", os.path.join(STAND_IN_DIR, "deep_gemm.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setitem(sys.modules, "deep_gemm", mod)
+    monkeypatch.setattr(deepgemm, "_device_capability", lambda device: (9, 0))
+    deepgemm.reset()
+    assert deepgemm.fp8_gemm_status(CPU).available
+    yield StandIn(str(tmp_path / "calls.jsonl"))
+    deepgemm.reset()
+
+
+def _weights() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    w1, s1 = fp8.quant_block(torch.randn(192, 256, generator=g))
+    w2, s2 = fp8.quant_block(torch.randn(128, 128, generator=g))
+    return [(w1, s1), (w2, s2), (w1.clone(), s1.clone())]  # the third shares the first one's shape
+
+
+def _tasks(events: list[dict]) -> list[tuple[int, int, int]]:
+    return sorted(tuple(e["task"]) for e in events)
+
+
+def test_queue_order_interleaves_shapes_and_spreads_row_classes():
+    tasks = deepgemm.gemm_tasks([(192, 256), (128, 128), (4096, 7168)], 8192)
+    order = spread(tasks)
+    assert sorted(order) == sorted(tasks)  # every class, once
+    shapes = [t[1:] for t in order]
+    assert len(set(shapes[:3])) == 3  # the first tasks are of three different shapes
+    lane = [t[0] for t in tasks if t[1:] == (4096, 7168)]
+    first = [lane.index(t[0]) for t in order if t[1:] == (4096, 7168)][:4]
+    assert first == [0, 32, 16, 48]  # a shape's classes far apart first (bit-reversed), then the gaps halve
+
+
+def test_worker_count_follows_the_cpus_and_the_environment(monkeypatch):
+    tasks = deepgemm.gemm_tasks([(192, 256)], MAX_ROWS)
+    monkeypatch.delenv(WORKERS_ENV, raising=False)
+    cpus = len(os.sched_getaffinity(0))
+    assert worker_count(tasks, CPU) == min(cpus, len(tasks))
+    assert worker_count(tasks, CPU, share=cpus) == 1  # the CPUs are split among tensor-parallel ranks
+    monkeypatch.setenv(WORKERS_ENV, "5")
+    assert worker_count(tasks, CPU) == 5
+    monkeypatch.setenv(WORKERS_ENV, "five")
+    with pytest.raises(ValueError, match=WORKERS_ENV):
+        worker_count(tasks, CPU)
+
+
+def test_pool_runs_every_class_once_and_the_warm_up_compiles_nothing(stand_in, monkeypatch):
+    monkeypatch.setenv(WORKERS_ENV, "3")
+    jit = GemmWarmUp(_weights(), MAX_ROWS, CPU)
+    assert len(jit.tasks) == len(set(jit.tasks)) and {t[1:] for t in jit.tasks} == {(192, 256), (128, 128)}
+    detail = jit.compile_in_pool(progress=False)
+    pool = stand_in.events()
+    assert all(e["worker"] and e["pid"] != os.getpid() for e in pool)
+    assert _tasks(pool) == sorted(jit.tasks)  # every class of every shape, exactly once across the pool
+    compiled = {e["kernel"] for e in pool if e["event"] == "compiled"}
+    assert f"{len(jit.tasks)} GEMM classes on 3 processes" in detail
+    assert f"{len(compiled)} kernels compiled, 0 were in the cache" in detail and not jit.pool_failures
+
+    detail = jit.load()  # the engine's warm-up: every class in this process, every kernel from the disk cache
+    here = stand_in.events()
+    assert _tasks(here) == sorted(jit.tasks) and {e["event"] for e in here} == {"loaded"}
+    assert all(not e["worker"] and e["pid"] == os.getpid() for e in here)
+    assert "0 kernels compiled in this process" in detail and deepgemm.gemm_disabled_reason() is None
+
+    again = GemmWarmUp(_weights(), MAX_ROWS, CPU)  # the next start finds the manifest: no pool
+    assert "were built before" in again.compile_in_pool(progress=False) and stand_in.events() == []
+    # served calls run the classes compiled at start-up, with DeepGEMM's result
+    w8, ws = _weights()[0]
+    x = torch.randn(100, 256).bfloat16()
+    torch.testing.assert_close(deepgemm.fp8_gemm_nt(x, w8, ws).float(),
+                               fp8.w8a8_block_matmul_reference(x.float(), w8, ws), rtol=2e-2, atol=2e-2)
+
+
+def test_a_worker_that_dies_is_reported_and_the_warm_up_compiles_what_it_left(stand_in, monkeypatch, caplog):
+    monkeypatch.setenv(WORKERS_ENV, "2")
+    monkeypatch.setenv("STAND_IN_DG_CRASH_WORKER", "48")  # a worker process exits on any 48-row class
+    jit = GemmWarmUp(_weights(), MAX_ROWS, CPU)
+    with caplog.at_level(logging.WARNING, logger="minidsa.kernels.deepgemm_jit"):
+        detail = jit.compile_in_pool(progress=False)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "died on 48x" in warnings[0] and "exit code 3" in warnings[0], warnings
+    assert "failed" in detail
+    pool = stand_in.events()
+    assert len(_tasks(pool)) == len(set(_tasks(pool))) and all(t[0] != 48 for t in _tasks(pool))
+
+    detail = jit.load()  # the engine still starts: this process compiles exactly the kernels the pool did not
+    here = stand_in.events()
+    assert _tasks(here) == sorted(jit.tasks)
+    needed = {e["kernel"] for e in here}
+    from_pool = {e["kernel"] for e in pool if e["event"] == "compiled"}
+    assert {e["kernel"] for e in here if e["event"] == "compiled"} == needed - from_pool
+    assert f"{len(needed - from_pool)} kernels compiled in this process" in detail
+    assert deepgemm.gemm_disabled_reason() is None  # DeepGEMM still serves
+
+
+def test_workers_that_cannot_start_leave_everything_to_the_warm_up(stand_in, monkeypatch, caplog):
+    monkeypatch.setenv(WORKERS_ENV, "2")
+    monkeypatch.setenv("PYTHONPATH", ROOT)  # no deep_gemm in the workers
+    jit = GemmWarmUp(_weights(), MAX_ROWS, CPU)
+    with caplog.at_level(logging.WARNING, logger="minidsa.kernels.deepgemm_jit"):
+        jit.compile_in_pool(progress=False)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "failed to start" in warnings[0] and "deep_gemm" in warnings[0], warnings
+    assert any("classes were not run" in f for f in jit.pool_failures)
+    assert stand_in.events() == []
+    jit.load()
+    here = stand_in.events()
+    assert _tasks(here) == sorted(jit.tasks) and "compiled" in {e["event"] for e in here}
