@@ -252,7 +252,7 @@ def bench_store_section(rec: Recorder, ceil: dict) -> None:
 
 
 def _runner(kv_cache_dtype: str, max_total_tokens: int = 0, max_running_requests: int = 1024):
-    from minidsa.config import EngineConfig, ModelConfig
+    from minidsa.config import EngineConfig, ModelConfig, resolve
     from minidsa.models.presets import preset_config
     from minidsa.exec.runner import ModelRunner
 
@@ -262,7 +262,7 @@ def _runner(kv_cache_dtype: str, max_total_tokens: int = 0, max_running_requests
                        max_running_requests=max_running_requests, max_total_tokens=max_total_tokens,
                        indexer_cache_dtype="fp8", kernel_backend="auto", kv_cache_dtype=kv_cache_dtype,
                        enable_cuda_graph=False, enable_compile=False)
-    return ModelRunner(cfg, ModelConfig.from_dict(raw), None, init_std=init_std, progress=False)
+    return ModelRunner(resolve(cfg, ModelConfig.from_dict(raw), init_std), progress=False)
 
 
 def _free() -> None:

@@ -21,70 +21,8 @@ from minidsa import __version__
 from minidsa.config import ENGINE_CHOICES, ConfigError, EngineConfig
 from minidsa.engine.request import InvalidRequest
 
-_SKIP_FIELDS = {"extra"}
-
-# --help text of each engine flag, keyed by EngineConfig field. A field may instead carry its own
-# `metadata={"help": ...}`; choices come from config.ENGINE_CHOICES. test_cli checks every field has one.
-ENGINE_FLAG_HELP: dict[str, str] = {
-    "model": "preset (tiny, bench-dsv32, bench-glm5; NAME:LAYERS sets the layer count, e.g. bench-dsv32:8) or "
-             "checkpoint directory (default: tiny, the embedded model)",
-    "quantization": "weights: auto = as the checkpoint stores them (e4m3 + block scales stay FP8), fp8 = quantise "
-                    "bf16 projections to FP8 at load, none = dequantise to --dtype",
-    "dtype": "weights and activations; auto = bfloat16 on GPU, float32 on CPU",
-    "device": "torch device (cpu, cuda, cuda:1, ...); auto = cuda when available",
-    "page_size": "KV page size in tokens, 1 or a power of two; 0 = auto (64 on GPU, 1 on CPU)",
-    "max_running_requests": "most requests in the running batch",
-    "max_total_tokens": "KV cache capacity in tokens; 0 = auto (kv-cache-mem-fraction of free GPU memory, "
-                        "65536 on CPU)",
-    "max_model_len": "longest prompt + output in tokens; 0 = auto (what the model and the KV cache allow)",
-    "chunked_prefill_size": "longest prefill chunk of one request per step, in tokens",
-    "max_prefill_tokens": "token budget of one prefill step",
-    "max_mixed_prefill_tokens": "most prefill tokens a step carries beside decode rows (mixed steps): lower = "
-                                "steadier inter-token latency, slower prefill while requests decode",
-    "kv_cache_mem_fraction": "with max-total-tokens 0 on GPU: share of the memory free after loading the weights "
-                             "and reserving the largest step's activations that the KV cache takes, in (0, 1]",
-    "seed": "seed of the random weights (presets) and of unseeded sampling",
-    "indexer_cache_dtype": "indexer key cache: fp8 (Hadamard-rotated e4m3, DeepGEMM layout) or model (full "
-                           "precision); auto = fp8 on GPU, model on CPU",
-    "kv_cache_dtype": "MLA KV cache: fp8 = FlashMLA's 656-byte layout (512 e4m3 latent + 4 fp32 scales + 64 bf16 "
-                      "rope; ~1.75x the tokens of bf16); auto = the model dtype",
-    "kernel_backend": "DSA kernels: torch (reference) or triton; auto = triton on GPU, torch on CPU",
-    "use_deep_gemm": "do not use DeepGEMM's indexer kernels even where they load",
-    "use_flash_mla": "do not serve sparse MLA attention with FlashMLA's kernels even where they load",
-    "speculative_num_steps": "MTP draft steps per verify; 0 = no speculative decoding",
-    "speculative_topk": "draft branches per step (1 = a chain; > 1 = a tree, needs --page-size 1)",
-    "speculative_num_draft_tokens": "tree drafts: tokens verified per step; 0 = auto (num-steps + 1 for a chain)",
-    "index_share_for_mtp_iteration": "whether the MTP draft reuses the indexer top-k across its steps; "
-                                     "default: what the model config says",
-    "speculative_simulate_accept_len": "BENCHMARKS ONLY: accept drafts so that a speculative round yields this "
-                                       "many tokens on average (1 .. num-steps + 1); output is then not the "
-                                       "model's. 0 = off",
-    "enable_prefix_caching": "do not reuse the KV of shared prompt prefixes",
-    "enable_cuda_graph": "run decode eagerly instead of replaying CUDA graphs",
-    "enable_compile": "run the plain modules instead of the torch.compile'd decoder layers (prefill and mixed "
-                      "steps; the CUDA graphs capture them too)",
-    "cuda_graph_max_bs": "largest batch captured as a CUDA graph",
-    "overlap_schedule": "plan and launch each step only after the previous step's tokens reached the host "
-                        "(default: the next step is planned while the device runs the current one; speculative "
-                        "rounds and penalised requests never overlap)",
-    "enable_mixed_chunk": "alternate prefill and decode steps instead of running prefill chunks in the decode "
-                          "steps' forward (mixed steps are off under speculative decoding)",
-    "max_queued_requests": "waiting requests beyond this are refused (HTTP 503)",
-    "tensor_parallel_size": "GPUs (processes) the model is split over, one rank each; minidsa starts them "
-                            "(alias --tp)",
-    "enable_expert_parallel": "with tensor parallelism, place routed experts whole (n_routed_experts / tp per "
-                              "rank) instead of splitting each expert's intermediate dimension",
-    "distributed_executor_backend": "mp = one process per rank (also at --tp 1: the distributed code path), uni "
-                                    "= one process; auto = mp when --tp > 1",
-    "tokenizer": "tokenizer directory or name; default: the checkpoint's, or the DeepSeek-V3 tokenizer for presets",
-    "chat_template": "jinja chat template FILE for chat requests, used instead of the checkpoint's template and "
-                     "DeepSeek-V3.2's encoding (the log says which format serves chat)",
-    "trust_remote_code": "allow a checkpoint's tokenizer to run its own code",
-    "compile_cache_dir": "directory of the persistent compile cache (inductor, Triton and DeepGEMM kernels, torch's "
-                         "cache artifacts), reused by the next start with the same model and settings; default: "
-                         "$MINIDSA_CACHE_DIR, else $XDG_CACHE_HOME/minidsa or ~/.cache/minidsa; none = off",
-}
-
+# The engine flags are EngineConfig's fields; each field's --help text is its metadata (config.py), so the
+# documentation of an argument lives in one place.
 
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {"tensor_parallel_size": ("--tp",)}
 
@@ -112,15 +50,18 @@ def _disable_flag(name: str) -> str:
 
 
 def engine_flag_help(f: dataclasses.Field) -> str | None:
-    return f.metadata.get("help") or ENGINE_FLAG_HELP.get(f.name)
+    return f.metadata.get("help")
+
+
+def engine_fields() -> list[dataclasses.Field]:
+    """EngineConfig's fields that are command-line flags."""
+    return [f for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli", True)]
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine arguments (EngineConfig; the same names in LLM(...))")
     defaults = EngineConfig()
-    for f in dataclasses.fields(EngineConfig):
-        if f.name in _SKIP_FIELDS:
-            continue
+    for f in engine_fields():
         default = getattr(defaults, f.name)
         flag = "--" + f.name.replace("_", "-")
         kind = str(f.type).replace(" ", "")
@@ -144,8 +85,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-              if f.name not in _SKIP_FIELDS and hasattr(args, f.name)}
+    kwargs = {f.name: getattr(args, f.name) for f in engine_fields() if hasattr(args, f.name)}
     return EngineConfig(**kwargs).validate()
 
 
@@ -361,7 +301,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_precompile(args: argparse.Namespace) -> int:
-    from minidsa.exec.compile_cache import cache_root
+    from minidsa.config import compile_cache_root
     from minidsa.engine import Engine
 
     config = engine_config_from_args(args)
@@ -371,7 +311,7 @@ def cmd_precompile(args: argparse.Namespace) -> int:
         summary = engine.runner.startup.summary(time.perf_counter() - start)
         cache = engine.runner.compile_cache
         where = cache.root if cache is not None else (
-            "off" if cache_root(config.compile_cache_dir) is None else f"not used on {engine.config.device}")
+            "off" if compile_cache_root(config.compile_cache_dir) is None else f"not used on {engine.config.args.device}")
         print(f"minidsa precompile: {engine.model_name}: {summary}")
         print(f"compile cache: {where}")
     finally:

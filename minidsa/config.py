@@ -8,6 +8,7 @@ Every rejected config raises `ConfigError` naming the field and the reason.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+
+from minidsa.models.presets import DEFAULT_PRESET, PRESETS, is_preset, preset_config
 
 ARCHITECTURES = {
     "DeepseekV32ForCausalLM": "deepseek_v32",
@@ -442,66 +445,89 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 QUANTIZATIONS = ENGINE_CHOICES["quantization"]
 
 
-@dataclass
-class EngineConfig:
-    """Engine arguments. The same names are the CLI flags (`--max-total-tokens`, ...)."""
+def _arg(default: Any, help: str, **kw: Any) -> Any:
+    """An engine argument: its default and its --help text (the CLI generates each flag from the field)."""
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
 
-    model: str | None = None  # path to a checkpoint dir or a preset name; None = embedded tiny preset
-    dtype: str = "auto"  # "auto" = bfloat16 on GPU, float32 on CPU
-    device: str = "auto"  # "auto" = cuda when available
-    page_size: int = 0  # 0 = 64 on GPU, 1 on CPU
-    max_running_requests: int = 64
-    max_total_tokens: int = 0  # KV capacity in tokens; 0 = sized from free memory (GPU) or 65536 (CPU)
-    max_model_len: int = 0  # longest prompt + output; 0 = min(max_position_embeddings, max_total_tokens)
-    chunked_prefill_size: int = 2048
-    max_prefill_tokens: int = 8192  # token budget of one step
-    # Prefill tokens a step may carry beside decode rows: the decoders of a mixed step wait for its chunks, so
-    # the cap bounds their inter-token latency (and slows prefill while others decode). Steps without decode
-    # rows keep the whole max_prefill_tokens. On the H100 (bench-dsv32, `minidsa bench`'s 256 requests, 64
-    # decoding) a prefill token costs ~26 us and a decode step 6.1 ms: at 192, 64 decode rows + the chunk fill
-    # the 256-token extend graph and ITL p99 was 1.81x p50 at 7419 output tok/s; at 8192, 4.55x at 7551
-    # (benchmarks/ENGINE_LOOP.md). Raise it for TTFT under bursts, lower it for steadier streams.
-    max_mixed_prefill_tokens: int = 192
-    kv_cache_mem_fraction: float = 0.85  # GPU, max_total_tokens 0: share of the memory free after loading weights
-    seed: int = 0
-    indexer_cache_dtype: str = "auto"  # "fp8" (Hadamard + e4m3) or "model" (full precision); auto = fp8 on GPU
-    kv_cache_dtype: str = "auto"  # MLA cache: "auto" = the model dtype, "fp8" = FlashMLA's 656-byte e4m3 layout
-    # Weights: "auto" = as the checkpoint stores them (e4m3 + block scales stay FP8), "fp8" = also quantise
-    # high-precision projections to FP8 at load, "none" = dequantise everything to `dtype`.
-    quantization: str = "auto"
-    kernel_backend: str = "auto"  # "auto" | "torch" | "triton"; auto = triton on GPU, torch on CPU
-    use_deep_gemm: bool = True  # use DeepGEMM's indexer kernels when importable on SM90/SM100
-    use_flash_mla: bool = True  # serve sparse MLA with FlashMLA's kernels when importable on SM90
-    speculative_num_steps: int = 0
-    speculative_topk: int = 1
-    speculative_num_draft_tokens: int = 0
-    index_share_for_mtp_iteration: bool | None = None
-    # Benchmarks only: verification accepts drafts so that a round yields this many tokens on average, in
-    # [1, speculative_num_steps + 1] (random MTP weights accept nothing). Output is then not the model's. 0 = off.
-    speculative_simulate_accept_len: float = 0.0
-    enable_prefix_caching: bool = True
-    enable_cuda_graph: bool = True
-    enable_compile: bool = True
-    cuda_graph_max_bs: int = 64
-    # Plan and launch step N+1 before step N's tokens reach the host (off: one step at a time, for comparison).
-    overlap_schedule: bool = True
-    # Decode rows and prefill chunks in one forward (off: prefill and decode steps alternate).
-    enable_mixed_chunk: bool = True
-    max_queued_requests: int = 4096
-    # Tensor parallelism: one process per rank (minidsa starts them), rank 0 runs the engine. "mp" = that
-    # distributed path (also at size 1), "uni" = one process, no process group; auto = mp iff size > 1.
-    tensor_parallel_size: int = 1
-    enable_expert_parallel: bool = False  # routed experts whole, n_routed_experts / size per rank
-    distributed_executor_backend: str = "auto"
-    tokenizer: str | None = None
-    # A jinja chat template file: how conversations become prompts, over the checkpoint's template and
-    # DeepSeek-V3.2's encoding (minidsa.chat.formats)
-    chat_template: str | None = None
-    trust_remote_code: bool = False
-    # Where start-up keeps what it compiles (inductor, Triton, DeepGEMM; minidsa/exec/compile_cache.py). None =
-    # $MINIDSA_CACHE_DIR, else $XDG_CACHE_HOME/minidsa or ~/.cache/minidsa; "none" = the tools' own defaults.
-    compile_cache_dir: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine arguments, as the user gives them: the same names are the CLI flags (`--max-total-tokens`, ...) and
+    the keyword arguments of `LLM(...)`. Frozen: `resolve` decides every "auto" once and returns the
+    `ResolvedConfig` the engine runs from; nothing writes into either afterwards."""
+
+    model: str | None = _arg(None, "preset (tiny, bench-dsv32, bench-glm5; NAME:LAYERS sets the layer count, e.g. "
+                             "bench-dsv32:8) or checkpoint directory (default: tiny, the embedded model)")
+    dtype: str = _arg("auto", "weights and activations; auto = bfloat16 on GPU, float32 on CPU")
+    device: str = _arg("auto", "torch device (cpu, cuda, cuda:1, ...); auto = cuda when available")
+    page_size: int = _arg(0, "KV page size in tokens, 1 or a power of two; 0 = auto (64 on GPU, 1 on CPU; 1 for "
+                          "tree drafts)")
+    max_running_requests: int = _arg(64, "most requests in the running batch")
+    max_total_tokens: int = _arg(0, "KV cache capacity in tokens; 0 = auto (kv-cache-mem-fraction of the GPU memory "
+                                 "the weights and the largest step leave, 65536 on CPU)")
+    max_model_len: int = _arg(0, "longest prompt + output in tokens; 0 = auto (what the model and the KV cache allow)")
+    chunked_prefill_size: int = _arg(2048, "longest prefill chunk of one request per step, in tokens")
+    max_prefill_tokens: int = _arg(8192, "token budget of one prefill step")
+    # The decoders of a mixed step wait for its chunks, so the cap bounds their inter-token latency (and slows
+    # prefill while others decode). On the H100 (bench-dsv32, `minidsa bench`'s 256 requests, 64 decoding) a
+    # prefill token costs ~26 us and a decode step 6.1 ms: at 192, 64 decode rows + the chunk fill the 256-token
+    # extend graph and ITL p99 was 1.81x p50 at 7419 output tok/s; at 8192, 4.55x at 7551 (ENGINE_LOOP.md).
+    max_mixed_prefill_tokens: int = _arg(192, "most prefill tokens a step carries beside decode rows (mixed steps): "
+                                         "lower = steadier inter-token latency, slower prefill while requests "
+                                         "decode")
+    kv_cache_mem_fraction: float = _arg(0.85, "with max-total-tokens 0 on GPU: share of the memory free after "
+                                        "loading the weights and reserving the largest step's activations that "
+                                        "the KV cache takes, in (0, 1]")
+    seed: int = _arg(0, "seed of the random weights (presets) and of unseeded sampling")
+    indexer_cache_dtype: str = _arg("auto", "indexer key cache: fp8 (Hadamard-rotated e4m3, DeepGEMM layout) or "
+                                    "model (full precision); auto = fp8 on GPU, model on CPU")
+    kv_cache_dtype: str = _arg("auto", "MLA KV cache: fp8 = FlashMLA's 656-byte layout (512 e4m3 latent + 4 fp32 "
+                               "scales + 64 bf16 rope; ~1.75x the tokens of bf16); auto = the model dtype")
+    quantization: str = _arg("auto", "weights: auto = as the checkpoint stores them (e4m3 + block scales stay FP8), "
+                             "fp8 = quantise bf16 projections to FP8 at load, none = dequantise to --dtype")
+    kernel_backend: str = _arg("auto", "DSA kernels: torch (reference) or triton; auto = triton on GPU, torch on CPU")
+    use_deep_gemm: bool = _arg(True, "do not use DeepGEMM's kernels even where they load")
+    use_flash_mla: bool = _arg(True, "do not serve sparse MLA attention with FlashMLA's kernels even where they load")
+    speculative_num_steps: int = _arg(0, "MTP draft steps per verify; 0 = no speculative decoding")
+    speculative_topk: int = _arg(1, "draft branches per step (1 = a chain; > 1 = a tree, needs --page-size 1)")
+    speculative_num_draft_tokens: int = _arg(0, "tree drafts: tokens verified per step; 0 = auto (num-steps + 1 "
+                                             "for a chain)")
+    index_share_for_mtp_iteration: bool | None = _arg(None, "whether the MTP draft reuses the indexer top-k across "
+                                                      "its steps; default: what the model config says")
+    speculative_simulate_accept_len: float = _arg(
+        0.0, "BENCHMARKS ONLY: accept drafts so that a speculative round yields this many tokens on average "
+        "(1 .. num-steps + 1); output is then not the model's. 0 = off")
+    enable_prefix_caching: bool = _arg(True, "do not reuse the KV of shared prompt prefixes")
+    enable_cuda_graph: bool = _arg(True, "run decode eagerly instead of replaying CUDA graphs")
+    enable_compile: bool = _arg(True, "run the plain modules instead of the torch.compile'd decoder layers (prefill "
+                                "and mixed steps; the CUDA graphs capture them too)")
+    cuda_graph_max_bs: int = _arg(64, "largest batch captured as a CUDA graph")
+    overlap_schedule: bool = _arg(True, "plan and launch each step only after the previous step's tokens reached the "
+                                  "host (default: the next step is planned while the device runs the current one; "
+                                  "speculative rounds and penalised requests never overlap)")
+    enable_mixed_chunk: bool = _arg(True, "alternate prefill and decode steps instead of running prefill chunks in "
+                                    "the decode steps' forward (mixed steps are off under speculative decoding)")
+    max_queued_requests: int = _arg(4096, "waiting requests beyond this are refused (HTTP 503)")
+    tensor_parallel_size: int = _arg(1, "GPUs (processes) the model is split over, one rank each; minidsa starts "
+                                     "them (alias --tp)")
+    enable_expert_parallel: bool = _arg(False, "with tensor parallelism, place routed experts whole "
+                                        "(n_routed_experts / tp per rank) instead of splitting each expert's "
+                                        "intermediate dimension")
+    distributed_executor_backend: str = _arg("auto", "mp = one process per rank (also at --tp 1: the distributed "
+                                             "code path), uni = one process; auto = mp when --tp > 1")
+    tokenizer: str | None = _arg(None, "tokenizer directory or name; default: the checkpoint's, or the DeepSeek-V3 "
+                                 "tokenizer for presets")
+    chat_template: str | None = _arg(None, "jinja chat template FILE for chat requests, used instead of the "
+                                     "checkpoint's template and DeepSeek-V3.2's encoding (the log says which "
+                                     "format serves chat)")
+    trust_remote_code: bool = _arg(False, "allow a checkpoint's tokenizer to run its own code")
+    compile_cache_dir: str | None = _arg(None, "directory of the persistent compile cache (inductor, Triton and "
+                                         "DeepGEMM kernels, torch's cache artifacts), reused by the next start with "
+                                         "the same model and settings; default: $MINIDSA_CACHE_DIR, else "
+                                         "$XDG_CACHE_HOME/minidsa or ~/.cache/minidsa; none = off")
+    extra: dict[str, Any] = _arg({}, "not a flag: free-form settings a caller passes through", cli=False)
 
     def validate(self) -> "EngineConfig":
         def positive(name: str, allow_zero: bool = False) -> None:
@@ -565,3 +591,199 @@ class EngineConfig:
             if size % n:
                 hint = " (or --enable-expert-parallel)" if what == "moe_intermediate_size" else ""
                 raise ConfigError("tensor_parallel_size", f"{n} does not divide the model's {what} ({size}){hint}")
+
+
+# -- resolution: the one place every "auto" is decided ----------------------------------------------------------
+
+# Environment variables an engine reads, all here, once (`resolve`).
+CACHE_DIR_ENV = "MINIDSA_CACHE_DIR"  # the compile cache's directory when --compile-cache-dir is not given
+DEEPGEMM_WORKERS_ENV = "MINIDSA_DEEPGEMM_WORKERS"  # processes compiling DeepGEMM's kernels; 0 = none
+GRAMMAR_THREADS_ENV = "MINIDSA_GRAMMAR_THREADS"  # threads filling structured outputs' masks
+_CACHE_OFF = ("none", "off", "")
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """Speculative decoding (MTP) as the engine runs it."""
+
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+    share_topk_across_steps: bool  # the draft reuses its indexer top-k across draft steps (topk == 1 only)
+    # Benchmarks only: verification accepts drafts so that a round yields this many tokens on average (None = off)
+    simulate_accept_len: float | None = None
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Row positions past the cached ones a decoding request holds slots for: one round's draft steps
+        (`num_steps * topk`, speculative/layout.py) or its verify (`num_draft_tokens`), whichever is more."""
+        return max(self.num_steps * self.topk, self.num_draft_tokens)
+
+
+def speculative_options(engine: EngineConfig, model: ModelConfig) -> SpecOptions | None:
+    """The speculative engine arguments checked against each other and the model; None when speculation is off.
+    `engine.page_size` must be resolved."""
+    steps, topk, ndt = engine.speculative_num_steps, engine.speculative_topk, engine.speculative_num_draft_tokens
+    simulate = engine.speculative_simulate_accept_len
+    if steps == 0:
+        if ndt or topk != 1:
+            raise ConfigError("speculative_num_steps", "is 0 but speculative_topk / speculative_num_draft_tokens "
+                              "are set; set speculative_num_steps >= 1 to enable MTP speculation")
+        if simulate:
+            raise ConfigError("speculative_simulate_accept_len", "needs speculative decoding "
+                              "(speculative_num_steps >= 1)")
+        return None
+    if model.num_nextn_predict_layers == 0:
+        raise ConfigError("speculative_num_steps", "needs a checkpoint with an MTP (nextn) layer; this one has "
+                          "num_nextn_predict_layers = 0 — drop the speculative_* arguments")
+    if topk == 1:
+        if ndt == 0:
+            ndt = steps + 1
+        if ndt != steps + 1:
+            raise ConfigError("speculative_num_draft_tokens", f"a chain (speculative_topk = 1) of {steps} steps "
+                              f"verifies exactly {steps + 1} tokens; set it to {steps + 1} or leave it 0")
+    else:
+        if engine.page_size != 1:
+            raise ConfigError("speculative_topk", f"tree drafts (topk {topk} > 1) need page_size 1 (got "
+                              f"{engine.page_size}): compaction moves single slots; use --page-size 1 or "
+                              "speculative_topk 1")
+        max_nodes = topk + (steps - 1) * topk * topk
+        if ndt == 0:
+            raise ConfigError("speculative_num_draft_tokens", "must be set for tree drafts (speculative_topk > 1)")
+        if not 2 <= ndt <= max_nodes + 1:
+            raise ConfigError("speculative_num_draft_tokens", f"{ndt} is outside [2, {max_nodes + 1}] for "
+                              f"{steps} steps x topk {topk}")
+    if simulate:
+        if not 1.0 <= simulate <= steps + 1:
+            raise ConfigError("speculative_simulate_accept_len", f"{simulate} is outside [1, {steps + 1}] "
+                              f"(tokens per round: 1 = no draft accepted, {steps + 1} = every draft of {steps} steps)")
+        if topk != 1:
+            raise ConfigError("speculative_simulate_accept_len", "simulates chains only (speculative_topk = 1)")
+    share = engine.index_share_for_mtp_iteration
+    if share is None:
+        share = model.index_share_for_mtp_iteration and topk == 1
+    if share and topk > 1:
+        raise ConfigError("index_share_for_mtp_iteration", "reusing the draft's top-k across draft steps is only "
+                          "valid for chains (speculative_topk = 1): tree rows are reordered between steps")
+    return SpecOptions(steps, topk, ndt, bool(share), float(simulate) if simulate else None)
+
+
+def resolve_model(name: str | None) -> tuple[ModelConfig, str | None, float, str]:
+    """(model config, checkpoint path or None for random weights, init std, served model name)."""
+    name = name or DEFAULT_PRESET
+    if is_preset(name):
+        try:
+            raw = preset_config(name)
+        except ValueError as e:
+            raise ConfigError("model", str(e)) from None
+        return ModelConfig.from_dict(raw), None, float(raw.get("initializer_range", 0.02)), f"minidsa-{name}"
+    if os.path.isdir(name):
+        return ModelConfig.from_pretrained(name), name, 0.02, os.path.basename(os.path.normpath(name))
+    raise ConfigError("model", f"'{name}' is neither a preset ({', '.join(PRESETS)}, optionally "
+                      "NAME:LAYERS) nor a checkpoint directory")
+
+
+def compile_cache_root(configured: str | None = None) -> str | None:
+    """The compile cache's directory: `configured`, else $MINIDSA_CACHE_DIR, else the user's cache dir; None when
+    off ("none")."""
+    root = configured if configured is not None else os.environ.get(CACHE_DIR_ENV)
+    if root is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "minidsa")
+    if root.strip().lower() in _CACHE_OFF:
+        return None
+    return os.path.abspath(os.path.expanduser(root))
+
+
+def _env_int(name: str, minimum: int = 0) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = minimum - 1
+    if n < minimum:
+        raise ConfigError(name, f"must be an integer >= {minimum}, got {value!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """What an engine runs from: the arguments with every "auto" decided, and what follows from them. Made once by
+    `resolve` (on rank 0 under tensor parallelism, and sent to the other ranks as is: plain, picklable data)."""
+
+    args: EngineConfig  # device, dtype, page_size and indexer_cache_dtype decided (max_total_tokens / max_model_len
+    # stay 0 = sized from memory by the runner, which reports what it chose)
+    model: ModelConfig
+    model_path: str | None  # None: random weights (a preset)
+    init_std: float
+    served_model_name: str
+    spec: SpecOptions | None
+    decode_reserve: int  # KV positions one decode step may write past a request's cached tokens
+    compile_cache_dir: str | None  # None: no persistent compile cache (off, or not a GPU)
+    deepgemm_jit_workers: int | None  # None: as many as the CPUs and the GPU memory allow
+    grammar_threads: int
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.args.device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return resolve_dtype(self.args.dtype)
+
+    @property
+    def step_tokens(self) -> int:
+        """The most tokens one step can hold."""
+        a = self.args
+        return max(a.max_prefill_tokens, a.chunked_prefill_size, a.max_running_requests)
+
+    def on_device(self, device: str) -> "ResolvedConfig":
+        """The same configuration for another device (a tensor-parallel rank's GPU)."""
+        return dataclasses.replace(self, args=dataclasses.replace(self.args, device=device))
+
+
+def resolve(config: EngineConfig, model_config: ModelConfig | None = None, init_std: float = 0.02
+            ) -> ResolvedConfig:
+    """Validate `config` and decide everything it leaves open, once: ConfigError (one line, naming the field)
+    for anything that cannot be served, before any weight or process exists. `model_config` (tools that build
+    a model of their own shape, with random weights of `init_std`) stands in for `config.model`."""
+    config.validate()
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        on_gpu = torch.device(device).type == "cuda"
+    except RuntimeError as e:
+        raise ConfigError("device", f"'{device}' is not a torch device: {e}") from e
+    if on_gpu and not torch.cuda.is_available():
+        raise ConfigError("device", f"'{device}' asked for but CUDA is not available")
+    args = dataclasses.replace(
+        config, device=device,
+        dtype=config.dtype if config.dtype != "auto" else ("bfloat16" if on_gpu else "float32"),
+        # 64 = DeepGEMM's paged indexer block; tree drafts move single slots
+        page_size=config.page_size or (64 if on_gpu and config.speculative_topk == 1 else 1),
+        indexer_cache_dtype=(config.indexer_cache_dtype if config.indexer_cache_dtype != "auto"
+                             else "fp8" if on_gpu else "model"))
+    if model_config is not None:
+        model, path, name = model_config, None, "custom"
+    else:
+        model, path, init_std, name = resolve_model(args.model)
+    args.validate_parallel(model)
+    spec = speculative_options(args, model)
+    threads = _env_int(GRAMMAR_THREADS_ENV, minimum=1)
+    return ResolvedConfig(
+        args=args, model=model, model_path=path, init_std=init_std, served_model_name=name, spec=spec,
+        decode_reserve=spec.reserved_tokens if spec is not None else 1,
+        compile_cache_dir=compile_cache_root(args.compile_cache_dir) if on_gpu else None,
+        deepgemm_jit_workers=_env_int(DEEPGEMM_WORKERS_ENV), grammar_threads=threads or 1)
+
+
+def make_engine_config(model: str | None = None, **engine_args: Any) -> EngineConfig:
+    """EngineConfig from keyword arguments; ConfigError naming an unknown one."""
+    names = {f.name for f in fields(EngineConfig)}
+    unknown = sorted(set(engine_args) - names)
+    if unknown:
+        raise ConfigError(unknown[0], f"is not an engine argument (known: {', '.join(sorted(names))})")
+    return EngineConfig(model=model, **engine_args)

@@ -7,7 +7,8 @@ from typing import Any
 
 from minidsa.chat.formats import ChatFormat, ChatOptions
 from minidsa.engine.chat import add_chat_request, chat_format, prepare_chat
-from minidsa.engine.core import Engine, make_engine_config
+from minidsa.config import make_engine_config
+from minidsa.engine.core import Engine
 from minidsa.engine.request import InvalidRequest, RequestOutput, SamplingParams
 from minidsa.engine.tokenizer import Tokenizer
 
@@ -31,6 +32,16 @@ class LLM:
     def close(self) -> None:
         """Stop the tensor-parallel worker processes, if any (also done when the LLM is dropped, or at exit)."""
         self.engine.close()
+
+    @property
+    def is_driver(self) -> bool:
+        """False on a tensor-parallel rank > 0 of a torchrun launch: that process calls `follow()`, rank 0 the
+        rest."""
+        return self.engine.is_driver
+
+    def follow(self) -> None:
+        """A torchrun rank > 0: run rank 0's steps until rank 0 closes its LLM (see the README)."""
+        self.engine.follow()
 
     def __enter__(self) -> "LLM":
         return self

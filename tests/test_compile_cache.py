@@ -12,7 +12,7 @@ import textwrap
 
 import torch
 
-from minidsa.exec.compile_cache import (GRAPH_ARGS, MAGIC, TOOL_DIRS, CompileCache, cache_key, cache_root,
+from minidsa.exec.compile_cache import (GRAPH_ARGS, MAGIC, TOOL_DIRS, CompileCache, cache_key,
                                    key_inputs)
 from minidsa.config import EngineConfig, ModelConfig
 from minidsa.models.presets import preset_config
@@ -26,6 +26,8 @@ def _key(config: EngineConfig, model: ModelConfig | None = None) -> str:
 
 
 def test_cache_root_flag_then_environment_then_user_cache_dir(monkeypatch, tmp_path):
+    from minidsa.config import compile_cache_root as cache_root
+
     monkeypatch.delenv("MINIDSA_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_root() == str(tmp_path / "xdg" / "minidsa")

@@ -28,7 +28,8 @@ if not import_kernels_interpreted():
     pytest.skip("triton was imported compiled in this process: run this file alone", allow_module_level=True)
 
 from minidsa.kernels import deepgemm, fp8  # noqa: E402
-from minidsa.kernels.deepgemm_jit import WORKERS_ENV, GemmWarmUp, spread, worker_count  # noqa: E402
+from minidsa.config import DEEPGEMM_WORKERS_ENV, ConfigError, EngineConfig, resolve  # noqa: E402
+from minidsa.kernels.deepgemm_jit import GemmWarmUp, spread, worker_count  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAND_IN_DIR = os.path.join(ROOT, "tests", "deep_gemm_stand_in")
@@ -93,20 +94,22 @@ def test_queue_order_interleaves_shapes_and_spreads_row_classes():
 
 def test_worker_count_follows_the_cpus_and_the_environment(monkeypatch):
     tasks = deepgemm.gemm_tasks([(192, 256)], MAX_ROWS)
-    monkeypatch.delenv(WORKERS_ENV, raising=False)
     cpus = len(os.sched_getaffinity(0))
     assert worker_count(tasks, CPU) == min(cpus, len(tasks))
     assert worker_count(tasks, CPU, share=cpus) == 1  # the CPUs are split among tensor-parallel ranks
-    monkeypatch.setenv(WORKERS_ENV, "5")
-    assert worker_count(tasks, CPU) == 5
-    monkeypatch.setenv(WORKERS_ENV, "five")
-    with pytest.raises(ValueError, match=WORKERS_ENV):
-        worker_count(tasks, CPU)
+    assert worker_count(tasks, CPU, workers=5) == 5
+    # the environment is read once, by the configuration's resolution
+    monkeypatch.delenv(DEEPGEMM_WORKERS_ENV, raising=False)
+    assert resolve(EngineConfig()).deepgemm_jit_workers is None
+    monkeypatch.setenv(DEEPGEMM_WORKERS_ENV, "5")
+    assert resolve(EngineConfig()).deepgemm_jit_workers == 5
+    monkeypatch.setenv(DEEPGEMM_WORKERS_ENV, "five")
+    with pytest.raises(ConfigError, match=DEEPGEMM_WORKERS_ENV):
+        resolve(EngineConfig())
 
 
 def test_pool_runs_every_class_once_and_the_warm_up_compiles_nothing(stand_in, monkeypatch):
-    monkeypatch.setenv(WORKERS_ENV, "3")
-    jit = GemmWarmUp(_weights(), MAX_ROWS, CPU)
+    jit = GemmWarmUp(_weights(), MAX_ROWS, CPU, workers=3)
     assert len(jit.tasks) == len(set(jit.tasks)) and {t[1:] for t in jit.tasks} == {(192, 256), (128, 128)}
     detail = jit.compile_in_pool(progress=False)
     pool = stand_in.events()
@@ -132,9 +135,8 @@ def test_pool_runs_every_class_once_and_the_warm_up_compiles_nothing(stand_in, m
 
 
 def test_a_worker_that_dies_is_reported_and_the_warm_up_compiles_what_it_left(stand_in, monkeypatch, caplog):
-    monkeypatch.setenv(WORKERS_ENV, "2")
     monkeypatch.setenv("STAND_IN_DG_CRASH_WORKER", "48")  # a worker process exits on any 48-row class
-    jit = GemmWarmUp(_weights(), MAX_ROWS, CPU)
+    jit = GemmWarmUp(_weights(), MAX_ROWS, CPU, workers=2)
     with caplog.at_level(logging.WARNING, logger="minidsa.kernels.deepgemm_jit"):
         detail = jit.compile_in_pool(progress=False)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
@@ -154,9 +156,8 @@ def test_a_worker_that_dies_is_reported_and_the_warm_up_compiles_what_it_left(st
 
 
 def test_workers_that_cannot_start_leave_everything_to_the_warm_up(stand_in, monkeypatch, caplog):
-    monkeypatch.setenv(WORKERS_ENV, "2")
     monkeypatch.setenv("PYTHONPATH", ROOT)  # no deep_gemm in the workers
-    jit = GemmWarmUp(_weights(), MAX_ROWS, CPU)
+    jit = GemmWarmUp(_weights(), MAX_ROWS, CPU, workers=2)
     with caplog.at_level(logging.WARNING, logger="minidsa.kernels.deepgemm_jit"):
         jit.compile_in_pool(progress=False)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]

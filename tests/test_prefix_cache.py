@@ -352,7 +352,7 @@ def scenario():
 def test_greedy_outputs_with_the_cache_equal_outputs_without(scenario, engine_args):
     sequential, together, ref, shared = scenario
     engine = cpu_engine(**engine_args)
-    ps, la = engine.config.page_size, engine.prefix_cache.lookahead
+    ps, la = engine.config.args.page_size, engine.prefix_cache.lookahead
     outs, hits = [], []
     for p in sequential:  # one at a time: each sees what the previous ones cached
         before = engine.metrics().prefix_cache_hit_tokens_total

@@ -190,7 +190,7 @@ def test_a_rank_that_fails_to_start_is_named(monkeypatch, tmp_path):
 
 
 def test_model_shapes_that_do_not_split_are_refused():
-    from minidsa.engine import resolve_model
+    from minidsa.config import resolve_model
 
     model = resolve_model(None)[0]  # the tiny preset: 4 heads
     with pytest.raises(ConfigError, match="tensor_parallel_size.*3 does not divide the model's num_attention_heads"):
@@ -229,7 +229,7 @@ def test_each_rank_holds_its_slice_of_the_one_process_weights(expert_parallel):
     model's: column-parallel rows, row-parallel columns, vocab rows, experts' intermediate slices or whole
     experts; replicated ones equal."""
     from minidsa.parallel.state import TensorParallel, building_with
-    from minidsa.engine import resolve_model
+    from minidsa.config import resolve_model
     from minidsa.models.loader import build_model
 
     cfg, _, std, _ = resolve_model(None)
@@ -257,3 +257,49 @@ def test_each_rank_holds_its_slice_of_the_one_process_weights(expert_parallel):
             assert torch.equal(p, want), name
         assert layer.self_attn.num_heads == cfg.num_attention_heads // 2
         assert shard.lm_head.weight.shape[0] == cfg.vocab_size // 2
+
+
+TORCHRUN_SCRIPT = """
+import sys
+from minidsa import LLM, SamplingParams
+
+llm = LLM(device="cpu", dtype="float32", tensor_parallel_size=2, max_total_tokens=2048, max_running_requests=4,
+          progress=False)
+print("returned", llm.is_driver, flush=True)
+if llm.is_driver:
+    out = llm.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
+    print("tokens", out[0].token_ids, flush=True)
+    llm.close()
+else:
+    llm.follow()
+    print("followed", flush=True)
+"""
+
+
+def test_under_torchrun_every_rank_returns_from_building_its_engine(tmp_path):
+    """A launcher that starts every rank (torchrun: RANK / WORLD_SIZE / MASTER_ADDR set) runs the user's script
+    on each; LLM(...) returns on every rank, rank 0 runs the requests and the other ranks `follow()` until rank 0
+    closes. The tokens are the one-process engine's."""
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    assert "returned True" in outs[0][0] and "returned False" in outs[1][0] and "followed" in outs[1][0]
+    want = generate(LLM(**COMMON), [[5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=4, ignore_eos=True,
+                                                                          detokenize=False))[0]
+    assert f"tokens {want}" in outs[0][0]

@@ -19,6 +19,7 @@ what the cache holds. Writes a JSON file and a markdown report.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -30,7 +31,7 @@ import time
 import torch
 
 from minidsa.exec.batch import ForwardBatch, ForwardMode
-from minidsa.config import EngineConfig, ModelConfig
+from minidsa.config import EngineConfig, ModelConfig, resolve
 from minidsa.exec.graphs import StepGraphs, StepKind
 from minidsa.exec.kv_cache import pages_needed
 from minidsa.models.presets import preset_config
@@ -157,15 +158,15 @@ class Bench:
                            distributed_executor_backend=distributed_executor_backend)
         # "mp": tensor_parallel_size 1 through the distributed path (a process group of one, its collectives
         # inside the graphs): what it costs beside "uni"
+        # Rows with room for verify batches of up to 64 tokens past each context
+        resolved = dataclasses.replace(resolve(cfg, self.model_config, init_std), decode_reserve=64)
         if distributed_executor_backend == "mp":
             from minidsa.parallel.ranks import RankModelRunner
             from minidsa.parallel.launch import single_rank_group
 
-            self.runner = RankModelRunner(single_rank_group(cfg.device), cfg, self.model_config, None,
-                                          init_std=init_std, decode_reserve=64, progress=False)
+            self.runner = RankModelRunner(single_rank_group(cfg.device), resolved, progress=False)
         else:
-            self.runner = ModelRunner(cfg, self.model_config, None, init_std=init_std, decode_reserve=64,
-                                      progress=False)
+            self.runner = ModelRunner(resolved, progress=False)
         self.device = self.runner.device
         # The engine's own step functions: the whole forward through torch.compile (one dynamic graph
         # per step kind, shared by every graph below), or plain eager modules.

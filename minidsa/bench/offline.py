@@ -331,7 +331,7 @@ def run_bench(engine: Engine, num_requests: int | None = None, input_len: tuple[
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "commit": _git_commit(),
         "torch": torch.__version__,
-        "engine_config": {k: v for k, v in dataclasses.asdict(engine.config).items() if k != "extra"},
+        "engine_config": {k: v for k, v in dataclasses.asdict(engine.config.args).items() if k != "extra"},
         "workload": {"type": workload, "num_requests": w.num_requests, "input_len": list(w.input_len),
                      "output_len": list(w.output_len), "seed": seed, "shared_prefix_len": w.shared_prefix_len},
         "results": results,

@@ -256,7 +256,7 @@ def run_online_bench(engine_config: Any | None, *, base_url: str | None = None, 
     engine.check_no_leaks()
     out = _result(model, describe_device(engine), w, workload, request_rate, max_concurrency, None,
                   summarise(results, duration, slos))
-    out["engine_config"] = {k: v for k, v in dataclasses.asdict(engine.config).items() if k != "extra"}
+    out["engine_config"] = {k: v for k, v in dataclasses.asdict(engine.config.args).items() if k != "extra"}
     return out
 
 

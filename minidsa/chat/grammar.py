@@ -232,7 +232,7 @@ class StructuredOutputs:
     BATCH_FILL_MIN_ROWS = 16
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Iterable[int],
-                 cache_size: int = DEFAULT_CACHE_SIZE):
+                 cache_size: int = DEFAULT_CACHE_SIZE, fill_threads: int = 1):
         xgr = import_xgrammar()
         stop = sorted(set(eos_token_ids))
         if not stop:
@@ -254,7 +254,7 @@ class StructuredOutputs:
                                              cache_enabled=False)
         self._cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self.cache_size = cache_size
-        self.fill_threads = int(os.environ.get("MINIDSA_GRAMMAR_THREADS", "1"))
+        self.fill_threads = fill_threads  # MINIDSA_GRAMMAR_THREADS, read by config.resolve
         self._batch_matchers: dict[int, Any] = {}
         logger.info("structured outputs: xgrammar's view of the %d-token vocabulary built in %.2f s (stop tokens %s)",
                     vocab_size, time.perf_counter() - start, stop)

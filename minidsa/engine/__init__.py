@@ -12,8 +12,7 @@ The synchronous Python API over an Engine is `minidsa.llm.LLM`. Names below are 
 `minidsa.engine.request` (which `import minidsa` and the scheduler use) does not pull in the model code.
 """
 
-__all__ = ["Engine", "EngineMetrics", "OutputProcessor", "decode_reserve_tokens", "make_engine_config",
-           "resolve_engine_config", "resolve_model"]
+__all__ = ["Engine", "EngineMetrics", "OutputProcessor"]
 
 
 def __getattr__(name: str):

@@ -16,7 +16,7 @@ from minidsa.engine.request import SamplingParams
 
 def chat_format(engine: Any) -> ChatFormat:
     """The engine's chat format (decided on first use and logged; cached per model)."""
-    return select_chat_format(engine.model_config.architecture, engine.tokenizer, engine.config.chat_template)
+    return select_chat_format(engine.model_config.architecture, engine.tokenizer, engine.config.args.chat_template)
 
 
 def prepare_chat(engine: Any, messages: Any, params: SamplingParams | None = None,

@@ -32,29 +32,27 @@ import copy
 import dataclasses
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 
 from minidsa.chat.grammar import GrammarState, StructuredOutputs, parse_response_format
-from minidsa.config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
+from minidsa.config import ConfigError, EngineConfig, make_engine_config, resolve
 from minidsa.engine.outputs import OutputProcessor
 from minidsa.exec.kv_cache import CacheLayouts
 from minidsa.exec.memory import check_fit
-from minidsa.models.presets import DEFAULT_PRESET, PRESETS, is_preset, preset_config
 from minidsa.sched.prefix_cache import PrefixCache
 from minidsa.engine.request import (InvalidRequest, QueueFull, Request, RequestOutput, RequestStatus, SamplingParams,
                              Struct, now)
 from minidsa.exec.runner import ModelRunner
 from minidsa.exec.sampling import Sampler
 from minidsa.sched.scheduler import ScheduledBatch, Scheduler
-from minidsa.speculative.mtp import resolve_spec_options
 from minidsa.sched.plan import PromptScoring, StepMode, StepPlan
 from minidsa.engine.tokenizer import Tokenizer, load_tokenizer
-from minidsa.exec.worker import PendingStep, Worker, start_worker
+from minidsa.exec.build import start_local_worker
+from minidsa.exec.worker import PendingStep, Worker
+from minidsa.parallel.ranks import start_parallel_worker
 
 logger = logging.getLogger(__name__)
 startup_logger = logging.getLogger("minidsa.exec.startup")
@@ -80,51 +78,6 @@ class EngineMetrics(Struct):
     prefix_cache_tokens: int = 0  # the same in token slots
 
 
-def resolve_engine_config(config: EngineConfig) -> EngineConfig:
-    """A validated copy with every "auto" replaced by what this machine gets."""
-    cfg = dataclasses.replace(config, extra=dict(config.extra))
-    cfg.validate()
-    if cfg.device == "auto":
-        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        on_gpu = torch.device(cfg.device).type == "cuda"
-    except RuntimeError as e:
-        raise ConfigError("device", f"'{cfg.device}' is not a torch device: {e}") from e
-    if on_gpu and not torch.cuda.is_available():
-        raise ConfigError("device", f"'{cfg.device}' asked for but CUDA is not available")
-    if cfg.dtype == "auto":
-        cfg.dtype = "bfloat16" if on_gpu else "float32"
-    if cfg.page_size == 0:  # 64 = DeepGEMM's paged indexer block; tree drafts move single slots
-        cfg.page_size = 64 if on_gpu and cfg.speculative_topk == 1 else 1
-    if cfg.indexer_cache_dtype == "auto":
-        cfg.indexer_cache_dtype = "fp8" if on_gpu else "model"
-    return cfg
-
-
-def decode_reserve_tokens(cfg: EngineConfig) -> int:
-    """KV positions one decode step may write past a request's cached tokens: 1, or the speculator's
-    draft / verify width (a chain of n steps verifies n + 1 tokens; a tree drafts steps * topk)."""
-    if cfg.speculative_num_steps == 0:
-        return 1
-    steps, topk = cfg.speculative_num_steps, cfg.speculative_topk
-    return max(steps * topk, cfg.speculative_num_draft_tokens or steps + 1)
-
-
-def resolve_model(name: str | None) -> tuple[ModelConfig, str | None, float, str]:
-    """(model config, checkpoint path or None for random weights, init std, served model name)."""
-    name = name or DEFAULT_PRESET
-    if is_preset(name):
-        try:
-            raw = preset_config(name)
-        except ValueError as e:
-            raise ConfigError("model", str(e)) from None
-        return ModelConfig.from_dict(raw), None, float(raw.get("initializer_range", 0.02)), f"minidsa-{name}"
-    if os.path.isdir(name):
-        return ModelConfig.from_pretrained(name), name, 0.02, os.path.basename(os.path.normpath(name))
-    raise ConfigError("model", f"'{name}' is neither a preset ({', '.join(PRESETS)}, optionally "
-                      "NAME:LAYERS) nor a checkpoint directory")
-
-
 @dataclass
 class _InFlight:
     """A launched step and what the control plane needs to process its result."""
@@ -143,34 +96,36 @@ class Engine:
             config = make_engine_config(**engine_args)
         elif engine_args:
             config = dataclasses.replace(config, **engine_args)
-        self.config = resolve_engine_config(config)
-        cfg = self.config
-        self.model_config, model_path, init_std, self.model_name = resolve_model(cfg.model)
-        # Checked here, before any tensor-parallel rank starts: a bad combination is one line, not a rank's traceback.
-        resolve_spec_options(cfg, self.model_config, cfg.page_size)
-        self._model_path = model_path
+        # Every "auto" decided and every argument checked here, once, before any weight or rank process exists.
+        self.config = resolved = resolve(config)
+        cfg, self.model_config, self.model_name = resolved.args, resolved.model, resolved.served_model_name
+        self._model_path = resolved.model_path
         self._tokenizer: Tokenizer | None = None  # loaded on first use: token-id workloads run without one
         self.vocab_size = self.model_config.vocab_size
-        eos_token_ids = frozenset(self.model_config.eos_token_ids or self._tokenizer_eos())
-        self.decode_reserve = decode_reserve_tokens(cfg)
         try:
-            layouts = CacheLayouts.for_model(self.model_config, resolve_dtype(cfg.dtype), cfg.kv_cache_dtype,
+            layouts = CacheLayouts.for_model(self.model_config, resolved.dtype, cfg.kv_cache_dtype,
                                              cfg.indexer_cache_dtype == "fp8", cfg.page_size)
         except ValueError as e:
             raise ConfigError("kv_cache_dtype", str(e)) from e
         # Before any weight is allocated (and before tensor-parallel ranks start): one line if it cannot fit.
-        check_fit(cfg, self.model_config, model_path, layouts.bytes_per_token, self.decode_reserve)
+        check_fit(resolved, layouts.bytes_per_token)
         t0 = time.perf_counter()
         startup_logger.info("start-up: %s on %s (%s); one line per phase follows", self.model_name, cfg.device,
                             cfg.dtype)
-        # One process, or rank 0 of a tensor-parallel group (the other ranks run the same worker on the plans
-        # this engine hands its own)
-        self.worker: Worker = start_worker(cfg, self.model_config, model_path, init_std, self.decode_reserve, progress)
+        # One process, or a rank of a tensor-parallel group (rank 0 starts the others; under torchrun every rank
+        # builds an Engine and ranks > 0 follow rank 0's plans: `follow`)
+        self.worker: Worker = start_parallel_worker(resolved, progress) if cfg.distributed \
+            else start_local_worker(resolved, progress)
+        self.is_driver = self.worker.is_driver
         runner, speculator = self.worker.runner, self.worker.speculator
+        self.max_model_len: int = runner.max_model_len
+        if not self.is_driver:  # the same capture as rank 0's, then nothing until `follow`
+            self.worker.prepare_fast_paths()
+            return
+        eos_token_ids = frozenset(self.model_config.eos_token_ids or self._tokenizer_eos())
         try:  # a failure from here on must not leave tensor-parallel ranks behind
-            self.max_model_len: int = runner.max_model_len
             # With MTP speculation a page's last MTP slot depends on the token after the page: it is part of the key.
-            self.prefix_cache = PrefixCache(runner.allocator, lookahead=1 if cfg.speculative_num_steps else 0) \
+            self.prefix_cache = PrefixCache(runner.allocator, lookahead=1 if resolved.spec else 0) \
                 if cfg.enable_prefix_caching else None
             # The speculator verifies pure decode batches: with it, prefill and decode steps alternate.
             self.mixed_steps = cfg.enable_mixed_chunk and speculator is None
@@ -179,7 +134,7 @@ class Engine:
                                        max_prefill_tokens=cfg.max_prefill_tokens,
                                        max_mixed_prefill_tokens=cfg.max_mixed_prefill_tokens,
                                        chunked_prefill_size=cfg.chunked_prefill_size,
-                                       decode_reserve=self.decode_reserve, prefix_cache=self.prefix_cache,
+                                       decode_reserve=resolved.decode_reserve, prefix_cache=self.prefix_cache,
                                        mixed=self.mixed_steps)
             self.worker.prepare_fast_paths()
         except BaseException:
@@ -198,6 +153,17 @@ class Engine:
         self._ids = itertools.count()
         self._prompt_tokens_total = 0
         self._finished_total = 0
+
+    def follow(self) -> None:
+        """A tensor-parallel rank > 0 under torchrun: run rank 0's steps until its engine closes, then leave the
+        process group. Rank 0's engine (`is_driver`) runs the requests; this is the other ranks' part."""
+        if self.is_driver:
+            raise RuntimeError("follow() is for tensor-parallel ranks > 0; this engine runs the control plane")
+        self.worker.follow()
+
+    @property
+    def decode_reserve(self) -> int:
+        return self.config.decode_reserve
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -223,7 +189,7 @@ class Engine:
     @property
     def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self._model_path, self.config.tokenizer)
+            self._tokenizer = load_tokenizer(self._model_path, self.config.args.tokenizer)
         return self._tokenizer
 
     def _tokenizer_eos(self) -> tuple[int, ...]:
@@ -234,7 +200,7 @@ class Engine:
             return ()
 
     def __repr__(self) -> str:
-        return (f"Engine(model={self.model_name!r}, device={self.config.device}, dtype={self.config.dtype}, "
+        return (f"Engine(model={self.model_name!r}, device={self.config.args.device}, dtype={self.config.args.dtype}, "
                 f"running={self.num_running()}, waiting={self.num_waiting()})")
 
     # -- requests -----------------------------------------------------------------
@@ -291,9 +257,9 @@ class Engine:
             raise InvalidRequest(f"request_id must be a non-empty string, got {request_id!r}")
         elif request_id in self.requests:
             raise InvalidRequest(f"request_id '{request_id}' is already in use")
-        if len(self.scheduler.waiting) >= self.config.max_queued_requests:
+        if len(self.scheduler.waiting) >= self.config.args.max_queued_requests:
             raise QueueFull(f"queue full: {len(self.scheduler.waiting)} requests waiting "
-                            f"(max_queued_requests {self.config.max_queued_requests})")
+                            f"(max_queued_requests {self.config.args.max_queued_requests})")
         if self._pending:  # an id reused right after its abort must not receive the old abort output
             self._pending = [o for o in self._pending if o.request_id != request_id]
         req = Request(request_id=request_id, prompt_ids=ids, params=params, prompt=text, arrival_time=now(),
@@ -320,7 +286,8 @@ class Engine:
                 tokenizer = self.tokenizer
             except (RuntimeError, OSError) as e:
                 raise InvalidRequest(f"structured outputs need the model's tokenizer: {e}") from None
-            self._structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)
+            self._structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids,
+                                                 fill_threads=self.config.grammar_threads)
         return self._structured.new_state(fmt, after)
 
     def abort(self, request_id: str, report: bool = True) -> bool:
@@ -538,7 +505,7 @@ class Engine:
             spec_draft_tokens_total=getattr(spec, "draft_tokens", 0),
             spec_accepted_tokens_total=getattr(spec, "accepted_tokens", 0),
             spec_verify_steps_total=getattr(spec, "verify_steps", 0),
-            spec_simulated_accept_len=self.config.speculative_simulate_accept_len,
+            spec_simulated_accept_len=self.config.args.speculative_simulate_accept_len,
             prefix_cache_query_tokens_total=self.scheduler.cache_query_tokens,
             prefix_cache_hit_tokens_total=self.scheduler.cache_hit_tokens,
             prefix_cache_pages=alloc.num_cached_pages,
@@ -552,12 +519,5 @@ class Engine:
         if not self.requests:
             self.runner.check_all_free()
 
-
-def make_engine_config(model: str | None = None, **engine_args: Any) -> EngineConfig:
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    unknown = sorted(set(engine_args) - names)
-    if unknown:
-        raise ConfigError(unknown[0], f"is not an engine argument (known: {', '.join(sorted(names))})")
-    return EngineConfig(model=model, **engine_args)
 
 

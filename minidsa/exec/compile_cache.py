@@ -1,7 +1,7 @@
 """The persistent compile cache: what start-up compiles, kept on disk for the next start of the same engine.
 
-One directory (`cache_root`: the `compile_cache_dir` engine argument, else `$MINIDSA_CACHE_DIR`, else
-`$XDG_CACHE_HOME/minidsa` or `~/.cache/minidsa`; "none" turns it off) holds:
+One directory (`ResolvedConfig.compile_cache_dir`: the `compile_cache_dir` engine argument, else
+`$MINIDSA_CACHE_DIR`, else `$XDG_CACHE_HOME/minidsa` or `~/.cache/minidsa`; "none" turns it off) holds:
 - `inductor/`, `triton/`, `deep_gemm/`: the caches of inductor, of Triton (minidsa's own kernels and
   inductor's) and of DeepGEMM's JIT, pointed there through TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR and
   DG_JIT_CACHE_DIR unless the environment already names one (an explicit choice wins);
@@ -36,8 +36,6 @@ from minidsa.config import EngineConfig, ModelConfig
 
 logger = logging.getLogger(__name__)
 
-CACHE_DIR_ENV = "MINIDSA_CACHE_DIR"
-OFF = ("none", "off")
 # Engine arguments that change the compiled graphs (static shapes, kernels, which layers run).
 GRAPH_ARGS = ("dtype", "page_size", "max_running_requests", "max_total_tokens", "max_model_len",
               "chunked_prefill_size", "max_prefill_tokens", "max_mixed_prefill_tokens", "indexer_cache_dtype",
@@ -47,17 +45,6 @@ GRAPH_ARGS = ("dtype", "page_size", "max_running_requests", "max_total_tokens", 
               "enable_mixed_chunk", "tensor_parallel_size", "enable_expert_parallel")
 TOOL_DIRS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton", "DG_JIT_CACHE_DIR": "deep_gemm"}
 MAGIC = b"minidsa compile cache 1\n"
-
-
-def cache_root(configured: str | None = None) -> str | None:
-    """The cache directory: `configured`, else $MINIDSA_CACHE_DIR, else the user's cache dir; None when off."""
-    root = configured if configured is not None else os.environ.get(CACHE_DIR_ENV)
-    if root is None:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(base, "minidsa")
-    if root.strip().lower() in OFF or not root.strip():
-        return None
-    return os.path.abspath(os.path.expanduser(root))
 
 
 def _version(module: str) -> str | None:
@@ -149,9 +136,8 @@ class CompileCache:
 
     @classmethod
     def for_engine(cls, config: EngineConfig, model_config: ModelConfig, device: torch.device,
-                   root: str | None = None) -> "CompileCache | None":
-        """The cache of this engine configuration (`config` resolved), or None when the cache is off."""
-        root = root or cache_root(config.compile_cache_dir)
+                   root: str | None) -> "CompileCache | None":
+        """The cache of this engine configuration (`config` resolved) under `root`, or None when the cache is off."""
         return None if root is None else cls(root, key_inputs(config, model_config, device))
 
     @staticmethod

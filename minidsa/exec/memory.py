@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minidsa.config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
+from minidsa.config import ConfigError, ModelConfig, ResolvedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -91,17 +91,15 @@ class FitReport:
         return self.weights + self.min_kv + self.activations
 
 
-def check_fit(config: EngineConfig, model_config: ModelConfig, model_path: str | None, kv_bytes_per_token: int,
-              decode_reserve: int) -> FitReport:
+def check_fit(resolved: ResolvedConfig, kv_bytes_per_token: int) -> FitReport:
     """Raise DoesNotFit (one line) when the weights + the smallest useful KV cache + the activations cannot fit
-    in what the device (or RAM) has free. `config` must be resolved (device, dtype)."""
-    device = torch.device(config.device)
-    dtype = resolve_dtype(config.dtype)
-    quantization = config.quantization
-    weights = weight_bytes(model_config, model_path, dtype, quantization) // config.tensor_parallel_size
+    in what the device (or RAM) has free."""
+    config, model_config, decode_reserve = resolved.args, resolved.model, resolved.decode_reserve
+    device, dtype = resolved.device, resolved.dtype
+    weights = weight_bytes(model_config, resolved.model_path, dtype, config.quantization) // config.tensor_parallel_size
     longest = config.max_model_len or min(model_config.max_position_embeddings, MIN_KV_TOKENS)
     min_kv = (longest + decode_reserve) * kv_bytes_per_token
-    step_tokens = max(config.max_prefill_tokens, config.chunked_prefill_size, config.max_running_requests)
+    step_tokens = resolved.step_tokens
     activations = step_activation_estimate(model_config, step_tokens, longest,
                                            config.max_running_requests * decode_reserve, dtype)
     available, where = available_bytes(device)

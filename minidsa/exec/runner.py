@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 
 from minidsa.attention.backend import DSABackend
 from minidsa.exec.batch import ForwardBatch, ForwardMode
-from minidsa.exec.compile_cache import CompileCache, CompileStats, cache_root, count_entries
-from minidsa.config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
+from minidsa.exec.compile_cache import CompileCache, CompileStats, count_entries
+from minidsa.config import ConfigError, ResolvedConfig
 from minidsa.exec.graphs import DEFAULT_BUCKETS, EXTEND_TOKEN_BUCKETS, StepGraphs, StepKind
 from minidsa.kernels.choice import IndexerShape, choose_fp8_gemm, choose_kernels
 from minidsa.exec.kv_cache import CacheLayouts, KVCache, PageAllocator, ReqToTokenPool, pages_needed
@@ -105,13 +105,15 @@ def _at_least_two_keys(batch: ForwardBatch) -> ForwardBatch:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: str | None,
-                 init_std: float = 0.02, decode_reserve: int = 1, progress: bool = True):
-        """`config` must be resolved (no "auto" left); its max_total_tokens / max_model_len are filled in here."""
-        self.config = config
-        self.model_config = model_config
-        self.device = torch.device(config.device)
-        self.dtype = resolve_dtype(config.dtype)
+    def __init__(self, resolved: ResolvedConfig, progress: bool = True):
+        """Builds the model (weights in their serving formats), sizes and allocates the KV cache. What it decides
+        is its own (`kv_capacity`, `max_model_len`): nothing is written into the configuration."""
+        self.resolved = resolved
+        self.config = config = resolved.args
+        self.model_config = model_config = resolved.model
+        decode_reserve = resolved.decode_reserve
+        self.device = resolved.device
+        self.dtype = resolved.dtype
         self.page_size = config.page_size
         self.progress = progress
         self.startup = StartupPhases()
@@ -124,14 +126,14 @@ class ModelRunner:
         # What start-up compiles (GPU only) goes to the persistent compile cache: the tools are pointed at it
         # before anything compiles (DeepGEMM's probe below already does).
         self.compile_cache: CompileCache | None = None
-        root = cache_root(config.compile_cache_dir) if self.device.type == "cuda" else None
+        root = resolved.compile_cache_dir
         if root is not None:
             CompileCache.activate_dirs(root)
         with self.startup.phase("weights") as phase:
-            self.model = build_model(model_config, model_path, self.dtype, self.device, seed=config.seed,
-                                     init_std=init_std, progress=progress, quantization=config.quantization,
+            self.model = build_model(model_config, resolved.model_path, self.dtype, self.device, seed=config.seed,
+                                     init_std=resolved.init_std, progress=progress, quantization=config.quantization,
                                      gemm=choose_fp8_gemm(self.device, config.kernel_backend, config.use_deep_gemm))
-            phase.detail = _weights_detail(self.model, model_path)
+            phase.detail = _weights_detail(self.model, resolved.model_path)
         if root is not None:
             self.compile_cache = CompileCache.for_engine(config, model_config, self.device, root)
         # DeepGEMM's GEMM kernels compile in a pool of processes now, before the KV cache takes the free memory
@@ -141,7 +143,8 @@ class ModelRunner:
             from minidsa.kernels.deepgemm_jit import GemmWarmUp
 
             self._gemm_jit = GemmWarmUp.for_model(self.model, self.step_tokens, self.device,
-                                                  share=config.tensor_parallel_size)
+                                                  share=config.tensor_parallel_size,
+                                                  workers=resolved.deepgemm_jit_workers)
         if self._gemm_jit is not None:
             with self.startup.phase("DeepGEMM JIT") as phase:
                 phase.detail = self._gemm_jit.compile_in_pool(progress)
@@ -154,23 +157,20 @@ class ModelRunner:
         self._indexer_layers = indexer_layers
         self.kv_bytes_per_token = layouts.bytes_per_token
         kv_start = time.perf_counter()
-        if config.max_total_tokens == 0:
-            config.max_total_tokens = self._auto_kv_tokens(decode_reserve)
-        num_pages = pages_needed(config.max_total_tokens, self.page_size) + 1  # + the reserved dummy page
+        total_tokens = config.max_total_tokens or self._auto_kv_tokens()
+        num_pages = pages_needed(total_tokens, self.page_size) + 1  # + the reserved dummy page
         self.allocator = PageAllocator(num_pages, self.page_size)
-        capacity = self.allocator.num_usable_pages * self.page_size
+        capacity = self.kv_capacity = self.allocator.num_usable_pages * self.page_size
 
         # Longest request: fits alone in the cache with room for one decode step's new positions.
         limit = min(model_config.max_position_embeddings, capacity - decode_reserve)
         if limit < 2:
-            raise ConfigError("max_total_tokens", f"{config.max_total_tokens} leaves no room for a request")
-        if config.max_model_len == 0:
-            config.max_model_len = limit
-        elif config.max_model_len > limit:
+            raise ConfigError("max_total_tokens", f"{total_tokens} leaves no room for a request")
+        if config.max_model_len > limit:
             raise ConfigError("max_model_len", f"{config.max_model_len} exceeds what fits: {limit} "
                               f"(max_position_embeddings {model_config.max_position_embeddings}, "
                               f"KV capacity {capacity} tokens minus {decode_reserve} decode positions)")
-        self.max_model_len = config.max_model_len
+        self.max_model_len = config.max_model_len or limit
         table_width = pages_needed(self.max_model_len + decode_reserve, self.page_size) * self.page_size
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, table_width, self.device)
         self.kv_cache = KVCache(num_layers, num_pages, self.mla_layout, self.index_layout, self.device,
@@ -194,19 +194,19 @@ class ModelRunner:
     @property
     def step_tokens(self) -> int:
         """The most tokens one step can hold (DeepGEMM's row classes and the warm-up go up to it)."""
-        cfg = self.config
-        return max(cfg.max_prefill_tokens, cfg.chunked_prefill_size, cfg.max_running_requests)
+        return self.resolved.step_tokens
 
     @property
     def req_to_token(self) -> torch.Tensor:
         """[max_running_requests, width] int32: row position -> KV slot, one row per running request."""
         return self.req_to_token_pool.req_to_token
 
-    def _auto_kv_tokens(self, decode_reserve: int) -> int:
+    def _auto_kv_tokens(self) -> int:
         if self.device.type != "cuda":
             return CPU_DEFAULT_MAX_TOTAL_TOKENS
         per_token = self.kv_bytes_per_token  # from the layouts (fp8 MLA: 1.6-1.8x the tokens of bf16)
-        reserve = self._activation_reserve(decode_reserve)
+        decode_reserve = self.resolved.decode_reserve
+        reserve = self._activation_reserve()
         free, _ = torch.cuda.mem_get_info(self.device)
         # The KV cache takes a share of what the weights and the activation reserve leave, so other tenants of
         # the GPU and the allocator's fragmentation keep some room.
@@ -232,13 +232,13 @@ class ModelRunner:
         return tokens
 
     @torch.no_grad()
-    def _activation_reserve(self, decode_reserve: int) -> int:
+    def _activation_reserve(self) -> int:
         """Bytes the steps need beside the weights and the KV cache, measured: the largest prefill step (and the MTP
         layer's catch-up over it), and the largest decode-like step (a speculative verify: every request's draft
         tokens, logits for each) are run once, eagerly, on a one-page scratch cache at the longest context the KV
         cache could give them; their peaks (graphs have their own pool, uncaptured steps the allocator's cache:
         both are counted), the CUDA graphs' per-kind buffers and a margin are reserved."""
-        cfg, mc, dev = self.config, self.model_config, self.device
+        cfg, mc, dev, decode_reserve = self.config, self.model_config, self.device, self.resolved.decode_reserve
         free, total = torch.cuda.mem_get_info(dev)
         context = min(mc.max_position_embeddings, cfg.max_model_len or mc.max_position_embeddings,
                       max(free // self.kv_bytes_per_token, 2))

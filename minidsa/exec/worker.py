@@ -37,10 +37,9 @@ import torch
 
 from minidsa.exec.batch import ForwardBatch, ForwardMode, host_to_device, ints_to_device
 from minidsa.exec.kv_cache import row_slots
-from minidsa.config import EngineConfig, ModelConfig
 from minidsa.models.deepseek_v32 import ModelOutput
 from minidsa.exec.runner import ModelRunner
-from minidsa.exec.sampling import SampledTokens, Sampler, TokenMask, race_for, token_mask_for
+from minidsa.exec.sampling import SampledTokens, Sampler, TokenMask
 from minidsa.speculative.mtp import SpecRows
 from minidsa.sched.plan import PromptScoring, StepMode, StepPlan, StepResult
 
@@ -103,6 +102,8 @@ def _to_host(x: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class Worker:
+    is_driver = True  # this process runs the control plane (a torchrun follower rank's worker says False)
+
     def __init__(self, runner: ModelRunner, sampler: Sampler, speculator=None):
         self.runner = runner
         self.sampler = sampler
@@ -275,47 +276,3 @@ class Worker:
         rows, last = ints_to_device(plan.rows + [t[-1] for t in tokens], self.device).split(plan.batch_size)
         self.next_input_ids[rows] = last
         return StepResult(tokens)
-
-
-def build_speculator(config: EngineConfig, model_config: ModelConfig, runner: ModelRunner, sampler: Sampler,
-                     decode_reserve: int) -> Any:
-    """The MTP speculator the config asks for, or None."""
-    if config.speculative_num_steps == 0 and config.speculative_num_draft_tokens == 0 and \
-            config.speculative_topk == 1:
-        return None
-    from minidsa.speculative.mtp import MTPSpeculator, resolve_spec_options
-
-    options = resolve_spec_options(config, model_config, config.page_size)
-    if options is None:
-        return None
-    speculator = MTPSpeculator(runner, options, sampler, seed=config.seed)
-    if options.simulate_accept_len:
-        logger.warning("speculative decoding SIMULATES an acceptance length of %.2f tokens per round "
-                       "(--speculative-simulate-accept-len, benchmarks only): outputs are not the model's",
-                       options.simulate_accept_len)
-    if speculator.reserved_tokens > decode_reserve:
-        raise RuntimeError(f"speculator needs {speculator.reserved_tokens} KV positions per decode step, "
-                           f"the scheduler reserves {decode_reserve}")
-    return speculator
-
-
-def build_worker(runner: ModelRunner, config: EngineConfig, decode_reserve: int, worker_cls: type = Worker
-                 ) -> Worker:
-    """A worker around a built runner: its sampler (host RNG seeded by `config.seed`, so every
-    tensor-parallel rank draws the same keys) and speculator."""
-    sampler = Sampler(runner.model_config.vocab_size, runner.device, config.seed, race_for(runner.kernels.sample),
-                      token_mask_for(runner.kernels.sample))
-    return worker_cls(runner, sampler, build_speculator(config, runner.model_config, runner, sampler,
-                                                        decode_reserve))
-
-
-def start_worker(config: EngineConfig, model_config: ModelConfig, model_path: str | None, init_std: float = 0.02,
-                 decode_reserve: int = 1, progress: bool = True) -> Worker:
-    """The engine's worker, chosen once: one process, or rank 0 of a tensor-parallel group (which starts the
-    other ranks; see minidsa/parallel/ranks.py). `config` must be resolved."""
-    if config.distributed:
-        from minidsa.parallel.ranks import start_tensor_parallel_worker
-
-        return start_tensor_parallel_worker(config, model_config, model_path, init_std, decode_reserve, progress)
-    runner = ModelRunner(config, model_config, model_path, init_std, decode_reserve, progress)
-    return build_worker(runner, config, decode_reserve)

@@ -47,7 +47,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 Task = tuple[int, int, int]  # (rows, N, K) of one fp8_gemm_nt call
-WORKERS_ENV = "MINIDSA_DEEPGEMM_WORKERS"  # processes of the pool; 0 = none (the engine's warm-up compiles alone)
 TASK_TIMEOUT_S = 600.0  # one class: an nvcc run takes seconds; a worker silent this long is stopped
 # Per worker: the CUDA context and allocator slack, plus the largest class's tensors (`_task_bytes`).
 WORKER_BASE_BYTES = 1 << 30
@@ -85,16 +84,13 @@ def _task_bytes(task: Task) -> int:
     return n * k + (n * k >> 12) + rows * k * 3 + (rows * k >> 5) + rows * n * 2
 
 
-def worker_count(tasks: list[Task], device: torch.device, share: int = 1) -> int:
-    """How many processes compile `tasks`: the CPUs (nvcc is one process per kernel) divided among the `share`
-    engines starting on this machine at once (tensor-parallel ranks), no more than there are tasks or than the
-    free GPU memory holds. `MINIDSA_DEEPGEMM_WORKERS` sets it (0: no pool)."""
-    forced = os.environ.get(WORKERS_ENV)
-    if forced is not None:
-        try:
-            return max(0, int(forced))
-        except ValueError:
-            raise ValueError(f"{WORKERS_ENV} must be an integer, got {forced!r}") from None
+def worker_count(tasks: list[Task], device: torch.device, share: int = 1, workers: int | None = None) -> int:
+    """How many processes compile `tasks`: `workers` when the configuration sets it (MINIDSA_DEEPGEMM_WORKERS,
+    read by `config.resolve`; 0: no pool), else the CPUs (nvcc is one process per kernel) divided among the
+    `share` engines starting on this machine at once (tensor-parallel ranks), no more than there are tasks or
+    than the free GPU memory holds."""
+    if workers is not None:
+        return max(0, workers)
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -241,7 +237,7 @@ def precompile(tasks: list[Task], device: torch.device, workers: int, progress: 
     before = cached_kernels()
     report.cached_before = len(before)
     if report.workers < 1:
-        report.skipped = f"no worker processes ({WORKERS_ENV}=0, or no GPU memory free for one)"
+        report.skipped = "no worker processes (MINIDSA_DEEPGEMM_WORKERS=0, or no GPU memory free for one)"
         return report
     start = time.perf_counter()
     if device.type == "cuda" and device.index is None:
@@ -292,27 +288,27 @@ class GemmWarmUp:
     process, compiling only what the pool left; each returns its start-up log detail."""
 
     def __init__(self, weights: list[tuple[torch.Tensor, torch.Tensor]], max_rows: int, device: torch.device,
-                 share: int = 1):
+                 share: int = 1, workers: int | None = None):
         from minidsa.kernels import deepgemm
 
-        self.weights, self.max_rows, self.device, self.share = weights, max_rows, device, share
+        self.weights, self.max_rows, self.device, self.share, self.workers = weights, max_rows, device, share, workers
         self.tasks = deepgemm.gemm_tasks([tuple(w.shape) for w, _ in weights], max_rows)
         self.manifest = manifest_path(self.tasks, device)
         self.pool_failures: list[str] = []
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, max_rows: int, device: torch.device, share: int = 1
-                  ) -> "GemmWarmUp | None":
+    def for_model(cls, model: torch.nn.Module, max_rows: int, device: torch.device, share: int = 1,
+                  workers: int | None = None) -> "GemmWarmUp | None":
         """None when no projection of `model` runs through DeepGEMM."""
         from minidsa.models.layers.linear import deepgemm_weights
 
         weights = deepgemm_weights(model)
-        return cls(weights, max_rows, device, share) if weights else None
+        return cls(weights, max_rows, device, share, workers) if weights else None
 
     def compile_in_pool(self, progress: bool = True) -> str:
         if manifest_complete(self.manifest):
             return f"all {len(self.tasks)} GEMM classes were built before ({os.path.basename(self.manifest)})"
-        report = precompile(self.tasks, self.device, worker_count(self.tasks, self.device, self.share), progress)
+        report = precompile(self.tasks, self.device, worker_count(self.tasks, self.device, self.share, self.workers), progress)
         self.pool_failures = report.failures
         if report.failures:
             logger.warning("DeepGEMM JIT: %d failure(s) in the worker processes, the first: %s; the start-up warm-up "

@@ -42,29 +42,13 @@ def main() -> int:
     ranks = None
     try:
         ranks = join_ranks(spec)
-        run_rank(ranks, spec.engine_config, spec.model_config, spec.model_path, spec.init_std, spec.decode_reserve)
+        run_rank(ranks, spec.resolved)
     except BaseException:
         print(f"[rank {spec.rank}] tensor-parallel rank {spec.rank} failed:\n{traceback.format_exc()}",
               file=sys.stderr, flush=True)
         os._exit(1)  # no teardown that could wait on the peers
     ranks.shutdown()
     return 0
-
-
-def run_torchrun_rank(config, model_config, model_path, init_std, decode_reserve) -> None:
-    """A rank > 0 of a torchrun launch, inside the user's `LLM(...)`: serve rank 0, then exit the process."""
-    from minidsa.parallel.ranks import run_rank
-    from minidsa.parallel.launch import start_ranks
-
-    ranks = start_ranks(config, model_config, model_path, init_std, decode_reserve)
-    import dataclasses
-
-    config = dataclasses.replace(config, device=str(ranks.device), extra=dict(config.extra))
-    try:
-        run_rank(ranks, config, model_config, model_path, init_std, decode_reserve)
-    finally:
-        ranks.shutdown()
-    sys.exit(0)
 
 
 if __name__ == "__main__":

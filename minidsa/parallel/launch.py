@@ -64,11 +64,7 @@ class WorkerSpec:
     master_addr: str
     master_port: int
     backend: str  # device group: "nccl" or "gloo"
-    engine_config: Any  # EngineConfig, resolved; `device` is this rank's
-    model_config: Any  # ModelConfig
-    model_path: str | None
-    init_std: float
-    decode_reserve: int
+    resolved: Any  # the ResolvedConfig rank 0 made, `device` this rank's
     log_level: int = logging.WARNING
     env: dict[str, str] = field(default_factory=dict)
 
@@ -239,9 +235,9 @@ def read_spec(stream) -> WorkerSpec:
     return pickle.loads(stream.read(length))
 
 
-def start_ranks(engine_config: Any, model_config: Any, model_path: str | None, init_std: float,
-                decode_reserve: int) -> RankGroup:
+def start_ranks(resolved: Any) -> RankGroup:
     """Rank 0: start ranks 1..N-1 (or join torchrun's group) and initialise both process groups."""
+    engine_config = resolved.args
     world = engine_config.tensor_parallel_size
     mode, rank, local_rank = launch_mode(world)
     device = rank_device(engine_config.device, local_rank)
@@ -261,9 +257,8 @@ def start_ranks(engine_config: Any, model_config: Any, model_path: str | None, i
     try:
         for r in range(1, world):
             spec = WorkerSpec(rank=r, world_size=world, master_addr=addr, master_port=store.port, backend=backend,
-                              engine_config=_with_device(engine_config, rank_device(engine_config.device, r)),
-                              model_config=model_config, model_path=model_path, init_std=init_std,
-                              decode_reserve=decode_reserve, log_level=logging.getLogger("minidsa").getEffectiveLevel())
+                              resolved=resolved.on_device(rank_device(engine_config.device, r)),
+                              log_level=logging.getLogger("minidsa").getEffectiveLevel())
             procs[r] = subprocess.Popen([sys.executable, "-m", "minidsa.parallel"], stdin=subprocess.PIPE,
                                         env=_child_env())
             with contextlib.suppress(BrokenPipeError):  # it exited at once: the watch below names it
@@ -288,12 +283,6 @@ def _child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
 
 
-def _with_device(engine_config: Any, device: str) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(engine_config, device=device, extra=dict(engine_config.extra))
-
-
 def _wait_for_check_in(store: Any, watch: RankProcesses, world: int) -> None:
     keys = [_JOIN_KEY.format(r) for r in range(1, world)]
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -310,13 +299,13 @@ def _wait_for_check_in(store: Any, watch: RankProcesses, world: int) -> None:
 
 def join_ranks(spec: WorkerSpec) -> RankGroup:
     """Rank > 0 started by `start_ranks`: check in with rank 0's store and initialise both process groups."""
-    if torch.device(spec.engine_config.device).type == "cuda":
-        torch.cuda.set_device(torch.device(spec.engine_config.device))
+    if torch.device(spec.resolved.args.device).type == "cuda":
+        torch.cuda.set_device(torch.device(spec.resolved.args.device))
     store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=False,
                           timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
     store.set(_JOIN_KEY.format(spec.rank), "1")
-    return _init_groups(spec.rank, spec.world_size, spec.backend, spec.engine_config.device, store, None,
-                        spec.engine_config.enable_expert_parallel)
+    return _init_groups(spec.rank, spec.world_size, spec.backend, spec.resolved.args.device, store, None,
+                        spec.resolved.args.enable_expert_parallel)
 
 
 def _init_groups(rank: int, world: int, backend: str, device: str, store: Any, watch: RankProcesses | None,

@@ -36,13 +36,14 @@ from dataclasses import dataclass
 
 import torch
 
-from minidsa.config import ConfigError, EngineConfig, ModelConfig
-from minidsa.parallel.launch import RankFailedError, RankGroup, single_rank_group, start_ranks
-from minidsa.parallel.state import building_with
-from minidsa.parallel.channel import PlanChannel
+from minidsa.config import ConfigError, ResolvedConfig
+from minidsa.exec.build import build_worker
 from minidsa.exec.runner import ModelRunner
+from minidsa.exec.worker import PendingStep, Worker
+from minidsa.parallel.channel import PlanChannel
+from minidsa.parallel.launch import RankFailedError, RankGroup, launch_mode, single_rank_group, start_ranks
+from minidsa.parallel.state import building_with
 from minidsa.sched.plan import StepPlan, StepResult
-from minidsa.exec.worker import PendingStep, Worker, build_worker
 
 logger = logging.getLogger(__name__)
 
@@ -57,17 +58,16 @@ class RankModelRunner(ModelRunner):
     the other ranks on the KV capacity. It owns the rank group: `close()` (or dropping it) leaves the
     process groups and, on rank 0, stops the other ranks."""
 
-    def __init__(self, ranks: RankGroup, config: EngineConfig, model_config: ModelConfig, model_path: str | None,
-                 init_std: float = 0.02, decode_reserve: int = 1, progress: bool = True):
+    def __init__(self, ranks: RankGroup, resolved: ResolvedConfig, progress: bool = True):
         self.ranks = ranks
         # Dropped without close() (a notebook's `del llm`), or at interpreter exit: the ranks stop and the
         # process group goes, so another distributed engine can start in this process.
         self._release = weakref.finalize(self, ranks.shutdown)
         with ranks.guard(), building_with(ranks.tp):
-            super().__init__(config, model_config, model_path, init_std, decode_reserve, progress)
+            super().__init__(resolved, progress)
 
-    def _auto_kv_tokens(self, decode_reserve: int) -> int:
-        tokens = torch.tensor([super()._auto_kv_tokens(decode_reserve)], dtype=torch.int64)
+    def _auto_kv_tokens(self) -> int:
+        tokens = torch.tensor([super()._auto_kv_tokens()], dtype=torch.int64)
         if self.ranks.world_size > 1:
             torch.distributed.all_reduce(tokens, op=torch.distributed.ReduceOp.MIN, group=self.ranks.control_group)
         return int(tokens.item())
@@ -160,61 +160,62 @@ def serve_plans(channel: PlanChannel, execute: Callable[[StepPlan], object]) -> 
         execute(plan)
 
 
-def build_rank_worker(ranks: RankGroup, config: EngineConfig, model_config: ModelConfig, model_path: str | None,
-                      init_std: float, decode_reserve: int, progress: bool, worker_cls: type = Worker) -> Worker:
+def build_rank_worker(ranks: RankGroup, resolved: ResolvedConfig, progress: bool, worker_cls: type = Worker
+                      ) -> Worker:
     """This rank's worker, built and captured the same way on every rank (the same collectives, in order)."""
-    runner = RankModelRunner(ranks, config, model_config, model_path, init_std, decode_reserve, progress)
+    runner = RankModelRunner(ranks, resolved, progress)
     try:
         with ranks.guard():
-            return build_worker(runner, config, decode_reserve, worker_cls)
+            return build_worker(runner, resolved, worker_cls)
     except BaseException:
         runner.close()
         raise
 
 
-def run_rank(ranks: RankGroup, config: EngineConfig, model_config: ModelConfig, model_path: str | None,
-             init_std: float, decode_reserve: int) -> None:
-    """A rank > 0: build the worker, capture, execute rank 0's plans until it stops."""
-    worker = build_rank_worker(ranks, config, model_config, model_path, init_std, decode_reserve, progress=False,
-                               worker_cls=RankWorker)
+class FollowerWorker(RankWorker):
+    """A rank > 0 whose engine was built in the user's process (a torchrun launch: every rank runs the script and
+    gets an Engine back): `follow` runs rank 0's plans until it stops."""
+
+    is_driver = False
+
+    def follow(self) -> None:
+        try:
+            serve_plans(PlanChannel(self.runner.ranks), self.launch)
+        finally:
+            self.runner.close()
+
+
+def run_rank(ranks: RankGroup, resolved: ResolvedConfig) -> None:
+    """A rank > 0 that minidsa started (`python -m minidsa.parallel`): build the worker, capture, execute rank 0's
+    plans until it stops."""
+    worker = build_rank_worker(ranks, resolved, progress=False, worker_cls=RankWorker)
     worker.prepare_fast_paths()
     serve_plans(PlanChannel(ranks), worker.launch)
 
 
-def start_tensor_parallel_worker(config: EngineConfig, model_config: ModelConfig, model_path: str | None,
-                                 init_std: float = 0.02, decode_reserve: int = 1,
-                                 progress: bool = True) -> TensorParallelWorker:
-    """Rank 0's worker, starting ranks 1..N-1 (or a process group of one at tensor_parallel_size 1).
-
-    Under torchrun (or any launcher setting RANK / WORLD_SIZE), ranks > 0 never return from here: they serve
-    rank 0's plans and exit the process when it stops.
-    """
-    config.validate_parallel(model_config)
-    from minidsa.parallel.launch import launch_mode
-
+def start_parallel_worker(resolved: ResolvedConfig, progress: bool = True) -> Worker:
+    """This process's worker in a tensor-parallel group: rank 0's broadcasting worker (it starts ranks 1..N-1, or
+    joins torchrun's group; a group of one at tensor_parallel_size 1), or, on a rank > 0 of a torchrun launch, a
+    `FollowerWorker` (`is_driver` False): every rank returns from building its engine, and only rank 0 runs the
+    control plane."""
     try:
-        mode, rank, _ = launch_mode(config.tensor_parallel_size)
+        mode, rank, _ = launch_mode(resolved.args.tensor_parallel_size)
     except ValueError as e:
         raise ConfigError("tensor_parallel_size", str(e)) from None
-    if mode == "torchrun" and rank > 0:
-        from minidsa.parallel.__main__ import run_torchrun_rank
-
-        run_torchrun_rank(config, model_config, model_path, init_std, decode_reserve)
-    if config.tensor_parallel_size > 1:
-        ranks = start_ranks(config, model_config, model_path, init_std, decode_reserve)
+    if resolved.args.tensor_parallel_size > 1:
+        ranks = start_ranks(resolved)
+        resolved = resolved.on_device(str(ranks.device))
     else:
-        ranks = single_rank_group(config.device, config.enable_expert_parallel)
+        ranks = single_rank_group(resolved.args.device, resolved.args.enable_expert_parallel)
+    driver = not (mode == "torchrun" and rank > 0)
     try:
-        worker = build_rank_worker(ranks, config, model_config, model_path, init_std, decode_reserve, progress,
-                                   TensorParallelWorker)
+        worker = build_rank_worker(ranks, resolved, progress and driver,
+                                   TensorParallelWorker if driver else FollowerWorker)
     except BaseException:
         ranks.shutdown()
         raise
-    logger.info("tensor parallel: %d ranks (%s), expert parallel %s; rank 0 runs the engine and broadcasts "
-                "each step plan (overlap scheduling %s)", ranks.world_size, ranks.device_group.name(),
-                config.enable_expert_parallel, "on" if config.overlap_schedule else "off")
+    if driver:
+        logger.info("tensor parallel: %d ranks (%s), expert parallel %s; rank 0 runs the engine and broadcasts "
+                    "each step plan (overlap scheduling %s)", ranks.world_size, ranks.device_group.name(),
+                    resolved.args.enable_expert_parallel, "on" if resolved.args.overlap_schedule else "off")
     return worker
-
-
-__all__ = ["RankFailedError", "RankModelRunner", "RankWorker", "StopPlan", "TensorParallelWorker", "run_rank",
-           "serve_plans", "start_tensor_parallel_worker"]

@@ -742,9 +742,8 @@ def serve(engine_config: Any, host: str = "127.0.0.1", port: int = 8000, api_key
     ends with finish_reason "abort"). An engine that stops by itself (a dead tensor-parallel rank) fails the
     open requests, shuts the server down the same way and raises EngineDied naming why.
     `engine_factory(engine_config)` builds the engine (default: `Engine`)."""
-    from minidsa.config import EngineConfig
+    from minidsa.config import EngineConfig, resolve_model
     from minidsa.engine import Engine
-    from minidsa.engine.core import resolve_model
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

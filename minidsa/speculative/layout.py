@@ -46,11 +46,6 @@ class SpecLayout:
         """Row positions one request's draft steps use."""
         return self.num_steps * self.topk
 
-    @property
-    def reserved_tokens(self) -> int:
-        """Row positions past the committed ones a request needs for one round."""
-        return max(self.draft_width, self.num_draft_tokens)
-
     # -- draft steps ----------------------------------------------------------
     def draft_cache_loc(self, req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """Flat `[num_steps * bs * topk]` slots, step-major."""

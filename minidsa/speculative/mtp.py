@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minidsa.exec.batch import ForwardBatch, ForwardMode, ints_to_device
-from minidsa.config import ConfigError, EngineConfig, ModelConfig
+from minidsa.config import SpecOptions
 from minidsa.models.deepseek_v32 import ModelOutput
 from minidsa.engine.request import SamplingParams
 from minidsa.exec.sampling import Sampler, TokenMask, probabilities, row_key, uniforms
@@ -50,62 +50,6 @@ from minidsa.speculative.layout import SpecLayout
 from minidsa.speculative.tree import DraftTree, accept_greedy, accept_sampled, grow_tree
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SpecOptions:
-    num_steps: int
-    topk: int
-    num_draft_tokens: int
-    share_topk_across_steps: bool  # the draft reuses its indexer top-k across draft steps (topk == 1 only)
-    # Benchmarks only: verification accepts drafts so that a round yields this many tokens on average (None = off)
-    simulate_accept_len: float | None = None
-
-
-def resolve_spec_options(engine: EngineConfig, model: ModelConfig, page_size: int) -> SpecOptions | None:
-    """Validate the speculative engine arguments at start-up; None when speculation is off."""
-    steps, topk, ndt = engine.speculative_num_steps, engine.speculative_topk, engine.speculative_num_draft_tokens
-    simulate = engine.speculative_simulate_accept_len
-    if steps == 0:
-        if ndt or topk != 1:
-            raise ConfigError("speculative_num_steps", "is 0 but speculative_topk / speculative_num_draft_tokens "
-                              "are set; set speculative_num_steps >= 1 to enable MTP speculation")
-        if simulate:
-            raise ConfigError("speculative_simulate_accept_len", "needs speculative decoding "
-                              "(speculative_num_steps >= 1)")
-        return None
-    if model.num_nextn_predict_layers == 0:
-        raise ConfigError("speculative_num_steps", "needs a checkpoint with an MTP (nextn) layer; this one has "
-                          "num_nextn_predict_layers = 0 — drop the speculative_* arguments")
-    if topk == 1:
-        if ndt == 0:
-            ndt = steps + 1
-        if ndt != steps + 1:
-            raise ConfigError("speculative_num_draft_tokens", f"a chain (speculative_topk = 1) of {steps} steps "
-                              f"verifies exactly {steps + 1} tokens; set it to {steps + 1} or leave it 0")
-    else:
-        if page_size != 1:
-            raise ConfigError("speculative_topk", f"tree drafts (topk {topk} > 1) need page_size 1 (got {page_size}):"
-                              " compaction moves single slots; use --page-size 1 or speculative_topk 1")
-        max_nodes = topk + (steps - 1) * topk * topk
-        if ndt == 0:
-            raise ConfigError("speculative_num_draft_tokens", "must be set for tree drafts (speculative_topk > 1)")
-        if not 2 <= ndt <= max_nodes + 1:
-            raise ConfigError("speculative_num_draft_tokens", f"{ndt} is outside [2, {max_nodes + 1}] for "
-                              f"{steps} steps x topk {topk}")
-    if simulate:
-        if not 1.0 <= simulate <= steps + 1:
-            raise ConfigError("speculative_simulate_accept_len", f"{simulate} is outside [1, {steps + 1}] "
-                              f"(tokens per round: 1 = no draft accepted, {steps + 1} = every draft of {steps} steps)")
-        if topk != 1:
-            raise ConfigError("speculative_simulate_accept_len", "simulates chains only (speculative_topk = 1)")
-    share = engine.index_share_for_mtp_iteration
-    if share is None:
-        share = model.index_share_for_mtp_iteration and topk == 1
-    if share and topk > 1:
-        raise ConfigError("index_share_for_mtp_iteration", "reusing the draft's top-k across draft steps is only "
-                          "valid for chains (speculative_topk = 1): tree rows are reordered between steps")
-    return SpecOptions(steps, topk, ndt, bool(share), float(simulate) if simulate else None)
 
 
 @dataclass(frozen=True)
@@ -175,7 +119,7 @@ class MTPSpeculator:
     @property
     def reserved_tokens(self) -> int:
         """Row positions past the cached ones each decoding request must hold slots for."""
-        return self.layout.reserved_tokens
+        return self.opts.reserved_tokens
 
     def _keep_state(self, rows: list[int], rows_t: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor) -> None:
         self.draft_logits[rows_t] = logits.float()

@@ -1,0 +1,35 @@
+"""The one start-up recipe every rank runs: from a `ResolvedConfig`, the runner (model, caches), the sampler, the
+speculator and the worker that owns them. One process calls `start_local_worker`; tensor-parallel ranks build their
+runner (`parallel.ranks.RankModelRunner`) and hand it to `build_worker`, the same way on every rank."""
+
+from __future__ import annotations
+
+import logging
+
+from minidsa.config import ResolvedConfig
+from minidsa.exec.runner import ModelRunner
+from minidsa.exec.sampling import Sampler, race_for, token_mask_for
+from minidsa.exec.worker import Worker
+from minidsa.speculative.mtp import MTPSpeculator
+
+logger = logging.getLogger(__name__)
+
+
+def build_worker(runner: ModelRunner, resolved: ResolvedConfig, worker_cls: type[Worker] = Worker) -> Worker:
+    """A worker around a built runner: its sampler (host RNG seeded by the engine seed, so every tensor-parallel
+    rank draws the same keys) and, when speculation is on, its speculator."""
+    sampler = Sampler(resolved.model.vocab_size, runner.device, resolved.args.seed, race_for(runner.kernels.sample),
+                      token_mask_for(runner.kernels.sample))
+    speculator = None
+    if resolved.spec is not None:
+        speculator = MTPSpeculator(runner, resolved.spec, sampler, seed=resolved.args.seed)
+        if resolved.spec.simulate_accept_len:
+            logger.warning("speculative decoding SIMULATES an acceptance length of %.2f tokens per round "
+                           "(--speculative-simulate-accept-len, benchmarks only): outputs are not the model's",
+                           resolved.spec.simulate_accept_len)
+    return worker_cls(runner, sampler, speculator)
+
+
+def start_local_worker(resolved: ResolvedConfig, progress: bool = True) -> Worker:
+    """The worker of an engine in one process (no process group)."""
+    return build_worker(ModelRunner(resolved, progress), resolved)
