@@ -505,7 +505,7 @@ class Engine:
             spec_draft_tokens_total=getattr(spec, "draft_tokens", 0),
             spec_accepted_tokens_total=getattr(spec, "accepted_tokens", 0),
             spec_verify_steps_total=getattr(spec, "verify_steps", 0),
-            spec_simulated_accept_len=self.config.args.speculative_simulate_accept_len,
+            spec_simulated_accept_len=sim.accept_len if (sim := getattr(self.speculator, "simulator", None)) else 0.0,
             prefix_cache_query_tokens_total=self.scheduler.cache_query_tokens,
             prefix_cache_hit_tokens_total=self.scheduler.cache_hit_tokens,
             prefix_cache_pages=alloc.num_cached_pages,
