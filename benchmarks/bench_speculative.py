@@ -124,6 +124,29 @@ def steady_decode(engine, timer: ForwardTimer, bs: int, prompt_len: int, decode_
             "host_ms_per_step": 1e3 * wall / steps - sum(gpu.values()) / steps}
 
 
+def greedy_outputs(engine, n: int, tokens: int) -> list[list[int]]:
+    """Greedy continuations of `n` fixed prompts (the model's own acceptance: no simulation)."""
+    from minidsa import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, detokenize=False)
+    ids = [engine.add_request(p, params, use_prefix_cache=False) for p in _prompts(n, 256, engine.vocab_size, 7)]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+    return [done[i] for i in ids]
+
+
+def agreement(plain: list[list[int]], spec: list[list[int]]) -> dict:
+    """How often bf16 speculation gives plain decoding's greedy tokens: identical outputs, and where they part."""
+    first = [next((i for i, (a, b) in enumerate(zip(p, q)) if a != b), len(p)) for p, q in zip(plain, spec)]
+    n = len(plain[0]) if plain else 0
+    return {"requests": len(plain), "tokens": n, "identical": sum(f == n for f in first),
+            "mean_first_difference": sum(first) / max(1, len(first)),
+            "token_agreement": sum(a == b for p, q in zip(plain, spec) for a, b in zip(p, q)) / max(1, n * len(plain))}
+
+
 def run_engine(args, extra: dict, label: str, accept_lens: list[float | None]) -> dict:
     from minidsa.bench.offline import run_bench
     from minidsa.cli import engine_config_from_args
@@ -139,6 +162,10 @@ def run_engine(args, extra: dict, label: str, accept_lens: list[float | None]) -
     timer = ForwardTimer(engine.runner)
     steady_decode(engine, timer, 2, 64, 8, seed=99)  # warm-up: first-call costs out of the numbers
     out: dict = {"label": label, "startup_s": startup, "runs": []}
+    if args.agreement:
+        if engine.speculator is not None:
+            engine.speculator.simulator = None  # the model's own acceptance
+        out["greedy"] = greedy_outputs(engine, args.agreement, 64)
     for L in accept_lens:
         if L is not None:
             engine.speculator.simulator = AcceptanceSimulator(L, engine.speculator.opts.num_steps, 0)
@@ -202,6 +229,9 @@ def main() -> int:
     p.add_argument("--decode-tokens", type=int, default=96)
     p.add_argument("--bench", action="store_true", help="also minidsa bench's default workload on both engines")
     p.add_argument("--allow-cpu", action="store_true", help="a smoke run without a GPU (the figures mean nothing)")
+    p.add_argument("--agreement", type=int, default=0, metavar="N",
+                   help="also N greedy prompts x 64 tokens on both engines with the model's own acceptance: how "
+                        "often speculation gives plain decoding's tokens in this dtype")
     add_engine_args(p)
     p.set_defaults(model="bench-dsv32")
     args = p.parse_args()
@@ -213,11 +243,18 @@ def main() -> int:
     spec = run_engine(args, {"speculative_num_steps": args.steps,
                              "speculative_simulate_accept_len": args.accept_lens[0]},
                       f"MTP {args.steps}/1/{args.steps + 1}", args.accept_lens)
-    result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "date": time.strftime("%Y-%m-%d"),
-              "commit": os.environ.get("MINIDSA_COMMIT"), "args": sys.argv[1:], "plain": plain, "speculative": spec}
+    result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("MINIDSA_COMMIT"), "args": sys.argv[1:],
+              "plain": plain, "speculative": spec}
+    lines = table(plain, spec)
+    if args.agreement:
+        result["agreement"] = agreement(plain["greedy"], spec["greedy"])
+        a = result["agreement"]
+        lines += ["", f"Greedy agreement ({a['requests']} prompts x {a['tokens']} tokens, the model's own acceptance): "
+                      f"{a['identical']} identical, tokens agreeing {a['token_agreement']:.1%}, mean first difference "
+                      f"at token {a['mean_first_difference']:.1f}"]
     with open(os.path.join(args.out, "speculative.json"), "w") as f:
         json.dump(result, f, indent=2)
-    lines = table(plain, spec)
     with open(os.path.join(args.out, "speculative.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
