@@ -19,7 +19,7 @@ from harness import PagedDriver, count_replays
 from minidsa import LLM, SamplingParams
 from minidsa.exec.batch import ForwardBatch, ForwardMode
 from minidsa.config import ModelConfig
-from minidsa.kernels.choice import triton_usable
+from minidsa.attention.select import triton_usable
 from minidsa.models.loader import build_model
 from minidsa.models.presets import preset_config
 

@@ -30,8 +30,8 @@ in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child 
 from harness import compile_without_probing, count_replays  # noqa: E402
 from minidsa.topk_recording import slots_to_positions  # noqa: E402
 from minidsa.attention.backend import DSABackend  # noqa: E402
-from minidsa.kernels import choice as kernel_choice  # noqa: E402
-from minidsa.kernels.choice import KernelChoice, choose_kernels  # noqa: E402
+from minidsa.attention import select as kernel_choice  # noqa: E402
+from minidsa.attention.select import KernelChoice, choose_kernels  # noqa: E402
 from minidsa.exec.batch import ForwardBatch, ForwardMode  # noqa: E402
 from minidsa.kernels import deepgemm, dispatch, fp8  # noqa: E402
 from minidsa.kernels import reference as ref  # noqa: E402

@@ -27,7 +27,7 @@ from triton_interp import import_kernels_interpreted, torch_rounded_casts  # noq
 INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
 
-from minidsa.kernels import choice as kernel_choice  # noqa: E402
+from minidsa.attention import select as kernel_choice  # noqa: E402
 from minidsa.kernels import dispatch, flashmla  # noqa: E402
 from minidsa.kernels import reference as ref  # noqa: E402
 from minidsa.exec.kv_cache import MLALayout  # noqa: E402

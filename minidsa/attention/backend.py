@@ -17,7 +17,7 @@ import torch
 from minidsa.exec.batch import ForwardBatch
 from minidsa.kernels import num_sms
 from minidsa.kernels import reference as ref
-from minidsa.kernels.choice import KernelChoice
+from minidsa.attention.select import KernelChoice
 from minidsa.exec.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)

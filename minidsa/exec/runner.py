@@ -27,7 +27,7 @@ from minidsa.exec.batch import ForwardBatch, ForwardMode
 from minidsa.exec.compile_cache import CompileCache, CompileStats, cache_root, count_entries
 from minidsa.config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
 from minidsa.exec.graphs import DEFAULT_BUCKETS, EXTEND_TOKEN_BUCKETS, StepGraphs, StepKind
-from minidsa.kernels.choice import IndexerShape, choose_fp8_gemm, choose_kernels
+from minidsa.attention.select import IndexerShape, choose_fp8_gemm, choose_kernels
 from minidsa.exec.kv_cache import CacheLayouts, KVCache, PageAllocator, ReqToTokenPool, pages_needed
 from minidsa.models.deepseek_v32 import ModelOutput, call_layer
 from minidsa.exec.memory import GiB, MIN_KV_TOKENS, DoesNotFit, graph_buffer_bytes, margin_bytes

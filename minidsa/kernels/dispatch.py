@@ -14,7 +14,7 @@ import torch
 
 from minidsa.kernels import reference as ref
 from minidsa.kernels import sparse_mla as sparse_mla_mod
-from minidsa.kernels.choice import KernelChoice, register_custom_ops
+from minidsa.attention.select import KernelChoice, register_custom_ops
 
 logger = logging.getLogger(__name__)
 

@@ -225,7 +225,7 @@ def test_kv_move_real_size():
 
 def test_decode_ops_compile_and_cuda_graph():
     """Custom ops under torch.compile (inductor) and inside a captured CUDA graph give the eager result."""
-    from minidsa.kernels.choice import KernelChoice
+    from minidsa.attention.select import KernelChoice
 
     ops = dispatch.ops_for(KernelChoice("triton", "triton", "triton", "triton", "triton"))
     cache, r2t, width = paged_setup([9000] * 8, 12)
