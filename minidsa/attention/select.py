@@ -1,46 +1,95 @@
-"""Which implementation serves each DSA op: decided once, at engine start-up, and logged.
+"""Which implementation serves each kernel of an engine: decided once, at start-up, one logged line per decision.
 
-`choose_kernels(device, kernel_backend, use_deep_gemm, use_flash_mla)` -> `KernelChoice`:
-- "torch" (the references in kernels/reference.py) off CUDA, or when asked for;
-- Triton for store_index_k, store_mla, index_logits, sparse_mla and kv_move on CUDA (or on
-  CPU under TRITON_INTERPRET=1, for tests);
-- index_logits "deepgemm" when `deep_gemm` imports, has every function we call
-  and the GPU is SM90 / SM100 (`deepgemm.probe`, run here and nowhere else);
-  the reason is logged either way. Per call, inside the opaque custom op, the
-  faster of DeepGEMM and Triton for that shape is taken from measurements
-  (`deepgemm.deepgemm_wins`).
-- sparse_mla "flashmla" when `flash_mla` imports, has every function we call and the
-  GPU is SM90 (`flashmla.probe`, run here and nowhere else); the reason is logged
-  either way. Per call, inside the opaque custom op, FlashMLA serves the shapes it
-  takes (64 / 128 heads per rank, 512 + 64 dims, bf16 queries) where it is faster,
-  Triton the rest (`flashmla.unsupported`, `flashmla.flashmla_wins`).
-- sample: the sampler's exponential race, one Triton pass over the logits
-  (kernels/sampling.py) wherever Triton runs; MINIDSA_SAMPLE=torch keeps the
-  torch race (A/B measurements).
-- topk: TOPK_IMPL, or MINIDSA_TOPK (`torch` | `triton`); with "triton" the op
-  picks the Triton select or torch.topk per shape (`topk.triton_wins`).
+Two steps:
+- `select_kernels(device, kernel_backend, use_deep_gemm, use_flash_mla, indexer)` -> `KernelChoice`, a frozen,
+  picklable record of one implementation per kernel (tensor-parallel ranks receive it with the engine's
+  config). It probes DeepGEMM and FlashMLA (import, GPU generation, every function called) and reads the
+  environment overrides MINIDSA_TOPK, MINIDSA_SAMPLE and MINIDSA_FP8_GEMM, here and nowhere else.
+- `load_libraries(choice, device)` -> `Libraries`: the handles of the optional libraries the choice names
+  (`kernels.deepgemm.DeepGEMM`, `kernels.flashmla.FlashMLA`: the module, its status, DeepGEMM's checked
+  schedule page sizes, the failures of start-up calls), made on each rank that serves with them.
 
-Compiled code sees the choice as constants: nothing here is called from a traced step.
+What the choice says, per kernel:
+- "torch": the references (kernels/reference.py), off CUDA by default, with kernel_backend="torch", or where
+  Triton cannot run;
+- "triton": the Triton kernels, on CUDA (or on CPU under TRITON_INTERPRET=1, for tests);
+- index_logits "deepgemm": DeepGEMM's indexer kernels, when deep_gemm imports with every function we call on
+  SM90 / SM100 and takes the engine's indexer shape (`deepgemm.paged_supported`); per call, inside the opaque
+  op, the faster of DeepGEMM and Triton for the shape (`deepgemm.deepgemm_wins`);
+- sparse_mla "flashmla": FlashMLA's sparse kernels, when flash_mla imports with every function we call on SM90;
+  per call, inside the op, FlashMLA for the shapes it takes where faster, Triton the rest
+  (`flashmla.unsupported`, `flashmla.flashmla_wins`);
+- topk "triton": inside the op, the Triton radix select or torch.topk per shape (`topk.triton_wins`);
+  MINIDSA_TOPK=torch keeps torch.topk (A/B measurements);
+- sample: the sampler's exponential race, one Triton pass over the logits (kernels/sampling.py) wherever Triton
+  runs; MINIDSA_SAMPLE=torch keeps the torch race;
+- fp8_gemm (the FP8 linears, models/layers/linear.py): DeepGEMM's fp8_gemm_nt on a GPU where it imports on
+  SM90 / SM100 (per call, where measured faster: `deepgemm.fp8_gemm_wins`), else the Triton w8a8 GEMM;
+  MINIDSA_FP8_GEMM (torch | triton | deepgemm) overrides;
+- moe_gemm (the routed experts' fused MoE op): "deepgemm" where the FP8 linears use DeepGEMM and its build has
+  the contiguous grouped GEMM (per call, from `deepgemm.moe_contiguous_wins`), else what the op runs on the
+  device: the Triton fused MoE on CUDA, the reference elsewhere.
+
+Per-shape decisions stay inside the custom ops, from pure functions of the concrete sizes: compiled code sees
+the choice as constants and gets no guards. Nothing here is called from a traced step.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from types import MappingProxyType
 
 import torch
 
+from minidsa.kernels import deepgemm, flashmla
+from minidsa.kernels.deepgemm import DeepGEMM
+from minidsa.kernels.flashmla import FlashMLA
+
 logger = logging.getLogger(__name__)
 
-IMPLS = ("torch", "triton", "deepgemm", "flashmla")
 TOPK_IMPL = "triton"
+# What each kernel may be served by (`KernelChoice` fields).
+IMPLS = MappingProxyType({
+    "store_index_k": ("torch", "triton"),
+    "index_logits": ("torch", "triton", "deepgemm"),
+    "topk": ("torch", "triton"),
+    "sparse_mla": ("torch", "triton", "flashmla"),
+    "kv_move": ("torch", "triton"),
+    "store_mla": ("torch", "triton"),
+    "sample": ("torch", "triton"),
+    "fp8_gemm": ("torch", "triton", "deepgemm"),
+    "moe_gemm": ("torch", "triton", "deepgemm"),
+})
+DSA_OPS = ("store_index_k", "index_logits", "topk", "sparse_mla", "kv_move", "store_mla")
+# How each decision is named in the start-up log.
+LABELS = MappingProxyType({
+    "store_index_k": "DSA indexer key store",
+    "index_logits": "DSA indexer logits",
+    "topk": "DSA top-k",
+    "sparse_mla": "DSA sparse MLA",
+    "kv_move": "DSA KV move",
+    "store_mla": "DSA FP8 MLA store",
+    "sample": "Sampler race",
+    "fp8_gemm": "FP8 linear",
+    "moe_gemm": "MoE experts",
+})
+SERVED = MappingProxyType({  # what an implementation does for a kernel, where it is more than its name
+    ("index_logits", "deepgemm"): "DeepGEMM where measured faster, else Triton",
+    ("sparse_mla", "flashmla"): "FlashMLA where it takes the shape, else Triton",
+    ("topk", "triton"): "Triton radix select or torch.topk, per shape as measured",
+    ("fp8_gemm", "deepgemm"): "DeepGEMM where measured faster, else Triton",
+    ("moe_gemm", "deepgemm"): "DeepGEMM's grouped GEMMs where measured faster, else the Triton fused MoE",
+    ("moe_gemm", "triton"): "the Triton fused MoE",
+})
+NAMES = MappingProxyType({"torch": "torch reference", "triton": "Triton", "deepgemm": "DeepGEMM",
+                          "flashmla": "FlashMLA"})
 
 
 @dataclass(frozen=True)
 class KernelChoice:
-    """Which implementation serves each DSA op (`torch`, `triton`, `deepgemm` or `flashmla`)."""
+    """Which implementation serves each kernel of one engine (`IMPLS`): plain strings, picklable."""
 
     store_index_k: str = "torch"
     index_logits: str = "torch"
@@ -49,18 +98,61 @@ class KernelChoice:
     kv_move: str = "torch"
     store_mla: str = "torch"  # the FP8 MLA layout's quantising store (a model-dtype cache is a plain index_put)
     sample: str = "torch"  # the sampler's exponential race (sampling.race_for)
+    fp8_gemm: str = "torch"  # the FP8 linears (layers.linear.GEMMS)
+    moe_gemm: str = "torch"  # the routed experts' fused MoE op ("deepgemm": its grouped GEMMs where faster)
 
     def __post_init__(self):
         for name, impl in self.__dict__.items():
-            if impl not in IMPLS:
-                raise ValueError(f"KernelChoice.{name} = {impl!r}, want one of {IMPLS}")
+            if impl not in IMPLS[name]:
+                raise ValueError(f"KernelChoice.{name} = {impl!r}, want one of {IMPLS[name]}")
 
     @property
-    def uses_kernels(self) -> bool:
-        return self != KernelChoice()
+    def uses_dsa_kernels(self) -> bool:
+        """Does any DSA op run something other than its reference?"""
+        return any(getattr(self, op) != "torch" for op in DSA_OPS)
 
     def describe(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.__dict__.items())
+
+
+@dataclass(frozen=True)
+class IndexerShape:
+    """What the engine's indexer runs: DeepGEMM's kernels take only some of these (`deepgemm.paged_supported`)."""
+
+    num_heads: int
+    head_dim: int
+    page_size: int
+    fp8_cache: bool
+
+
+@dataclass(frozen=True)
+class Libraries:
+    """The optional libraries one engine's choice uses, as handles (None: not used)."""
+
+    deepgemm: DeepGEMM | None = None
+    flashmla: FlashMLA | None = None
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """The environment's kernel overrides (for A/B measurements), read once per selection."""
+
+    topk: str = TOPK_IMPL  # MINIDSA_TOPK: torch | triton
+    sample: str = "triton"  # MINIDSA_SAMPLE: torch | triton
+    fp8_gemm: str | None = None  # MINIDSA_FP8_GEMM: torch | triton | deepgemm
+
+    @classmethod
+    def from_environment(cls) -> "Overrides":
+        topk = os.environ.get("MINIDSA_TOPK", TOPK_IMPL)
+        if topk not in ("torch", "triton"):
+            raise ValueError(f"MINIDSA_TOPK must be 'torch' or 'triton', got {topk!r}")
+        sample = os.environ.get("MINIDSA_SAMPLE", "triton")
+        if sample not in ("torch", "triton"):
+            raise ValueError(f"MINIDSA_SAMPLE must be 'torch' or 'triton', got {sample!r}")
+        gemm = os.environ.get("MINIDSA_FP8_GEMM")
+        if gemm is not None and gemm not in ("torch", "triton", "deepgemm"):
+            raise ValueError(f"MINIDSA_FP8_GEMM must be torch, triton or deepgemm, got {gemm!r}")
+        return cls(topk, sample, gemm)
 
 
 def triton_usable(device: torch.device | str) -> tuple[bool, str]:
@@ -79,111 +171,119 @@ def triton_usable(device: torch.device | str) -> tuple[bool, str]:
     return False, f"Triton needs a CUDA device (or TRITON_INTERPRET=1 before importing triton), got {device}"
 
 
-def _optional_library(device: torch.device, enabled: bool, module: str, op: str, library: str, served: str,
-                      flag: str) -> bool:
-    """Does an optional library (`minidsa.kernels.<module>`, probed here and only here) serve `op`? Logs why."""
-    if not enabled:
-        logger.info("%s: Triton (%s disabled by %s=False)", op, library, flag)
-        return False
-    status = importlib.import_module(f"minidsa.kernels.{module}").probe(device)
-    logger.info("%s: %s (%s)", op, served if status.available else "Triton", status.reason)
-    return status.available
-
-
-@dataclass(frozen=True)
-class IndexerShape:
-    """What the engine's indexer runs: DeepGEMM's kernels take only some of these (`deepgemm.paged_supported`)."""
-
-    num_heads: int
-    head_dim: int
-    page_size: int
-    fp8_cache: bool
-
-
-def choose(device: torch.device | str, use_deep_gemm: bool = True, use_flash_mla: bool = True,
-           indexer: IndexerShape | None = None) -> KernelChoice:
-    """The Triton / DeepGEMM / FlashMLA choice on `device` (the torch references where Triton cannot run)."""
-    device = torch.device(device)
-    ok, why = triton_usable(device)
-    if not ok:
-        logger.warning("DSA kernels: torch reference (%s)", why)
-        return KernelChoice()
-    index = "deepgemm" if _optional_library(device, use_deep_gemm, "deepgemm", "DSA indexer logits", "DeepGEMM",
-                                            "DeepGEMM where measured faster, else Triton", "use_deep_gemm") else "triton"
-    if index == "deepgemm" and indexer is not None:
-        dg = _deepgemm()
-        why_not = dg.paged_supported(dg.probe(device), indexer.num_heads, indexer.head_dim, indexer.page_size,
-                                     indexer.fp8_cache)
-        if why_not is not None:  # decided here, once: no step asks DeepGEMM for what it cannot take
-            logger.info("DSA indexer logits: Triton (DeepGEMM cannot serve this engine: %s)", why_not)
-            index = "triton"
-    sparse_mla = "flashmla" if _optional_library(device, use_flash_mla, "flashmla", "DSA sparse MLA", "FlashMLA",
-                                                 "FlashMLA where it takes the shape, else Triton", "use_flash_mla") \
-        else "triton"
-    topk = os.environ.get("MINIDSA_TOPK", TOPK_IMPL)
-    if topk not in ("torch", "triton"):
-        raise ValueError(f"MINIDSA_TOPK must be 'torch' or 'triton', got {topk!r}")
-    sample = os.environ.get("MINIDSA_SAMPLE", "triton")  # A/B runs: the torch race on the GPU
-    if sample not in ("torch", "triton"):
-        raise ValueError(f"MINIDSA_SAMPLE must be 'torch' or 'triton', got {sample!r}")
-    return KernelChoice(store_index_k="triton", index_logits=index, topk=topk, sparse_mla=sparse_mla,
-                        kv_move="triton", store_mla="triton", sample=sample)
-
-
-def choose_kernels(device: torch.device | str, kernel_backend: str = "auto", use_deep_gemm: bool = True,
+def select_kernels(device: torch.device | str, kernel_backend: str = "auto", use_deep_gemm: bool = True,
                    use_flash_mla: bool = True, indexer: IndexerShape | None = None) -> KernelChoice:
-    """Decide once, at start-up, which kernels run; logs the decision."""
+    """Decide once, at start-up, which implementation serves each kernel; logs each decision and why."""
     device = torch.device(device)
+    moe_off_gpu = "triton" if device.type == "cuda" else "torch"  # what the fused MoE op runs by itself
     if kernel_backend == "torch" or (kernel_backend == "auto" and device.type != "cuda"):
-        choice = KernelChoice()
-    else:
-        choice = choose(device, use_deep_gemm=use_deep_gemm, use_flash_mla=use_flash_mla, indexer=indexer)
-    logger.info("DSA kernels: %s", choice.describe())
+        why = dict.fromkeys(IMPLS, f"kernel_backend={kernel_backend!r} on {device}")
+        moe_gemm, why["moe_gemm"] = _moe_gemm(device, "torch", moe_off_gpu, why["fp8_gemm"])
+        choice = KernelChoice(moe_gemm=moe_gemm)
+        _log(choice, why)
+        return choice
+    env = Overrides.from_environment()
+    ok, triton_why = triton_usable(device)
+    fp8_gemm, fp8_why = _fp8_gemm(device, use_deep_gemm, env, ok, triton_why)
+    moe_gemm, moe_why = _moe_gemm(device, fp8_gemm, moe_off_gpu, fp8_why)
+    if not ok:
+        choice = KernelChoice(fp8_gemm=fp8_gemm, moe_gemm=moe_gemm)
+        why = dict.fromkeys(IMPLS, triton_why)
+        why.update(fp8_gemm=fp8_why, moe_gemm=moe_why)
+        _log(choice, why, logging.WARNING)
+        return choice
+    index, index_why = _index_logits(device, use_deep_gemm, indexer)
+    sparse, sparse_why = _sparse_mla(device, use_flash_mla)
+    choice = KernelChoice(store_index_k="triton", index_logits=index, topk=env.topk, sparse_mla=sparse,
+                          kv_move="triton", store_mla="triton", sample=env.sample, fp8_gemm=fp8_gemm,
+                          moe_gemm=moe_gemm)
+    why = dict.fromkeys(IMPLS, triton_why)
+    why.update(index_logits=index_why, sparse_mla=sparse_why, fp8_gemm=fp8_why, moe_gemm=moe_why,
+               topk="MINIDSA_TOPK" if "MINIDSA_TOPK" in os.environ else triton_why,
+               sample="MINIDSA_SAMPLE" if "MINIDSA_SAMPLE" in os.environ else triton_why)
+    _log(choice, why)
     return choice
 
 
-def _deepgemm():
-    from minidsa.kernels import deepgemm  # imports Triton: only when a GPU path is being chosen
+def _index_logits(device: torch.device, use_deep_gemm: bool, indexer: IndexerShape | None) -> tuple[str, str]:
+    if not use_deep_gemm:
+        return "triton", "DeepGEMM disabled by use_deep_gemm=False"
+    module, status = deepgemm.probe(device, deepgemm.INDEXER_API)
+    if module is None:
+        return "triton", status.reason
+    if indexer is not None:
+        why_not = deepgemm.paged_supported(status.sm_major, indexer.num_heads, indexer.head_dim, indexer.page_size,
+                                           indexer.fp8_cache)
+        if why_not is not None:  # decided here, once: no step asks DeepGEMM for what it cannot take
+            return "triton", f"DeepGEMM cannot serve this engine: {why_not}"
+    return "deepgemm", status.reason
 
-    return deepgemm
+
+def _sparse_mla(device: torch.device, use_flash_mla: bool) -> tuple[str, str]:
+    if not use_flash_mla:
+        return "triton", "FlashMLA disabled by use_flash_mla=False"
+    module, status = flashmla.probe(device)
+    return ("flashmla" if module is not None else "triton"), status.reason
 
 
-def register_custom_ops() -> None:
-    """Importing minidsa.kernels.custom_ops registers torch.ops.minidsa.* (an import for its side effect)."""
-    importlib.import_module("minidsa.kernels.custom_ops")
+def _fp8_gemm(device: torch.device, use_deep_gemm: bool, env: Overrides, triton_ok: bool,
+              triton_why: str) -> tuple[str, str]:
+    if env.fp8_gemm is not None:
+        if env.fp8_gemm == "deepgemm":
+            module, status = deepgemm.probe(device, deepgemm.GEMM_API)
+            if module is None:
+                raise ValueError(f"MINIDSA_FP8_GEMM=deepgemm: {status.reason}")
+        return env.fp8_gemm, "MINIDSA_FP8_GEMM"
+    if not triton_ok:
+        return "torch", triton_why
+    if not use_deep_gemm:
+        return "triton", "DeepGEMM disabled by use_deep_gemm=False"
+    if device.type != "cuda":
+        return "triton", f"DeepGEMM's GEMM is chosen only on a CUDA device, not {device}"
+    module, status = deepgemm.probe(device, deepgemm.GEMM_API)
+    return ("deepgemm" if module is not None else "triton"), status.reason
 
 
-def choose_fp8_gemm(device: torch.device | str, kernel_backend: str = "auto", use_deep_gemm: bool = True) -> str:
-    """Which GEMM serves FP8 linear layers (`layers.linear.GEMMS`), decided once when the model is built.
+def _moe_gemm(device: torch.device, fp8_gemm: str, off: str, fp8_why: str) -> tuple[str, str]:
+    if device.type != "cuda":
+        return "torch", f"the fused MoE op's reference serves {device}"
+    if fp8_gemm != "deepgemm":
+        return off, f"FP8 linears: {NAMES[fp8_gemm]} ({fp8_why})"
+    module, _ = deepgemm.probe(device, deepgemm.GEMM_API)
+    if module is None or deepgemm.grouped_contiguous(module) is None:
+        return off, "no contiguous grouped FP8 GEMM in this DeepGEMM build"
+    return "deepgemm", f"from {deepgemm.MOE_CONTIGUOUS_MIN_PAIRS_PER_EXPERT} (token, expert) pairs per expert"
 
-    torch reference on CPU (or kernel_backend "torch"); on a GPU DeepGEMM's fp8_gemm_nt when it imports on
-    SM90/SM100 (its calls fall back to Triton per shape), else the Triton w8a8 kernel. MINIDSA_FP8_GEMM
-    (torch | triton | deepgemm) overrides, for measurements.
-    """
+
+def _log(choice: KernelChoice, why: dict[str, str], level: int = logging.INFO) -> None:
+    """One line per decision: what serves which kernels, and why (kernels decided alike share a line); then the
+    whole choice on one line."""
+    lines: dict[tuple[str, str], list[str]] = {}
+    for f in fields(choice):
+        impl = getattr(choice, f.name)
+        lines.setdefault((SERVED.get((f.name, impl), NAMES[impl]), why[f.name]), []).append(LABELS[f.name])
+    for (served, reason), labels in lines.items():
+        logger.log(level, "%s: %s (%s)", ", ".join(labels), served, reason)
+    logger.info("Kernel choice: %s", choice.describe())
+
+
+def load_libraries(choice: KernelChoice, device: torch.device | str) -> Libraries:
+    """The handles of the optional libraries `choice` names, loaded on this rank (their schedule check runs here).
+    Raises when one does not load: the choice was made where it did, and every rank serves alike."""
     device = torch.device(device)
-    if kernel_backend == "torch" or (kernel_backend == "auto" and device.type != "cuda"):
-        return "torch"
-    forced = os.environ.get("MINIDSA_FP8_GEMM")  # A/B runs: torch | triton | deepgemm
-    if forced is not None:
-        if forced not in ("torch", "triton", "deepgemm"):
-            raise ValueError(f"MINIDSA_FP8_GEMM must be torch, triton or deepgemm, got {forced!r}")
-        if forced == "deepgemm" and not _deepgemm().fp8_gemm_status(device).available:
-            raise ValueError(f"MINIDSA_FP8_GEMM=deepgemm: {_deepgemm().fp8_gemm_status(device).reason}")
-        logger.info("FP8 linear: %s (MINIDSA_FP8_GEMM)", forced)
-        if forced != "torch":
-            register_custom_ops()  # torch.ops.minidsa.fp8_linear
-        return forced
-    ok, why = triton_usable(device)
-    if not ok:
-        logger.warning("FP8 linear: torch reference (%s)", why)
-        return "torch"
-    if use_deep_gemm and device.type == "cuda":
-        status = _deepgemm().fp8_gemm_status(device)
-        logger.info("FP8 linear: %s (%s)", "DeepGEMM" if status.available else "Triton", status.reason)
-    else:
-        logger.info("FP8 linear: Triton")
-    register_custom_ops()  # torch.ops.minidsa.fp8_linear
-
-    if use_deep_gemm and device.type == "cuda" and status.available:
-        return "deepgemm"
-    return "triton"
+    dg = fm = None
+    if "deepgemm" in (choice.index_logits, choice.fp8_gemm, choice.moe_gemm):
+        api = (deepgemm.INDEXER_API if choice.index_logits == "deepgemm" else ()) + \
+            (deepgemm.GEMM_API if "deepgemm" in (choice.fp8_gemm, choice.moe_gemm) else ())
+        module, status = deepgemm.probe(device, api)
+        if module is None:
+            raise RuntimeError(f"the kernel choice ({choice.describe()}) names DeepGEMM, but on {device}: "
+                               f"{status.reason}")
+        dg = DeepGEMM(module, status, device, check_schedule=choice.index_logits == "deepgemm")
+    if choice.sparse_mla == "flashmla":
+        module, status = flashmla.probe(device)
+        if module is None:
+            raise RuntimeError(f"the kernel choice ({choice.describe()}) names FlashMLA, but on {device}: "
+                               f"{status.reason}")
+        fm = FlashMLA(module, status)
+    return Libraries(dg, fm)
