@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     from minidsa.kernels.fp8 import FP8_MAX, quant_block
 
     dev = torch.device("cuda")
-    dg = deepgemm.fp8_gemm_status(dev)
+    dg_module, dg = deepgemm.probe(dev, deepgemm.GEMM_API)
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; DeepGEMM: {dg.reason}", flush=True)
     rows = []
     for family in args.shapes:
@@ -110,7 +110,8 @@ def main(argv=None) -> int:
                 impls["scaled_mm"] = [lambda i=i: torch._scaled_mm(x_pt, w_pt[i].t(), scale_a=one, scale_b=w_scale,
                                                                    out_dtype=torch.bfloat16) for i in range(nc)]
                 if dg.available:
-                    impls["deepgemm"] = [lambda i=i: deepgemm.fp8_gemm_nt(x, wq[i], ws[i]) for i in range(nc)]
+                    impls["deepgemm"] = [lambda i=i: deepgemm.fp8_gemm_nt(dg_module, x, wq[i], ws[i])
+                                         for i in range(nc)]
                 num_sms = fp8_gemm._sm_count(dev)
                 row = {"family": family, "shape": name, "N": n, "K": k, "M": m,
                        "tiles": fp8_gemm.pick_tiles(m, n, k, num_sms).__dict__}

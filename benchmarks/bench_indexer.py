@@ -155,7 +155,7 @@ def paged_case(tab: Table, name: str, reqs: int, ctx: int, per_req: int, dg) -> 
         dg_kernel = lambda: dg.fp8_paged_mqa_logits(q4, kv, wf, ctx2, table, sched, width, False)  # noqa: E731
         meta = (ctx2, table, sched)
         # As a step serves it: per-step metadata made once for all layers (DSABackend.index_metadata).
-        dg_served = lambda: deepgemm.paged_index_logits(q, w, cache, PAGE, r2t, rows, kv_lens, width, tree, meta)  # noqa: E731
+        dg_served = lambda: deepgemm.paged_index_logits(dg, q, w, cache, PAGE, r2t, rows, kv_lens, width, tree, meta)  # noqa: E731
         de_k, dg_k = both(dg_kernel)
         de_s, dg_s = both(dg_served)
         logits = dg_kernel()
@@ -195,7 +195,7 @@ def prefill_case(tab: Table, name: str, chunk: int, ctx: int, dg) -> None:
     if dg is not None:
         wf = w.float().contiguous()
         dg_kernel = lambda: dg.fp8_mqa_logits(q, (k8, ks8), wf, ks, ke, True)  # noqa: E731
-        dg_served = lambda: deepgemm.extend_index_logits(q, w, cache, PAGE, r2t, rows, kv_lens, ctx)  # noqa: E731
+        dg_served = lambda: deepgemm.extend_index_logits(dg, q, w, cache, PAGE, r2t, rows, kv_lens, ctx)  # noqa: E731
         de_k, dg_k = both(dg_kernel)
         de_s, dg_s = both(dg_served)
     tab.add(case=name, what="kernel (ragged, gathered keys)", triton_eager_ms=te_k, deepgemm_eager_ms=de_k,
@@ -210,8 +210,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a few shapes only")
     args = ap.parse_args()
     tab = Table(args.out)
-    status = deepgemm.probe(DEV)
-    dg = deepgemm._module if status.available else None
+    dg, status = deepgemm.probe(DEV)
     commit = os.environ.get("MINIDSA_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     tab.meta = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=commit,

@@ -28,7 +28,7 @@ import traceback
 import torch
 import triton
 
-from minidsa.kernels import custom_ops, deepgemm, dispatch, indexer, kv_move, sparse_mla, topk  # noqa: F401
+from minidsa.kernels import custom_ops, deepgemm, indexer, kv_move, sparse_mla, topk  # noqa: F401
 from minidsa.kernels import reference as ref
 
 DEV = torch.device("cuda")
@@ -195,9 +195,9 @@ def bench_index_logits(rec: Recorder, ceil: dict, quick: bool) -> tuple[tuple, t
     logits = indexer.index_logits(q, w, cache, PAGE, r2t, rows, kv_lens, width, chunk_len=chunk, config=cfg)
     ms, err = try_time(lambda: ref.index_logits(q, w, cache, PAGE, r2t, rows, kv_lens, width), rep=300)
     rec.add(row("index_logits", f"decode B={b} L=32k", "torch reference", ms, nbytes, flops, ceil, err))
-    status = deepgemm.probe(DEV)
+    dg, status = deepgemm.probe(DEV)
     if status.available:
-        ms, err = try_time(lambda: deepgemm.paged_index_logits(q, w, cache, PAGE, r2t, rows, kv_lens, width))
+        ms, err = try_time(lambda: deepgemm.paged_index_logits(dg, q, w, cache, PAGE, r2t, rows, kv_lens, width))
         rec.add(row("index_logits", f"decode B={b} L=32k", "deepgemm", ms, nbytes, flops, ceil, err))
     else:
         rec.add(row("index_logits", f"decode B={b} L=32k", "deepgemm", None, note=status.reason))
@@ -417,7 +417,7 @@ def main() -> int:
             commit = ""
     rec.meta.update(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                     date=datetime.date.today().isoformat(), commit=commit or "unknown",
-                    deepgemm=deepgemm.probe(DEV).reason)
+                    deepgemm=deepgemm.probe(DEV)[1].reason)
     print(f"# {rec.meta}", flush=True)
     ceil = ceilings(rec)
     only = set(args.only.split(","))

@@ -187,8 +187,9 @@ def bench_kernels_section(rec: Recorder, ceil: dict, quick: bool) -> None:
     bench_fp8_sweep(rec, ceil, fp8, quick)
     fm, why = flash_mla_module()
     rec.meta["flash_mla"] = "imported" if fm is not None else why
-    served = fm is not None and flashmla.probe(DEV).available  # what the engine's start-up choice would say
-    rec.meta["flash_mla_served"] = flashmla.probe(DEV).reason
+    _, status = flashmla.probe(DEV)
+    served = fm is not None and status.available  # what the engine's start-up choice would say
+    rec.meta["flash_mla_served"] = status.reason
     g = torch.Generator(device=DEV).manual_seed(6)
     shapes = [(1, 1), (8, 1), (64, 1), (128, 1), (64, 2), (128, 2), (4096, 0)]
     for heads in (128, 64):
@@ -295,7 +296,7 @@ def bench_capacity_section(rec: Recorder) -> None:
 
 def bench_step_section(rec: Recorder, iters: int, batch: int = 128, ctx: int = 32768) -> None:
     """The decode step per MLA layout, sparse MLA served by Triton and (when flash_mla imports) by FlashMLA."""
-    status = flashmla.probe(DEV)
+    _, status = flashmla.probe(DEV)
     if not status.available:
         rec.add(bk.row("decode_step", f"bench-dsv32 B={batch} ctx={ctx}", "FlashMLA served", None,
                        note=f"not measured: {status.reason}"))
@@ -325,7 +326,8 @@ def bench_accuracy_section(rec: Recorder, prompt_len: int = 3000, steps: int = 1
     fp8_kv = KVCache(kv.num_layers, kv.num_pages, Layout.for_model(D_V, D_R, torch.bfloat16, "fp8"),
                      kv.index_layout, DEV, [k is not None for k in kv.index_k])
     backends = {"auto": runner.attn,
-                "fp8": DSABackend(fp8_kv, runner.req_to_token, runner.model_config.index_topk, runner.kernels)}
+                "fp8": DSABackend(fp8_kv, runner.req_to_token, runner.model_config.index_topk, runner.kernels,
+                                  runner.libraries)}
     g = torch.Generator().manual_seed(0)
     vocab = runner.model_config.vocab_size
     prompt = torch.randint(2, vocab, (prompt_len,), generator=g).tolist()

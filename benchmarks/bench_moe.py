@@ -315,7 +315,8 @@ def bench_prefill(rec: Recorder, router: Router, weights: dict, dg, sweep: bool)
                 else:
                     add("DeepGEMM contiguous (GEMMs only)", fn)
                 # What the engine serves with DeepGEMM on: quantise, gather, both GEMMs, silu * up, combine.
-                add("DeepGEMM contiguous (served)", lambda: deepgemm.moe_contiguous(x, ids, w, *params),
+                served = lambda: deepgemm.moe_contiguous(deepgemm.library(), x, ids, w, *params)  # noqa: E731
+                add("DeepGEMM contiguous (served)", served,
                     note="served from T >= " + str(deepgemm.MOE_CONTIGUOUS_MIN_PAIRS_PER_EXPERT * E // K))
             if sweep and t in (2048, 8192):
                 for alt in SWEEP["prefill"]:
@@ -349,8 +350,6 @@ def main() -> int:
         except OSError:
             pass
     dg, dg_status = load_deep_gemm()
-    if dg is not None:
-        deepgemm.fp8_gemm_status(DEV)  # what model build does: finds the grouped GEMM the served path calls
     rec.meta.update(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                     date=datetime.date.today().isoformat(), commit=commit or "unknown", deep_gemm=dg_status)
     ceilings(rec)

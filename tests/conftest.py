@@ -7,6 +7,7 @@
 - `tiny_llm`: one LLM on the embedded tiny preset (fp32, CPU) for the
   whole session, so tests do not pay for building a model each.
 - torch uses one intra-op thread (MINIDSA_TEST_THREADS overrides).
+- `fresh_log_once`: the kernels' once-per-process fallback messages are logged again in this test.
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ def _check_kv_leaks():
         yield
     for engine in created + [e for e in _SHARED_ENGINES if all(e is not c for c in created)]:
         engine.check_no_leaks()
+
+
+@pytest.fixture
+def fresh_log_once(monkeypatch):
+    """The kernels' log-once memory emptied for this test, so a fallback an earlier test logged is logged again."""
+    import minidsa.kernels
+
+    monkeypatch.setattr(minidsa.kernels, "_LOGGED_MESSAGES", set())
 
 
 @pytest.fixture(scope="session")

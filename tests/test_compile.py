@@ -19,7 +19,7 @@ from harness import PagedDriver, count_replays
 from minidsa import LLM, SamplingParams
 from minidsa.exec.batch import ForwardBatch, ForwardMode
 from minidsa.config import ModelConfig
-from minidsa.kernels.choice import triton_usable
+from minidsa.attention.select import triton_usable
 from minidsa.models.loader import build_model
 from minidsa.models.presets import preset_config
 
@@ -123,10 +123,9 @@ def test_capture_order_compiles_one_graph_for_every_bucket_above_one(monkeypatch
     filled during the first trace (the SM count behind the top-k choice), and no duck-sizing equality
     between the batch and a persistent buffer of the same size (req_to_token has 8 rows here)."""
     import minidsa.kernels
-    from minidsa.kernels import dispatch
 
     monkeypatch.setattr(minidsa.kernels, "_NUM_SMS", {})
-    monkeypatch.setattr(dispatch, "_fallbacks_logged", set())
+    monkeypatch.setattr(minidsa.kernels, "_LOGGED_MESSAGES", set())
     backend = RecordingBackend()
     llm = LLM(model=None, device="cpu", dtype="float32", max_total_tokens=2048, max_running_requests=8,
               cuda_graph_max_bs=8, progress=False, kernel_backend="triton")
@@ -146,22 +145,25 @@ def test_capture_order_compiles_one_graph_for_every_bucket_above_one(monkeypatch
 
 def test_logging_a_kernel_fallback_adds_no_guard(monkeypatch):
     """A fallback logged once per process must not make compiled steps guard on the set of logged messages."""
+    import logging
+
     from torch._dynamo.testing import CompileCounter
 
-    from minidsa.kernels import dispatch
+    import minidsa.kernels
 
-    monkeypatch.setattr(dispatch, "_fallbacks_logged", set())
+    monkeypatch.setattr(minidsa.kernels, "_LOGGED_MESSAGES", set())
     counter = CompileCounter()
+    log = logging.getLogger("minidsa.test")
 
     def step(x):
-        dispatch._log_fallback("DSA sparse MLA: torch reference (test)")
+        minidsa.kernels.log_once(log, logging.WARNING, "DSA sparse MLA: torch reference (test)")
         return x + 1
 
     compiled = torch.compile(step, backend=counter, fullgraph=True)
     compiled(torch.zeros(3))
     step(torch.zeros(3))  # the eager path logs it: the set grows
     compiled(torch.zeros(3))
-    assert dispatch._fallbacks_logged == {"DSA sparse MLA: torch reference (test)"}
+    assert minidsa.kernels._LOGGED_MESSAGES == {"DSA sparse MLA: torch reference (test)"}
     assert counter.frame_count == 1
 
 

@@ -4,6 +4,8 @@ No DeepGEMM build runs here: these tests take the module away (import fails),
 hand in incomplete or failing stand-ins, and a stand-in that implements
 DeepGEMM's documented contract in torch (including what it leaves undefined:
 logits past each row's context are garbage, the schedule must be fresh). The
+stand-in is injected as `sys.modules["deep_gemm"]`, and the CPU passes for an
+SM90 GPU through `optional_lib.cuda_capability` (both monkeypatched here). The
 Triton kernels run through Triton's interpreter, as in tests/test_kernels.py.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import subprocess
 import sys
 import types
@@ -29,11 +32,11 @@ in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child 
 
 from harness import compile_without_probing, count_replays  # noqa: E402
 from minidsa.topk_recording import slots_to_positions  # noqa: E402
-from minidsa.attention.backend import DSABackend  # noqa: E402
-from minidsa.kernels import choice as kernel_choice  # noqa: E402
-from minidsa.kernels.choice import KernelChoice, choose_kernels  # noqa: E402
+from minidsa.attention.backend import DSABackend, bind_ops  # noqa: E402
+from minidsa.attention import select  # noqa: E402
+from minidsa.attention.select import KernelChoice, load_libraries, select_kernels  # noqa: E402
 from minidsa.exec.batch import ForwardBatch, ForwardMode  # noqa: E402
-from minidsa.kernels import deepgemm, dispatch, fp8  # noqa: E402
+from minidsa.kernels import deepgemm, fp8, optional_lib  # noqa: E402
 from minidsa.kernels import reference as ref  # noqa: E402
 from minidsa.exec.kv_cache import (IndexerLayout, KVCache, MLALayout, PageAllocator, ReqToTokenPool,  # noqa: E402
                               pages_needed, slots_of)
@@ -68,9 +71,10 @@ def dg_schedule(context_lens: torch.Tensor, num_sms: int, split_kv: int = 256) -
 
 
 def make_stand_in(calls: dict, fail: bool = False, drop: str | None = None,
-                  schedule_differs: bool = False) -> types.ModuleType:
+                  schedule_differs: bool = False, fail_first: int = 0) -> types.ModuleType:
     """`schedule_differs`: its metadata marks what it was made for instead (a build whose schedule is not
-    the one minidsa computes); its kernel then checks that marker."""
+    the one minidsa computes); its kernel then checks that marker. `fail`: its paged kernel always raises;
+    `fail_first`: its first `fail_first` calls raise."""
     mod = types.ModuleType("deep_gemm")
     mod.__version__ = "stand-in"
 
@@ -88,7 +92,7 @@ def make_stand_in(calls: dict, fail: bool = False, drop: str | None = None,
                              clean_logits):
         calls["paged"] = calls.get("paged", 0) + 1
         calls.setdefault("context_lens", []).append(context_lens.clone())
-        if fail:
+        if fail or calls["paged"] <= fail_first:
             raise RuntimeError("stand-in: DG_HOST_ASSERT failed")
         num_q, next_n, heads, d = q.shape
         num_pages, block_kv = kv_cache.shape[:2]
@@ -126,20 +130,27 @@ def make_stand_in(calls: dict, fail: bool = False, drop: str | None = None,
 
 
 @pytest.fixture
-def sm90(monkeypatch):
-    """Pretend the CPU is an SM90 GPU for DeepGEMM's probe; forget earlier probes."""
+def sm90(monkeypatch, fresh_log_once):
+    """Pretend the CPU is an SM90 GPU for the libraries' probes; every fallback message is logged afresh."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # triton re-reads it in imports it makes lazily
-    monkeypatch.setattr(deepgemm, "_device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(optional_lib, "cuda_capability", lambda device: (9, 0))
     # DeepGEMM serves every shape it can take (the measured table routes some shapes to Triton on a real GPU).
     monkeypatch.setattr(deepgemm, "DEEPGEMM_PAGED_WINS", ((0, 1 << 30, 0, 1 << 30),))
     monkeypatch.setattr(deepgemm, "DEEPGEMM_RAGGED_WINS", True)
-    deepgemm.reset()
-    yield
-    deepgemm.reset()
 
 
 def _with_module(monkeypatch, mod):
     monkeypatch.setitem(sys.modules, "deep_gemm", mod)  # None makes `import deep_gemm` raise ImportError
+
+
+def choose(**kw) -> KernelChoice:
+    """The Triton / DeepGEMM / FlashMLA choice on the CPU (under the interpreter, as on a GPU)."""
+    return select_kernels("cpu", kernel_backend="triton", **kw)
+
+
+def ops_for(choice: KernelChoice, page_size: int = 64):
+    """The ops a DSABackend of an engine with `choice` binds (its libraries loaded as an engine loads them)."""
+    return bind_ops(choice, load_libraries(choice, "cpu"), page_size)
 
 
 # ---------------------------------------------------------------------------
@@ -149,11 +160,12 @@ def _with_module(monkeypatch, mod):
 def test_missing_deep_gemm_falls_back_to_triton_and_says_so(sm90, monkeypatch, caplog):
     _with_module(monkeypatch, None)
     with caplog.at_level(logging.INFO):
-        choice = choose_kernels(torch.device("cpu"), kernel_backend="triton")
+        choice = select_kernels(torch.device("cpu"), kernel_backend="triton")
     assert choice.index_logits == "triton"
     assert choice.store_index_k == choice.sparse_mla == choice.kv_move == "triton"
     assert "import deep_gemm failed" in caplog.text
-    assert "DSA kernels:" in caplog.text and "index_logits=triton" in caplog.text
+    assert "DSA indexer logits: Triton (import deep_gemm failed" in caplog.text  # one line per decision
+    assert "Kernel choice:" in caplog.text and "index_logits=triton" in caplog.text
 
 
 @in_this_process
@@ -161,7 +173,7 @@ def test_missing_deep_gemm_falls_back_to_triton_and_says_so(sm90, monkeypatch, c
 def test_incomplete_deep_gemm_is_rejected_at_start_up(sm90, monkeypatch, caplog, missing):
     _with_module(monkeypatch, make_stand_in({}, drop=missing))
     with caplog.at_level(logging.INFO):
-        choice = kernel_choice.choose("cpu")
+        choice = choose()
     assert choice.index_logits == "triton"
     assert f"deep_gemm lacks {missing}" in caplog.text
 
@@ -169,19 +181,63 @@ def test_incomplete_deep_gemm_is_rejected_at_start_up(sm90, monkeypatch, caplog,
 @in_this_process
 def test_wrong_gpu_generation_and_opt_out(sm90, monkeypatch):
     _with_module(monkeypatch, make_stand_in({}))
-    assert kernel_choice.choose("cpu", use_deep_gemm=False).index_logits == "triton"
-    monkeypatch.setattr(deepgemm, "_device_capability", lambda device: (8, 0))
-    deepgemm.reset()
-    status = deepgemm.probe(torch.device("cpu"))
-    assert not status.available and "SM80" in status.reason
-    assert kernel_choice.choose("cpu").index_logits == "triton"
+    assert choose(use_deep_gemm=False).index_logits == "triton"
+    monkeypatch.setattr(optional_lib, "cuda_capability", lambda device: (8, 0))
+    module, status = deepgemm.probe(torch.device("cpu"))
+    assert module is None and not status.available and "SM80" in status.reason
+    assert choose().index_logits == "triton"
 
 
 @in_this_process
 def test_stand_in_deep_gemm_is_chosen(sm90, monkeypatch):
     _with_module(monkeypatch, make_stand_in({}))
-    assert kernel_choice.choose("cpu").index_logits == "deepgemm"
-    assert deepgemm.probe(torch.device("cpu")).reason == "deep_gemm stand-in on SM90"
+    assert choose().index_logits == "deepgemm"
+    assert deepgemm.probe(torch.device("cpu"))[1].reason == "deep_gemm stand-in on SM90"
+
+
+@in_this_process
+def test_choice_is_plain_picklable_and_logged_one_line_per_decision(sm90, monkeypatch, caplog):
+    _with_module(monkeypatch, make_stand_in({}))
+    with caplog.at_level(logging.INFO, logger="minidsa.attention.select"):
+        choice = choose()
+    assert pickle.loads(pickle.dumps(choice)) == choice  # what the config carries to tensor-parallel ranks
+    lines = [r.getMessage() for r in caplog.records if r.name == "minidsa.attention.select"]
+    for label in select.LABELS.values():  # every kernel named once, with what serves it and why
+        assert sum(line.startswith(label) or f", {label}" in line for line in lines) == 1, (label, lines)
+    assert "DSA indexer logits: DeepGEMM where measured faster, else Triton (deep_gemm stand-in on SM90)" in lines
+    assert lines[-1] == f"Kernel choice: {choice.describe()}"
+
+
+@in_this_process
+def test_environment_overrides_are_read_by_the_selection(sm90, monkeypatch):
+    _with_module(monkeypatch, None)
+    for name in ("MINIDSA_TOPK", "MINIDSA_SAMPLE", "MINIDSA_FP8_GEMM"):
+        monkeypatch.setenv(name, "torch")
+    choice = choose()
+    assert (choice.topk, choice.sample, choice.fp8_gemm, choice.index_logits) == ("torch", "torch", "torch", "triton")
+    monkeypatch.setenv("MINIDSA_FP8_GEMM", "deepgemm")
+    with pytest.raises(ValueError, match="MINIDSA_FP8_GEMM=deepgemm: import deep_gemm failed"):
+        choose()
+    monkeypatch.setenv("MINIDSA_TOPK", "cuda")
+    with pytest.raises(ValueError, match="MINIDSA_TOPK must be"):
+        choose()
+    assert select_kernels("cpu", kernel_backend="torch") == KernelChoice()  # the references, whatever it says
+
+
+@in_this_process
+def test_each_rank_loads_the_libraries_its_choice_names(sm90, monkeypatch):
+    calls: dict = {}
+    _with_module(monkeypatch, make_stand_in(calls))
+    choice = choose()
+    libraries = load_libraries(choice, "cpu")
+    assert libraries.deepgemm.module is sys.modules["deep_gemm"] and libraries.deepgemm.own_schedule(64)
+    assert libraries.deepgemm.status.sm_major == 9 and calls["schedule"] == 2  # the schedule check, once
+    assert load_libraries(choose(use_deep_gemm=False), "cpu").deepgemm is None
+    _with_module(monkeypatch, None)  # a rank where it does not import: a clear error, not a silent Triton engine
+    with pytest.raises(RuntimeError, match="names DeepGEMM, but on cpu: import deep_gemm failed"):
+        load_libraries(choice, "cpu")
+    with pytest.raises(ValueError, match="needs the DeepGEMM handle"):
+        bind_ops(choice)
 
 
 def test_context_lens_helper_shape():
@@ -204,7 +260,7 @@ def test_topk_crossover_rule():
 
 @in_this_process
 def test_shapes_the_triton_kernels_cannot_take_use_the_reference(sm90, caplog):
-    ops = dispatch.ops_for(KernelChoice("triton", "triton", "triton", "triton", "triton"))
+    ops = bind_ops(KernelChoice("triton", "triton", "triton", "triton", "triton"))
     g = torch.Generator().manual_seed(3)
     q = torch.randn(3, 4, 24 + 16, generator=g)  # v_dim 24: not a power of two
     cache = torch.randn(50, 40, generator=g)
@@ -217,7 +273,9 @@ def test_shapes_the_triton_kernels_cannot_take_use_the_reference(sm90, caplog):
 
 def test_bad_kernel_choice_is_rejected():
     with pytest.raises(ValueError, match="KernelChoice.topk"):
-        dispatch.ops_for(KernelChoice(topk="cuda"))
+        bind_ops(KernelChoice(topk="cuda"))
+    with pytest.raises(ValueError, match="KernelChoice.sparse_mla"):
+        KernelChoice(sparse_mla="deepgemm")  # each kernel has its own implementations
 
 
 # ---------------------------------------------------------------------------
@@ -246,7 +304,7 @@ def _paged_case(seed: int, heads: int = 32, page_size: int = 64, tree: bool = Fa
 def test_deepgemm_paged_path_matches_reference(sm90, monkeypatch, tree):
     calls: dict = {}
     _with_module(monkeypatch, make_stand_in(calls))
-    ops = dispatch.ops_for(kernel_choice.choose("cpu"))
+    ops = ops_for(choose())
     args = _paged_case(1 + tree, tree=tree)
     for _ in range(2):
         got = ops.index_logits(*args)
@@ -275,7 +333,7 @@ def test_build_with_another_schedule_keeps_its_own_metadata_kernel(sm90, monkeyp
     calls: dict = {}
     _with_module(monkeypatch, make_stand_in(calls, schedule_differs=True))
     with caplog.at_level(logging.WARNING):
-        ops = dispatch.ops_for(kernel_choice.choose("cpu"))
+        ops = ops_for(choose())
     assert "schedule differs from minidsa's at page size 64" in caplog.text
     calls["schedule"] = 0
     args = _paged_case(5)
@@ -288,7 +346,7 @@ def test_build_with_another_schedule_keeps_its_own_metadata_kernel(sm90, monkeyp
 def test_deepgemm_ragged_path_for_one_request_prefill(sm90, monkeypatch):
     calls: dict = {}
     _with_module(monkeypatch, make_stand_in(calls))
-    ops = dispatch.ops_for(kernel_choice.choose("cpu"))
+    ops = ops_for(choose())
     q, w, cache, ps, r2t, _, _, width, _ = _paged_case(3)
     rows = torch.zeros(5, dtype=torch.int64)
     kv_lens = torch.tensor([146, 147, 148, 149, 150])  # the last 5 tokens of a 150-token prefill
@@ -303,7 +361,7 @@ def test_deepgemm_ragged_path_for_one_request_prefill(sm90, monkeypatch):
 def test_deepgemm_failing_mid_run_switches_to_triton(sm90, monkeypatch, caplog):
     calls: dict = {}
     _with_module(monkeypatch, make_stand_in(calls, fail=True))
-    ops = dispatch.ops_for(kernel_choice.choose("cpu"))
+    ops = ops_for(choose())
     args = _paged_case(5)
     with caplog.at_level(logging.WARNING):
         first = ops.index_logits(*args)
@@ -311,15 +369,18 @@ def test_deepgemm_failing_mid_run_switches_to_triton(sm90, monkeypatch, caplog):
     want = ref.index_logits(*args)
     torch.testing.assert_close(first, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(second, want, rtol=1e-4, atol=1e-4)
-    assert calls["paged"] == 1  # not retried after the failure
-    assert "fp8_paged_mqa_logits failed" in caplog.text and "Triton" in caplog.text
+    # Each call that fails runs Triton (nothing is switched off for the process: other engines may hold other
+    # choices); the failure is logged once.
+    assert calls["paged"] == 2
+    said = [r.getMessage() for r in caplog.records if "fp8_paged_mqa_logits failed" in r.getMessage()]
+    assert len(said) == 1 and "Triton" in said[0]
 
 
 @in_this_process
 def test_shapes_deepgemm_cannot_take_use_triton(sm90, monkeypatch, caplog):
     calls: dict = {}
     _with_module(monkeypatch, make_stand_in(calls))
-    ops = dispatch.ops_for(kernel_choice.choose("cpu"))
+    ops = ops_for(choose())
     for heads, page_size in ((16, 64), (32, 4)):
         args = _paged_case(7, heads=heads, page_size=page_size)
         with caplog.at_level(logging.WARNING):
@@ -336,7 +397,8 @@ def _backend(kernels: KernelChoice | None, page_size: int):
     kv = KVCache(2, 8, MLALayout.for_model(32, 16, torch.float32, "auto"),
                  IndexerLayout(32, torch.float32, True, page_size), "cpu", indexer_layers=[True, False])
     pool = ReqToTokenPool(4, 256, "cpu")
-    return DSABackend(kv, pool.req_to_token, index_topk=24, kernels=kernels), pool
+    libraries = load_libraries(kernels, "cpu") if kernels is not None else None
+    return DSABackend(kv, pool.req_to_token, index_topk=24, kernels=kernels, libraries=libraries), pool
 
 
 @in_this_process
@@ -345,7 +407,7 @@ def test_dsa_backend_ops_match_reference_backend(sm90, monkeypatch, with_deep_ge
     calls: dict = {}
     _with_module(monkeypatch, make_stand_in(calls) if with_deep_gemm else None)
     page_size, heads, lens = 64, 32, [150, 90]
-    choice = kernel_choice.choose("cpu")
+    choice = choose()
     assert choice.index_logits == ("deepgemm" if with_deep_gemm else "triton")
     fast, fast_pool = _backend(choice, page_size)
     slow, slow_pool = _backend(None, page_size)
@@ -423,7 +485,7 @@ def test_measured_table_routes_each_shape(sm90, monkeypatch):
     calls: dict = {}
     _with_module(monkeypatch, make_stand_in(calls))
     monkeypatch.setattr(deepgemm, "DEEPGEMM_PAGED_WINS", ((4, 1 << 30, 0, 1 << 30),))  # 4+ tokens only
-    ops = dispatch.ops_for(kernel_choice.choose("cpu"))
+    ops = ops_for(choose())
     args = _paged_case(11)  # 6 tokens
     few = (args[0][:2], args[1][:2], *args[2:5], args[5][:2], args[6][:2], *args[7:])
     for case, dg_calls in ((few, 0), (args, 1)):
@@ -495,6 +557,57 @@ def test_compiled_prefill_with_deep_gemm_compiles_nothing_after_start_up(sm90, m
 
 
 
+@in_this_process
+def test_engines_with_different_kernel_choices_share_a_process(sm90, monkeypatch, caplog):
+    """Engines in one process, each with its own kernel choice (the torch references; Triton; Triton with
+    DeepGEMM's indexer), generate what each generates alone, in turns. DeepGEMM runs only in the engine that chose
+    it, and a call it failed in one engine switched nothing off: the choices and the library live in each engine,
+    not in module state."""
+    from minidsa import LLM, SamplingParams
+    from minidsa.models import presets
+
+    raw = presets.preset_config("tiny")
+    raw.update(index_n_heads=32, vocab_size=512, num_hidden_layers=2)  # DeepGEMM on SM90: 32 or 64 indexer heads
+    monkeypatch.setitem(presets.PRESETS, "tiny-dg", raw)
+    base = dict(model="tiny-dg", device="cpu", dtype="float32", page_size=64, indexer_cache_dtype="fp8",
+                max_total_tokens=1024, max_running_requests=2, progress=False)
+    kinds = {"torch": dict(kernel_backend="torch"), "triton": dict(kernel_backend="triton", use_deep_gemm=False),
+             "deepgemm": dict(kernel_backend="triton")}
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (40, 36)]  # > index_topk 32: sparse
+    params = SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False, temperature=0.8, seed=7)
+    calls: dict = {}
+    _with_module(monkeypatch, make_stand_in(calls, fail_first=1))  # its first call fails
+
+    def dg_calls() -> int:
+        return calls.get("paged", 0) + calls.get("ragged", 0)
+
+    def run(llm) -> list[list[int]]:
+        return [o.token_ids for o in llm.generate(prompts, params)]
+
+    alone = {}
+    with caplog.at_level(logging.ERROR):
+        for name, kw in kinds.items():  # each engine alone: built, run and closed before the next
+            with LLM(**base, **kw) as llm:
+                alone[name] = run(llm)
+    assert [r.getMessage() for r in caplog.records if "failed" in r.getMessage()] == [
+        "DeepGEMM fp8_paged_mqa_logits failed: RuntimeError: stand-in: DG_HOST_ASSERT failed; the Triton indexer "
+        "kernels serve each call it fails"]
+
+    engines = {name: LLM(**base, **kw) for name, kw in kinds.items()}
+    chosen = {name: llm.engine.runner.kernels for name, llm in engines.items()}
+    assert {n: (c.index_logits, c.sparse_mla, c.sample) for n, c in chosen.items()} == {
+        "torch": ("torch", "torch", "torch"), "triton": ("triton", "triton", "triton"),
+        "deepgemm": ("deepgemm", "triton", "triton")}
+    for _ in range(2):
+        for name, llm in engines.items():
+            before = dg_calls()
+            assert run(llm) == alone[name], name
+            assert (dg_calls() > before) == (name == "deepgemm"), name  # DeepGEMM serves again after the failure
+    for llm in engines.values():
+        llm.close()
+
+
 # ---------------------------------------------------------------------------
 # the dense FP8 GEMM: row classes, so DeepGEMM's per-tile-choice JIT happens at start-up
 # ---------------------------------------------------------------------------
@@ -526,19 +639,55 @@ def gemm_stand_in(rows_seen: list):
 def test_fp8_gemm_runs_row_classes_and_start_up_compiles_every_one(sm90, monkeypatch):
     rows_seen: list = []
     _with_module(monkeypatch, gemm_stand_in(rows_seen))
-    assert deepgemm.fp8_gemm_status(torch.device("cpu")).available
+    module, status = deepgemm.probe(torch.device("cpu"), deepgemm.GEMM_API)
+    assert status.available
+    handle = deepgemm.DeepGEMM(module, status, "cpu")
     g = torch.Generator().manual_seed(0)
     w8, ws = fp8.quant_block(torch.randn(192, 256, generator=g))
     # Start-up: every class up to 300 rows, once per weight shape (the second weight has the same shape).
-    calls = deepgemm.warm_up_fp8_gemms([(w8, ws), (w8.clone(), ws.clone())], max_rows=300)
+    calls = handle.warm_up_fp8_gemms([(w8, ws), (w8.clone(), ws.clone())], max_rows=300)
     warmed = set(rows_seen)
     served = [r for r in deepgemm.gemm_row_classes(300) if deepgemm.fp8_gemm_wins(r, 192, 256)]  # Triton below
     assert calls == len(rows_seen) and rows_seen == served
     rows_seen.clear()
     for m in (17, 129, 200, 300):  # then any size runs a class compiled at start-up, with the exact result
         x = torch.randn(m, 256, generator=g).bfloat16()
-        y = deepgemm.fp8_gemm_nt(x, w8, ws)
+        y = deepgemm.fp8_gemm_nt(module, x, w8, ws)
         assert y.shape == (m, 192) and y.is_contiguous()
         want = fp8.w8a8_block_matmul_reference(x.float(), w8, ws)
         torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
     assert rows_seen == [32, 144, 208, 320] and set(rows_seen) <= warmed
+
+
+@in_this_process
+def test_fp8_linear_op_takes_deepgemm_from_its_argument_and_runs_triton_for_a_failing_call(sm90, monkeypatch,
+                                                                                           caplog):
+    from minidsa.kernels import custom_ops, fp8_gemm  # noqa: F401  (registers torch.ops.minidsa.fp8_linear)
+    from minidsa.kernels.optional_lib import LibraryStatus
+
+    rows_seen: list = []
+    _with_module(monkeypatch, gemm_stand_in(rows_seen))
+    g = torch.Generator().manual_seed(1)
+    w8, ws = fp8.quant_block(torch.randn(192, 256, generator=g))
+    x = torch.randn(40, 256, generator=g).bfloat16()  # 40 rows: DeepGEMM is measured faster (fp8_gemm_wins)
+    want = fp8.w8a8_block_matmul_reference(x.float(), w8, ws)
+    got = torch.ops.minidsa.fp8_linear(x, w8, ws, True)
+    assert rows_seen == [48]  # through the module sys.modules holds, as a 48-row class
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    torch.ops.minidsa.fp8_linear(x, w8, ws, False)  # the layer's choice says Triton: DeepGEMM is not asked
+    assert rows_seen == [48]
+
+    def fp8_gemm_nt(a, b, out):
+        raise RuntimeError("stand-in: unsupported scale layout")
+
+    failing = types.SimpleNamespace(fp8_gemm_nt=fp8_gemm_nt, __version__="stand-in")
+    _with_module(monkeypatch, failing)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):  # each call Triton's result; the failure said once
+            assert torch.equal(torch.ops.minidsa.fp8_linear(x, w8, ws, True), fp8_gemm.w8a8_block_gemm(x, w8, ws))
+    said = [r.getMessage() for r in caplog.records if "fp8_gemm_nt failed" in r.getMessage()]
+    assert len(said) == 1 and "Triton FP8 GEMM" in said[0]
+    # The start-up warm-up through the engine's handle records the failure there and stops.
+    handle = deepgemm.DeepGEMM(failing, LibraryStatus(True, "stand-in", 9), "cpu")
+    assert handle.warm_up_fp8_gemms([(w8, ws)], max_rows=64) == 0
+    assert len(handle.failures) == 1 and "fp8_gemm_nt failed: RuntimeError" in handle.failures[0]

@@ -27,7 +27,7 @@ from triton_interp import import_kernels_interpreted  # noqa: E402
 if not import_kernels_interpreted():
     pytest.skip("triton was imported compiled in this process: run this file alone", allow_module_level=True)
 
-from minidsa.kernels import deepgemm, fp8  # noqa: E402
+from minidsa.kernels import deepgemm, fp8, optional_lib  # noqa: E402
 from minidsa.config import DEEPGEMM_WORKERS_ENV, ConfigError, EngineConfig, resolve  # noqa: E402
 from minidsa.kernels.deepgemm_jit import GemmWarmUp, spread, worker_count  # noqa: E402
 
@@ -38,9 +38,10 @@ MAX_ROWS = 160  # 9 row classes per weight shape (17 rows and up: small weights)
 
 
 class StandIn:
-    def __init__(self, log: str):
+    def __init__(self, log: str, library: deepgemm.DeepGEMM):
         self.log = log
         self.seen = 0
+        self.library = library  # the engine's handle on it
 
     def events(self) -> list[dict]:
         """The calls logged since the last look."""
@@ -63,11 +64,10 @@ def stand_in(monkeypatch, tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     monkeypatch.setitem(sys.modules, "deep_gemm", mod)
-    monkeypatch.setattr(deepgemm, "_device_capability", lambda device: (9, 0))
-    deepgemm.reset()
-    assert deepgemm.fp8_gemm_status(CPU).available
-    yield StandIn(str(tmp_path / "calls.jsonl"))
-    deepgemm.reset()
+    monkeypatch.setattr(optional_lib, "cuda_capability", lambda device: (9, 0))
+    module, status = deepgemm.probe(CPU, deepgemm.GEMM_API)
+    assert status.available
+    return StandIn(str(tmp_path / "calls.jsonl"), deepgemm.DeepGEMM(module, status, CPU))
 
 
 def _weights() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -109,7 +109,7 @@ def test_worker_count_follows_the_cpus_and_the_environment(monkeypatch):
 
 
 def test_pool_runs_every_class_once_and_the_warm_up_compiles_nothing(stand_in, monkeypatch):
-    jit = GemmWarmUp(_weights(), MAX_ROWS, CPU, workers=3)
+    jit = GemmWarmUp(_weights(), MAX_ROWS, CPU, stand_in.library, workers=3)
     assert len(jit.tasks) == len(set(jit.tasks)) and {t[1:] for t in jit.tasks} == {(192, 256), (128, 128)}
     detail = jit.compile_in_pool(progress=False)
     pool = stand_in.events()
@@ -123,20 +123,20 @@ def test_pool_runs_every_class_once_and_the_warm_up_compiles_nothing(stand_in, m
     here = stand_in.events()
     assert _tasks(here) == sorted(jit.tasks) and {e["event"] for e in here} == {"loaded"}
     assert all(not e["worker"] and e["pid"] == os.getpid() for e in here)
-    assert "0 kernels compiled in this process" in detail and deepgemm.gemm_disabled_reason() is None
+    assert "0 kernels compiled in this process" in detail and not stand_in.library.failures
 
-    again = GemmWarmUp(_weights(), MAX_ROWS, CPU)  # the next start finds the manifest: no pool
+    again = GemmWarmUp(_weights(), MAX_ROWS, CPU, stand_in.library)  # the next start finds the manifest: no pool
     assert "were built before" in again.compile_in_pool(progress=False) and stand_in.events() == []
     # served calls run the classes compiled at start-up, with DeepGEMM's result
     w8, ws = _weights()[0]
     x = torch.randn(100, 256).bfloat16()
-    torch.testing.assert_close(deepgemm.fp8_gemm_nt(x, w8, ws).float(),
+    torch.testing.assert_close(deepgemm.fp8_gemm_nt(stand_in.library.module, x, w8, ws).float(),
                                fp8.w8a8_block_matmul_reference(x.float(), w8, ws), rtol=2e-2, atol=2e-2)
 
 
 def test_a_worker_that_dies_is_reported_and_the_warm_up_compiles_what_it_left(stand_in, monkeypatch, caplog):
     monkeypatch.setenv("STAND_IN_DG_CRASH_WORKER", "48")  # a worker process exits on any 48-row class
-    jit = GemmWarmUp(_weights(), MAX_ROWS, CPU, workers=2)
+    jit = GemmWarmUp(_weights(), MAX_ROWS, CPU, stand_in.library, workers=2)
     with caplog.at_level(logging.WARNING, logger="minidsa.kernels.deepgemm_jit"):
         detail = jit.compile_in_pool(progress=False)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
@@ -152,12 +152,12 @@ def test_a_worker_that_dies_is_reported_and_the_warm_up_compiles_what_it_left(st
     from_pool = {e["kernel"] for e in pool if e["event"] == "compiled"}
     assert {e["kernel"] for e in here if e["event"] == "compiled"} == needed - from_pool
     assert f"{len(needed - from_pool)} kernels compiled in this process" in detail
-    assert deepgemm.gemm_disabled_reason() is None  # DeepGEMM still serves
+    assert not stand_in.library.failures  # DeepGEMM still serves
 
 
 def test_workers_that_cannot_start_leave_everything_to_the_warm_up(stand_in, monkeypatch, caplog):
     monkeypatch.setenv("PYTHONPATH", ROOT)  # no deep_gemm in the workers
-    jit = GemmWarmUp(_weights(), MAX_ROWS, CPU, workers=2)
+    jit = GemmWarmUp(_weights(), MAX_ROWS, CPU, stand_in.library, workers=2)
     with caplog.at_level(logging.WARNING, logger="minidsa.kernels.deepgemm_jit"):
         jit.compile_in_pool(progress=False)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]

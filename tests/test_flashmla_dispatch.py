@@ -5,7 +5,9 @@ No FlashMLA build runs here: a torch stand-in follows its documented Python cont
 (flash_mla_interface.py: the FP8 sparse decode's [b, s_q, h, 576] queries over a [blocks, block_size, 1, 656]
 e4m3 cache with global slot indices, a scheduler object filled on its first call and checked against the
 shapes after; the bf16 sparse prefill's [s_q, 1, topk] indices) and computes the reference on the dequantised
-values. The Triton kernels run through Triton's interpreter (bf16 under `torch_rounded_casts`).
+values. It is injected as `sys.modules["flash_mla"]`, and the CPU passes for an SM90 GPU through
+`optional_lib.cuda_capability` (both monkeypatched here). The Triton kernels run through Triton's interpreter
+(bf16 under `torch_rounded_casts`).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from triton_interp import import_kernels_interpreted, torch_rounded_casts  # noq
 INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
 
-from minidsa.kernels import choice as kernel_choice  # noqa: E402
-from minidsa.kernels import dispatch, flashmla  # noqa: E402
+from minidsa.attention.backend import bind_ops  # noqa: E402
+from minidsa.attention.select import KernelChoice, load_libraries, select_kernels  # noqa: E402
+from minidsa.kernels import flashmla, optional_lib  # noqa: E402
 from minidsa.kernels import reference as ref  # noqa: E402
 from minidsa.exec.kv_cache import MLALayout  # noqa: E402
 
@@ -104,18 +107,26 @@ def make_stand_in(calls: dict, fail: bool = False, drop: str | None = None) -> t
 
 
 @pytest.fixture
-def sm90(monkeypatch):
-    """Pretend the CPU is an SM90 GPU for FlashMLA's probe; forget earlier probes; bf16 in the interpreter."""
+def sm90(monkeypatch, fresh_log_once):
+    """Pretend the CPU is an SM90 GPU for the libraries' probes; fallbacks logged afresh; bf16 in the interpreter."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(flashmla, "_device_capability", lambda device: (9, 0))
-    flashmla.reset()
+    monkeypatch.setattr(optional_lib, "cuda_capability", lambda device: (9, 0))
     with torch_rounded_casts():
         yield
-    flashmla.reset()
 
 
 def _with_module(monkeypatch, mod):
     monkeypatch.setitem(sys.modules, "flash_mla", mod)  # None makes `import flash_mla` raise ImportError
+
+
+def choose(**kw) -> KernelChoice:
+    """The Triton / DeepGEMM / FlashMLA choice on the CPU (under the interpreter, as on a GPU)."""
+    return select_kernels("cpu", kernel_backend="triton", **kw)
+
+
+def kept_sched_meta(module) -> int:
+    """Scheduler metadata objects kept for `module` (the cache is keyed by the library and the shape)."""
+    return sum(1 for key in flashmla._SCHED_META if key[0] is module)
 
 
 # ---------------------------------------------------------------------------
@@ -125,33 +136,32 @@ def _with_module(monkeypatch, mod):
 def test_stand_in_is_chosen_at_start_up_and_logged(sm90, monkeypatch, caplog):
     _with_module(monkeypatch, make_stand_in({}))
     with caplog.at_level(logging.INFO):
-        choice = kernel_choice.choose_kernels(torch.device("cpu"), kernel_backend="triton")
+        choice = select_kernels(torch.device("cpu"), kernel_backend="triton")
     assert choice.sparse_mla == "flashmla"
     assert "DSA sparse MLA: FlashMLA" in caplog.text and "flash_mla stand-in on SM90" in caplog.text
     assert "sparse_mla=flashmla" in caplog.text
+    handle = load_libraries(choice, "cpu").flashmla  # what each rank holds: the module and why it serves
+    assert handle.module is sys.modules["flash_mla"] and handle.status.reason == "flash_mla stand-in on SM90"
 
 
 @in_this_process
 def test_missing_incomplete_wrong_gpu_or_disabled_means_triton(sm90, monkeypatch, caplog):
     _with_module(monkeypatch, None)
     with caplog.at_level(logging.INFO):
-        assert kernel_choice.choose("cpu").sparse_mla == "triton"
+        assert choose().sparse_mla == "triton"
     assert "import flash_mla failed" in caplog.text
-    flashmla.reset()
     _with_module(monkeypatch, make_stand_in({}, drop="flash_mla_sparse_fwd"))
     with caplog.at_level(logging.INFO):
-        assert kernel_choice.choose("cpu").sparse_mla == "triton"
+        assert choose().sparse_mla == "triton"
     assert "flash_mla lacks flash_mla_sparse_fwd" in caplog.text
-    flashmla.reset()
     _with_module(monkeypatch, make_stand_in({}))
     with caplog.at_level(logging.INFO):
-        assert kernel_choice.choose("cpu", use_flash_mla=False).sparse_mla == "triton"
+        assert choose(use_flash_mla=False).sparse_mla == "triton"
     assert "FlashMLA disabled by use_flash_mla=False" in caplog.text
-    monkeypatch.setattr(flashmla, "_device_capability", lambda device: (10, 0))
-    flashmla.reset()
-    status = flashmla.probe(torch.device("cpu"))
-    assert not status.available and "SM100" in status.reason
-    assert kernel_choice.choose("cpu").sparse_mla == "triton"
+    monkeypatch.setattr(optional_lib, "cuda_capability", lambda device: (10, 0))
+    module, status = flashmla.probe(torch.device("cpu"))
+    assert module is None and not status.available and "SM100" in status.reason
+    assert choose().sparse_mla == "triton"
 
 
 def test_disable_flag_reaches_the_engine_config():
@@ -181,7 +191,9 @@ def _case(seed: int, tokens: int, heads: int = 64, topk: int = 128, fp8: bool = 
 
 
 def _ops():
-    return dispatch.ops_for(kernel_choice.choose("cpu"))
+    """The ops a DSABackend of an engine with FlashMLA binds (its libraries loaded as an engine loads them)."""
+    choice = choose()
+    return bind_ops(choice, load_libraries(choice, "cpu"))
 
 
 def _close(got, case):
@@ -218,18 +230,19 @@ def test_long_fp8_chunks_run_in_pieces(sm90, monkeypatch):
 @in_this_process
 def test_metadata_first_made_during_capture_is_not_kept(sm90, monkeypatch):
     calls: dict = {}
-    _with_module(monkeypatch, make_stand_in(calls))
+    stand_in = make_stand_in(calls)
+    _with_module(monkeypatch, stand_in)
     ops = _ops()
     monkeypatch.setattr(flashmla, "_capturing", lambda: True)
     case = _case(6, 2)
     for _ in range(2):  # made afresh each time: its kernel belongs to the graph being captured
         _close(ops.sparse_mla(*case), case)
-    assert calls["metadata"] == 2 and not flashmla._sched
+    assert calls["metadata"] == 2 and not kept_sched_meta(stand_in)
     monkeypatch.setattr(flashmla, "_capturing", lambda: False)
     ops.sparse_mla(*case)  # warm-up (outside capture) keeps it ...
     monkeypatch.setattr(flashmla, "_capturing", lambda: True)
     ops.sparse_mla(*case)  # ... and the capture reuses it
-    assert calls["metadata"] == 3 and len(flashmla._sched) == 1
+    assert calls["metadata"] == 3 and kept_sched_meta(stand_in) == 1
 
 
 @in_this_process
@@ -265,7 +278,7 @@ def test_shapes_flashmla_cannot_take_run_triton(sm90, monkeypatch, caplog, what)
 
 
 @in_this_process
-def test_failing_call_switches_the_process_to_triton(sm90, monkeypatch, caplog):
+def test_failing_call_runs_triton_and_is_logged_once(sm90, monkeypatch, caplog):
     calls: dict = {}
     _with_module(monkeypatch, make_stand_in(calls, fail=True))
     ops = _ops()
@@ -273,9 +286,11 @@ def test_failing_call_switches_the_process_to_triton(sm90, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING):
         for _ in range(2):
             _close(ops.sparse_mla(*case), case)
-    assert calls["decode"] == 1  # not retried after the failure
-    assert "flash_mla_with_kvcache failed" in caplog.text and "Triton" in caplog.text
-    assert flashmla.disabled_reason() is not None
+    # Each call that fails runs Triton (nothing is switched off for the process: other engines may hold other
+    # choices); the failure is logged once.
+    assert calls["decode"] == 2
+    said = [r.getMessage() for r in caplog.records if "flash_mla_with_kvcache failed" in r.getMessage()]
+    assert len(said) == 1 and "Triton" in said[0] and said[0].startswith("FlashMLA")
 
 
 # ---------------------------------------------------------------------------
@@ -293,11 +308,17 @@ def test_engine_with_flash_mla_compiles_and_generates_the_triton_tokens(sm90, mo
     from minidsa import LLM, SamplingParams
     from minidsa.models import presets
 
+    from minidsa.attention import select
+
     # Only sparse MLA differs between the two engines: the other DSA ops run their torch references (the
     # interpreter takes minutes for them at these widths; tests/test_deepgemm_dispatch.py runs them in Triton).
-    real_choose = kernel_choice.choose
-    monkeypatch.setattr(kernel_choice, "choose", lambda *a, **k: replace(
-        kernel_choice.KernelChoice(), sparse_mla=real_choose(*a, **k).sparse_mla))
+    select_all = select.select_kernels
+
+    def only_sparse_mla(*args, **kwargs):
+        real = select_all(*args, **kwargs)
+        return replace(KernelChoice(), sparse_mla=real.sparse_mla, fp8_gemm=real.fp8_gemm, moe_gemm=real.moe_gemm)
+
+    monkeypatch.setattr(select, "select_kernels", only_sparse_mla)  # resolve() selects through the module
     raw = presets.preset_config("tiny")
     # FlashMLA's shapes: 64 heads, latent 512 + rope 64, top-k a multiple of 64; the rest tiny.
     raw.update(num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE,

@@ -251,9 +251,7 @@ def test_deepgemm_grouped_moe_matches_per_token(num_tokens, skip, monkeypatch, p
     from minidsa.kernels import deepgemm
 
     calls: list[int] = []
-    monkeypatch.setattr(deepgemm, "_grouped_contiguous", None)
-    monkeypatch.setattr(deepgemm, "_grouped_disabled", None)
-    deepgemm._find_grouped(grouped_gemm_stand_in(8, calls))
+    stand_in = grouped_gemm_stand_in(8, calls)  # handed in as the library module, as the op hands in deep_gemm
     x, ids, weights = route(num_tokens, 256, seed=7 + num_tokens)
     x = x.bfloat16()
     params = make_weights(256, 128, seed=7, dtype=fp8.FP8_DTYPE)
@@ -264,15 +262,16 @@ def test_deepgemm_grouped_moe_matches_per_token(num_tokens, skip, monkeypatch, p
     else:
         ref_ids, ref_weights = ids, weights
     with torch_rounded_casts():
-        got = deepgemm.moe_contiguous(x, ids, weights, *params)
+        got = deepgemm.moe_contiguous(stand_in, x, ids, weights, *params)
     assert got is not None and got.dtype == torch.bfloat16 and got.shape == x.shape
     counts = torch.bincount(ids.flatten()[ids.flatten() >= 0], minlength=E)
     assert calls == [int(((counts + 7) // 8 * 8).sum())] * 2  # both GEMMs, rows padded per expert exactly
     # gate and up come out of the first GEMM in bf16 (as with split_gate_up tiles): twice the bf16 tolerance
     assert rel_err(got, per_token_reference(x, ref_ids, ref_weights, *params)) < 2 * FP8_TOL[torch.bfloat16]
-    # at decode sizes (and while no grouped GEMM exists) the Triton fused MoE serves
+    # at decode sizes (and where the build has no grouped GEMM) the Triton fused MoE serves
     assert deepgemm.moe_contiguous_wins(E * deepgemm.MOE_CONTIGUOUS_MIN_PAIRS_PER_EXPERT // TOP_K, TOP_K, E)
     assert not deepgemm.moe_contiguous_wins(num_tokens, TOP_K, E)
+    assert deepgemm.moe_contiguous(SimpleNamespace(), x, ids, weights, *params) is None
 
 
 def _skip_some(ids: torch.Tensor, seed: int) -> torch.Tensor:

@@ -27,7 +27,8 @@ def test_generate_without_triton_matches_the_install_with_it(tiny_llm):
     r = _python("""
         import json
         from minidsa import LLM, SamplingParams
-        from minidsa.kernels import choice, custom_ops, fused_moe, triton_compat  # every kernel module imports
+        from minidsa.attention import select as choice
+        from minidsa.kernels import custom_ops, fused_moe, triton_compat  # every kernel module imports
         out = LLM(device="cpu", dtype="float32", progress=False).generate(
             [[5, 6, 7, 8], "Hello"], SamplingParams(max_tokens=6, ignore_eos=True))
         print(json.dumps({"tokens": [o.token_ids for o in out], "missing": triton_compat.MISSING,

@@ -23,7 +23,7 @@ from hf_tiny import save_hf_with_mtp
 from minidsa import LLM, SamplingParams
 from minidsa.config import ConfigError, EngineConfig, ModelConfig
 from minidsa.parallel.launch import RankFailedError
-from minidsa.kernels.choice import triton_usable
+from minidsa.attention.select import triton_usable
 from test_speculative import forced_override, run as run_with_forced_drafts
 from tp_forced_rank import ENV as FORCED_DRAFTS_ENV
 

@@ -24,7 +24,7 @@ def import_kernels_interpreted() -> bool:
     prev = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        from minidsa.kernels import custom_ops, dispatch, indexer  # noqa: F401
+        from minidsa.kernels import custom_ops, indexer  # noqa: F401
     finally:
         if prev is None:
             os.environ.pop("TRITON_INTERPRET")

@@ -3,22 +3,26 @@
 The model calls `DSABackend` to store MLA / indexer keys, score and pick the
 top-k, and run sparse MLA attention, handing each layer its `LayerCaches`.
 Which implementation serves each op (pure torch `minidsa.kernels.reference`,
-Triton, DeepGEMM) was decided at start-up (`minidsa.kernels.choice`); this
-backend only follows that `KernelChoice`.
+Triton, DeepGEMM, FlashMLA) was decided at start-up (`attention/select.py`);
+`bind_ops` binds each op once from that `KernelChoice`, to the reference or
+to the custom op (`torch.ops.minidsa.*`) that serves it, and the backend calls
+what was bound. Per-shape choices happen inside the custom ops.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from minidsa.attention.select import KernelChoice, Libraries
 from minidsa.exec.batch import ForwardBatch
-from minidsa.kernels import num_sms
-from minidsa.kernels import reference as ref
-from minidsa.kernels.choice import KernelChoice
 from minidsa.exec.kv_cache import KVCache
+from minidsa.kernels import deepgemm, num_sms
+from minidsa.kernels import reference as ref
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +51,120 @@ class IndexStep:
 
     token_rows: torch.Tensor  # [T] req_to_token row of each query token
     num_requests: int  # requests the tokens come from (a host hint the kernels pick tiles / DeepGEMM's form by)
-    deepgemm: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # context lens, block table, schedule
+    # DeepGEMM's context lens, block table and schedule (None: the build's metadata kernel makes it per layer)
+    deepgemm: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+
+
+@dataclass(frozen=True)
+class DSAOps:
+    """The implementation bound to each DSA op for one engine, with the reference functions' signatures."""
+
+    store_index_k: Callable[..., None]  # (index_k, loc, k, page_size)
+    store_mla: Callable[..., None]  # (cache, loc, kv, latent_dim)
+    # (q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_len, tree_mask=None,
+    #  num_requests=0, step_meta=None): `num_requests` = requests the tokens come from (0 = unknown);
+    # `step_meta` = `index_metadata`'s result for the step
+    index_logits: Callable[..., torch.Tensor]
+    # (req_to_token, token_rows, kv_lens, max_kv_len, tree_mask, page_size, num_sms) -> what DeepGEMM's paged
+    # kernel needs per step (context lens, block table, schedule or None), or None when DeepGEMM was not chosen
+    index_metadata: Callable[..., tuple | None]
+    topk: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (logits, topk, req_to_token, token_rows)
+    sparse_mla: Callable[..., torch.Tensor]  # (q, kv_cache, topk_slots, sm_scale, v_dim)
+    # (mla_buffer, index_buffer, src, dst, page_size, index_head_dim): every layer of both whole-model buffers
+    kv_move: Callable[..., None]
+
+
+def bind_ops(choice: KernelChoice, libraries: Libraries | None = None, page_size: int = 64, mla_fp8: bool = True,
+             index_fp8: bool = True) -> DSAOps:
+    """Each DSA op bound once to what `choice` says serves it. `libraries`: `select.load_libraries(choice)`;
+    `page_size`: the engine's (DeepGEMM's schedule was checked per page size); `mla_fp8` / `index_fp8`: whether
+    the caches use the FP8 layouts (the Triton stores write only those; model-dtype caches are plain stores)."""
+    if choice.uses_dsa_kernels:
+        importlib.import_module("minidsa.kernels.custom_ops")  # registers torch.ops.minidsa.* (imports Triton)
+    ops = torch.ops.minidsa
+
+    def reference_index_logits(q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_len,
+                               tree_mask=None, num_requests=0, step_meta=None):
+        return ref.index_logits(q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_len,
+                                tree_mask)
+
+    def triton_index_logits(q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_len,
+                            tree_mask=None, num_requests=0, step_meta=None):
+        return ops.index_logits(q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_len,
+                                tree_mask, num_requests)
+
+    def no_index_metadata(req_to_token, token_rows, kv_lens, max_kv_len, tree_mask, page_size, num_sms):
+        return None
+
+    if choice.index_logits == "deepgemm":
+        index_logits, index_metadata = _bind_deepgemm(libraries, page_size)
+    else:
+        index_logits = triton_index_logits if choice.index_logits == "triton" else reference_index_logits
+        index_metadata = no_index_metadata
+
+    def triton_kv_move(mla_buffer, index_buffer, src, dst, page_size, index_head_dim):
+        ops.kv_move(mla_buffer, index_buffer, src, dst, page_size, index_head_dim)
+
+    def reference_kv_move(mla_buffer, index_buffer, src, dst, page_size, index_head_dim):
+        index_layers = [] if index_buffer is None else list(index_buffer.unbind(0))
+        ref.kv_move(list(mla_buffer.unbind(0)), index_layers, src, dst, page_size, index_head_dim)
+
+    # The ops serve shapes their kernels cannot take themselves (opaque: a compiled layer never traces the
+    # reference's per-query-block loop, which would guard on the token count).
+    if choice.sparse_mla == "flashmla":
+        sparse_mla = ops.flashmla_sparse_mla
+    elif choice.sparse_mla == "triton":
+        sparse_mla = ops.sparse_mla
+    else:
+        sparse_mla = ref.sparse_mla
+    if choice.topk == "triton":  # the Triton select or torch.topk, chosen per shape inside the op
+        topk = ops.topk_slots
+    elif choice.uses_dsa_kernels:  # MINIDSA_TOPK=torch beside the kernels: torch.topk, gathering only k slots
+        from minidsa.kernels.topk import torch_topk_slots as topk
+    else:
+        topk = ref.topk_slots
+    return DSAOps(
+        store_index_k=ops.store_index_k if choice.store_index_k == "triton" and index_fp8 else ref.store_index_k,
+        store_mla=ops.store_mla if choice.store_mla == "triton" and mla_fp8 else ref.store_mla,
+        index_logits=index_logits,
+        index_metadata=index_metadata,
+        topk=topk,
+        sparse_mla=sparse_mla,
+        kv_move=triton_kv_move if choice.kv_move == "triton" else reference_kv_move,
+    )
+
+
+def _bind_deepgemm(libraries: Libraries | None, page_size: int):
+    """index_logits and index_metadata through DeepGEMM's op: the handle's facts (the GPU generation, whether
+    minidsa computes the schedule at this page size) become the op's plain arguments."""
+    handle = libraries.deepgemm if libraries is not None else None
+    if handle is None:
+        raise ValueError(f"KernelChoice.index_logits = 'deepgemm' needs the DeepGEMM handle "
+                         f"(attention.select.load_libraries); got {libraries}")
+    sm_major, own_schedule = handle.status.sm_major, handle.own_schedule(page_size)
+    ops = torch.ops.minidsa
+
+    def index_logits(q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_len,
+                     tree_mask=None, num_requests=0, step_meta=None):
+        # DeepGEMM or Triton per shape, and the fallback, all inside the opaque op
+        return ops.deepgemm_index_logits(q, weights, index_k, page_size, req_to_token, token_rows, kv_lens,
+                                         max_kv_len, sm_major, own_schedule, tree_mask, num_requests,
+                                         *(step_meta or (None, None, None)))
+
+    def index_metadata(req_to_token, token_rows, kv_lens, max_kv_len, tree_mask, page_size, num_sms):
+        ctx = deepgemm.step_context_lens(kv_lens, tree_mask, max_kv_len)
+        table = deepgemm.block_table(req_to_token, token_rows, max_kv_len, page_size)
+        # Where the build's schedule differs from minidsa's, its metadata kernel runs inside each layer's op.
+        return ctx, table, ops.deepgemm_schedule(ctx, num_sms) if own_schedule else None
+
+    return index_logits, index_metadata
 
 
 class DSABackend:
     """Owns the caches' write/read path for one engine."""
 
     def __init__(self, kv_cache: KVCache, req_to_token: torch.Tensor, index_topk: int,
-                 kernels: KernelChoice | None = None):
+                 kernels: KernelChoice | None = None, libraries: Libraries | None = None):
         self.kv_cache = kv_cache
         self.req_to_token = req_to_token
         self.topk_width = index_topk
@@ -62,25 +172,13 @@ class DSABackend:
         # The fp8 indexer's query rotation, built once on the cache's device (an input to compiled steps).
         self.hadamard = (ref.hadamard_matrix(kv_cache.index_head_dim, str(kv_cache.device))
                          if kv_cache.indexer_fp8 else None)
-        self._ops = None
-        if self.kernels.uses_kernels:
-            from minidsa.kernels import dispatch  # Triton: imported only when a kernel serves
-
-            self._ops = dispatch.ops_for(self.kernels)
         self.layer_caches = [LayerCaches(i, kv_cache.mla[i], kv_cache.index_k[i]) for i in range(kv_cache.num_layers)]
         # A host constant for DeepGEMM's schedule, read once here (never from a traced step).
         self._num_sms = num_sms(kv_cache.device)
         # Each op's implementation, bound once from the start-up choice: no per-call re-check.
-        ops = self._ops
-        served = lambda op: ops is not None and getattr(self.kernels, op) != "torch"  # noqa: E731
-        mla = kv_cache.mla_layout
-        self._store_mla = (lambda c, loc, x: ops.store_mla(c, loc, x, mla.latent_dim)) if served("store_mla") \
-            else mla.store
-        self._store_index_k = ops.store_index_k if served("store_index_k") else ref.store_index_k
-        self._index_logits = ops.index_logits if served("index_logits") else None  # None: the reference
-        self._topk = ops.topk if served("topk") else ref.topk_slots
-        self._sparse_mla = ops.sparse_mla if served("sparse_mla") else ref.sparse_mla
-        self._kv_move = served("kv_move")
+        self.ops = bind_ops(self.kernels, libraries, kv_cache.page_size, kv_cache.mla_fp8,
+                            kv_cache.indexer_fp8)
+        self.latent_dim = kv_cache.mla_layout.latent_dim
 
     def persistent_tensors(self) -> list[torch.Tensor]:
         """The tensors that live as long as the engine (caches, req_to_token, Hadamard matrix): fixed shapes."""
@@ -94,10 +192,10 @@ class DSABackend:
     # -- cache writes -------------------------------------------------------
     def store_kv(self, layer: LayerCaches, batch: ForwardBatch, latent_rope: torch.Tensor) -> None:
         """MLA rows [T, latent + rope] at the step's slots; the FP8 layout quantises in the store kernel."""
-        self._store_mla(layer.mla, batch.out_cache_loc, latent_rope)
+        self.ops.store_mla(layer.mla, batch.out_cache_loc, latent_rope, self.latent_dim)
 
     def store_index_k(self, layer: LayerCaches, batch: ForwardBatch, k: torch.Tensor) -> None:
-        self._store_index_k(layer.index_k, batch.out_cache_loc, k, self.page_size)
+        self.ops.store_index_k(layer.index_k, batch.out_cache_loc, k, self.page_size)
 
     # -- indexer ------------------------------------------------------------
     def index_metadata(self, batch: ForwardBatch) -> IndexStep:
@@ -105,9 +203,9 @@ class DSABackend:
         schedule when a kernel needs them): made once per forward instead of once per layer."""
         rows = batch.token_rows
         deepgemm = None
-        if self._ops is not None and self.kv_cache.indexer_fp8:
-            deepgemm = self._ops.index_metadata(self.req_to_token, rows, batch.kv_lens, batch.max_kv_len,
-                                                batch.tree_mask, self.page_size, self._num_sms)
+        if self.kv_cache.indexer_fp8:
+            deepgemm = self.ops.index_metadata(self.req_to_token, rows, batch.kv_lens, batch.max_kv_len,
+                                               batch.tree_mask, self.page_size, self._num_sms)
         return IndexStep(rows, batch.batch_size, deepgemm)
 
     def index_topk(self, layer: LayerCaches, batch: ForwardBatch, q: torch.Tensor, weights: torch.Tensor,
@@ -121,26 +219,18 @@ class DSABackend:
         if buf.dtype == torch.uint8:
             q, weights = ref.quant_index_q(q, weights, self.hadamard)
         rows = step.token_rows
-        if self._index_logits is not None:
-            logits = self._index_logits(q, weights, buf, self.page_size, self.req_to_token, rows,
-                                        batch.kv_lens, batch.max_kv_len, batch.tree_mask, step.num_requests,
-                                        step.deepgemm)
-        else:
-            logits = ref.index_logits(q, weights, buf, self.page_size, self.req_to_token, rows,
-                                      batch.kv_lens, batch.max_kv_len, batch.tree_mask)
-        slots, _ = self._topk(logits, self.topk_width, self.req_to_token, rows)
+        logits = self.ops.index_logits(q, weights, buf, self.page_size, self.req_to_token, rows, batch.kv_lens,
+                                       batch.max_kv_len, batch.tree_mask, step.num_requests, step.deepgemm)
+        slots, _ = self.ops.topk(logits, self.topk_width, self.req_to_token, rows)
         return slots
 
     # -- attention ----------------------------------------------------------
     def sparse_mla(self, layer: LayerCaches, q: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
                    v_dim: int) -> torch.Tensor:
-        return self._sparse_mla(q, layer.mla, topk_slots, sm_scale, v_dim)
+        return self.ops.sparse_mla(q, layer.mla, topk_slots, sm_scale, v_dim)
 
     def kv_move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's MLA and indexer rows from slots `src` to `dst` (tree compaction)."""
         kv = self.kv_cache
-        if self._kv_move:
-            # One launch over every layer of both caches (KVCache keeps each kind in one buffer).
-            self._ops.kv_move_buffers(kv.mla_buffer, kv.index_buffer, src, dst, kv.page_size, kv.index_head_dim)
-        else:
-            ref.kv_move(kv.mla, kv.index_k, src, dst, kv.page_size, kv.index_head_dim)
+        # Every layer of both caches (KVCache keeps each kind in one buffer): one launch with Triton.
+        self.ops.kv_move(kv.mla_buffer, kv.index_buffer, src, dst, kv.page_size, kv.index_head_dim)

@@ -27,7 +27,7 @@ from minidsa.exec.batch import ForwardBatch, ForwardMode
 from minidsa.exec.compile_cache import CompileCache, CompileStats, count_entries
 from minidsa.config import ConfigError, ResolvedConfig
 from minidsa.exec.graphs import DEFAULT_BUCKETS, EXTEND_TOKEN_BUCKETS, StepGraphs, StepKind
-from minidsa.kernels.choice import IndexerShape, choose_fp8_gemm, choose_kernels
+from minidsa.attention.select import load_libraries
 from minidsa.exec.kv_cache import CacheLayouts, KVCache, PageAllocator, ReqToTokenPool, pages_needed
 from minidsa.models.deepseek_v32 import ModelOutput, call_layer
 from minidsa.exec.memory import GiB, MIN_KV_TOKENS, DoesNotFit, graph_buffer_bytes, margin_bytes
@@ -123,16 +123,14 @@ class ModelRunner:
         except ValueError as e:
             raise ConfigError("kv_cache_dtype", str(e)) from e
         self.mla_layout, self.index_layout = layouts.mla, layouts.index
-        # What start-up compiles (GPU only) goes to the persistent compile cache: the tools are pointed at it
-        # before anything compiles (DeepGEMM's probe below already does).
         self.compile_cache: CompileCache | None = None
-        root = resolved.compile_cache_dir
-        if root is not None:
-            CompileCache.activate_dirs(root)
+        root = resolved.compile_cache_dir  # the tools already write there: resolve() pointed them at it
+        self.kernels = resolved.kernels
+        self.libraries = load_libraries(self.kernels, self.device)
         with self.startup.phase("weights") as phase:
             self.model = build_model(model_config, resolved.model_path, self.dtype, self.device, seed=config.seed,
                                      init_std=resolved.init_std, progress=progress, quantization=config.quantization,
-                                     gemm=choose_fp8_gemm(self.device, config.kernel_backend, config.use_deep_gemm))
+                                     gemm=self.kernels.fp8_gemm, moe_gemm=self.kernels.moe_gemm)
             phase.detail = _weights_detail(self.model, resolved.model_path)
         if root is not None:
             self.compile_cache = CompileCache.for_engine(config, model_config, self.device, root)
@@ -142,16 +140,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             from minidsa.kernels.deepgemm_jit import GemmWarmUp
 
-            self._gemm_jit = GemmWarmUp.for_model(self.model, self.step_tokens, self.device,
+            self._gemm_jit = GemmWarmUp.for_model(self.model, self.step_tokens, self.device, self.libraries.deepgemm,
                                                   share=config.tensor_parallel_size,
                                                   workers=resolved.deepgemm_jit_workers)
         if self._gemm_jit is not None:
             with self.startup.phase("DeepGEMM JIT") as phase:
                 phase.detail = self._gemm_jit.compile_in_pool(progress)
 
-        self.kernels = choose_kernels(self.device, config.kernel_backend, config.use_deep_gemm, config.use_flash_mla,
-                                      IndexerShape(model_config.index_n_heads, model_config.index_head_dim,
-                                                   self.page_size, config.indexer_cache_dtype == "fp8"))
         num_layers = model_config.num_layers_with_mtp
         indexer_layers = list(layouts.indexer_layers)
         self._indexer_layers = indexer_layers
@@ -178,7 +173,7 @@ class ModelRunner:
         self.startup.record("KV cache", time.perf_counter() - kv_start,
                             f"{capacity} tokens, {self.kv_bytes_per_token * capacity / 2**30:.1f} GiB")
         self.attn = DSABackend(self.kv_cache, self.req_to_token_pool.req_to_token, model_config.index_topk,
-                               self.kernels)
+                               self.kernels, self.libraries)
         self.table_width = table_width
         self.graphs: StepGraphs | None = None
         self.compiled = False
@@ -245,7 +240,7 @@ class ModelRunner:
         context = pages_needed(context + decode_reserve, self.page_size) * self.page_size
         scratch_rows = ReqToTokenPool(1, context, dev)  # every position maps to the dummy slot 0
         scratch = KVCache(mc.num_layers_with_mtp, 1, self.mla_layout, self.index_layout, dev, self._indexer_layers)
-        attn = DSABackend(scratch, scratch_rows.req_to_token, mc.index_topk, self.kernels)
+        attn = DSABackend(scratch, scratch_rows.req_to_token, mc.index_topk, self.kernels, self.libraries)
         step_tokens = self.step_tokens
         decode_rows = cfg.max_running_requests
 

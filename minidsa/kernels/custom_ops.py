@@ -4,6 +4,12 @@ Each op has a fake (meta) implementation giving output shapes, so Dynamo
 traces a model that calls them without looking inside the Triton launches.
 Registered once, on import (torch.library.custom_op: torch >= 2.4; used on
 2.11 and 2.13).
+
+Which op serves each call site was chosen once per engine (attention/select.py, bound by
+attention/backend.py and the model's layers); what an op needs of that choice arrives as plain
+arguments (`use_deep_gemm`, `own_schedule`, `sm_major`). Inside, an op picks per shape from pure
+functions of the concrete sizes (compiled graphs get no guards), and serves a shape its kernel
+cannot take, or a call an optional library fails, another way: for that call, logged once.
 """
 
 from __future__ import annotations
@@ -15,17 +21,19 @@ import torch
 from torch import Tensor
 
 from minidsa.kernels import deepgemm, flashmla, fp8_gemm as fp8_gemm_mod, fused_moe as fused_moe_mod, indexer
-from minidsa.kernels import kv_move as kv_move_mod, mla_store, reference, sparse_mla as sparse_mla_mod
+from minidsa.kernels import kv_move as kv_move_mod, log_once, mla_store, reference, sparse_mla as sparse_mla_mod
 from minidsa.kernels import topk as topk_mod
+from minidsa.kernels.optional_lib import LibraryCallFailed
 
 logger = logging.getLogger(__name__)
-_fallback_logged: set[str] = set()
 
 
-def _log_once(msg: str) -> None:
-    if msg not in _fallback_logged:
-        _fallback_logged.add(msg)
-        logger.warning(msg)
+def _warn_once(msg: str) -> None:
+    log_once(logger, logging.WARNING, msg)
+
+
+def _error_once(msg: str) -> None:
+    log_once(logger, logging.ERROR, msg)
 
 
 @torch.library.custom_op("minidsa::store_index_k", mutates_args=("index_k",))
@@ -43,7 +51,13 @@ def index_logits(
     q: Tensor, weights: Tensor, index_k: Tensor, page_size: int, req_to_token: Tensor, token_rows: Tensor,
     kv_lens: Tensor, max_kv_len: int, tree_mask: Optional[Tensor] = None, num_requests: int = 0,
 ) -> Tensor:
-    """Triton paged indexer logits; `num_requests` = how many requests the tokens come from (0 = unknown)."""
+    """Triton paged indexer logits; `num_requests` = how many requests the tokens come from (0 = unknown). The
+    reference for shapes the kernel cannot take (`indexer.triton_unsupported`)."""
+    why_not = indexer.triton_unsupported(q.shape[1], q.shape[2])
+    if why_not is not None:
+        _warn_once(f"DSA indexer: torch reference ({why_not})")
+        return reference.index_logits(q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_len,
+                                      tree_mask)
     return indexer.index_logits(q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_len,
                                 tree_mask, num_requests)
 
@@ -55,43 +69,49 @@ def _(q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_
 
 
 @torch.library.custom_op("minidsa::deepgemm_schedule", mutates_args=())
-def deepgemm_schedule(context_lens: Tensor, page_size: int, num_sms: int) -> Tensor:
-    """DeepGEMM's paged-kernel schedule for this step's context lengths (one per forward, every layer uses it)."""
-    return deepgemm.schedule(context_lens, page_size, num_sms)
+def deepgemm_schedule(context_lens: Tensor, num_sms: int) -> Tensor:
+    """DeepGEMM's paged-kernel schedule for this step's context lengths, as minidsa computes it
+    (`deepgemm.paged_schedule`, where the start-up check found it equal to the build's): one per forward, every
+    layer uses it."""
+    return deepgemm.paged_schedule(context_lens, num_sms)
 
 
 @deepgemm_schedule.register_fake
-def _(context_lens, page_size, num_sms):
+def _(context_lens, num_sms):
     return context_lens.new_empty(num_sms + 1, 2)
 
 
 @torch.library.custom_op("minidsa::deepgemm_index_logits", mutates_args=())
 def deepgemm_index_logits(
     q: Tensor, weights: Tensor, index_k: Tensor, page_size: int, req_to_token: Tensor, token_rows: Tensor,
-    kv_lens: Tensor, max_kv_len: int, tree_mask: Optional[Tensor] = None, num_requests: int = 0,
-    context_lens: Optional[Tensor] = None, block_table: Optional[Tensor] = None, schedule: Optional[Tensor] = None,
+    kv_lens: Tensor, max_kv_len: int, sm_major: int, own_schedule: bool, tree_mask: Optional[Tensor] = None,
+    num_requests: int = 0, context_lens: Optional[Tensor] = None, block_table: Optional[Tensor] = None,
+    schedule: Optional[Tensor] = None,
 ) -> Tensor:
     """Indexer logits where DeepGEMM was chosen at start-up: per shape (concrete here, so compiled graphs get no
-    guards) DeepGEMM's paged or ragged kernel where measured faster, else Triton; Triton too when DeepGEMM cannot
-    take the shape or has failed. Always DeepGEMM's paged output layout (`deepgemm.paged_logits_buffer`)."""
+    guards) DeepGEMM's paged or ragged kernel where measured faster, else Triton; Triton too for a shape DeepGEMM
+    cannot take on an SM`sm_major`x GPU, and for a call it fails. Always DeepGEMM's paged output layout
+    (`deepgemm.paged_logits_buffer`). (context_lens, block_table, schedule): the step's metadata, made once per
+    forward (`DSABackend.index_metadata`); no schedule: the build's metadata kernel makes it per call (where
+    `own_schedule` is False, the start-up check found `deepgemm.paged_schedule` different from it)."""
     args = (q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_len)
     num_tokens = q.shape[0]
     out = None
     if num_tokens > 0 and max_kv_len > 0:
         ragged = _one_request_extend(q, tree_mask, num_requests)
-        why_not = deepgemm.unsupported(q.shape[1], q.shape[2], page_size, index_k.dtype == torch.uint8)
+        why_not = deepgemm.paged_supported(sm_major, q.shape[1], q.shape[2], page_size, index_k.dtype == torch.uint8)
         if why_not is not None:
-            _log_once(f"DSA indexer: Triton kernels serve this shape (DeepGEMM cannot: {why_not})")
+            _warn_once(f"DSA indexer: Triton kernels serve this shape (DeepGEMM cannot: {why_not})")
         elif deepgemm.deepgemm_wins(num_tokens, max_kv_len, ragged):
-            if ragged:
-                out = deepgemm.extend_index_logits(*args)
-                if out is not None:  # its own row stride: into the layout this op returns (prefill only)
-                    out = deepgemm.paged_logits_buffer(num_tokens, max_kv_len, q.device).copy_(out)
-            else:
-                meta = None if schedule is None else (context_lens, block_table, schedule)
-                out = deepgemm.paged_index_logits(*args, tree_mask, meta)
-            if out is None and deepgemm.disabled_reason() is not None:
-                _log_once(f"DSA indexer: Triton kernels (DeepGEMM {deepgemm.disabled_reason()})")
+            try:
+                if ragged:  # its own row stride: into the layout this op returns (prefill only)
+                    out = deepgemm.paged_logits_buffer(num_tokens, max_kv_len, q.device).copy_(
+                        deepgemm.extend_index_logits(deepgemm.library(), *args))
+                else:
+                    meta = None if context_lens is None else (context_lens, block_table, schedule)
+                    out = deepgemm.paged_index_logits(deepgemm.library(), *args, tree_mask, meta, own_schedule)
+            except LibraryCallFailed as e:
+                _error_once(f"DeepGEMM {e}; the Triton indexer kernels serve each call it fails")
     if out is None:
         out = indexer.index_logits(*args, tree_mask, num_requests,
                                    out=deepgemm.paged_logits_buffer(num_tokens, max_kv_len, q.device))
@@ -99,8 +119,8 @@ def deepgemm_index_logits(
 
 
 @deepgemm_index_logits.register_fake
-def _(q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_len, tree_mask=None,
-      num_requests=0, context_lens=None, block_table=None, schedule=None):
+def _(q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_len, sm_major, own_schedule,
+      tree_mask=None, num_requests=0, context_lens=None, block_table=None, schedule=None):
     stride = (max_kv_len + deepgemm.LOGITS_ALIGN - 1) // deepgemm.LOGITS_ALIGN * deepgemm.LOGITS_ALIGN
     return q.new_empty_strided((q.shape[0], max_kv_len), (stride, 1), dtype=torch.float32)
 
@@ -128,7 +148,9 @@ def sparse_mla(q: Tensor, kv_cache: Tensor, topk_slots: Tensor, sm_scale: float,
     """The Triton kernel, or the reference for shapes it cannot take (`sparse_mla.triton_unsupported`): chosen
     here, inside the opaque op, so a compiled layer never traces the reference's per-query-block loop (which
     would guard on the token count and compile again for every 256 more tokens)."""
-    if sparse_mla_mod.triton_unsupported(q.shape[1], q.shape[2], v_dim, q.dtype) is not None:
+    why_not = sparse_mla_mod.triton_unsupported(q.shape[1], q.shape[2], v_dim, q.dtype)
+    if why_not is not None:
+        _warn_once(f"DSA sparse MLA: torch reference ({why_not})")
         return reference.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
     return sparse_mla_mod.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
 
@@ -142,15 +164,20 @@ def _(q, kv_cache, topk_slots, sm_scale, v_dim):
 def flashmla_sparse_mla(q: Tensor, kv_cache: Tensor, topk_slots: Tensor, sm_scale: float, v_dim: int) -> Tensor:
     """Sparse MLA where FlashMLA was chosen at start-up: its FP8 sparse decode (FP8 cache) or sparse prefill
     (bf16 cache, from one wave of its CTAs) on the concrete shape, else the Triton kernel; Triton too when
-    FlashMLA cannot take the shape (heads per rank, dims, dtype, top-k) or has failed."""
+    FlashMLA cannot take the shape (heads per rank, dims, dtype, top-k), and for a call it fails (the reference
+    for shapes neither takes)."""
+    why_not = sparse_mla_mod.triton_unsupported(q.shape[1], q.shape[2], v_dim, q.dtype)
+    if why_not is not None:
+        _warn_once(f"DSA sparse MLA: torch reference ({why_not})")
+        return reference.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
     why_not = flashmla.unsupported(q, kv_cache, topk_slots.shape[1], v_dim)
     if why_not is not None:
-        _log_once(f"DSA sparse MLA: Triton kernel serves this shape (FlashMLA cannot: {why_not})")
+        _warn_once(f"DSA sparse MLA: Triton kernel serves this shape (FlashMLA cannot: {why_not})")
     elif flashmla.flashmla_wins(q.shape[0], q.shape[1], kv_cache.dtype == torch.uint8, q.device):
-        out = flashmla.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
-        if out is not None:
-            return out
-        _log_once(f"DSA sparse MLA: Triton kernel (FlashMLA {flashmla.disabled_reason()})")
+        try:
+            return flashmla.sparse_mla(flashmla.library(), q, kv_cache, topk_slots, sm_scale, v_dim)
+        except LibraryCallFailed as e:
+            _error_once(f"FlashMLA {e}; the Triton sparse MLA kernel serves each call it fails")
     return sparse_mla_mod.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
 
 
@@ -175,9 +202,9 @@ def fused_moe(
 ) -> Tensor:
     """Routed experts for any token count (minidsa.kernels.fused_moe): the torch reference on CPU.
 
-    With `use_deep_gemm` (decided at model build, like fp8_linear's), FP8 experts at sizes where DeepGEMM's
-    contiguous grouped GEMMs are measured faster (`deepgemm.moe_contiguous_wins`) run through them; every other
-    call, and one they cannot serve, runs the Triton fused MoE. `has_skipped`: topk_ids may hold
+    With `use_deep_gemm` (`KernelChoice.moe_gemm`, given to the layer at model build), FP8 experts at sizes where
+    DeepGEMM's contiguous grouped GEMMs are measured faster (`deepgemm.moe_contiguous_wins`) run through them;
+    every other call, and one they do not take or fail, runs the Triton fused MoE. `has_skipped`: topk_ids may hold
     `fused_moe.SKIP` (-1: an expert of another rank); those pairs add nothing (the reference always allows it).
     """
     return fused_moe_mod.fused_moe_reference(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv,
@@ -190,10 +217,14 @@ def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv=None
     # Tiles (and DeepGEMM or Triton) are picked inside on the concrete token count: compiled graphs see one
     # opaque op, no guards.
     if use_deep_gemm and deepgemm.moe_contiguous_wins(*topk_ids.shape, gate_up_proj.shape[0]):
-        out = deepgemm.moe_contiguous(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv,
-                                      down_scale_inv)
-        if out is not None:
-            return out
+        try:
+            out = deepgemm.moe_contiguous(deepgemm.library(), x, topk_ids, topk_weights, gate_up_proj, down_proj,
+                                          gate_up_scale_inv, down_scale_inv)
+        except LibraryCallFailed as e:
+            _error_once(f"DeepGEMM {e}; the Triton fused MoE serves each call it fails")
+        else:
+            if out is not None:
+                return out
     return fused_moe_mod.fused_moe_triton(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv,
                                           down_scale_inv, has_skipped=has_skipped)
 
@@ -208,16 +239,20 @@ def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv=None
 def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, use_deep_gemm: bool) -> Tensor:
     """x [M, K] @ e4m3 weight [N, K]^T with 128x128 block scales, w8a8 (layers.linear). Tiles chosen by M inside.
 
-    With `use_deep_gemm` (decided at model build: `choice.choose_fp8_gemm`), DeepGEMM's fp8_gemm_nt where it
-    is measured faster (`deepgemm.fp8_gemm_wins`); a call it cannot serve (or a failure, which switches it off
-    for the process) runs the Triton kernel.
+    With `use_deep_gemm` (`KernelChoice.fp8_gemm`, given to the layers at model build), DeepGEMM's fp8_gemm_nt
+    where it is measured faster (`deepgemm.fp8_gemm_wins`); a call it does not take, or fails, runs the Triton
+    kernel.
     """
     if use_deep_gemm and deepgemm.fp8_gemm_wins(x.shape[0], weight.shape[0], weight.shape[1]):
-        out = deepgemm.fp8_gemm_nt(x, weight, scale_inv)
-        if out is not None:
-            return out
-        _log_once(f"FP8 linear: Triton GEMM serves {tuple(x.shape)} x {tuple(weight.shape)} "
-                  f"(DeepGEMM: {deepgemm.gemm_disabled_reason() or 'shape or dtype it does not take'})")
+        try:
+            out = deepgemm.fp8_gemm_nt(deepgemm.library(), x, weight, scale_inv)
+        except LibraryCallFailed as e:
+            _error_once(f"DeepGEMM {e}; the Triton FP8 GEMM serves each call it fails")
+        else:
+            if out is not None:
+                return out
+            _warn_once(f"FP8 linear: Triton GEMM serves {tuple(x.shape)} x {tuple(weight.shape)} "
+                       "(DeepGEMM: a shape or dtype it does not take)")
     return fp8_gemm_mod.w8a8_block_gemm(x, weight, scale_inv)
 
 

@@ -1,4 +1,4 @@
-"""DeepGEMM's indexer kernels, used when `deep_gemm` imports and the GPU is SM90 / SM100.
+"""DeepGEMM's kernels (indexer logits, dense and grouped FP8 GEMMs), where `deep_gemm` imports on SM90 / SM100.
 
 Contract relied on (DeepGEMM's public Python API; see shared/REFERENCE_NOTES.md):
 - `get_paged_mqa_logits_metadata(context_lens [B, next_n] int32, block_kv, num_sms)`
@@ -17,11 +17,12 @@ lengths `(N, 1)`, see `context_lens_2d`), so decode, verify and draft-extend
 are one case; tree masks and the causal edge are applied afterwards, in place,
 by `indexer.mask_invisible_`, which writes -inf over the undefined tail only.
 
-`probe` runs once, at start-up (kernels/choice.py): it imports deep_gemm and
-checks every function. Everything else here runs inside the opaque custom op
-`minidsa::deepgemm_index_logits`, never in traced code. Nothing raises
-mid-step because DeepGEMM is missing or too old: a call that still fails
-switches this process to the Triton kernels with one logged error.
+`probe` runs at start-up (attention/select.py decides with it); each engine then holds a `DeepGEMM` handle
+(the module, its status, the page sizes whose schedule `paged_schedule` computes, the failures of the calls
+made through it at start-up). The functions below take the module as their first argument: the custom ops
+(kernels/custom_ops.py) hand them `library()`, the handle its own. A library call that raises becomes
+`LibraryCallFailed`: the op serving it runs the Triton kernel for that call and logs the failure once. Nothing
+here keeps state between calls, so engines in one process never see each other's DeepGEMM.
 """
 
 from __future__ import annotations
@@ -32,23 +33,24 @@ from types import ModuleType
 import torch
 
 from minidsa.kernels import indexer
-from minidsa.kernels.optional_lib import LibraryStatus, cuda_capability, load_library
+from minidsa.kernels.optional_lib import LibraryCallFailed, LibraryStatus, failed, import_library, load_library
 
 logger = logging.getLogger(__name__)
 
-REQUIRED_API = ("get_paged_mqa_logits_metadata", "fp8_paged_mqa_logits", "fp8_mqa_logits")
+NAME = "deep_gemm"
+INDEXER_API = ("get_paged_mqa_logits_metadata", "fp8_paged_mqa_logits", "fp8_mqa_logits")
+GEMM_API = ("fp8_gemm_nt",)
 SUPPORTED_SM_MAJOR = (9, 10)
 
 
-DeepGEMMStatus = LibraryStatus
+def probe(device: torch.device | str, api: tuple[str, ...] = INDEXER_API) -> tuple[ModuleType | None, LibraryStatus]:
+    """(deep_gemm, its status) when it serves the functions `api` on `device`, else (None, why not). Start-up only."""
+    return load_library(NAME, api, torch.device(device), SUPPORTED_SM_MAJOR, "DeepGEMM needs SM90 or SM100")
 
 
-_module: ModuleType | None = None
-_status: dict[str, DeepGEMMStatus] = {}
-_disabled: str | None = None  # set when a call failed: the rest of the process uses Triton
-
-
-_device_capability = cuda_capability  # tests replace it (a CPU that passes for an SM90 GPU)
+def library() -> ModuleType:
+    """deep_gemm from Python's module cache, for the custom ops (raises LibraryCallFailed if it does not import)."""
+    return import_library(NAME)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -57,34 +59,71 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def reset() -> None:
-    """Forget probe results (tests swap the module in and out)."""
-    global _module, _disabled, _gemm_module, _gemm_disabled, _grouped_contiguous, _grouped_disabled
-    _module, _disabled = None, None
-    _gemm_module, _gemm_disabled, _grouped_contiguous, _grouped_disabled = None, None, None, None
-    _status.clear()
-    _own_schedule.clear()
+class DeepGEMM:
+    """deep_gemm as one engine uses it: made at start-up by attention/select.py (`load_libraries`) on every rank.
 
+    `schedule_pages`: the page sizes at which `paged_schedule` equals this build's metadata on a sample (checked
+    here with `check_schedule`, i.e. when DeepGEMM serves the indexer); at those the engine computes the paged
+    kernel's schedule itself, elsewhere the build's metadata kernel serves. `failures`: the calls made through
+    this handle (the schedule check, the GEMM warm-up) that failed, one line each.
+    """
 
-def probe(device: torch.device) -> DeepGEMMStatus:
-    """Can DeepGEMM's indexer kernels serve on `device`? Decided once per device, with the reason."""
-    global _module
-    key = str(device)
-    if key in _status:
-        return _status[key]
-    mod, status = load_library("deep_gemm", REQUIRED_API, device, _device_capability, SUPPORTED_SM_MAJOR,
-                               "DeepGEMM's indexer needs SM90 or SM100")
-    if mod is not None:
-        _module = mod
-        _check_schedule(mod, device, (64,) if status.sm_major == 9 else (32, 64))
-    _status[key] = status
-    return status
+    def __init__(self, module: ModuleType, status: LibraryStatus, device: torch.device | str,
+                 check_schedule: bool = False):
+        self.module = module
+        self.status = status
+        self.failures: list[str] = []
+        sizes = ((64,) if status.sm_major == 9 else (32, 64)) if check_schedule else ()
+        self.schedule_pages = frozenset(p for p in sizes if self._schedule_matches(torch.device(device), p))
+
+    def own_schedule(self, page_size: int) -> bool:
+        """Does minidsa compute the paged kernel's schedule at this page size (`paged_schedule`)?"""
+        return page_size in self.schedule_pages
+
+    def _schedule_matches(self, device: torch.device, page_size: int) -> bool:
+        """Is `paged_schedule` this build's metadata at `page_size` on a sample (zero, partial and whole segments,
+        more segments than SMs and fewer)?"""
+        num_sms = _num_sms(device)
+        samples = [[0, 1, 255, 256, 257, 5000, 64, 3, 70000, 511, 512, 513, 9] * 3, [7, 300]]
+        try:
+            same = all(torch.equal(paged_schedule(ctx, num_sms).cpu(),
+                                   self.module.get_paged_mqa_logits_metadata(ctx, page_size, num_sms).cpu())
+                       for ctx in (context_lens_2d(torch.tensor(s, device=device)) for s in samples))
+        except Exception as e:
+            same = False
+            self.failures.append(f"get_paged_mqa_logits_metadata failed: {type(e).__name__}: {e}")
+            logger.warning("DeepGEMM: comparing schedules failed (%s: %s)", type(e).__name__, e)
+        if not same:
+            logger.warning("DeepGEMM: this build's paged-logits schedule differs from minidsa's at page size %d; its "
+                           "own metadata kernel serves (it compiles once per batch size class)", page_size)
+        return same
+
+    def warm_up_fp8_gemms(self, weights: list[tuple[torch.Tensor, torch.Tensor]], max_rows: int) -> int:
+        """Run fp8_gemm_nt once per row class up to `max_rows` for each distinct weight shape (`gemm_tasks`), so
+        DeepGEMM has every kernel serving can ask for now: it compiles the ones its disk cache lacks (the start-up
+        compiles them beforehand in parallel processes, `deepgemm_jit`) and loads the rest. Returns the calls
+        made; stops at the first that fails (recorded in `failures`; serving then runs the Triton GEMM for each
+        call DeepGEMM fails)."""
+        by_shape = {tuple(w.shape): (w, s) for w, s in reversed(weights)}  # the first weight of each shape
+        calls, x = 0, None
+        for rows, n, k in gemm_tasks([tuple(w.shape) for w, _ in weights], max_rows):
+            weight, scale_inv = by_shape[(n, k)]
+            if x is None or x.shape[1] != k:  # one zero input per weight shape, sliced per class
+                x = torch.zeros(gemm_row_classes(max_rows)[-1], k, dtype=torch.bfloat16, device=weight.device)
+            try:
+                if fp8_gemm_nt(self.module, x[:rows], weight, scale_inv) is None:
+                    return calls
+            except LibraryCallFailed as e:
+                self.failures.append(str(e))
+                logger.error("DeepGEMM %s; the Triton FP8 GEMM serves each call DeepGEMM fails", e)
+                return calls
+            calls += 1
+        return calls
 
 
 # fp8_paged_mqa_logits cuts each query row's context into segments of this many keys and deals the segments out
 # evenly to the SMs (DeepGEMM's split_kv, 256 with its 64-key pages).
 SCHEDULE_SPLIT_KV = 256
-_own_schedule: set[int] = set()  # page sizes for which `paged_schedule` was checked equal to DeepGEMM's
 
 
 def paged_schedule(context_lens: torch.Tensor, num_sms: int, split_kv: int = SCHEDULE_SPLIT_KV) -> torch.Tensor:
@@ -94,7 +133,7 @@ def paged_schedule(context_lens: torch.Tensor, num_sms: int, split_kv: int = SCH
     DeepGEMM's get_paged_mqa_logits_metadata computes the same, but its kernel is JIT-compiled per batch size
     rounded up to 32, and every query token is a batch row here: each new size class of mixed step compiled one
     (~1.5 s, 31 of them in the first `minidsa bench` on an H100). These torch ops take any size, have no host
-    sync (CUDA graphs capture them) and are checked equal to DeepGEMM's at start-up (`probe`)."""
+    sync (CUDA graphs capture them) and are checked equal to DeepGEMM's at start-up (`DeepGEMM`)."""
     lens = context_lens.reshape(-1).to(torch.int64)
     if lens.numel() == 0:
         return torch.zeros(num_sms + 1, 2, dtype=torch.int32, device=lens.device)
@@ -109,43 +148,14 @@ def paged_schedule(context_lens: torch.Tensor, num_sms: int, split_kv: int = SCH
     return torch.stack([row, segment], 1).to(torch.int32)
 
 
-def _check_schedule(mod: ModuleType, device: torch.device, page_sizes: tuple[int, ...]) -> None:
-    """Use `paged_schedule` for a page size only where it equals this DeepGEMM build's metadata on a sample
-    (zero, partial and whole segments, more segments than SMs and fewer); elsewhere DeepGEMM's own serves."""
-    num_sms = _num_sms(device)
-    samples = [[0, 1, 255, 256, 257, 5000, 64, 3, 70000, 511, 512, 513, 9] * 3, [7, 300]]
-    for page_size in page_sizes:
-        try:
-            same = all(torch.equal(paged_schedule(ctx, num_sms).cpu(),
-                                   mod.get_paged_mqa_logits_metadata(ctx, page_size, num_sms).cpu())
-                       for ctx in (context_lens_2d(torch.tensor(s, device=device)) for s in samples))
-        except Exception as e:
-            same = False
-            logger.warning("DeepGEMM: comparing schedules failed (%s: %s)", type(e).__name__, e)
-        if same:
-            _own_schedule.add(page_size)
-        else:
-            _own_schedule.discard(page_size)
-            logger.warning("DeepGEMM: this build's paged-logits schedule differs from minidsa's at page size %d; its "
-                           "own metadata kernel serves (it compiles once per batch size class)", page_size)
-
-
-def unsupported(num_heads: int, head_dim: int, page_size: int, fp8_cache: bool) -> str | None:
-    """Why DeepGEMM (as probed at start-up) cannot serve these indexer shapes, or None (host code only)."""
-    status = next((s for s in _status.values() if s.available), None)
-    if status is None or _module is None:
-        return "deep_gemm was not probed available at start-up"
-    return paged_supported(status, num_heads, head_dim, page_size, fp8_cache)
-
-
-def paged_supported(status: DeepGEMMStatus, num_heads: int, head_dim: int, page_size: int,
-                    fp8_cache: bool) -> str | None:
-    """None when the paged kernel takes these shapes, else why not (then Triton serves)."""
+def paged_supported(sm_major: int, num_heads: int, head_dim: int, page_size: int, fp8_cache: bool) -> str | None:
+    """None when the paged kernel takes these shapes on an SM`sm_major`x GPU, else why not (then Triton serves).
+    A pure function of static sizes: the start-up choice and the custom op (per call) both ask it."""
     if not fp8_cache:
         return "the indexer cache is not fp8"
     if head_dim not in (32, 64, 128):
         return f"index head dim {head_dim} (DeepGEMM: 32, 64 or 128)"
-    if status.sm_major == 9:
+    if sm_major == 9:
         if num_heads not in (32, 64):
             return f"{num_heads} indexer heads (DeepGEMM on SM90: 32 or 64)"
         if page_size != 64:
@@ -171,16 +181,6 @@ def block_table(req_to_token: torch.Tensor, token_rows: torch.Tensor, max_kv_len
     return (req_to_token[token_rows.unsqueeze(1), cols] // page_size).to(torch.int32)
 
 
-def disabled_reason() -> str | None:
-    return _disabled
-
-
-def _fail(what: str, err: Exception) -> None:
-    global _disabled
-    _disabled = f"{what} failed: {type(err).__name__}: {err}"
-    logger.error("DeepGEMM %s; the Triton indexer kernels serve from now on", _disabled)
-
-
 LOGITS_ALIGN = 256  # fp8_paged_mqa_logits allocates rows of align(max_context_len, 256) (its split_kv)
 
 
@@ -200,20 +200,16 @@ def step_context_lens(kv_lens: torch.Tensor, tree_mask: torch.Tensor | None, max
     return context_lens_2d(vis_end.clamp(max=max_kv_len))
 
 
-def schedule(context_lens: torch.Tensor, page_size: int, num_sms: int) -> torch.Tensor:
-    """get_paged_mqa_logits_metadata; an unused zero schedule when DeepGEMM is not loaded or has failed."""
-    if _module is None or _disabled is not None:
-        return torch.zeros(num_sms + 1, 2, dtype=torch.int32, device=context_lens.device)
-    if page_size in _own_schedule:
-        return paged_schedule(context_lens, num_sms)
+def library_schedule(module: ModuleType, context_lens: torch.Tensor, page_size: int, num_sms: int) -> torch.Tensor:
+    """The build's get_paged_mqa_logits_metadata (where `paged_schedule` differs from it); raises LibraryCallFailed."""
     try:
-        return _module.get_paged_mqa_logits_metadata(context_lens, page_size, num_sms)
+        return module.get_paged_mqa_logits_metadata(context_lens, page_size, num_sms)
     except Exception as e:
-        _fail("get_paged_mqa_logits_metadata", e)
-        return torch.zeros(num_sms + 1, 2, dtype=torch.int32, device=context_lens.device)
+        raise failed("get_paged_mqa_logits_metadata", e) from e
 
 
 def paged_index_logits(
+    module: ModuleType,
     q: torch.Tensor,
     weights: torch.Tensor,
     index_k: torch.Tensor,
@@ -223,30 +219,32 @@ def paged_index_logits(
     kv_lens: torch.Tensor,
     max_kv_len: int,
     tree_mask: torch.Tensor | None = None,
-    step_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor | None:
-    """fp8_paged_mqa_logits with the reference index_logits contract; None if DeepGEMM failed.
+    step_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    own_schedule: bool = True,
+) -> torch.Tensor:
+    """fp8_paged_mqa_logits with the reference index_logits contract; raises LibraryCallFailed if DeepGEMM fails.
 
     `step_meta` = (context lens, block table, schedule) made once per forward step for every indexer layer
-    (`DSABackend.index_metadata`); without it they are made here. Returns DeepGEMM's own output (rows
-    strided to 256, see `paged_logits_buffer`), its undefined tail set to -inf in place: no copy is made.
+    (`DSABackend.index_metadata`); without it they are made here. A schedule of None: the build's metadata
+    kernel makes it here, per call (`own_schedule` False: where `paged_schedule` differs from the build's).
+    Returns DeepGEMM's own output (rows strided to 256, see `paged_logits_buffer`), its undefined tail set to
+    -inf in place: no copy is made.
     """
-    if _module is None or _disabled is not None:
-        return None
     head_dim = q.shape[2]
     if step_meta is None:
         ctx = step_context_lens(kv_lens, tree_mask, max_kv_len)
         step_meta = (ctx, block_table(req_to_token, token_rows, max_kv_len, page_size),
-                     schedule(ctx, page_size, _num_sms(q.device)))
+                     paged_schedule(ctx, _num_sms(q.device)) if own_schedule else None)
     ctx, table, sched = step_meta
+    if sched is None:
+        sched = library_schedule(module, ctx, page_size, _num_sms(q.device))
     kv = index_k.view(index_k.shape[0], page_size, 1, head_dim + 4)
     try:
-        logits = _module.fp8_paged_mqa_logits(
+        logits = module.fp8_paged_mqa_logits(
             q.contiguous().unsqueeze(1), kv, weights.float().contiguous(), ctx, table, sched, max_kv_len, False
         )
     except Exception as e:  # a DeepGEMM build whose contract differs: never fail the step for it
-        _fail("fp8_paged_mqa_logits", e)
-        return None
+        raise failed("fp8_paged_mqa_logits", e) from e
     return indexer.mask_invisible_(logits, kv_lens, tree_mask)
 
 
@@ -272,6 +270,7 @@ def deepgemm_wins(num_tokens: int, max_kv_len: int, ragged: bool) -> bool:
 
 
 def extend_index_logits(
+    module: ModuleType,
     q: torch.Tensor,
     weights: torch.Tensor,
     index_k: torch.Tensor,
@@ -280,13 +279,12 @@ def extend_index_logits(
     token_rows: torch.Tensor,
     kv_lens: torch.Tensor,
     max_kv_len: int,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """Prefill of ONE request through fp8_mqa_logits: its keys gathered contiguous, ks = 0, ke = kv_lens.
+    Raises LibraryCallFailed if DeepGEMM fails.
 
     clean_logits sets everything outside [ks, ke) to -inf, which is exactly the causal visibility.
     """
-    if _module is None or _disabled is not None:
-        return None
     head_dim = q.shape[2]
     # The request's row as a device index: no host read, so a captured step (a verify or draft extend of one
     # request) can take this path too.
@@ -295,17 +293,15 @@ def extend_index_logits(
     ks = torch.zeros_like(kv_lens, dtype=torch.int32)
     ke = kv_lens.to(torch.int32)
     try:
-        logits = _module.fp8_mqa_logits(q.contiguous(), (k8, k_scale), weights.float().contiguous(), ks, ke, True)
+        return module.fp8_mqa_logits(q.contiguous(), (k8, k_scale), weights.float().contiguous(), ks, ke, True)
     except Exception as e:
-        _fail("fp8_mqa_logits", e)
-        return None
-    return logits
+        raise failed("fp8_mqa_logits", e) from e
 
 
 # ---------------------------------------------------------------- dense FP8 GEMM (layers.linear)
 # `fp8_gemm_nt((a e4m3 [M, K], a_scale fp32 [M, K/128]), (b e4m3 [N, K], b_scale fp32 [N/128, K/128]), d [M, N] bf16)`:
 # d = a @ b^T with DeepSeek's 1x128 activation / 128x128 weight scales; the scale layout DeepGEMM wants is made
-# inside it. Used only where `fp8_gemm_status` said yes at model build.
+# inside it. Used only where the start-up choice gave FP8 linears to DeepGEMM (`KernelChoice.fp8_gemm`).
 # Where fp8_gemm_nt beats the Triton w8a8 GEMM, timed as a decode step pays it (CUDA-graph replays over
 # weight copies larger than L2; benchmarks/bench_fp8_gemm.py on an H100, commit 4b8cc62, fp8_gemm_h100.md):
 # - from 17 rows on, DeepGEMM is faster on every V3.2 / GLM-5 projection at M = 32, 2048 and 8192 (e.g. V3.2's
@@ -319,23 +315,6 @@ FP8_GEMM_DEEPGEMM_MIN_WEIGHT = 96 << 20  # N x K (bytes of the e4m3 weight)
 def fp8_gemm_wins(m: int, n: int, k: int) -> bool:
     """Is fp8_gemm_nt measured faster than the Triton GEMM for x [m, k] @ w [n, k]^T? (Concrete ints.)"""
     return m >= FP8_GEMM_DEEPGEMM_MIN_ROWS or n * k >= FP8_GEMM_DEEPGEMM_MIN_WEIGHT
-_gemm_module: ModuleType | None = None
-_gemm_disabled: str | None = None  # set when fp8_gemm_nt failed: Triton serves FP8 linears from then on
-
-
-def fp8_gemm_status(device: torch.device) -> DeepGEMMStatus:
-    """Can DeepGEMM's dense FP8 GEMM serve on `device`? Decided once, at model build."""
-    global _gemm_module
-    mod, status = load_library("deep_gemm", ("fp8_gemm_nt",), device, _device_capability, SUPPORTED_SM_MAJOR,
-                               "DeepGEMM needs SM90 or SM100")
-    if mod is not None:
-        _gemm_module = mod
-        _find_grouped(mod)
-    return status
-
-
-def gemm_disabled_reason() -> str | None:
-    return _gemm_disabled
 
 
 def gemm_rows(m: int) -> int:
@@ -345,7 +324,7 @@ def gemm_rows(m: int) -> int:
     DeepGEMM picks its tiles, stages and cluster from M (the fewest waves over the SMs) and JIT-compiles each
     new choice. Mixed steps and prefill chunks come in every token count, and the first `minidsa bench` on an H100
     stalled ~1-20 s at a time compiling them mid-serving (up to 22 choices for one V3.2 projection at M <= 8192).
-    With classes the choices are few and fixed, and `warm_up_fp8_gemms` compiles them all at start-up."""
+    With classes the choices are few and fixed, and `DeepGEMM.warm_up_fp8_gemms` compiles them all at start-up."""
     if m <= 128:
         return -(-m // 16) * 16
     step = 1 << ((m - 1).bit_length() - 4)
@@ -364,7 +343,7 @@ def gemm_row_classes(max_rows: int) -> list[int]:
 def run_fp8_gemm(module: ModuleType, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """`module.fp8_gemm_nt` on x [M, K] bf16 and an e4m3 weight, run with `gemm_rows(M)` rows (the padding rows'
     outputs are never read); raises what DeepGEMM raises. The one way minidsa calls it, so the start-up JIT
-    (`warm_up_fp8_gemms`, `deepgemm_jit`'s worker processes) compiles exactly the kernels serving asks for."""
+    (`DeepGEMM.warm_up_fp8_gemms`, `deepgemm_jit`'s worker processes) compiles exactly the kernels serving asks for."""
     from minidsa.kernels.fp8_gemm import quant_act
 
     m = x.shape[0]
@@ -375,20 +354,18 @@ def run_fp8_gemm(module: ModuleType, x: torch.Tensor, weight: torch.Tensor, scal
     return out[:m]
 
 
-def fp8_gemm_nt(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor | None:
-    """x [M, K] bf16 @ weight^T through DeepGEMM; None when it cannot serve this call (the caller runs Triton).
-    Runs `gemm_rows(M)` rows (`run_fp8_gemm`)."""
-    global _gemm_disabled
-    if _gemm_module is None or _gemm_disabled is not None or x.dtype != torch.bfloat16 or x.shape[0] == 0:
+def fp8_gemm_nt(module: ModuleType, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
+                ) -> torch.Tensor | None:
+    """x [M, K] bf16 @ weight^T through DeepGEMM; None when it does not take this call (the caller runs Triton),
+    LibraryCallFailed when it fails. Runs `gemm_rows(M)` rows (`run_fp8_gemm`)."""
+    if x.dtype != torch.bfloat16 or x.shape[0] == 0:
         return None
     if x.shape[1] % 128 or weight.shape[0] % 64:
         return None  # DeepGEMM's TMA tiles want K in whole 128-blocks and N in 64s
     try:
-        return run_fp8_gemm(_gemm_module, x, weight, scale_inv)
+        return run_fp8_gemm(module, x, weight, scale_inv)
     except Exception as e:  # a build whose contract differs: never fail the step for it
-        _gemm_disabled = f"fp8_gemm_nt failed: {type(e).__name__}: {e}"
-        logger.error("DeepGEMM %s; the Triton FP8 GEMM serves from now on", _gemm_disabled)
-        return None
+        raise failed("fp8_gemm_nt", e) from e
 
 
 def gemm_tasks(weight_shapes: list[tuple[int, int]], max_rows: int) -> list[tuple[int, int, int]]:
@@ -403,24 +380,6 @@ def gemm_tasks(weight_shapes: list[tuple[int, int]], max_rows: int) -> list[tupl
     return tasks
 
 
-def warm_up_fp8_gemms(weights: list[tuple[torch.Tensor, torch.Tensor]], max_rows: int) -> int:
-    """Run fp8_gemm_nt once per row class up to `max_rows` for each distinct weight shape (`gemm_tasks`), so
-    DeepGEMM has every kernel serving can ask for now: it compiles the ones its disk cache lacks (the start-up
-    compiles them beforehand in parallel processes, `deepgemm_jit`) and loads the rest. Returns the calls made."""
-    if _gemm_module is None or _gemm_disabled is not None:
-        return 0
-    by_shape = {tuple(w.shape): (w, s) for w, s in reversed(weights)}  # the first weight of each shape
-    calls, x = 0, None
-    for rows, n, k in gemm_tasks([tuple(w.shape) for w, _ in weights], max_rows):
-        weight, scale_inv = by_shape[(n, k)]
-        if x is None or x.shape[1] != k:  # one zero input per weight shape, sliced per class
-            x = torch.zeros(gemm_row_classes(max_rows)[-1], k, dtype=torch.bfloat16, device=weight.device)
-        if fp8_gemm_nt(x[:rows], weight, scale_inv) is None:
-            return calls
-        calls += 1
-    return calls
-
-
 # ---------------------------------------------------------------- grouped FP8 GEMMs (routed experts, prefill)
 # `m_grouped_fp8_gemm_nt_contiguous((a e4m3 [M, K], a_scale fp32 [M, K/128]), (b e4m3 [E, N, K], b_scale fp32
 # [E, N/128, K/128]), d [M, N] bf16, m_indices [M] int32)`: row r of a times expert m_indices[r]'s weight, with
@@ -432,42 +391,38 @@ GROUPED_CONTIGUOUS_NAMES = ("m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_f
 # silu * up, combine): 9.1 ms at 8192 tokens against 12.4 for the Triton fused MoE, 19.4 vs 24.6 at 16384; at 2048
 # tokens (64 pairs per expert) 6.35 vs 6.34, no gain.
 MOE_CONTIGUOUS_MIN_PAIRS_PER_EXPERT = 128
-_grouped_contiguous = None
-_grouped_alignment = 0
-_grouped_disabled: str | None = None
 
 
-def _find_grouped(mod: ModuleType) -> None:
-    global _grouped_contiguous, _grouped_alignment
-    fn = next((getattr(mod, n) for n in GROUPED_CONTIGUOUS_NAMES if callable(getattr(mod, n, None))), None)
-    align = getattr(mod, "get_mk_alignment_for_contiguous_layout", None)
+def grouped_contiguous(module: object) -> tuple[object, int] | None:
+    """(this build's contiguous grouped FP8 GEMM, its row alignment), or None when it has none."""
+    fn = next((getattr(module, n) for n in GROUPED_CONTIGUOUS_NAMES if callable(getattr(module, n, None))), None)
+    align = getattr(module, "get_mk_alignment_for_contiguous_layout", None)
     if fn is None or not callable(align):
-        logger.info("DeepGEMM: no contiguous grouped FP8 GEMM in this build; the Triton fused MoE serves prefill")
-        return
-    _grouped_contiguous, _grouped_alignment = fn, int(align())
+        return None
+    return fn, int(align())
 
 
 def moe_contiguous_wins(num_tokens: int, top_k: int, n_experts: int) -> bool:
     """Is the DeepGEMM grouped-GEMM MoE measured faster than the Triton fused MoE at this size? (Concrete ints.)"""
-    return (_grouped_contiguous is not None and _grouped_disabled is None
-            and num_tokens * top_k >= MOE_CONTIGUOUS_MIN_PAIRS_PER_EXPERT * n_experts)
+    return num_tokens * top_k >= MOE_CONTIGUOUS_MIN_PAIRS_PER_EXPERT * n_experts
 
 
-def moe_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up_proj: torch.Tensor,
-                   down_proj: torch.Tensor, gate_up_scale_inv: torch.Tensor, down_scale_inv: torch.Tensor
-                   ) -> torch.Tensor | None:
+def moe_contiguous(module: ModuleType, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gate_up_scale_inv: torch.Tensor,
+                   down_scale_inv: torch.Tensor) -> torch.Tensor | None:
     """The routed experts (FP8 w8a8, block scales) through DeepGEMM's contiguous grouped GEMMs; None when it
-    cannot serve (the caller runs the Triton fused MoE). Same math as `fused_moe.fused_moe_reference`.
+    does not take the call (the caller runs the Triton fused MoE), LibraryCallFailed when it fails. Same math as
+    `fused_moe.fused_moe_reference`.
 
     Pairs are sorted by expert and padded per expert to DeepGEMM's alignment (`align_pairs_to_blocks` with
     block_m = alignment); the activations are quantised once per token and their rows gathered into that
     order; gate|up -> silu * up quantised (`fused_moe.silu_mul`) -> down; each token sums its top_k rows
     weighted by the routing weights. One host sync sizes the padded rows exactly (prefill runs outside graphs).
     """
-    global _grouped_disabled
-    if (_grouped_contiguous is None or _grouped_disabled is not None or x.dtype != torch.bfloat16
-            or gate_up_scale_inv is None or down_scale_inv is None):
+    grouped = grouped_contiguous(module)
+    if grouped is None or x.dtype != torch.bfloat16 or gate_up_scale_inv is None or down_scale_inv is None:
         return None
+    gemm, alignment = grouped
     from minidsa.kernels import fused_moe
     from minidsa.kernels.fp8_gemm import quant_act
 
@@ -477,16 +432,17 @@ def moe_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         return None  # whole 128-blocks in K for both GEMMs (I = two_i / 2)
     chunk = fused_moe.MAX_CHUNK_TOKENS  # bounds the [rows, H] buffers as the Triton path's are bounded
     if num_tokens > chunk:
-        parts = [moe_contiguous(x[s:s + chunk], topk_ids[s:s + chunk], topk_weights[s:s + chunk], gate_up_proj,
-                                down_proj, gate_up_scale_inv, down_scale_inv) for s in range(0, num_tokens, chunk)]
+        parts = [moe_contiguous(module, x[s:s + chunk], topk_ids[s:s + chunk], topk_weights[s:s + chunk],
+                                gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv)
+                 for s in range(0, num_tokens, chunk)]
         return None if any(p is None for p in parts) else torch.cat(parts)
-    blocks = fused_moe.align_pairs_to_blocks(topk_ids, n_experts, _grouped_alignment)
+    blocks = fused_moe.align_pairs_to_blocks(topk_ids, n_experts, alignment)
     rows = int(blocks.num_padded.item())
     if rows == 0:  # every pair skipped (its experts live on other ranks)
         return torch.zeros_like(x)
     num_pairs = blocks.num_pairs
     pair_of_row = blocks.sorted_pair_ids[:rows].long()  # padding rows hold num_pairs
-    expert_of_row = blocks.block_expert[:rows // _grouped_alignment].repeat_interleave(_grouped_alignment)
+    expert_of_row = blocks.block_expert[:rows // alignment].repeat_interleave(alignment)
     xq, xs = quant_act(x.contiguous())
     token_of_row = torch.where(pair_of_row < num_pairs, pair_of_row // top_k, 0)  # padding: any token
     a1, s1 = xq[token_of_row], xs[token_of_row]
@@ -494,15 +450,13 @@ def moe_contiguous(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     down = torch.empty(rows + 1, hidden, dtype=torch.bfloat16, device=x.device)  # + a zero row: skipped pairs
     down[rows].zero_()
     try:
-        _grouped_contiguous((a1, s1), (gate_up_proj, gate_up_scale_inv.float()), gate_up, expert_of_row)
+        gemm((a1, s1), (gate_up_proj, gate_up_scale_inv.float()), gate_up, expert_of_row)
         del a1, s1
         a2, s2 = fused_moe.silu_mul(gate_up, quantise=True)
         del gate_up
-        _grouped_contiguous((a2, s2), (down_proj, down_scale_inv.float()), down[:rows], expert_of_row)
+        gemm((a2, s2), (down_proj, down_scale_inv.float()), down[:rows], expert_of_row)
     except Exception as e:  # a build whose contract differs: never fail the step for it
-        _grouped_disabled = f"{_grouped_contiguous.__name__} failed: {type(e).__name__}: {e}"
-        logger.error("DeepGEMM %s; the Triton fused MoE serves from now on", _grouped_disabled)
-        return None
+        raise failed(getattr(gemm, "__name__", "the grouped GEMM"), e) from e
     # Skipped pairs (SKIP ids, expert parallelism) have no row: they read the zero row.
     row_of_pair = torch.full((num_pairs + 1,), rows, dtype=torch.int32, device=x.device)
     row_of_pair[pair_of_row] = torch.arange(rows, dtype=torch.int32, device=x.device)  # padding: the extra slot

@@ -2,7 +2,7 @@
 loads them.
 
 DeepGEMM JIT-compiles one kernel per tile choice with nvcc, and the choice follows the GEMM's rows: the
-start-up warm-up (`deepgemm.warm_up_fp8_gemms`) runs every row class of every weight shape once, 499 calls for
+start-up warm-up (`DeepGEMM.warm_up_fp8_gemms`) runs every row class of every weight shape once, 499 calls for
 bench-dsv32, and on a fresh H100 that took ~200 s, one nvcc after another. What DeepGEMM's JIT does (its
 `csrc/jit/compiler.hpp` on the `dev` branch):
 - kernels live in `$DG_JIT_CACHE_DIR/cache/kernel.<name>.<hash of the generated code and nvcc flags>/`
@@ -41,8 +41,12 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from minidsa.kernels.deepgemm import DeepGEMM
 
 logger = logging.getLogger(__name__)
 
@@ -285,25 +289,31 @@ def precompile(tasks: list[Task], device: torch.device, workers: int, progress: 
 class GemmWarmUp:
     """DeepGEMM's GEMM kernels for one model at start-up: `compile_in_pool` (before the KV cache is allocated)
     builds what the disk cache lacks in worker processes, `load` (the engine's warm-up) runs every class in this
-    process, compiling only what the pool left; each returns its start-up log detail."""
+    process through the engine's DeepGEMM handle, compiling only what the pool left; each returns its start-up
+    log detail."""
 
     def __init__(self, weights: list[tuple[torch.Tensor, torch.Tensor]], max_rows: int, device: torch.device,
-                 share: int = 1, workers: int | None = None):
+                 library: "DeepGEMM", share: int = 1, workers: int | None = None):
         from minidsa.kernels import deepgemm
 
         self.weights, self.max_rows, self.device, self.share, self.workers = weights, max_rows, device, share, workers
+        self.library = library
         self.tasks = deepgemm.gemm_tasks([tuple(w.shape) for w, _ in weights], max_rows)
         self.manifest = manifest_path(self.tasks, device)
         self.pool_failures: list[str] = []
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, max_rows: int, device: torch.device, share: int = 1,
-                  workers: int | None = None) -> "GemmWarmUp | None":
-        """None when no projection of `model` runs through DeepGEMM."""
+    def for_model(cls, model: torch.nn.Module, max_rows: int, device: torch.device, library: "DeepGEMM | None",
+                  share: int = 1, workers: int | None = None) -> "GemmWarmUp | None":
+        """None when no projection of `model` runs through DeepGEMM (`library`: the engine's handle, if any)."""
         from minidsa.models.layers.linear import deepgemm_weights
 
         weights = deepgemm_weights(model)
-        return cls(weights, max_rows, device, share, workers) if weights else None
+        if not weights:
+            return None
+        if library is None:
+            raise ValueError("FP8 projections are given to DeepGEMM, but the engine loaded no DeepGEMM handle")
+        return cls(weights, max_rows, device, library, share, workers)
 
     def compile_in_pool(self, progress: bool = True) -> str:
         if manifest_complete(self.manifest):
@@ -316,20 +326,20 @@ class GemmWarmUp:
         return report.describe()
 
     def load(self) -> str:
-        from minidsa.kernels import deepgemm
-
         before = cached_kernels()
+        failures = len(self.library.failures)
         start = time.perf_counter()
-        calls = deepgemm.warm_up_fp8_gemms(self.weights, self.max_rows)
+        calls = self.library.warm_up_fp8_gemms(self.weights, self.max_rows)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         compiled = len(cached_kernels() - before)
-        if calls == len(self.tasks) and deepgemm.gemm_disabled_reason() is None:
+        failed = self.library.failures[failures:]
+        if calls == len(self.tasks) and not failed:
             write_manifest(self.manifest)
         text = (f"{calls} of {len(self.tasks)} GEMM classes run in {time.perf_counter() - start:.1f} s, "
                 f"{compiled} kernels compiled in this process")
-        if deepgemm.gemm_disabled_reason() is not None:
-            text += f"; DeepGEMM's GEMM is off ({deepgemm.gemm_disabled_reason()}): Triton serves"
+        if failed:
+            text += f"; DeepGEMM's GEMM failed ({failed[0]}): Triton serves each call it fails"
         return text
 
 

@@ -20,30 +20,30 @@ How we call them:
   (b = T, s_q = 1), so decode, target verify and draft steps are one case. Token counts above
   DECODE_MAX_TOKENS (FP8 prefill chunks) run in pieces: the kernel's split-KV scratch is
   (b + SMs) x h_q x 512 fp32, 256 KiB a token at 128 heads.
-- Scheduler metadata is kept per shape (`_sched_meta`): made by the first call outside CUDA-graph capture
-  (the engine's warm-up runs before each capture), then reused, so a captured graph reads metadata that
-  lives as long as the process. A shape first seen while capturing gets a fresh object whose metadata
-  kernel is captured with the attention (recomputed on each replay) and is not kept.
+- Scheduler metadata is kept per shape (`_SCHED_META`, keyed by the library and the shape): made by the first
+  call outside CUDA-graph capture (the engine's warm-up runs before each capture), then reused, so a captured
+  graph reads metadata that lives as long as the process. A shape first seen while capturing gets a fresh
+  object whose metadata kernel is captured with the attention (recomputed on each replay) and is not kept.
 - The bf16 prefill kernel gives each (token, 64 heads) one CTA over the whole top-k: below one wave of CTAs
   the Triton kernel, which splits the top-k axis, is used (`flashmla_wins`).
 
-`probe` runs once, at start-up (kernels/choice.py). Everything else runs inside the opaque custom op
-`minidsa::flashmla_sparse_mla`, never in traced code. A call that fails switches this process to the
-Triton kernel with one logged error.
+`probe` runs at start-up (attention/select.py decides with it; each engine then holds a `FlashMLA` handle).
+Everything else runs inside the opaque custom op `minidsa::flashmla_sparse_mla`, never in traced code, and
+reaches the module through Python's import cache (`library`). A call that fails raises `LibraryCallFailed`: the
+op runs the Triton kernel for that call and logs the failure once. No failure is remembered, so engines in one
+process never see each other's FlashMLA.
 """
 
 from __future__ import annotations
 
-import logging
 from types import ModuleType
 
 import torch
 
 from minidsa.kernels import num_sms
-from minidsa.kernels.optional_lib import LibraryStatus, cuda_capability, load_library
+from minidsa.kernels.optional_lib import LibraryStatus, failed, import_library, load_library
 
-logger = logging.getLogger(__name__)
-
+NAME = "flash_mla"
 REQUIRED_API = ("get_mla_metadata", "flash_mla_with_kvcache", "flash_mla_sparse_fwd")
 # The build (scripts/build_flashmla.sh) generates sm_90a code only; SM100 kernels exist upstream but are unmeasured.
 SUPPORTED_SM_MAJOR = (9,)
@@ -56,62 +56,37 @@ DECODE_MAX_TOKENS = 256  # query tokens per sparse-decode launch (bounds its spl
 CACHE_BLOCK = 64
 
 
-FlashMLAStatus = LibraryStatus
-
-
-_module: ModuleType | None = None
-_status: dict[str, FlashMLAStatus] = {}
-_disabled: str | None = None  # set when a call failed: the rest of the process uses Triton
-_sched: dict[tuple, object] = {}  # per-shape scheduler metadata (see the module docstring)
-
-
-_device_capability = cuda_capability  # tests replace it (a CPU that passes for an SM90 GPU)
+# Scheduler metadata per (library module, device index, tokens, heads, top-k, cache block): a cache keyed by what
+# it was made for (see the module docstring).
+_SCHED_META: dict[tuple, object] = {}
 
 
 def _capturing() -> bool:
-    """Is the current stream being captured into a CUDA graph? (tests replace this)"""
+    """Is the current stream being captured into a CUDA graph?"""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def reset() -> None:
-    """Forget probe results, failures and metadata (tests swap the module in and out)."""
-    global _module, _disabled
-    _module, _disabled = None, None
-    _status.clear()
-    _sched.clear()
+def probe(device: torch.device | str) -> tuple[ModuleType | None, LibraryStatus]:
+    """(flash_mla, its status) when its sparse kernels serve on `device`, else (None, why not). Start-up only."""
+    return load_library(NAME, REQUIRED_API, torch.device(device), SUPPORTED_SM_MAJOR,
+                        "FlashMLA's sparse kernels (as built) need SM90")
 
 
-def probe(device: torch.device) -> FlashMLAStatus:
-    """Can FlashMLA's sparse kernels serve on `device`? Decided once per device, with the reason."""
-    global _module
-    device = torch.device(device)
-    key = str(device)
-    if key in _status:
-        return _status[key]
-    mod, status = load_library("flash_mla", REQUIRED_API, device, _device_capability, SUPPORTED_SM_MAJOR,
-                               "FlashMLA's sparse kernels (as built) need SM90")
-    if mod is not None:
-        _module = mod
-    _status[key] = status
-    return status
+def library() -> ModuleType:
+    """flash_mla from Python's module cache, for the custom op (raises LibraryCallFailed if it does not import)."""
+    return import_library(NAME)
 
 
-def disabled_reason() -> str | None:
-    return _disabled
+class FlashMLA:
+    """flash_mla as one engine uses it: made at start-up by attention/select.py (`load_libraries`) on every rank."""
 
-
-def _fail(what: str, err: Exception) -> None:
-    global _disabled
-    _disabled = f"{what} failed: {type(err).__name__}: {err}"
-    logger.error("FlashMLA %s; the Triton sparse MLA kernel serves from now on", _disabled)
+    def __init__(self, module: ModuleType, status: LibraryStatus):
+        self.module = module
+        self.status = status
 
 
 def unsupported(q: torch.Tensor, kv_cache: torch.Tensor, topk: int, v_dim: int) -> str | None:
     """Why FlashMLA cannot serve this call, or None (host code inside the custom op: concrete shapes)."""
-    if _module is None:
-        return "flash_mla was not probed available at start-up"
-    if _disabled is not None:
-        return _disabled
     heads, dk = q.shape[1], q.shape[2]
     if q.dtype != torch.bfloat16:
         return f"queries are {q.dtype} (FlashMLA: bfloat16)"
@@ -136,13 +111,14 @@ def flashmla_wins(num_tokens: int, heads: int, fp8_cache: bool, device: torch.de
     return num_tokens * (heads // HEADS_PER_CTA) >= num_sms(device)
 
 
-def _sched_meta(key: tuple) -> object:
+def _sched_meta(module: ModuleType, shape: tuple) -> object:
     """Scheduler metadata for one decode shape: kept when made outside graph capture (see module docstring)."""
-    meta = _sched.get(key)
+    key = (module, *shape)
+    meta = _SCHED_META.get(key)
     if meta is None:
-        meta = _module.get_mla_metadata()[0]
+        meta = module.get_mla_metadata()[0]
         if not _capturing():
-            _sched[key] = meta
+            _SCHED_META[key] = meta
     return meta
 
 
@@ -152,16 +128,17 @@ def _paged_view(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.view(torch.float8_e4m3fn).view(-1, block, 1, kv_cache.shape[1])
 
 
-def sparse_mla(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
-               v_dim: int) -> torch.Tensor | None:
-    """The reference sparse_mla contract through FlashMLA (call `unsupported` first); None if FlashMLA failed."""
+def sparse_mla(module: ModuleType, q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor,
+               sm_scale: float, v_dim: int) -> torch.Tensor:
+    """The reference sparse_mla contract through FlashMLA (call `unsupported` first); raises LibraryCallFailed
+    if FlashMLA fails."""
     if kv_cache.dtype == torch.uint8:
-        return _decode(q, kv_cache, topk_slots, sm_scale, v_dim)
-    return _prefill(q, kv_cache, topk_slots, sm_scale, v_dim)
+        return _decode(module, q, kv_cache, topk_slots, sm_scale, v_dim)
+    return _prefill(module, q, kv_cache, topk_slots, sm_scale, v_dim)
 
 
-def _decode(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
-            v_dim: int) -> torch.Tensor | None:
+def _decode(module: ModuleType, q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
+            v_dim: int) -> torch.Tensor:
     num_tokens, heads, dk = q.shape
     topk = topk_slots.shape[1]
     kcache = _paged_view(kv_cache)
@@ -172,24 +149,21 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, s
         for start in range(0, num_tokens, DECODE_MAX_TOKENS):
             end = min(start + DECODE_MAX_TOKENS, num_tokens)
             n = end - start
-            meta = _sched_meta((q.device.index, n, heads, topk, kcache.shape[1]))
-            out, _ = _module.flash_mla_with_kvcache(
+            meta = _sched_meta(module, (q.device.index, n, heads, topk, kcache.shape[1]))
+            out, _ = module.flash_mla_with_kvcache(
                 q[start:end].unsqueeze(1), kcache, None, None, v_dim, meta, None, softmax_scale=sm_scale,
                 causal=False, is_fp8_kvcache=True, indices=idx[start:end].unsqueeze(1))
             pieces.append(out.view(n, heads, v_dim))
     except Exception as e:  # a build whose contract differs: never fail the step for it
-        _fail("flash_mla_with_kvcache", e)
-        return None
+        raise failed("flash_mla_with_kvcache", e) from e
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
-             v_dim: int) -> torch.Tensor | None:
+def _prefill(module: ModuleType, q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
+             v_dim: int) -> torch.Tensor:
     kv = kv_cache.view(kv_cache.shape[0], 1, kv_cache.shape[1])
     idx = topk_slots.to(torch.int32).contiguous().unsqueeze(1)
     try:
-        out = _module.flash_mla_sparse_fwd(q.contiguous(), kv, idx, sm_scale, v_dim)[0]
+        return module.flash_mla_sparse_fwd(q.contiguous(), kv, idx, sm_scale, v_dim)[0]
     except Exception as e:
-        _fail("flash_mla_sparse_fwd", e)
-        return None
-    return out
+        raise failed("flash_mla_sparse_fwd", e) from e

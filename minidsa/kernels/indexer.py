@@ -303,6 +303,13 @@ GROUPED_CONFIG = (2, 64, 4, 3)
 GROUPED_MAX_TOKENS_PER_REQUEST = 8
 
 
+def triton_unsupported(num_heads: int, head_dim: int) -> str | None:
+    """Why the paged kernel cannot take queries of this shape (None: it can). A pure function of static sizes."""
+    if num_heads & (num_heads - 1) or head_dim & (head_dim - 1) or head_dim < 16:
+        return f"{num_heads} heads x {head_dim}: the Triton kernel needs powers of two, head dim >= 16"
+    return None
+
+
 def index_logits(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -334,8 +341,9 @@ def index_logits(
         raise ValueError(f"index_logits: cache head dim {index_k.shape[-1]} != query head dim {head_dim}")
     if weights.shape != (num_tokens, num_heads):
         raise ValueError(f"index_logits: weights {tuple(weights.shape)} != [T, H] = {(num_tokens, num_heads)}")
-    if num_heads & (num_heads - 1) or head_dim & (head_dim - 1) or head_dim < 16:
-        raise ValueError(f"index_logits: heads ({num_heads}) and head dim ({head_dim}) must be powers of two")
+    why_not = triton_unsupported(num_heads, head_dim)
+    if why_not is not None:
+        raise ValueError(f"index_logits: {why_not}")
     if out is None:
         out = torch.empty(num_tokens, max_kv_len, dtype=torch.float32, device=q.device)
     if num_tokens == 0 or max_kv_len == 0:

@@ -1,6 +1,6 @@
 """Triton where it is installed. Where it is not (no wheel for macOS, Windows), the kernel modules still import:
 `triton` and `tl` below stand in for it, `@triton.jit` makes a kernel that refuses to launch, and
-`kernels/choice.py` (`triton_usable`: "import triton failed") serves every op with the torch references.
+`attention/select.py` (`triton_usable`: "import triton failed") serves every op with the torch references.
 
 The kernel modules import `triton` and `tl` from here instead of importing Triton themselves.
 """

@@ -348,12 +348,13 @@ def materialize(module: nn.Module, device: torch.device) -> None:
 
 def build_model(config: ModelConfig, path: str | None, dtype: torch.dtype, device: torch.device,
                 seed: int = 0, init_std: float = 0.02, progress: bool = True, quantization: str = "auto",
-                gemm: str = "torch") -> DeepseekV32ForCausalLM:
+                gemm: str = "torch", moe_gemm: str | None = None) -> DeepseekV32ForCausalLM:
     """A model with weights from `path`, or random weights (deterministic in `seed`) when path is None.
 
     Built on the meta device, given its serving formats (FP8 per `quantization`, see `fp8_modules`; the rest
     in `dtype`), then allocated on `device` and filled: never a full high-precision copy of an FP8 weight.
-    `gemm` (one of `layers.linear.GEMMS`) serves the FP8 projections.
+    `gemm` (one of `layers.linear.GEMMS`) serves the FP8 projections, `moe_gemm` (default: `gemm`) the routed
+    experts (`layers.linear.set_gemm`).
     """
     files = checkpoint_files(path) if path is not None else None
     with torch.device("meta"):
@@ -366,7 +367,7 @@ def build_model(config: ModelConfig, path: str | None, dtype: torch.dtype, devic
         else:
             load_checkpoint(model, path, device, progress=progress, files=files)
     model.rotary = Rotary(config).to(device)
-    set_gemm(model, gemm)
+    set_gemm(model, gemm, moe_gemm)
     model.fuse_projections()
     if fp8:
         logger.info("FP8 block-scaled weights in %d modules (GEMM: %s)", len(fp8), gemm)

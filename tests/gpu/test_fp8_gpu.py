@@ -63,14 +63,14 @@ def test_triton_fp8_gemm_matches_reference(shape, m):
 
 @pytest.mark.parametrize("m", MS)
 def test_deepgemm_fp8_gemm_matches_reference(shape, m):
-    status = deepgemm.fp8_gemm_status(DEV)
+    module, status = deepgemm.probe(DEV, deepgemm.GEMM_API)
     if not status.available:
         pytest.skip(status.reason)
     name, wq, ws = shape
     x = torch.randn(m, wq.shape[1], device=DEV, dtype=torch.bfloat16)
-    y = deepgemm.fp8_gemm_nt(x, wq, ws)
+    y = deepgemm.fp8_gemm_nt(module, x, wq, ws)  # raises LibraryCallFailed (with DeepGEMM's error) if it fails
     if y is None:
-        pytest.skip(f"DeepGEMM declined {name} at M={m}: {deepgemm.gemm_disabled_reason() or 'shape'}")
+        pytest.skip(f"DeepGEMM does not take {name} at M={m} (shape)")
     ref = w8a8_block_matmul_reference(x.float(), wq, ws)
     err = (y.float() - ref).abs().max() / ref.abs().max()
     assert err < 1e-2, (name, m, float(err))

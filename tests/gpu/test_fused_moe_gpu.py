@@ -113,11 +113,12 @@ def test_fp8_prefill_size_matches_reference(router, fp8_weights, path):
     (what the fused_moe op serves at this size with DeepGEMM on)."""
     x, ids, weights = inputs(router, 8192, seed=8)
     if path == "deepgemm":
-        deepgemm.fp8_gemm_status(DEV)
-        if not deepgemm.moe_contiguous_wins(8192, K, E):
-            pytest.skip("DeepGEMM's contiguous grouped GEMM is not available here")
-        got = deepgemm.moe_contiguous(x, ids, weights, *fp8_weights)
-        assert got is not None, "DeepGEMM's grouped GEMM failed (logged)"
+        module, status = deepgemm.probe(DEV, deepgemm.GEMM_API)
+        if module is None or deepgemm.grouped_contiguous(module) is None:
+            pytest.skip(f"DeepGEMM's contiguous grouped GEMM is not available here ({status.reason})")
+        assert deepgemm.moe_contiguous_wins(8192, K, E)
+        got = deepgemm.moe_contiguous(module, x, ids, weights, *fp8_weights)  # raises LibraryCallFailed if it fails
+        assert got is not None, "DeepGEMM's grouped GEMM declined the call"
     else:
         got = fm.fused_moe_triton(x, ids, weights, *fp8_weights)
     err = rel_err(got, fm.fused_moe_reference(x, ids, weights, *fp8_weights))

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from minidsa.kernels import custom_ops, dispatch, deepgemm, indexer, kv_move, sparse_mla, topk  # noqa: E402,F401
+from minidsa.kernels import custom_ops, deepgemm, indexer, kv_move, sparse_mla, topk  # noqa: E402,F401
 from minidsa.kernels import reference as ref  # noqa: E402
 
 if not isinstance(indexer._paged_logits_kernel, JITFunction):
@@ -225,9 +225,10 @@ def test_kv_move_real_size():
 
 def test_decode_ops_compile_and_cuda_graph():
     """Custom ops under torch.compile (inductor) and inside a captured CUDA graph give the eager result."""
-    from minidsa.kernels.choice import KernelChoice
+    from minidsa.attention.backend import bind_ops
+    from minidsa.attention.select import KernelChoice
 
-    ops = dispatch.ops_for(KernelChoice("triton", "triton", "triton", "triton", "triton"))
+    ops = bind_ops(KernelChoice("triton", "triton", "triton", "triton", "triton"))
     cache, r2t, width = paged_setup([9000] * 8, 12)
     rows = torch.arange(8, device=DEV)
     kv_lens = torch.full((8,), 9000, device=DEV)
@@ -260,15 +261,15 @@ def test_decode_ops_compile_and_cuda_graph():
 
 
 def test_deepgemm_and_triton_select_the_same_topk():
-    status = deepgemm.probe(DEV)
+    module, status = deepgemm.probe(DEV)
     if not status.available:
         pytest.skip(f"DeepGEMM not usable here: {status.reason}")
     cache, r2t, width = paged_setup([32768] * 16, 14)
     rows = torch.arange(16, device=DEV)
     kv_lens = torch.randint(20000, 32769, (16,), device=DEV, generator=_gen(14))
     q, w = queries(16, 14)
-    dg = deepgemm.paged_index_logits(q, w, cache, PAGE, r2t, rows, kv_lens, width)
-    assert dg is not None, deepgemm.disabled_reason()
+    # raises LibraryCallFailed (naming DeepGEMM's error) if the build fails the call
+    dg = deepgemm.paged_index_logits(module, q, w, cache, PAGE, r2t, rows, kv_lens, width)
     tr = indexer.index_logits(q, w, cache, PAGE, r2t, rows, kv_lens, width)
     assert _overlap(topk.topk_slots(dg, TOPK, r2t, rows)[0], topk.topk_slots(tr, TOPK, r2t, rows)[0]) >= 0.99
 
@@ -276,14 +277,16 @@ def test_deepgemm_and_triton_select_the_same_topk():
 @pytest.mark.parametrize("tokens", [1, 31, 32, 33, 200, 1000, 4099])
 def test_own_paged_schedule_is_what_deepgemm_computes(tokens):
     """minidsa computes the paged kernel's schedule itself (DeepGEMM's metadata kernel compiles per batch size
-    class); the probe checked a sample, this checks batch sizes across classes against the library."""
-    status = deepgemm.probe(DEV)
+    class); the handle's start-up check compared a sample, this checks batch sizes across classes against the
+    library."""
+    module, status = deepgemm.probe(DEV)
     if not status.available:
         pytest.skip(f"DeepGEMM not usable here: {status.reason}")
-    assert PAGE in deepgemm._own_schedule, "the start-up check found DeepGEMM's schedule different"
+    handle = deepgemm.DeepGEMM(module, status, DEV, check_schedule=True)
+    assert handle.own_schedule(PAGE), f"the start-up check found DeepGEMM's schedule different: {handle.failures}"
     num_sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     lens = torch.randint(0, 70000, (tokens,), device=DEV, generator=_gen(tokens))
     lens[::7] = torch.randint(0, 300, lens[::7].shape, device=DEV, generator=_gen(tokens + 1))
     ctx = deepgemm.context_lens_2d(lens)
-    want = deepgemm._module.get_paged_mqa_logits_metadata(ctx, PAGE, num_sms)
+    want = module.get_paged_mqa_logits_metadata(ctx, PAGE, num_sms)
     assert torch.equal(deepgemm.paged_schedule(ctx, num_sms), want)

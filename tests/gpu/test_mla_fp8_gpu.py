@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
 
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from minidsa.attention.backend import KernelChoice  # noqa: E402
-from minidsa.kernels import dispatch, kv_move, mla_store, sparse_mla  # noqa: E402
+from minidsa.attention.backend import KernelChoice, bind_ops  # noqa: E402
+from minidsa.kernels import kv_move, mla_store, sparse_mla  # noqa: E402
 from minidsa.kernels import reference as ref  # noqa: E402
 from minidsa.exec.kv_cache import MLALayout  # noqa: E402
 
@@ -126,7 +126,7 @@ def test_kv_move_moves_fp8_rows_exactly():
 
 
 def test_fp8_store_and_attention_compile_and_cuda_graph():
-    ops = dispatch.ops_for(KernelChoice(store_mla="triton", sparse_mla="triton"))
+    ops = bind_ops(KernelChoice(store_mla="triton", sparse_mla="triton"), mla_fp8=True)
     num_slots = 16384
     cache = _fp8_cache(num_slots, seed=3)
     g = _gen(4)

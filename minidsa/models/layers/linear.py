@@ -3,7 +3,8 @@
 An FP8 `Linear` keeps `weight` e4m3 `[out, in]` and `weight_scale_inv` fp32 `[ceil(out/128), ceil(in/128)]`
 (DeepSeek's checkpoint format) on every device; activations are quantised per token per 128 channels at
 run time and the GEMM accumulates in fp32 (`kernels.fp8`). Which GEMM serves FP8 layers (`GEMMS`) is a
-plain attribute set once when the model is built (`set_gemm`), so compiled code sees a constant.
+plain attribute set once when the model is built (`set_gemm`, from the engine's `KernelChoice.fp8_gemm` and
+`.moe_gemm`), so compiled code sees a constant.
 
 Each parameter carries a `weight_loader(param, tensor, scale_inv=None)` (nano-vllm style): the loader
 hands it the checkpoint tensor (and the tensor's block scales when it is stored as e4m3) and the
@@ -186,14 +187,19 @@ class FusedLinear(nn.Module):
         return tuple(y[..., start:start + rows] for start, rows in self.slices)
 
 
-def set_gemm(model: nn.Module, gemm: str) -> None:
-    """Which GEMM serves every FP8 layer of `model` (decided once, at build time): every module with a `gemm`
-    attribute, i.e. the linears and the routed experts (`models.deepseek_v32.Experts`)."""
-    if gemm not in GEMMS:
-        raise ValueError(f"FP8 GEMM {gemm!r} is not one of {GEMMS}")
+def set_gemm(model: nn.Module, gemm: str, moe_gemm: str | None = None) -> None:
+    """Which GEMM serves every FP8 layer of `model` (decided once, at build time): `gemm` the linears, `moe_gemm`
+    (default: `gemm`) every other module with a `gemm` attribute, i.e. the routed experts
+    (`models.deepseek_v32.Experts`, whose fused MoE op takes DeepGEMM's grouped GEMMs or not)."""
+    moe_gemm = gemm if moe_gemm is None else moe_gemm
+    for name in (gemm, moe_gemm):
+        if name not in GEMMS:
+            raise ValueError(f"FP8 GEMM {name!r} is not one of {GEMMS}")
     for mod in model.modules():
-        if isinstance(mod, (Linear, FusedLinear)) or hasattr(mod, "gemm"):
+        if isinstance(mod, (Linear, FusedLinear)):
             mod.gemm = gemm
+        elif hasattr(mod, "gemm"):
+            mod.gemm = moe_gemm
 
 
 def deepgemm_weights(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
