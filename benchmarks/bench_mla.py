@@ -317,7 +317,8 @@ def bench_step_section(rec: Recorder, iters: int, batch: int = 128, ctx: int = 3
 @torch.no_grad()
 def bench_accuracy_section(rec: Recorder, prompt_len: int = 3000, steps: int = 16) -> None:
     from minidsa.attention.backend import DSABackend
-    from minidsa.exec.batch import ForwardBatch, ForwardMode
+    from minidsa.exec.batch import ForwardBatch
+    from minidsa.sched.plan import StepKind
     from minidsa.exec.kv_cache import KVCache, MLALayout as Layout, pages_needed, slots_of
 
     runner = _runner("auto", max_total_tokens=8192, max_running_requests=4)
@@ -339,12 +340,12 @@ def bench_accuracy_section(rec: Recorder, prompt_len: int = 3000, steps: int = 1
         attn.topk_recorder = []
         out_logits, recorded = [], []
         loc = r2t[row, :prompt_len].long()
-        batch = ForwardBatch.build(ForwardMode.EXTEND, prompt, [row], [0], [prompt_len], loc, DEV)
+        batch = ForwardBatch.build(StepKind.EXTEND, prompt, [row], [0], [prompt_len], loc, DEV)
         out_logits.append(runner.model(batch, attn).logits[-1].float())
         for i, tok in enumerate(forced):
             attn.topk_recorder = []
             pos = prompt_len + i
-            batch = ForwardBatch.build(ForwardMode.DECODE, [tok], [row], [pos], [1], r2t[row, pos:pos + 1].long(), DEV)
+            batch = ForwardBatch.build(StepKind.DECODE, [tok], [row], [pos], [1], r2t[row, pos:pos + 1].long(), DEV)
             out_logits.append(runner.model(batch, attn).logits[-1].float())
             recorded.append(dict(attn.topk_recorder))
         attn.topk_recorder = None

@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 
 from minidsa.attention.backend import DSABackend
-from minidsa.exec.batch import ForwardBatch, ForwardMode
+from minidsa.exec.batch import ForwardBatch
 from minidsa.config import ModelConfig
 from minidsa.exec.kv_cache import IndexerLayout, KVCache, MLALayout, PageAllocator, ReqToTokenPool, pages_needed, slots_of
+from minidsa.sched.plan import StepKind
 from minidsa.topk_recording import TopkRecorder
 
 
@@ -39,10 +40,10 @@ class PagedDriver:
         self.reqs.append(dict(row=row, pages=pages, tokens=list(tokens), done=0))
         return len(self.reqs) - 1
 
-    def _step(self, mode, ids, idx, prefix, extend, logits="last"):
+    def _step(self, kind, ids, idx, prefix, extend, logits="last"):
         loc = torch.cat([self.pool.req_to_token[self.reqs[i]["row"], p:p + n].long()
                          for i, p, n in zip(idx, prefix, extend)])
-        batch = ForwardBatch.build(mode, ids, [self.reqs[i]["row"] for i in idx], prefix, extend, loc, "cpu",
+        batch = ForwardBatch.build(kind, ids, [self.reqs[i]["row"] for i in idx], prefix, extend, loc, "cpu",
                                    logits=logits)
         if self.topk.records is not None:
             self.topk.records = []
@@ -68,7 +69,7 @@ class PagedDriver:
                     which.append(i)
             if not which:
                 return outs
-            out, batch = self._step(ForwardMode.EXTEND, ids, which, prefix, extend, logits)
+            out, batch = self._step(StepKind.EXTEND, ids, which, prefix, extend, logits)
             for i, n in zip(which, extend):
                 self.reqs[i]["done"] += n
             outs.append((which, out, batch, self.last_topk))
@@ -77,7 +78,7 @@ class PagedDriver:
         for i, t in zip(idx, next_tokens):
             self.reqs[i]["tokens"].append(t)
         prefix = [self.reqs[i]["done"] for i in idx]
-        out, batch = self._step(ForwardMode.DECODE, next_tokens, idx, prefix, [1] * len(idx))
+        out, batch = self._step(StepKind.DECODE, next_tokens, idx, prefix, [1] * len(idx))
         for i in idx:
             self.reqs[i]["done"] += 1
         return out
@@ -91,14 +92,14 @@ class PagedDriver:
         self.pool.check_all_free()
 
 
-def count_replays(graphs) -> dict[str, int]:
+def count_replays(graphs) -> dict[StepKind, int]:
     """Replays per step kind from now on (wraps StepGraphs.replay on this instance)."""
-    counts = {name: 0 for name in graphs.kinds}
+    counts = {kind: 0 for kind in graphs.shapes}
     replay = graphs.replay
 
-    def counted(kind_name, *args, **kwargs):
-        counts[kind_name] += 1
-        return replay(kind_name, *args, **kwargs)
+    def counted(batch, *args, **kwargs):
+        counts[batch.kind] += 1
+        return replay(batch, *args, **kwargs)
 
     graphs.replay = counted
     return counts

@@ -17,11 +17,12 @@ from torch._dynamo.backends.debugging import aot_eager
 
 from harness import PagedDriver, count_replays
 from minidsa import LLM, SamplingParams
-from minidsa.exec.batch import ForwardBatch, ForwardMode
+from minidsa.exec.batch import ForwardBatch
 from minidsa.config import ModelConfig
 from minidsa.kernels.choice import triton_usable
 from minidsa.models.loader import build_model
 from minidsa.models.presets import preset_config
+from minidsa.sched.plan import StepKind
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True, detokenize=False)
 
@@ -38,10 +39,10 @@ def test_decode_and_verify_forward_have_no_graph_breaks():
     d.prefill([0, 1])
     rows, seq = [d.reqs[i]["row"] for i in range(2)], [40, 50]
     r2t = d.pool.req_to_token
-    decode = ForwardBatch.build(ForwardMode.DECODE, [5, 6], rows, seq, [1, 1],
+    decode = ForwardBatch.build(StepKind.DECODE, [5, 6], rows, seq, [1, 1],
                                 torch.stack([r2t[r, n].long() for r, n in zip(rows, seq)]), "cpu")
     mask = torch.tril(torch.ones(3, 3, dtype=torch.bool)).repeat(2, 1)
-    verify = ForwardBatch.build(ForwardMode.TARGET_VERIFY, list(range(10, 16)), rows, seq, [3, 3],
+    verify = ForwardBatch.build(StepKind.VERIFY, list(range(10, 16)), rows, seq, [3, 3],
                                 torch.cat([r2t[r, n:n + 3].long() for r, n in zip(rows, seq)]), "cpu", logits="all",
                                 positions=torch.tensor([n + j for n in seq for j in range(3)]),
                                 kv_lens=torch.tensor([n for n in seq for _ in range(3)]), tree_mask=mask,
@@ -100,7 +101,7 @@ def test_compiled_steps_equal_eager_with_one_graph_per_kind(monkeypatch):
     outs = [llm.generate(prompts[:1], GREEDY)[0].token_ids]
     outs += [o.token_ids for o in llm.generate(prompts[1:], GREEDY)]
     assert outs == reference
-    assert all(replays[k] > 0 for k in ("verify", "draft_extend"))
+    assert all(replays[k] > 0 for k in (StepKind.VERIFY, StepKind.DRAFT_EXTEND))
 
     # Regional compilation: a fixed set of graphs per decoder-layer kind, whatever the depth, the step kind and
     # the batch / context buckets. Dense and MoE layers: the general shape and one token (prefill, warmed up at
@@ -135,11 +136,11 @@ def test_capture_order_compiles_one_graph_for_every_bucket_above_one(monkeypatch
     runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=backend)
     graphs = runner.graphs
     assert graphs.buckets == [1, 2, 4, 8]
-    kind, ctx = graphs.kinds["decode"], graphs.ctx_buckets[0]
+    shape, ctx = graphs.shapes[StepKind.DECODE], graphs.ctx_buckets[0]
     with torch.no_grad():
         for bs in (8, 4, 2, 1):
             for _ in range(2):
-                graphs._run(kind, graphs.static[("decode", bs, ctx)])
+                graphs._run(shape, graphs.static[(StepKind.DECODE, bs, ctx)])
     sizes = [len(g.graph.nodes) for g in backend.graphs if len(g.graph.nodes) > 0]
     assert len(sizes) == 2 * 2, sizes  # (dense, MoE layer) x (buckets above one, bucket one)
 
@@ -170,7 +171,6 @@ def test_compiled_layers_do_not_grow_with_depth():
     2-layer one (one per layer kind), because layers read their caches as inputs, never their index."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from minidsa.exec.batch import ForwardMode
     from minidsa.models.deepseek_v32 import call_layer
 
     frames = []
@@ -187,7 +187,7 @@ def test_compiled_layers_do_not_grow_with_depth():
         layer = torch.compile(call_layer, dynamic=True, fullgraph=True, backend=counter)
         row = d.reqs[0]["row"]
         r2t = d.pool.req_to_token
-        prefill = ForwardBatch.build(ForwardMode.EXTEND, list(range(3, 43)), [row], [0], [40],
+        prefill = ForwardBatch.build(StepKind.EXTEND, list(range(3, 43)), [row], [0], [40],
                                      r2t[row, :40].long(), "cpu")
         with torch.no_grad():
             eager = model(prefill, d.attn).logits
@@ -228,8 +228,6 @@ def test_serving_after_start_up_compiles_nothing_and_matches_eager(compiled_llm,
     into decode steps, and decode batches past the largest graph bucket all run the compiled layer (never the
     plain modules) with zero new compilations, giving the eager engine's greedy tokens. The warm-up writes only
     the reserved dummy slot: every other cache row and the req->token table are untouched."""
-    from minidsa.sched.plan import StepMode
-
     llm, counter, (before, after) = compiled_llm
     assert counter.frame_count > 0  # the warm-up compiled the layer kinds
     for old, new in zip(before, after):  # caches: slot 0 is the dummy slot; req_to_token: every row
@@ -260,8 +258,8 @@ def test_serving_after_start_up_compiles_nothing_and_matches_eager(compiled_llm,
     got = [o.token_ids for wave in waves for o in llm.generate(wave, params)]
     assert got == want
     assert counter.frame_count == compiled_at_start_up, "serving compiled again"
-    assert StepMode.MIXED in {p.mode for p in plans}
-    assert any(p.mode == StepMode.DECODE and p.batch_size > runner.graphs.buckets[-1] for p in plans)
+    assert any(p.kind == StepKind.EXTEND and p.has_decode_rows for p in plans)
+    assert any(p.kind == StepKind.DECODE and p.batch_size > runner.graphs.buckets[-1] for p in plans)
 
 
 @pytest.mark.skipif(not triton_usable(torch.device("cpu"))[0], reason="needs Triton's interpreter on CPU")
@@ -282,7 +280,7 @@ def test_compiled_prefill_and_mixed_batches_equal_forward_eager(compiled_llm):
     def batch(prefix, extend):
         ids = [rng.randint(2, 5000) for _ in range(sum(extend))]
         loc = torch.cat([runner.req_to_token[r, s:s + n].long() for r, s, n in zip(rows, prefix, extend)])
-        return ForwardBatch.build(ForwardMode.EXTEND, ids, rows, prefix, extend, loc, "cpu", logits="all")
+        return ForwardBatch.build(StepKind.EXTEND, ids, rows, prefix, extend, loc, "cpu", logits="all")
 
     try:
         for b in (batch([0, 0], list(lens)), batch(list(lens), [1, 4])):

@@ -32,7 +32,8 @@ from minidsa.topk_recording import slots_to_positions  # noqa: E402
 from minidsa.attention.backend import DSABackend  # noqa: E402
 from minidsa.kernels import choice as kernel_choice  # noqa: E402
 from minidsa.kernels.choice import KernelChoice, choose_kernels  # noqa: E402
-from minidsa.exec.batch import ForwardBatch, ForwardMode  # noqa: E402
+from minidsa.exec.batch import ForwardBatch  # noqa: E402
+from minidsa.sched.plan import StepKind  # noqa: E402
 from minidsa.kernels import deepgemm, dispatch, fp8  # noqa: E402
 from minidsa.kernels import reference as ref  # noqa: E402
 from minidsa.exec.kv_cache import (IndexerLayout, KVCache, MLALayout, PageAllocator, ReqToTokenPool,  # noqa: E402
@@ -388,7 +389,7 @@ def test_dsa_backend_ops_match_reference_backend(sm90, monkeypatch, with_deep_ge
     def extend(reqs: list[int], starts: list[int], ends: list[int], attend: bool = True):
         n = [e - s for s, e in zip(starts, ends)]
         loc = torch.cat([locs[r][s:e] for r, s, e in zip(reqs, starts, ends)])
-        run(ForwardBatch.build(ForwardMode.EXTEND, torch.zeros(sum(n), dtype=torch.long), [rows[r] for r in reqs],
+        run(ForwardBatch.build(StepKind.EXTEND, torch.zeros(sum(n), dtype=torch.long), [rows[r] for r in reqs],
                                starts, n, loc, "cpu"), attend)
 
     # Most of each prompt stored only (the interpreter is slow), then prefill chunks of one and of two
@@ -397,7 +398,7 @@ def test_dsa_backend_ops_match_reference_backend(sm90, monkeypatch, with_deep_ge
     extend([0], [lens[0] - 9], [lens[0] - 3])
     extend([0, 1], [lens[0] - 3, lens[1] - 3], [lens[0], lens[1]])
     decode_loc = torch.stack([locs[0][lens[0]], locs[1][lens[1]]])
-    run(ForwardBatch.build(ForwardMode.DECODE, [0, 0], rows, lens, [1, 1], decode_loc, "cpu"))
+    run(ForwardBatch.build(StepKind.DECODE, [0, 0], rows, lens, [1, 1], decode_loc, "cpu"))
     if with_deep_gemm:  # the one-request chunk went through fp8_mqa_logits, the others the paged kernel
         assert calls["ragged"] == 1 and calls["paged"] == 2
     # Keys were stored by the Triton kernel on one side and torch on the other: same bytes but for rare roundings.
@@ -461,7 +462,7 @@ def test_engine_with_deep_gemm_importable_compiles_and_generates(sm90, monkeypat
     replays = count_replays(runner.graphs)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == want
-    assert replays["decode"] > 0 and calls["paged"] > 0
+    assert replays[StepKind.DECODE] > 0 and calls["paged"] > 0
     assert any("minidsa.deepgemm_index_logits" in t for g in traced for t in g)
 
 

@@ -19,7 +19,7 @@ import types
 import pytest
 import torch
 
-from minidsa.sched.plan import StepMode
+from minidsa.sched.plan import StepKind
 from minidsa.engine import Engine
 from minidsa.exec.kv_cache import OutOfPages, PageAllocator, ReqToTokenPool
 from minidsa.sched.prefix_cache import PrefixCache
@@ -174,7 +174,7 @@ class FakeEngine:
         s.check_consistent()
         self.check_reads()
         for r, n in zip(sched.reqs, sched.extend_lens):
-            if sched.mode == StepMode.EXTEND:
+            if sched.kind == StepKind.EXTEND:
                 start = r.seq_len
                 r.seq_len += n
                 toks = r.token_slice(0, r.num_tokens)

@@ -20,6 +20,7 @@ from harness import PagedDriver, count_replays
 from hf_tiny import build_hf, save_hf, save_hf_with_mtp
 from minidsa import LLM, SamplingParams
 from minidsa.config import ConfigError, ModelConfig
+from minidsa.sched.plan import StepKind
 
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True, detokenize=False)
 SPEC_CONFIGS = {
@@ -202,7 +203,7 @@ def test_static_graph_buffers_keep_speculation_lossless():
         llm.engine.runner.prepare_fast_paths(llm.engine.speculator.layout, static_on_cpu=True)
         replays = count_replays(llm.engine.runner.graphs)
         assert run(llm, prompts) == reference
-        assert replays["verify"] > 0 and replays["draft_extend"] > 0 and replays["draft"] > 0
+        assert replays[StepKind.VERIFY] > 0 and replays[StepKind.DRAFT_EXTEND] > 0 and replays[StepKind.DRAFT] > 0
 
 
 # -- simulated acceptance (benchmarks only) -------------------------------------------------------------------------

@@ -29,12 +29,13 @@ import time
 
 import torch
 
-from minidsa.exec.batch import ForwardBatch, ForwardMode
+from minidsa.exec.batch import ForwardBatch
 from minidsa.config import EngineConfig, ModelConfig
-from minidsa.exec.graphs import StepGraphs, StepKind
+from minidsa.exec.graphs import GraphShape, StepGraphs
 from minidsa.exec.kv_cache import pages_needed
 from minidsa.models.presets import preset_config
 from minidsa.exec.runner import ModelRunner
+from minidsa.sched.plan import StepKind
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +215,7 @@ class Bench:
         r2t = self.runner.req_to_token_pool.req_to_token
         loc = r2t[torch.tensor(rows, device=self.device), ctx].long()
         ids = torch.randint(2, 1000, (len(rows),)).tolist()
-        return ForwardBatch.build(ForwardMode.DECODE, ids, rows, [ctx] * len(rows), [1] * len(rows), loc, self.device)
+        return ForwardBatch.build(StepKind.DECODE, ids, rows, [ctx] * len(rows), [1] * len(rows), loc, self.device)
 
     def verify_batch(self, rows, ctx, nd) -> ForwardBatch:
         r2t = self.runner.req_to_token_pool.req_to_token
@@ -224,24 +225,25 @@ class Bench:
         pos = torch.tensor([ctx + j for _ in rows for j in range(nd)])
         kv = torch.full((bs * nd,), ctx)
         ids = torch.randint(2, 1000, (bs * nd,)).tolist()
-        return ForwardBatch.build(ForwardMode.TARGET_VERIFY, ids, rows, [ctx] * bs, [nd] * bs, loc, self.device,
+        return ForwardBatch.build(StepKind.VERIFY, ids, rows, [ctx] * bs, [nd] * bs, loc, self.device,
                                   logits="all", positions=pos, kv_lens=kv, tree_mask=mask, max_kv_len=ctx + nd)
 
-    def graphs(self, kinds: list[StepKind], buckets: list[int], max_kv_len: int, compiled: bool = True) -> StepGraphs:
+    def graphs(self, shapes: list[GraphShape], buckets: list[int], max_kv_len: int,
+               compiled: bool = True) -> StepGraphs:
         r = self.runner
         run_main, run_mtp = (self.run_main, self.run_mtp) if compiled else r.step_functions(None)
-        return StepGraphs(run_main, run_mtp, kinds, buckets, max_kv_len, self.model_config.hidden_size, r.dtype,
+        return StepGraphs(run_main, run_mtp, shapes, buckets, max_kv_len, self.model_config.hidden_size, r.dtype,
                           r.device, capture=True)
 
 
-DECODE = StepKind("decode", ForwardMode.DECODE, 1, 0, False)
+DECODE = GraphShape(StepKind.DECODE, 1, 0)
 
 
 def _graph_decode_ms(bench: Bench, bs: int, ctx: int, iters: int) -> float:
     rows, pages = bench.contexts(bs, ctx)
     g = bench.graphs([DECODE], [bs], max_kv_len=ctx + 64)
     batch = bench.decode_batch(rows, ctx)
-    ms = time_cuda(lambda: g.replay("decode", batch), iters=iters) * 1e3
+    ms = time_cuda(lambda: g.replay(batch), iters=iters) * 1e3
     bench.release(rows, pages)
     return ms
 
@@ -250,10 +252,10 @@ def profile_step(graphs: StepGraphs, batch: ForwardBatch, iters: int) -> dict:
     """Where a replayed decode step's time goes: GPU kernels (CUPTI sees inside graph replays) vs the step."""
     from torch.profiler import ProfilerActivity, profile
 
-    step = time_cuda(lambda: graphs.replay("decode", batch), iters=iters)
+    step = time_cuda(lambda: graphs.replay(batch), iters=iters)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            graphs.replay("decode", batch)
+            graphs.replay(batch)
         torch.cuda.synchronize()
     kernels: dict[str, list[float]] = {}
     for ev in prof.events():
@@ -290,7 +292,7 @@ def run_suite(args) -> dict:
                 continue
             rows, pages = bench.contexts(bs, ctx)
             batch = bench.decode_batch(rows, ctx)
-            t = time_cuda(lambda: graphs.replay("decode", batch), iters=args.iters)
+            t = time_cuda(lambda: graphs.replay(batch), iters=args.iters)
             by = decode_bytes(cfg, bs, ctx)
             rows_a.append({"bs": bs, "ctx": ctx, "step_ms": t * 1e3, "tok_s": bs / t,
                            "bytes_GB": by["total"] / 1e9, "MBU": by["total"] / t / 1e9 / ceil["copy_GBps"]})
@@ -304,9 +306,9 @@ def run_suite(args) -> dict:
     rows, pages = bench.contexts(1, ctx)
     batch = bench.decode_batch(rows, ctx)
     graphs = bench.graphs([DECODE], [1], max_kv_len=ctx + 64)
-    t_graph = time_cuda(lambda: graphs.replay("decode", batch), iters=args.iters)
+    t_graph = time_cuda(lambda: graphs.replay(batch), iters=args.iters)
     plain = bench.graphs([DECODE], [1], max_kv_len=ctx + 64, compiled=False) if bench.compile else graphs
-    t_plain = time_cuda(lambda: plain.replay("decode", batch), iters=args.iters)
+    t_plain = time_cuda(lambda: plain.replay(batch), iters=args.iters)
     t_eager = time_cuda(lambda: bench.runner.forward_eager(batch), iters=max(5, args.iters // 4))
     result["graph_vs_eager"] = {"ctx": ctx, "compiled": bench.compile, "graph_ms": t_graph * 1e3,
                                 "graph_uncompiled_ms": t_plain * 1e3, "eager_ms": t_eager * 1e3,
@@ -323,12 +325,12 @@ def run_suite(args) -> dict:
     rows_e = []
     for bs in (1, 8) if "verify" not in args.skip else ():
         rows, pages = bench.contexts(bs, ctx)
-        verify_kind = StepKind("verify", ForwardMode.TARGET_VERIFY, nd, nd, False)
-        graphs = bench.graphs([DECODE, verify_kind], [bs], max_kv_len=ctx + 64)
+        verify_shape = GraphShape(StepKind.VERIFY, nd, nd)
+        graphs = bench.graphs([DECODE, verify_shape], [bs], max_kv_len=ctx + 64)
         db = bench.decode_batch(rows, ctx)  # built once: the timing is the replay, as for verify below
-        t_dec = time_cuda(lambda: graphs.replay("decode", db), iters=args.iters)
+        t_dec = time_cuda(lambda: graphs.replay(db), iters=args.iters)
         vb = bench.verify_batch(rows, ctx, nd)
-        t_ver = time_cuda(lambda: graphs.replay("verify", vb), iters=args.iters)
+        t_ver = time_cuda(lambda: graphs.replay(vb), iters=args.iters)
         rows_e.append({"bs": bs, "ctx": ctx, "tokens_verified": nd, "decode_ms": t_dec * 1e3,
                        "verify_ms": t_ver * 1e3, "ratio": t_ver / t_dec})
         bench.release(rows, pages)

@@ -52,7 +52,7 @@ from minidsa.exec.runner import ModelRunner
 from minidsa.exec.sampling import Sampler
 from minidsa.sched.scheduler import ScheduledBatch, Scheduler
 from minidsa.speculative.mtp import resolve_spec_options
-from minidsa.sched.plan import PromptScoring, StepMode, StepPlan
+from minidsa.sched.plan import PromptScoring, StepKind, StepPlan
 from minidsa.engine.tokenizer import Tokenizer, load_tokenizer
 from minidsa.exec.worker import PendingStep, Worker, start_worker
 
@@ -401,8 +401,7 @@ class Engine:
     def _plan(self, sched: ScheduledBatch) -> tuple[StepPlan, list[bool]]:
         """The step plan of a scheduled batch; advances each request's planned state (seq_len, num_pending)."""
         reqs = sched.reqs
-        spec = self.speculator is not None and sched.mode == StepMode.DECODE
-        mode = StepMode.SPEC if spec else sched.mode
+        spec = self.speculator is not None and sched.kind == StepKind.DECODE
         input_ids: list[int] = []
         from_device, sample, positions, completes = [], [], [], []
         scoring: list[PromptScoring | None] = []
@@ -422,7 +421,7 @@ class Engine:
                 lookahead.append(None)
             scoring.append(self._prompt_scoring(r, n) if not decode_row else None)
         plan = StepPlan(
-            mode=mode, rows=[r.row for r in reqs], prefix_lens=[r.seq_len for r in reqs],
+            kind=StepKind.SPEC if spec else sched.kind, rows=[r.row for r in reqs], prefix_lens=[r.seq_len for r in reqs],
             extend_lens=list(sched.extend_lens), input_ids=input_ids, from_device=from_device, sample=sample,
             params=[r.params for r in reqs], output_positions=positions,
             table_writes=self.scheduler.take_table_writes(), request_ids=[r.request_id for r in reqs],
@@ -459,9 +458,9 @@ class Engine:
         outputs: list[RequestOutput] = []
         for b, req in enumerate(step.reqs):
             toks = result.tokens[b]
-            if plan.sample[b] or plan.mode == StepMode.SPEC:
+            if plan.sample[b] or plan.kind == StepKind.SPEC:
                 req.num_pending -= 1
-            if plan.mode == StepMode.SPEC and req.status == RequestStatus.RUNNING:
+            if plan.kind == StepKind.SPEC and req.status == RequestStatus.RUNNING:
                 req.seq_len += len(toks)  # the root and the accepted drafts are cached
             if req.finish_reason is not None:
                 continue  # stopped in an earlier step, or aborted, after this step was planned: dropped

@@ -23,15 +23,16 @@ import torch
 from tqdm.auto import tqdm
 
 from minidsa.attention.backend import DSABackend
-from minidsa.exec.batch import ForwardBatch, ForwardMode
+from minidsa.exec.batch import ForwardBatch
 from minidsa.exec.compile_cache import CompileCache, CompileStats, cache_root, count_entries
 from minidsa.config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
-from minidsa.exec.graphs import DEFAULT_BUCKETS, EXTEND_TOKEN_BUCKETS, StepGraphs, StepKind
+from minidsa.exec.graphs import DEFAULT_BUCKETS, EXTEND_TOKEN_BUCKETS, GraphShape, StepGraphs
 from minidsa.kernels.choice import IndexerShape, choose_fp8_gemm, choose_kernels
 from minidsa.exec.kv_cache import CacheLayouts, KVCache, PageAllocator, ReqToTokenPool, pages_needed
 from minidsa.models.deepseek_v32 import ModelOutput, call_layer
 from minidsa.exec.memory import GiB, MIN_KV_TOKENS, DoesNotFit, graph_buffer_bytes, margin_bytes
 from minidsa.models.loader import build_model
+from minidsa.sched.plan import StepKind
 from minidsa.speculative.layout import SpecLayout
 from minidsa.exec.startup import StartupPhases
 
@@ -73,23 +74,17 @@ def warm_up_shapes(tokens: int, page_size: int, max_model_len: int, table_width:
     return shapes
 
 
-# Which captured kind serves a batch of a forward mode, on the main model (False) or the MTP layer (True).
-GRAPH_KIND_OF = {(ForwardMode.DECODE, False): "decode", (ForwardMode.TARGET_VERIFY, False): "verify",
-                 (ForwardMode.EXTEND, False): "extend", (ForwardMode.DECODE, True): "draft",
-                 (ForwardMode.DRAFT_EXTEND, True): "draft_extend"}
-
-
-def step_kinds(spec_layout: SpecLayout | None) -> list[StepKind]:
+def decode_graph_shapes(spec_layout: SpecLayout | None) -> list[GraphShape]:
     """The decode-like step kinds to capture: plain decode, or the speculator's verify / draft / draft extend (with a
     speculator every decode step is a speculative round). Chains are causal (no tree mask); trees carry one."""
     if spec_layout is None:
-        return [StepKind("decode", ForwardMode.DECODE, 1, 0, False, logits_per_req=1)]
+        return [GraphShape(StepKind.DECODE, 1, 0, logits_per_req=1)]
     nd, k, chain = spec_layout.num_draft_tokens, spec_layout.topk, spec_layout.topk == 1
-    kinds = [StepKind("verify", ForwardMode.TARGET_VERIFY, nd, 0 if chain else nd, False),
-             StepKind("draft_extend", ForwardMode.DRAFT_EXTEND, nd, 0, True, logits_per_req=1)]
+    shapes = [GraphShape(StepKind.VERIFY, nd, 0 if chain else nd),
+              GraphShape(StepKind.DRAFT_EXTEND, nd, 0, logits_per_req=1)]
     if spec_layout.num_steps > 1:
-        kinds.append(StepKind("draft", ForwardMode.DECODE, k, 0 if chain else spec_layout.draft_width, True))
-    return kinds
+        shapes.append(GraphShape(StepKind.DRAFT, k, 0 if chain else spec_layout.draft_width))
+    return shapes
 
 
 def _weights_detail(model: torch.nn.Module, path: str | None) -> str:
@@ -251,7 +246,7 @@ class ModelRunner:
 
         def scratch_batch(lens: list[int], logits: str) -> ForwardBatch:
             n = sum(lens)
-            return ForwardBatch.build(ForwardMode.EXTEND, torch.arange(n, device=dev) % mc.vocab_size, [0] * len(lens),
+            return ForwardBatch.build(StepKind.EXTEND, torch.arange(n, device=dev) % mc.vocab_size, [0] * len(lens),
                                       [0] * len(lens), lens, torch.zeros(n, dtype=torch.int64, device=dev), dev,
                                       logits=logits, kv_lens=torch.ones(n, dtype=torch.int64, device=dev),
                                       max_kv_len=context)
@@ -322,17 +317,17 @@ class ModelRunner:
                 phase.detail = self.compile_cache.load()
         run_main, run_mtp = self.step_functions(
             compile_backend or ("inductor" if capture else None) if cfg.enable_compile else None)
-        kinds = step_kinds(spec_layout)
+        shapes = decode_graph_shapes(spec_layout)
         limit = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
         buckets = [b for b in DEFAULT_BUCKETS if b <= limit] or [1]
         if buckets[-1] < limit:
             buckets.append(limit)
         extend_buckets = [b for b in EXTEND_TOKEN_BUCKETS if b <= step_tokens]
         if extend_buckets:  # prefill chunks and mixed steps up to a bucket's tokens
-            kinds.append(StepKind("extend", ForwardMode.EXTEND, 0, 0, False))
+            shapes.append(GraphShape(StepKind.EXTEND, 0, 0))
         # torch.compile runs inside the first calls of the capture and of the warm-up: their lines say how long.
         with self._compiling_phase("capture") as phase:
-            self.graphs = StepGraphs(run_main, run_mtp, kinds, buckets, self.table_width,
+            self.graphs = StepGraphs(run_main, run_mtp, shapes, buckets, self.table_width,
                                      self.model_config.hidden_size, self.dtype, self.device, capture=capture,
                                      ctx_buckets=CTX_BUCKETS, extend_buckets=extend_buckets,
                                      max_requests=cfg.max_running_requests)
@@ -438,7 +433,7 @@ class ModelRunner:
                                      device=self.device)
                 topk = torch.zeros(batch.num_tokens, self.model_config.index_topk, dtype=torch.int32,
                                    device=self.device)
-                self._run_mtp_uncaptured(batch, hidden, topk)
+                self._run_mtp_uncaptured(dataclasses.replace(batch, kind=StepKind.DRAFT_EXTEND), hidden, topk)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         logger.debug("compiled prefill / mixed path warmed up in %.1f s (extends of %s tokens per request, with "
@@ -452,29 +447,26 @@ class ModelRunner:
         num_tokens = sum(lens)
         dev = self.device
         ids = torch.arange(num_tokens, device=dev) % self.model_config.vocab_size
-        return ForwardBatch.build(ForwardMode.EXTEND, ids, [0] * len(lens), [0] * len(lens), lens,
+        return ForwardBatch.build(StepKind.EXTEND, ids, [0] * len(lens), [0] * len(lens), lens,
                                   torch.zeros(num_tokens, dtype=torch.int64, device=dev), dev,
                                   kv_lens=torch.ones(num_tokens, dtype=torch.int64, device=dev),
                                   max_kv_len=min(context, self.table_width))
 
     @property
-    def pads_draft_extend(self) -> bool:
-        """Draft extend runs as a graph when every request's tokens are padded to num_draft_tokens."""
-        return self.graphs is not None and "draft_extend" in self.graphs.kinds
+    def has_draft_extend_graph(self) -> bool:
+        """Draft extends replay a captured graph, which takes every request padded to num_draft_tokens tokens."""
+        return self.graphs is not None and StepKind.DRAFT_EXTEND in self.graphs.shapes
 
-    def _graph_kind(self, batch: ForwardBatch, mtp: bool) -> str | None:
-        """The captured step kind that takes this batch, or None (it runs uncaptured)."""
-        if self.graphs is None:
-            return None
-        name = GRAPH_KIND_OF.get((batch.mode, mtp))
-        return name if name is not None and self.graphs.key_for(name, batch) is not None else None
+    def has_graph(self, batch: ForwardBatch) -> bool:
+        """A captured graph of the batch's kind takes it (else it runs uncaptured)."""
+        return self.graphs is not None and self.graphs.key_for(batch) is not None
 
     # -- execution --------------------------------------------------------------
     def forward(self, batch: ForwardBatch) -> ModelOutput:
-        """Run the main model on a batch: a captured graph when one fits, else eagerly."""
-        name = self._graph_kind(batch, mtp=False)
-        if name is not None:
-            return self.graphs.replay(name, batch)
+        """Run the main model on a batch (EXTEND, DECODE, VERIFY): a captured graph when one fits, else uncaptured."""
+        assert not batch.kind.runs_mtp, f"a {batch.kind.name} batch runs the MTP layer (forward_mtp)"
+        if self.has_graph(batch):
+            return self.graphs.replay(batch)
         return self._run_uncaptured(batch)
 
     @torch.no_grad()
@@ -502,11 +494,11 @@ class ModelRunner:
 
     def forward_mtp(self, batch: ForwardBatch, hidden_prev: torch.Tensor,
                     prev_topk: torch.Tensor | None = None) -> ModelOutput:
-        """Run the MTP layer. Graph-captured draft steps take no handed top-k: the layer computes
-        its own (the gating rule's fallback), which is exact, only not shared."""
-        name = self._graph_kind(batch, mtp=True)
-        if name is not None:
-            return self.graphs.replay(name, batch, hidden_prev)
+        """Run the MTP layer on a DRAFT or DRAFT_EXTEND batch. Graph-captured draft steps take no handed top-k: the
+        layer computes its own (the gating rule's fallback), which is exact, only not shared."""
+        assert batch.kind.runs_mtp, f"a {batch.kind.name} batch runs the main model (forward)"
+        if self.has_graph(batch):
+            return self.graphs.replay(batch, hidden_prev)
         return self._run_mtp_uncaptured(batch, hidden_prev, prev_topk)
 
     @torch.no_grad()

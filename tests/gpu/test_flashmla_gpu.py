@@ -28,6 +28,7 @@ if not torch.cuda.is_available():
 from minidsa.kernels import custom_ops, flashmla, sparse_mla  # noqa: E402,F401
 from minidsa.kernels import reference as ref  # noqa: E402
 from minidsa.exec.kv_cache import MLALayout  # noqa: E402
+from minidsa.sched.plan import StepKind  # noqa: E402
 
 DEV = torch.device("cuda")
 STATUS = flashmla.probe(DEV)
@@ -153,7 +154,7 @@ def test_bench_preset_flashmla_engine_follows_triton_engine(kv_cache_dtype):
     triton_served, _, want = _run(prompts, kv_cache_dtype=kv_cache_dtype, use_flash_mla=False)
     flash_served, replays, got = _run(prompts, kv_cache_dtype=kv_cache_dtype)
     assert (triton_served, flash_served) == ("triton", "flashmla")
-    assert replays["decode"] > 0
+    assert replays[StepKind.DECODE] > 0
     assert flashmla.disabled_reason() is None, flashmla.disabled_reason()
     for w, f in zip(want, got):
         shared = next((i for i, (a, b) in enumerate(zip(w.token_ids, f.token_ids)) if a != b), len(w.token_ids))
