@@ -194,8 +194,17 @@ class ModelRunner:
 
     @property
     def req_to_token(self) -> torch.Tensor:
-        """[max_running_requests, width] int32: row position -> KV slot, one row per running request."""
+        """[num_rows, width] int32: row position -> KV slot, one row per running request."""
         return self.req_to_token_pool.req_to_token
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of req_to_token: the most requests that can run at once."""
+        return self.req_to_token.shape[0]
+
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the KV of slots `src` to slots `dst`: the MLA and indexer caches of every layer."""
+        self.attn.kv_move(src, dst)
 
     def _auto_kv_tokens(self, decode_reserve: int) -> int:
         if self.device.type != "cuda":

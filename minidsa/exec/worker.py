@@ -110,7 +110,7 @@ class Worker:
         self.device = runner.device
         self.page_size = runner.page_size
         # The token last sampled for each req_to_token row: the next decode step's input.
-        self.next_input_ids = torch.zeros(runner.req_to_token_pool.max_reqs, dtype=torch.int64, device=self.device)
+        self.next_input_ids = torch.zeros(runner.num_rows, dtype=torch.int64, device=self.device)
         self.bitmask_width = (sampler.vocab_size + 31) // 32  # int32 words of a grammar mask row
 
     def execute(self, plan: StepPlan) -> StepResult:

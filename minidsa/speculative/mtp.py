@@ -29,7 +29,8 @@ The draft state of every req_to_token row (the draft's logits for the token afte
 state at the last committed position) lives in device buffers indexed by row.
 
 The scheduler decides which requests run; this module decides which tokens they run; the runner runs the
-forwards. Every out_cache_loc layout comes from `layout.SpecLayout`.
+forwards, reached through the narrow `SpecRunner` interface (runner_api.py). Every out_cache_loc layout comes from
+`layout.SpecLayout`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from minidsa.engine.request import SamplingParams
 from minidsa.sched.plan import StepKind
 from minidsa.exec.sampling import Sampler, TokenMask, probabilities, row_key, uniforms
 from minidsa.speculative.layout import SpecLayout
+from minidsa.speculative.runner_api import SpecRunner
 from minidsa.speculative.tree import DraftTree, accept_greedy, accept_sampled, grow_tree
 
 logger = logging.getLogger(__name__)
@@ -158,14 +160,14 @@ _ACCEPT_SALT = 0x5DEECE66D
 
 
 class MTPSpeculator:
-    def __init__(self, runner, options: SpecOptions, sampler: Sampler, seed: int = 0):
+    def __init__(self, runner: SpecRunner, options: SpecOptions, sampler: Sampler, seed: int = 0):
         self.runner = runner
         self.opts = options
         self.sampler = sampler
         self.layout = SpecLayout(options.num_steps, options.topk, options.num_draft_tokens)
         self.stats = SpecStats()
         mc, dev = runner.model_config, runner.device
-        rows = runner.req_to_token_pool.max_reqs
+        rows = runner.num_rows
         # Per req_to_token row, what its next round starts from (rewritten whenever a prefill completes on it).
         self.draft_logits = torch.zeros(rows, mc.vocab_size, dtype=torch.float32, device=dev)
         self.draft_hidden = torch.zeros(rows, mc.hidden_size, dtype=runner.dtype, device=dev)
@@ -432,7 +434,7 @@ class MTPSpeculator:
         # Compaction: accepted nodes to the front.
         src, dst = lay.compaction_moves(runner.req_to_token, reqs.rows, reqs.seq_lens, paths)
         if src.numel():
-            runner.attn.kv_move(src, dst)
+            runner.move_kv(src, dst)
         hid_rows = torch.cat([torch.tensor(p, device=dev) + b * nd for b, p in enumerate(paths)])
         hidden = out.hidden[hid_rows]
         self._count(reqs, [len(p) - 1 for p in paths], nd)
