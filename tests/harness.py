@@ -1,7 +1,7 @@
 """A minimal paged-cache driver for model-level tests (no scheduler, no sampling).
 
-It owns the pools for one model and runs prefill (optionally chunked) and
-greedy decode steps for several requests at once, the way the engine does.
+It owns the KV memory (caches, req->token table, page and row allocators) for one model and runs prefill
+(optionally chunked) and greedy decode steps for several requests at once, the way the engine does.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 from minidsa.attention.backend import DSABackend
 from minidsa.exec.batch import ForwardBatch
 from minidsa.config import ModelConfig
-from minidsa.exec.kv_cache import IndexerLayout, KVCache, MLALayout, PageAllocator, ReqToTokenPool, pages_needed, slots_of
+from minidsa.exec.kv_cache import IndexerLayout, KVCache, MLALayout, ReqToTokenTable
+from minidsa.sched.pages import PageAllocator, RowAllocator, pages_needed, slots_of
 from minidsa.sched.plan import StepKind
 from minidsa.topk_recording import TopkRecorder
 
@@ -23,25 +24,26 @@ class PagedDriver:
         self.model, self.config, self.page_size = model, config, page_size
         num_pages = num_pages or (max_reqs * pages_needed(max_len, page_size) + 1)
         self.alloc = PageAllocator(num_pages, page_size)
-        self.pool = ReqToTokenPool(max_reqs, max_len, "cpu")
+        self.rows = RowAllocator(max_reqs)
+        self.table = ReqToTokenTable(max_reqs, max_len, "cpu")
         layers = list(config.indexer_full) + [True] * config.num_nextn_predict_layers
         mla = MLALayout.for_model(config.kv_lora_rank, config.qk_rope_head_dim, dtype, kv_cache_dtype)
         index = IndexerLayout(config.index_head_dim, dtype, indexer_fp8, page_size)
         self.kv = KVCache(config.num_layers_with_mtp, num_pages, mla, index, "cpu", layers)
-        self.attn = DSABackend(self.kv, self.pool.req_to_token, config.index_topk, kernels)
+        self.attn = DSABackend(self.kv, self.table.req_to_token, config.index_topk, kernels)
         self.topk = TopkRecorder(self.attn)  # call self.topk.start() to record
         self.reqs: list[dict] = []
         self.last_topk: dict[int, torch.Tensor] = {}  # layer -> positions of the last step, when recording
 
     def add(self, tokens: list[int], reserve: int) -> int:
-        row = self.pool.alloc()
+        row = self.rows.alloc()
         pages = self.alloc.alloc(pages_needed(len(tokens) + reserve, self.page_size))
-        self.pool.write(row, 0, slots_of(pages, 0, len(tokens) + reserve, self.page_size))
+        self.table.write(row, 0, slots_of(pages, 0, len(tokens) + reserve, self.page_size))
         self.reqs.append(dict(row=row, pages=pages, tokens=list(tokens), done=0))
         return len(self.reqs) - 1
 
     def _step(self, kind, ids, idx, prefix, extend, logits="last"):
-        loc = torch.cat([self.pool.req_to_token[self.reqs[i]["row"], p:p + n].long()
+        loc = torch.cat([self.table.req_to_token[self.reqs[i]["row"], p:p + n].long()
                          for i, p, n in zip(idx, prefix, extend)])
         batch = ForwardBatch.build(kind, ids, [self.reqs[i]["row"] for i in idx], prefix, extend, loc, "cpu",
                                    logits=logits)
@@ -86,10 +88,10 @@ class PagedDriver:
     def release_all(self):
         for r in self.reqs:
             self.alloc.free(r["pages"])
-            self.pool.free(r["row"])
+            self.rows.free(r["row"])
         self.reqs = []
         self.alloc.check_all_free()
-        self.pool.check_all_free()
+        self.rows.check_all_free()
 
 
 def count_replays(graphs) -> dict[StepKind, int]:

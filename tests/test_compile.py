@@ -38,7 +38,7 @@ def test_decode_and_verify_forward_have_no_graph_breaks():
         d.add(list(range(3, 3 + n)), reserve=4)
     d.prefill([0, 1])
     rows, seq = [d.reqs[i]["row"] for i in range(2)], [40, 50]
-    r2t = d.pool.req_to_token
+    r2t = d.table.req_to_token
     decode = ForwardBatch.build(StepKind.DECODE, [5, 6], rows, seq, [1, 1],
                                 torch.stack([r2t[r, n].long() for r, n in zip(rows, seq)]), "cpu")
     mask = torch.tril(torch.ones(3, 3, dtype=torch.bool)).repeat(2, 1)
@@ -186,7 +186,7 @@ def test_compiled_layers_do_not_grow_with_depth():
         counter = CompileCounterWithBackend("aot_eager")
         layer = torch.compile(call_layer, dynamic=True, fullgraph=True, backend=counter)
         row = d.reqs[0]["row"]
-        r2t = d.pool.req_to_token
+        r2t = d.table.req_to_token
         prefill = ForwardBatch.build(StepKind.EXTEND, list(range(3, 43)), [row], [0], [40],
                                      r2t[row, :40].long(), "cpu")
         with torch.no_grad():
@@ -269,12 +269,12 @@ def test_compiled_prefill_and_mixed_batches_equal_forward_eager(compiled_llm):
     llm, counter, _ = compiled_llm
     runner = llm.engine.runner
     compiled_at_start_up = counter.frame_count
-    pool, alloc = runner.req_to_token_pool, runner.allocator
+    table, pages_free, rows_free = runner.req_to_token_table, llm.engine.page_allocator, llm.engine.row_allocator
     lens = (34, 6)  # 34 > index_topk 32: sparse attention
-    rows = [pool.alloc() for _ in lens]
-    pages = [alloc.alloc(n + 9) for n in lens]  # page_size 1 on CPU: one page per position
+    rows = [rows_free.alloc() for _ in lens]
+    pages = [pages_free.alloc(n + 9) for n in lens]  # page_size 1 on CPU: one page per position
     for row, p in zip(rows, pages):
-        pool.write_pages(row, 0, p, runner.page_size)
+        table.write_pages(row, 0, p, runner.page_size)
     rng = random.Random(7)
 
     def batch(prefix, extend):
@@ -292,8 +292,8 @@ def test_compiled_prefill_and_mixed_batches_equal_forward_eager(compiled_llm):
             assert torch.equal(compiled.topk, eager.topk)
     finally:
         for row, p in zip(rows, pages):
-            pool.free(row)
-            alloc.free(p)
+            rows_free.free(row)
+            pages_free.free(p)
     assert counter.frame_count == compiled_at_start_up
 
 

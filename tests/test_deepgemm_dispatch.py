@@ -36,8 +36,8 @@ from minidsa.exec.batch import ForwardBatch  # noqa: E402
 from minidsa.sched.plan import StepKind  # noqa: E402
 from minidsa.kernels import deepgemm, dispatch, fp8  # noqa: E402
 from minidsa.kernels import reference as ref  # noqa: E402
-from minidsa.exec.kv_cache import (IndexerLayout, KVCache, MLALayout, PageAllocator, ReqToTokenPool,  # noqa: E402
-                              pages_needed, slots_of)
+from minidsa.exec.kv_cache import IndexerLayout, KVCache, MLALayout, ReqToTokenTable  # noqa: E402
+from minidsa.sched.pages import PageAllocator, pages_needed, slots_of  # noqa: E402
 
 
 @pytest.mark.skipif(INTERPRETED, reason="kernels are interpreted in this process")
@@ -336,8 +336,8 @@ def test_shapes_deepgemm_cannot_take_use_triton(sm90, monkeypatch, caplog):
 def _backend(kernels: KernelChoice | None, page_size: int):
     kv = KVCache(2, 8, MLALayout.for_model(32, 16, torch.float32, "auto"),
                  IndexerLayout(32, torch.float32, True, page_size), "cpu", indexer_layers=[True, False])
-    pool = ReqToTokenPool(4, 256, "cpu")
-    return DSABackend(kv, pool.req_to_token, index_topk=24, kernels=kernels), pool
+    table = ReqToTokenTable(4, 256, "cpu")
+    return DSABackend(kv, table.req_to_token, index_topk=24, kernels=kernels), table
 
 
 @in_this_process
@@ -348,16 +348,15 @@ def test_dsa_backend_ops_match_reference_backend(sm90, monkeypatch, with_deep_ge
     page_size, heads, lens = 64, 32, [150, 90]
     choice = kernel_choice.choose("cpu")
     assert choice.index_logits == ("deepgemm" if with_deep_gemm else "triton")
-    fast, fast_pool = _backend(choice, page_size)
-    slow, slow_pool = _backend(None, page_size)
+    fast, fast_table = _backend(choice, page_size)
+    slow, slow_table = _backend(None, page_size)
     alloc = PageAllocator(8, page_size)
     rows, locs = [], []
     for n in lens:
-        row = fast_pool.alloc()
-        assert slow_pool.alloc() == row
+        row = len(rows)  # rows 0, 1 of both tables
         slots = slots_of(alloc.alloc(pages_needed(n + 1, page_size)), 0, n + 1, page_size)
-        fast_pool.write(row, 0, slots)
-        slow_pool.write(row, 0, slots)
+        fast_table.write(row, 0, slots)
+        slow_table.write(row, 0, slots)
         rows.append(row)
         locs.append(slots)
     g = torch.Generator().manual_seed(9)

@@ -95,14 +95,14 @@ def test_kv_pressure_preempts_and_outputs_match(tiny_llm):
 def test_leak_check_detects_leaks(tiny_llm):
     engine = tiny_llm.engine
     engine.check_no_leaks()
-    pages = engine.runner.allocator.alloc(2)
+    pages = engine.page_allocator.alloc(2)
     with pytest.raises(AssertionError, match="leak"):
         engine.check_no_leaks()
-    engine.runner.allocator.free(pages)
-    row = engine.runner.req_to_token_pool.alloc()
+    engine.page_allocator.free(pages)
+    row = engine.row_allocator.alloc()
     with pytest.raises(AssertionError, match="leak"):
         engine.check_no_leaks()
-    engine.runner.req_to_token_pool.free(row)
+    engine.row_allocator.free(row)
     engine.check_no_leaks()
 
 
@@ -117,7 +117,7 @@ def test_autouse_leak_check_fails_the_leaking_test(pytester):
             return Engine(device="cpu", progress=False, max_total_tokens=64)
 
         def test_leaks_a_page():
-            make().runner.allocator.alloc(1)  # a page no request owns; the engine is dropped right away
+            make().page_allocator.alloc(1)  # a page no request owns; the engine is dropped right away
 
         def test_clean():
             engine = make()
@@ -130,7 +130,7 @@ def test_autouse_leak_check_fails_the_leaking_test(pytester):
     result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(["*ERROR at teardown of test_leaks_a_page*", "*KV slot leak*"])
     for engine in inner:  # this test's own leak check sees the inner engines too: give the page back
-        alloc = engine.runner.allocator
+        alloc = engine.page_allocator
         alloc.free([p for p in range(1, alloc.num_pages) if alloc._used[p]])
 
 

@@ -46,7 +46,7 @@ def test_padded_decode_and_verify_match_eager():
 
     rows = [d.reqs[i]["row"] for i in range(3)]
     seq = [len(d.reqs[i]["tokens"]) for i in range(3)]
-    r2t = d.pool.req_to_token
+    r2t = d.table.req_to_token
     # decode: 3 requests in the 4-bucket
     loc = torch.stack([r2t[r, n].long() for r, n in zip(rows, seq)])
     batch = ForwardBatch.build(StepKind.DECODE, [5, 6, 7], rows, seq, [1, 1, 1], loc, "cpu")
@@ -97,7 +97,7 @@ def test_padded_mixed_step_matches_eager():
     d.add(torch.randint(2, config.vocab_size, (9,), generator=g).tolist(), reserve=8)  # request 3: not prefilled
     rows = [d.reqs[i]["row"] for i in range(4)]
     seq = [len(d.reqs[i]["tokens"]) for i in range(3)]
-    r2t = d.pool.req_to_token
+    r2t = d.table.req_to_token
     # two decode rows (requests 0 and 2) and the first 7 tokens of request 3's prompt: 9 tokens -> bucket 16
     starts, lens = [seq[0], seq[2], 0], [1, 1, 7]
     loc = torch.cat([r2t[r, s:s + n].long() for r, s, n in zip([rows[0], rows[2], rows[3]], starts, lens)])

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from minidsa.sched.plan import StepKind
-from minidsa.exec.kv_cache import PageAllocator, ReqToTokenPool
+from minidsa.exec.kv_cache import ReqToTokenTable
+from minidsa.sched.pages import PageAllocator, RowAllocator
 from minidsa.engine.request import Request, RequestStatus, SamplingParams
 from minidsa.sched.scheduler import Scheduler
 
@@ -14,7 +15,9 @@ from minidsa.sched.scheduler import Scheduler
 def make(num_pages=64, page_size=4, max_reqs=8, width=256, **kw) -> Scheduler:
     args = dict(max_running_requests=max_reqs, max_prefill_tokens=64, chunked_prefill_size=32, decode_reserve=1)
     args.update(kw)
-    return Scheduler(PageAllocator(num_pages, page_size), ReqToTokenPool(max_reqs, width, "cpu"), **args)
+    s = Scheduler(PageAllocator(num_pages, page_size), RowAllocator(max_reqs), **args)
+    s.table = ReqToTokenTable(max_reqs, width, "cpu")  # the worker's req_to_token, written by run_step
+    return s
 
 
 def is_mixed(sched) -> bool:
@@ -32,7 +35,7 @@ def check_rows(s: Scheduler) -> None:
     for r in s.running:
         n = len(r.pages) * ps
         want = torch.tensor([r.pages[p // ps] * ps + p % ps for p in range(n)], dtype=torch.int32)
-        assert torch.equal(s.req_pool.req_to_token[r.row, :n], want)
+        assert torch.equal(s.table.req_to_token[r.row, :n], want)
         assert r.seq_len <= n
 
 
@@ -43,7 +46,7 @@ def run_step(s: Scheduler) -> tuple:
     if sched is None:
         return None
     for w in s.take_table_writes():
-        s.req_pool.write_pages(w.row, w.first_page, w.pages, s.page_size)
+        s.table.write_pages(w.row, w.first_page, w.pages, s.page_size)
     check_rows(s)
     s.check_consistent()
     for b, (r, n) in enumerate(zip(sched.reqs, sched.extend_lens)):

@@ -201,7 +201,7 @@ def test_tree_compaction_leaves_exactly_what_plain_decode_writes():
     driver = PagedDriver(eng.runner.model, config, page_size=1, max_len=n + 4)
     driver.add(tokens, reserve=0)
     driver.prefill([0])
-    ref_slots = driver.pool.req_to_token[driver.reqs[0]["row"], :n].long()
+    ref_slots = driver.table.req_to_token[driver.reqs[0]["row"], :n].long()
     for layer in range(config.num_hidden_layers):
         assert torch.allclose(kv.mla[layer][slots], driver.kv.mla[layer][ref_slots], atol=1e-4), layer
         if kv.index_k[layer] is not None:

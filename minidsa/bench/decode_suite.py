@@ -32,7 +32,7 @@ import torch
 from minidsa.exec.batch import ForwardBatch
 from minidsa.config import EngineConfig, ModelConfig
 from minidsa.exec.graphs import GraphShape, StepGraphs
-from minidsa.exec.kv_cache import pages_needed
+from minidsa.sched.pages import PageAllocator, RowAllocator, pages_needed
 from minidsa.models.presets import preset_config
 from minidsa.exec.runner import ModelRunner
 from minidsa.sched.plan import StepKind
@@ -168,6 +168,10 @@ class Bench:
             self.runner = ModelRunner(cfg, self.model_config, None, init_std=init_std, decode_reserve=64,
                                       progress=False)
         self.device = self.runner.device
+        # The engine's host-side bookkeeping of the runner's KV memory, for the synthetic contexts.
+        capacity = self.runner.kv_capacity
+        self.pages = PageAllocator(capacity.num_pages, capacity.page_size)
+        self.rows = RowAllocator(capacity.num_rows)
         # The engine's own step functions: the whole forward through torch.compile (one dynamic graph
         # per step kind, shared by every graph below), or plain eager modules.
         self.compile = compile
@@ -198,27 +202,27 @@ class Bench:
         ps = r.page_size
         rows, pages = [], []
         for _ in range(bs):
-            row = r.req_to_token_pool.alloc()
-            pg = r.allocator.alloc(pages_needed(ctx + 16, ps))
+            row = self.rows.alloc()
+            pg = self.pages.alloc(pages_needed(ctx + 16, ps))
             slots = torch.tensor([p * ps + o for p in pg for o in range(ps)][: ctx + 16], dtype=torch.int64)
-            r.req_to_token_pool.write(row, 0, slots)
+            r.req_to_token_table.write(row, 0, slots)
             rows.append(row)
             pages.append(pg)
         return rows, pages
 
     def release(self, rows, pages):
         for row, pg in zip(rows, pages):
-            self.runner.allocator.free(pg)
-            self.runner.req_to_token_pool.free(row)
+            self.pages.free(pg)
+            self.rows.free(row)
 
     def decode_batch(self, rows, ctx) -> ForwardBatch:
-        r2t = self.runner.req_to_token_pool.req_to_token
+        r2t = self.runner.req_to_token
         loc = r2t[torch.tensor(rows, device=self.device), ctx].long()
         ids = torch.randint(2, 1000, (len(rows),)).tolist()
         return ForwardBatch.build(StepKind.DECODE, ids, rows, [ctx] * len(rows), [1] * len(rows), loc, self.device)
 
     def verify_batch(self, rows, ctx, nd) -> ForwardBatch:
-        r2t = self.runner.req_to_token_pool.req_to_token
+        r2t = self.runner.req_to_token
         bs = len(rows)
         loc = torch.cat([r2t[r, ctx:ctx + nd].long() for r in rows])
         mask = torch.tril(torch.ones(nd, nd, dtype=torch.bool)).repeat(bs, 1)

@@ -45,6 +45,7 @@ from minidsa.engine.outputs import OutputProcessor
 from minidsa.exec.kv_cache import CacheLayouts
 from minidsa.exec.memory import check_fit
 from minidsa.models.presets import DEFAULT_PRESET, PRESETS, is_preset, preset_config
+from minidsa.sched.pages import PageAllocator, RowAllocator
 from minidsa.sched.prefix_cache import PrefixCache
 from minidsa.engine.request import (InvalidRequest, QueueFull, Request, RequestOutput, RequestStatus, SamplingParams,
                              Struct, now)
@@ -169,12 +170,16 @@ class Engine:
         runner, speculator = self.worker.runner, self.worker.speculator
         try:  # a failure from here on must not leave tensor-parallel ranks behind
             self.max_model_len: int = runner.max_model_len
+            # The host-side bookkeeping of the worker's KV memory: which pages and req_to_token rows are free.
+            capacity = self.worker.kv_capacity
+            self.page_allocator = PageAllocator(capacity.num_pages, capacity.page_size)
+            self.row_allocator = RowAllocator(capacity.num_rows)
             # With MTP speculation a page's last MTP slot depends on the token after the page: it is part of the key.
-            self.prefix_cache = PrefixCache(runner.allocator, lookahead=1 if cfg.speculative_num_steps else 0) \
+            self.prefix_cache = PrefixCache(self.page_allocator, lookahead=1 if cfg.speculative_num_steps else 0) \
                 if cfg.enable_prefix_caching else None
             # The speculator verifies pure decode batches: with it, prefill and decode steps alternate.
             self.mixed_steps = cfg.enable_mixed_chunk and speculator is None
-            self.scheduler = Scheduler(runner.allocator, runner.req_to_token_pool.rows,
+            self.scheduler = Scheduler(self.page_allocator, self.row_allocator,
                                        max_running_requests=cfg.max_running_requests,
                                        max_prefill_tokens=cfg.max_prefill_tokens,
                                        max_mixed_prefill_tokens=cfg.max_mixed_prefill_tokens,
@@ -370,7 +375,7 @@ class Engine:
                 outputs += self._finish(launched)
         elif previous is None and self.requests and not self.scheduler.running:
             raise RuntimeError(f"scheduler made no progress with {len(self.requests)} requests waiting "
-                               f"and {self.runner.allocator.num_free_pages} free KV pages")
+                               f"and {self.page_allocator.num_free_pages} free KV pages")
         return outputs
 
     def _take_in_flight(self) -> _InFlight | None:
@@ -520,7 +525,7 @@ class Engine:
 
     # -- introspection ------------------------------------------------------------
     def metrics(self) -> EngineMetrics:
-        alloc = self.runner.allocator
+        alloc = self.page_allocator
         used = alloc.num_held_pages * alloc.page_size  # evictable cached pages are free for the taking
         total = alloc.num_usable_pages * alloc.page_size
         spec = getattr(self.speculator, "stats", None)
@@ -549,7 +554,8 @@ class Engine:
         reference count is not the number of running requests holding it (prefix-cache pages aside)."""
         self.scheduler.check_consistent()
         if not self.requests:
-            self.runner.check_all_free()
+            self.page_allocator.check_all_free()
+            self.row_allocator.check_all_free()
 
 
 def make_engine_config(model: str | None = None, **engine_args: Any) -> EngineConfig:

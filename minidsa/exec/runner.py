@@ -28,10 +28,11 @@ from minidsa.exec.compile_cache import CompileCache, CompileStats, cache_root, c
 from minidsa.config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
 from minidsa.exec.graphs import DEFAULT_BUCKETS, EXTEND_TOKEN_BUCKETS, GraphShape, StepGraphs
 from minidsa.kernels.choice import IndexerShape, choose_fp8_gemm, choose_kernels
-from minidsa.exec.kv_cache import CacheLayouts, KVCache, PageAllocator, ReqToTokenPool, pages_needed
+from minidsa.exec.kv_cache import CacheLayouts, KVCache, ReqToTokenTable
 from minidsa.models.deepseek_v32 import ModelOutput, call_layer
 from minidsa.exec.memory import GiB, MIN_KV_TOKENS, DoesNotFit, graph_buffer_bytes, margin_bytes
 from minidsa.models.loader import build_model
+from minidsa.sched.pages import KVCapacity, pages_needed
 from minidsa.sched.plan import StepKind
 from minidsa.speculative.layout import SpecLayout
 from minidsa.exec.startup import StartupPhases
@@ -152,8 +153,8 @@ class ModelRunner:
         if config.max_total_tokens == 0:
             config.max_total_tokens = self._auto_kv_tokens(decode_reserve)
         num_pages = pages_needed(config.max_total_tokens, self.page_size) + 1  # + the reserved dummy page
-        self.allocator = PageAllocator(num_pages, self.page_size)
-        capacity = self.allocator.num_usable_pages * self.page_size
+        self.num_pages = num_pages
+        capacity = (num_pages - 1) * self.page_size
 
         # Longest request: fits alone in the cache with room for one decode step's new positions.
         limit = min(model_config.max_position_embeddings, capacity - decode_reserve)
@@ -167,12 +168,12 @@ class ModelRunner:
                               f"KV capacity {capacity} tokens minus {decode_reserve} decode positions)")
         self.max_model_len = config.max_model_len
         table_width = pages_needed(self.max_model_len + decode_reserve, self.page_size) * self.page_size
-        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, table_width, self.device)
+        self.req_to_token_table = ReqToTokenTable(config.max_running_requests, table_width, self.device)
         self.kv_cache = KVCache(num_layers, num_pages, self.mla_layout, self.index_layout, self.device,
                                 indexer_layers)
         self.startup.record("KV cache", time.perf_counter() - kv_start,
                             f"{capacity} tokens, {self.kv_bytes_per_token * capacity / 2**30:.1f} GiB")
-        self.attn = DSABackend(self.kv_cache, self.req_to_token_pool.req_to_token, model_config.index_topk,
+        self.attn = DSABackend(self.kv_cache, self.req_to_token_table.req_to_token, model_config.index_topk,
                                self.kernels)
         self.table_width = table_width
         self.graphs: StepGraphs | None = None
@@ -195,12 +196,17 @@ class ModelRunner:
     @property
     def req_to_token(self) -> torch.Tensor:
         """[num_rows, width] int32: row position -> KV slot, one row per running request."""
-        return self.req_to_token_pool.req_to_token
+        return self.req_to_token_table.req_to_token
 
     @property
     def num_rows(self) -> int:
         """Rows of req_to_token: the most requests that can run at once."""
         return self.req_to_token.shape[0]
+
+    @property
+    def kv_capacity(self) -> KVCapacity:
+        """What the control plane allocates (sched/pages.py): KV pages (page 0 the dummy page) and rows."""
+        return KVCapacity(self.num_pages, self.page_size, self.num_rows)
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the KV of slots `src` to slots `dst`: the MLA and indexer caches of every layer."""
@@ -247,7 +253,7 @@ class ModelRunner:
         context = min(mc.max_position_embeddings, cfg.max_model_len or mc.max_position_embeddings,
                       max(free // self.kv_bytes_per_token, 2))
         context = pages_needed(context + decode_reserve, self.page_size) * self.page_size
-        scratch_rows = ReqToTokenPool(1, context, dev)  # every position maps to the dummy slot 0
+        scratch_rows = ReqToTokenTable(1, context, dev)  # every position maps to the dummy slot 0
         scratch = KVCache(mc.num_layers_with_mtp, 1, self.mla_layout, self.index_layout, dev, self._indexer_layers)
         attn = DSABackend(scratch, scratch_rows.req_to_token, mc.index_topk, self.kernels)
         step_tokens = self.step_tokens
@@ -514,7 +520,3 @@ class ModelRunner:
     def forward_mtp_eager(self, batch: ForwardBatch, hidden_prev: torch.Tensor,
                           prev_topk: torch.Tensor | None = None) -> ModelOutput:
         return self.model.forward_mtp(batch, self.attn, hidden_prev, prev_topk)
-
-    def check_all_free(self) -> None:
-        self.allocator.check_all_free()
-        self.req_to_token_pool.check_all_free()

@@ -42,6 +42,7 @@ from minidsa.models.deepseek_v32 import ModelOutput
 from minidsa.exec.runner import ModelRunner
 from minidsa.exec.sampling import SampledTokens, Sampler, TokenMask, race_for, token_mask_for
 from minidsa.speculative.mtp import SpecRows
+from minidsa.sched.pages import KVCapacity
 from minidsa.sched.plan import PromptScoring, StepKind, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,11 @@ class Worker:
         self.next_input_ids = torch.zeros(runner.num_rows, dtype=torch.int64, device=self.device)
         self.bitmask_width = (sampler.vocab_size + 31) // 32  # int32 words of a grammar mask row
 
+    @property
+    def kv_capacity(self) -> KVCapacity:
+        """The KV pages and req_to_token rows the control plane allocates (the engine builds its allocators)."""
+        return self.runner.kv_capacity
+
     def execute(self, plan: StepPlan) -> StepResult:
         return self.launch(plan).result()
 
@@ -125,9 +131,9 @@ class Worker:
         """Release what outlives the process's objects (tensor-parallel ranks); nothing for one process."""
 
     def launch(self, plan: StepPlan) -> PendingStep:
-        pool = self.runner.req_to_token_pool
+        table = self.runner.req_to_token_table
         for w in plan.table_writes:
-            pool.write_pages(w.row, w.first_page, w.pages, self.page_size)
+            table.write_pages(w.row, w.first_page, w.pages, self.page_size)
         if plan.kind == StepKind.SPEC:
             if plan.grammar_rows:  # the round needs its constrained requests' masks (`launch_sampling`)
                 return PendingStep(plan, [], None, None, None, forward=(None, None))
