@@ -317,6 +317,7 @@ def bench_step_section(rec: Recorder, iters: int, batch: int = 128, ctx: int = 3
 @torch.no_grad()
 def bench_accuracy_section(rec: Recorder, prompt_len: int = 3000, steps: int = 16) -> None:
     from minidsa.attention.backend import DSABackend
+    from minidsa.attention.topk_recording import TopkRecorder
     from minidsa.exec.batch import ForwardBatch
     from minidsa.sched.plan import StepKind
     from minidsa.exec.kv_cache import KVCache, MLALayout as Layout
@@ -332,24 +333,24 @@ def bench_accuracy_section(rec: Recorder, prompt_len: int = 3000, steps: int = 1
     vocab = runner.model_config.vocab_size
     prompt = torch.randint(2, vocab, (prompt_len,), generator=g).tolist()
     forced = torch.randint(2, vocab, (steps,), generator=g).tolist()
-    row = 0  # the runner alone: every row and page is free, none but the dummy page 0 is ever written
+    row = 0  # row 0 and pages 1..: this runner serves nothing else
     pages = list(range(1, 1 + pages_needed(prompt_len + steps + 1, runner.page_size)))
     runner.req_to_token_table.write(row, 0, slots_of(pages, 0, prompt_len + steps + 1, runner.page_size))
     r2t = runner.req_to_token
     logits, topks = {}, {}
     for name, attn in backends.items():
-        attn.topk_recorder = []
         out_logits, recorded = [], []
-        loc = r2t[row, :prompt_len].long()
-        batch = ForwardBatch.build(StepKind.EXTEND, prompt, [row], [0], [prompt_len], loc, DEV)
-        out_logits.append(runner.model(batch, attn).logits[-1].float())
-        for i, tok in enumerate(forced):
-            attn.topk_recorder = []
-            pos = prompt_len + i
-            batch = ForwardBatch.build(StepKind.DECODE, [tok], [row], [pos], [1], r2t[row, pos:pos + 1].long(), DEV)
+        with TopkRecorder(attn) as selected:  # each decode step's selected positions, per layer
+            loc = r2t[row, :prompt_len].long()
+            batch = ForwardBatch.build(StepKind.EXTEND, prompt, [row], [0], [prompt_len], loc, DEV)
             out_logits.append(runner.model(batch, attn).logits[-1].float())
-            recorded.append(dict(attn.topk_recorder))
-        attn.topk_recorder = None
+            for i, tok in enumerate(forced):
+                selected.records = []
+                pos = prompt_len + i
+                batch = ForwardBatch.build(StepKind.DECODE, [tok], [row], [pos], [1], r2t[row, pos:pos + 1].long(),
+                                           DEV)
+                out_logits.append(runner.model(batch, attn).logits[-1].float())
+                recorded.append(dict(selected.records))
         logits[name], topks[name] = torch.stack(out_logits), recorded
     full, fp8 = logits["auto"], logits["fp8"]
     rel = (fp8 - full).norm(dim=-1) / (full - full.mean(-1, keepdim=True)).norm(dim=-1)

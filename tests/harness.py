@@ -14,7 +14,7 @@ from minidsa.config import ModelConfig
 from minidsa.exec.kv_cache import IndexerLayout, KVCache, MLALayout, ReqToTokenTable
 from minidsa.sched.pages import PageAllocator, RowAllocator, pages_needed, slots_of
 from minidsa.sched.plan import StepKind
-from minidsa.topk_recording import TopkRecorder
+from minidsa.attention.topk_recording import TopkRecorder
 
 
 class PagedDriver:
@@ -94,6 +94,20 @@ class PagedDriver:
         self.rows.check_all_free()
 
 
+# Tokens of the compiled path's warm-up steps on CPU (Triton's interpreter): a GPU engine warms up to its step budget.
+CPU_WARMUP_TOKENS = 11
+
+
+def static_fast_paths(runner, spec_layout=None, compile_backend=None) -> None:
+    """`ModelRunner.prepare_fast_paths` on CPU, from the runner's public pieces: batches go through the step
+    graphs' static, padded buffers (run eagerly: nothing is captured without a GPU), and with the engine's
+    enable_compile the step functions are compiled with `compile_backend` (e.g. "aot_eager", a recording
+    backend; None: not compiled) and the uncaptured compiled path is warmed up, as on a GPU."""
+    assert runner.config.enable_cuda_graph, "the engine serves without graphs"
+    run_main, run_mtp = runner.step_functions(compile_backend if runner.config.enable_compile else None)
+    runner.use_graphs(runner.build_graphs(spec_layout, run_main, run_mtp), warm_up_tokens=CPU_WARMUP_TOKENS)
+
+
 def count_replays(graphs) -> dict[StepKind, int]:
     """Replays per step kind from now on (wraps StepGraphs.replay on this instance)."""
     counts = {kind: 0 for kind in graphs.shapes}
@@ -123,6 +137,6 @@ def compile_without_probing(runner, monkeypatch, library) -> list[set[str]]:
         traced.append({str(n.target) for n in gm.graph.nodes})
         return aot_eager(gm, example_inputs)
 
-    runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=backend)
+    static_fast_paths(runner, None, backend)
     return traced
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch._dynamo.backends.debugging import aot_eager
 
-from harness import PagedDriver, count_replays
+from harness import PagedDriver, count_replays, static_fast_paths
 from minidsa import LLM, SamplingParams
 from minidsa.exec.batch import ForwardBatch
 from minidsa.config import ModelConfig
@@ -94,7 +94,7 @@ def test_compiled_steps_equal_eager_with_one_graph_per_kind(monkeypatch):
     llm = _llm(kernel_backend="triton", speculative_num_steps=1)
     runner = llm.engine.runner
     monkeypatch.setattr("minidsa.exec.runner.CTX_BUCKETS", [64])  # two context buckets on short prompts
-    runner.prepare_fast_paths(llm.engine.speculator.layout, static_on_cpu=True, compile_backend=backend)
+    static_fast_paths(runner, llm.engine.speculator.layout, backend)
     assert runner.compiled and len(runner.graphs.ctx_buckets) == 2
     replays = count_replays(runner.graphs)
     # One request, then three together (batch buckets 1 and 4, both context buckets).
@@ -133,7 +133,7 @@ def test_capture_order_compiles_one_graph_for_every_bucket_above_one(monkeypatch
               cuda_graph_max_bs=8, progress=False, kernel_backend="triton")
     runner = llm.engine.runner
     assert runner.attn.req_to_token.shape[0] == 8
-    runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=backend)
+    static_fast_paths(runner, None, backend)
     graphs = runner.graphs
     assert graphs.buckets == [1, 2, 4, 8]
     shape, ctx = graphs.shapes[StepKind.DECODE], graphs.ctx_buckets[0]
@@ -218,7 +218,7 @@ def compiled_llm():
         buf.copy_(torch.randint(0, 100, buf.shape, generator=g).to(buf.dtype))
     before = [b.clone() for b in buffers]
     counter = CompileCounterWithBackend("aot_eager")
-    runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=counter)
+    static_fast_paths(runner, None, counter)
     return llm, counter, [before, [b.clone() for b in buffers]]
 
 

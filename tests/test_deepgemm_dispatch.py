@@ -27,8 +27,8 @@ from triton_interp import import_kernels_interpreted  # noqa: E402
 INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
 
-from harness import compile_without_probing, count_replays  # noqa: E402
-from minidsa.topk_recording import slots_to_positions  # noqa: E402
+from harness import compile_without_probing, count_replays, static_fast_paths  # noqa: E402
+from minidsa.attention.topk_recording import slots_to_positions  # noqa: E402
 from minidsa.attention.backend import DSABackend  # noqa: E402
 from minidsa.kernels import choice as kernel_choice  # noqa: E402
 from minidsa.kernels.choice import KernelChoice, choose_kernels  # noqa: E402
@@ -485,7 +485,7 @@ def test_compiled_prefill_with_deep_gemm_compiles_nothing_after_start_up(sm90, m
               chunked_prefill_size=64, max_prefill_tokens=96, progress=False)
     assert llm.engine.runner.kernels.index_logits == "deepgemm"
     counter = CompileCounterWithBackend("eager")
-    llm.engine.runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=counter)
+    static_fast_paths(llm.engine.runner, None, counter)
     at_start_up = counter.frame_count
     params = SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False)
     g = torch.Generator().manual_seed(1)

@@ -245,16 +245,16 @@ def test_append_tokens_checks_every_token(tiny_llm):
     """The one entry for new tokens: several per step (speculation), truncated after a stop."""
     engine = tiny_llm.engine
     r = Request(request_id="x", prompt_ids=[5, 6], params=SamplingParams(max_tokens=10, stop_token_ids=[99]))
-    kept, _ = engine.append_tokens(r, [10, 11, 99, 12, 13])
+    kept, _ = engine.outputs.append_tokens(r, [10, 11, 99, 12, 13])
     assert kept == [10, 11, 99] and r.output_ids == kept and r.finish_reason == "stop"
     r = Request(request_id="y", prompt_ids=[5], params=SamplingParams(max_tokens=4))
-    engine.append_tokens(r, [1000, 1001, 1002])
+    engine.outputs.append_tokens(r, [1000, 1001, 1002])
     assert r.finish_reason is None
-    kept, _ = engine.append_tokens(r, [1003, 1004, 1005])
+    kept, _ = engine.outputs.append_tokens(r, [1003, 1004, 1005])
     assert kept == [1003] and r.finish_reason == "length"
     ids = tiny_llm.tokenizer.encode("alpha beta gamma delta", add_special_tokens=False)
     r = Request(request_id="z", prompt_ids=[5], params=SamplingParams(max_tokens=50, stop=["gam"]).validate())
-    kept, new_text = engine.append_tokens(r, ids + ids)
+    kept, new_text = engine.outputs.append_tokens(r, ids + ids)
     assert r.finish_reason == "stop" and r.text == "alpha beta " and new_text == "alpha beta "
     assert "gam" in tiny_llm.tokenizer.decode(kept) and len(kept) <= len(ids)
 

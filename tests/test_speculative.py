@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from harness import PagedDriver, count_replays
+from harness import PagedDriver, count_replays, static_fast_paths
 from hf_tiny import build_hf, save_hf, save_hf_with_mtp
 from minidsa import LLM, SamplingParams
 from minidsa.config import ConfigError, ModelConfig
@@ -242,7 +242,7 @@ def test_static_graph_buffers_keep_speculation_lossless():
     for spec in ("chain2", "tree"):
         llm = make(None, **SPEC_CONFIGS[spec])
         speculate_through_spec_runner(llm)
-        llm.engine.runner.prepare_fast_paths(llm.engine.speculator.layout, static_on_cpu=True)
+        static_fast_paths(llm.engine.runner, llm.engine.speculator.layout)
         assert llm.engine.speculator.runner.has_draft_extend_graph
         replays = count_replays(llm.engine.runner.graphs)
         assert run(llm, prompts) == reference

@@ -18,7 +18,7 @@ import signal
 import pytest
 import torch
 
-from harness import count_replays
+from harness import count_replays, static_fast_paths
 from hf_tiny import save_hf_with_mtp
 from minidsa import LLM, SamplingParams
 from minidsa.config import ConfigError, EngineConfig, ModelConfig
@@ -216,7 +216,7 @@ def test_single_rank_group_compiles_its_collectives_into_the_layer_graphs():
     with LLM(distributed_executor_backend="mp", **kw) as one:
         runner = one.engine.runner
         assert runner.ranks.world_size == 1 and runner.model.tp.collectives
-        runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=backend)
+        static_fast_paths(runner, None, backend)
         replays = count_replays(runner.graphs)
         assert generate(one, prompts, params) == reference
         assert replays[StepKind.DECODE] > 0

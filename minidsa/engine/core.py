@@ -518,11 +518,6 @@ class Engine:
             del self.requests[req.request_id]
         self._finished_total += 1
 
-    # -- tokens in (tests and tools call these directly) -------------------------
-    def append_tokens(self, req: Request, tokens: list[int], logprobs: list[float] | None = None,
-                      top_logprobs: list[dict[int, float]] | None = None) -> tuple[list[int], str]:
-        return self.outputs.append_tokens(req, tokens, logprobs, top_logprobs)
-
     # -- introspection ------------------------------------------------------------
     def metrics(self) -> EngineMetrics:
         alloc = self.page_allocator

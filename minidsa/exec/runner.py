@@ -42,8 +42,6 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
 # Context buckets of the decode-like graphs (plus the table width): indexer rows span the bucket.
 CTX_BUCKETS = [4096, 16384, 65536]
-# Tokens of the start-up warm-up steps without a GPU (tests under Triton's interpreter); on a GPU the step budget.
-CPU_WARMUP_TOKENS = 11
 
 
 def warm_up_shapes(tokens: int, page_size: int, max_model_len: int, table_width: int
@@ -303,62 +301,66 @@ class ModelRunner:
         return reserve
 
     # -- compile and graphs -------------------------------------------------------
-    def prepare_fast_paths(self, spec_layout: SpecLayout | None, static_on_cpu: bool = False,
-                           compile_backend: str | None = None) -> None:
-        """torch.compile and CUDA-graph capture, once, after the speculator (if any) fixed its step shapes.
-
-        `static_on_cpu` (tests): without a GPU, still route batches through the graphs'
-        static, padded buffers, run eagerly, so the padding logic is exercised on CPU.
-        `compile_backend`: torch.compile backend of the captured steps and of the batches without a graph
-        (default: inductor on CUDA; on CPU nothing is compiled unless a backend is named, e.g. "aot_eager"
-        in tests).
-        """
+    def prepare_fast_paths(self, spec_layout: SpecLayout | None) -> None:
+        """torch.compile and CUDA-graph capture (a GPU only), once, after the speculator (if any) fixed its step
+        shapes: the step functions (`step_functions`), the graphs over them (`build_graphs`), routed and warmed up
+        (`use_graphs`). Tests compose the same pieces on CPU (tests/harness.py: `static_fast_paths`)."""
         cfg = self.config
-        if self.device.type != "cuda" and not static_on_cpu:
+        if self.device.type != "cuda":
             if cfg.enable_cuda_graph or cfg.enable_compile:
                 logger.info("CUDA graphs and torch.compile skipped: device is %s (they need a CUDA GPU)",
                             self.device)
             return
-        capture = self.device.type == "cuda"
         step_tokens = self.step_tokens
-        if capture:
-            self._warm_up_deepgemm(step_tokens)
+        self._warm_up_deepgemm(step_tokens)
         if not cfg.enable_cuda_graph:
             logger.info("CUDA graphs disabled (enable_cuda_graph=False): decode runs eagerly, uncompiled "
                         "(torch.compile serves the captured steps)")
             return
-        if self.compile_cache is not None and cfg.enable_compile and capture:
+        if self.compile_cache is not None and cfg.enable_compile:
             with self.startup.phase("compile cache") as phase:
                 phase.detail = self.compile_cache.load()
-        run_main, run_mtp = self.step_functions(
-            compile_backend or ("inductor" if capture else None) if cfg.enable_compile else None)
+        run_main, run_mtp = self.step_functions("inductor" if cfg.enable_compile else None)
+        # torch.compile runs inside the first calls of the capture and of the warm-up: their lines say how long.
+        with self._compiling_phase("capture") as phase:
+            graphs = self.build_graphs(spec_layout, run_main, run_mtp)
+            phase.detail = f"{len(graphs.static)} CUDA graphs"
+        self.use_graphs(graphs, warm_up_tokens=step_tokens)
+        if self.compile_cache is not None and self.compiled:
+            with self.startup.phase("compile cache save") as phase:
+                phase.detail = self.compile_cache.save()
+
+    def build_graphs(self, spec_layout: SpecLayout | None, run_main: Callable[[ForwardBatch], ModelOutput],
+                     run_mtp: Callable[..., ModelOutput]) -> StepGraphs:
+        """The step graphs this engine serves with (decode or the speculator's kinds, and EXTEND), over the step
+        functions given: CUDA graphs captured on a GPU; elsewhere their static, padded buffers run eagerly."""
+        cfg = self.config
         shapes = decode_graph_shapes(spec_layout)
         limit = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
         buckets = [b for b in DEFAULT_BUCKETS if b <= limit] or [1]
         if buckets[-1] < limit:
             buckets.append(limit)
-        extend_buckets = [b for b in EXTEND_TOKEN_BUCKETS if b <= step_tokens]
+        extend_buckets = [b for b in EXTEND_TOKEN_BUCKETS if b <= self.step_tokens]
         if extend_buckets:  # prefill chunks and mixed steps up to a bucket's tokens
             shapes.append(GraphShape(StepKind.EXTEND, 0, 0))
-        # torch.compile runs inside the first calls of the capture and of the warm-up: their lines say how long.
-        with self._compiling_phase("capture") as phase:
-            self.graphs = StepGraphs(run_main, run_mtp, shapes, buckets, self.table_width,
-                                     self.model_config.hidden_size, self.dtype, self.device, capture=capture,
-                                     ctx_buckets=CTX_BUCKETS, extend_buckets=extend_buckets,
-                                     max_requests=cfg.max_running_requests)
-            phase.detail = f"{len(self.graphs.static)} CUDA graphs" if capture else "static buffers, not captured"
-        if self.compiled:
-            # Batches without a graph (prefill chunks, mixed steps, oversized decode batches) run the same compiled
-            # layer. Warmed up here, after capture: the first real prefill must not compile mid-serving.
-            self._run_uncaptured = lambda batch: run_main(_at_least_two_keys(batch))
-            self._run_mtp_uncaptured = lambda batch, hidden, topk: run_mtp(_at_least_two_keys(batch), hidden, topk)
-            with self._compiling_phase("warm-up") as phase:
-                shapes = self._warm_up_uncaptured(spec_layout is not None,
-                                                  step_tokens if capture else CPU_WARMUP_TOKENS)
-                phase.detail = f"{len(shapes)} prefill / mixed shapes"
-        if self.compile_cache is not None and self.compiled and capture:
-            with self.startup.phase("compile cache save") as phase:
-                phase.detail = self.compile_cache.save()
+        return StepGraphs(run_main, run_mtp, shapes, buckets, self.table_width, self.model_config.hidden_size,
+                          self.dtype, self.device, capture=self.device.type == "cuda", ctx_buckets=CTX_BUCKETS,
+                          extend_buckets=extend_buckets, max_requests=cfg.max_running_requests)
+
+    def use_graphs(self, graphs: StepGraphs, warm_up_tokens: int) -> None:
+        """Serve batches through `graphs` from now on. When their step functions are compiled, batches without a
+        graph (prefill chunks, mixed steps, oversized decode batches) run the same compiled layer, warmed up here
+        over steps of up to `warm_up_tokens` tokens: the first real prefill must not compile mid-serving."""
+        self.graphs = graphs
+        if not self.compiled:
+            return
+        run_main, run_mtp = graphs.run_main, graphs.run_mtp
+        self._run_uncaptured = lambda batch: run_main(_at_least_two_keys(batch))
+        self._run_mtp_uncaptured = lambda batch, hidden, topk: run_mtp(_at_least_two_keys(batch), hidden, topk)
+        with self._compiling_phase("warm-up") as phase:
+            # under speculation the MTP layer catches up after every prefill: its uncaptured path is warmed up too
+            shapes = self._warm_up_uncaptured(StepKind.DRAFT_EXTEND in graphs.shapes, warm_up_tokens)
+            phase.detail = f"{len(shapes)} prefill / mixed shapes"
 
     @contextlib.contextmanager
     def _compiling_phase(self, name: str):
@@ -372,7 +374,7 @@ class ModelRunner:
                 done += f", {count_entries(triton_dir) - kernels} Triton kernels compiled"
             phase.detail = f"{phase.detail}; {done}" if phase.detail else done
 
-    def step_functions(self, compile_backend: str | None = None):
+    def step_functions(self, compile_backend: str | Callable | None = None):
         """(run_main(batch), run_mtp(batch, hidden_prev, prev_topk=None)); compiled when a backend is named.
 
         Regional compilation: torch.compile compiles one decoder layer (`call_layer`), not the unrolled
