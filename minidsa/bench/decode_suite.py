@@ -1,4 +1,4 @@
-"""GPU decode performance suite: `minidsa bench --suite decode` (or `python -m minidsa.bench.decode_suite`).
+"""GPU decode performance suite: `minidsa bench-decode` (or `python -m minidsa.bench.decode_suite`).
 
 Measures, in one run on one GPU, on a benchmark preset with random bf16 weights:
  (a) decode step latency and tokens/s at several batch sizes and contexts (CUDA graphs);
@@ -26,16 +26,21 @@ import os
 import statistics
 import subprocess
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from minidsa.exec.batch import ForwardBatch
 from minidsa.config import EngineConfig, ModelConfig
-from minidsa.exec.graphs import GraphShape, StepGraphs
 from minidsa.sched.pages import PageAllocator, RowAllocator, pages_needed
 from minidsa.models.presets import preset_config
-from minidsa.exec.runner import ModelRunner
 from minidsa.sched.plan import StepKind
+
+if TYPE_CHECKING:
+    from minidsa.exec.graphs import GraphShape, StepGraphs
+
+# The CLI builds `minidsa bench-decode`'s flags from `add_args`: the model code (exec/runner.py, exec/graphs.py)
+# is imported when the suite runs, not each time `minidsa` starts.
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +170,8 @@ class Bench:
             self.runner = RankModelRunner(single_rank_group(cfg.device), cfg, self.model_config, None,
                                           init_std=init_std, decode_reserve=64, progress=False)
         else:
+            from minidsa.exec.runner import ModelRunner
+
             self.runner = ModelRunner(cfg, self.model_config, None, init_std=init_std, decode_reserve=64,
                                       progress=False)
         self.device = self.runner.device
@@ -234,18 +241,24 @@ class Bench:
 
     def graphs(self, shapes: list[GraphShape], buckets: list[int], max_kv_len: int,
                compiled: bool = True) -> StepGraphs:
+        from minidsa.exec.graphs import StepGraphs
+
         r = self.runner
         run_main, run_mtp = (self.run_main, self.run_mtp) if compiled else r.step_functions(None)
         return StepGraphs(run_main, run_mtp, shapes, buckets, max_kv_len, self.model_config.hidden_size, r.dtype,
                           r.device, capture=True)
 
 
-DECODE = GraphShape(StepKind.DECODE, 1, 0)
+def graph_shape(kind: StepKind, tokens_per_req: int = 1, tree_width: int = 0) -> GraphShape:
+    """The shape of a captured step kind (exec/graphs.py)."""
+    from minidsa.exec.graphs import GraphShape
+
+    return GraphShape(kind, tokens_per_req, tree_width)
 
 
 def _graph_decode_ms(bench: Bench, bs: int, ctx: int, iters: int) -> float:
     rows, pages = bench.contexts(bs, ctx)
-    g = bench.graphs([DECODE], [bs], max_kv_len=ctx + 64)
+    g = bench.graphs([graph_shape(StepKind.DECODE)], [bs], max_kv_len=ctx + 64)
     batch = bench.decode_batch(rows, ctx)
     ms = time_cuda(lambda: g.replay(batch), iters=iters) * 1e3
     bench.release(rows, pages)
@@ -285,11 +298,12 @@ def run_suite(args) -> dict:
     result["distributed_executor_backend"] = args.distributed_executor_backend
     cfg = bench.model_config
     result["kernels"] = bench.runner.kernels.describe()
+    decode = graph_shape(StepKind.DECODE)
 
     # (a) + (b): graph decode over batch x context
     rows_a = []
     for ctx in args.contexts:
-        graphs = bench.graphs([DECODE], sorted(set(args.batches)), max_kv_len=ctx + 64)
+        graphs = bench.graphs([decode], sorted(set(args.batches)), max_kv_len=ctx + 64)
         for bs in args.batches:
             if bs * (ctx + 64) > args.kv_tokens:
                 rows_a.append({"bs": bs, "ctx": ctx, "skipped": "KV capacity"})
@@ -309,9 +323,9 @@ def run_suite(args) -> dict:
     ctx = args.contexts[0]
     rows, pages = bench.contexts(1, ctx)
     batch = bench.decode_batch(rows, ctx)
-    graphs = bench.graphs([DECODE], [1], max_kv_len=ctx + 64)
+    graphs = bench.graphs([decode], [1], max_kv_len=ctx + 64)
     t_graph = time_cuda(lambda: graphs.replay(batch), iters=args.iters)
-    plain = bench.graphs([DECODE], [1], max_kv_len=ctx + 64, compiled=False) if bench.compile else graphs
+    plain = bench.graphs([decode], [1], max_kv_len=ctx + 64, compiled=False) if bench.compile else graphs
     t_plain = time_cuda(lambda: plain.replay(batch), iters=args.iters)
     t_eager = time_cuda(lambda: bench.runner.forward_eager(batch), iters=max(5, args.iters // 4))
     result["graph_vs_eager"] = {"ctx": ctx, "compiled": bench.compile, "graph_ms": t_graph * 1e3,
@@ -329,8 +343,7 @@ def run_suite(args) -> dict:
     rows_e = []
     for bs in (1, 8) if "verify" not in args.skip else ():
         rows, pages = bench.contexts(bs, ctx)
-        verify_shape = GraphShape(StepKind.VERIFY, nd, nd)
-        graphs = bench.graphs([DECODE, verify_shape], [bs], max_kv_len=ctx + 64)
+        graphs = bench.graphs([decode, graph_shape(StepKind.VERIFY, nd, nd)], [bs], max_kv_len=ctx + 64)
         db = bench.decode_batch(rows, ctx)  # built once: the timing is the replay, as for verify below
         t_dec = time_cuda(lambda: graphs.replay(db), iters=args.iters)
         vb = bench.verify_batch(rows, ctx, nd)
@@ -589,11 +602,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", default=None)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="minidsa bench --suite decode", description=__doc__.splitlines()[0])
-    add_args(p)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def run(args: argparse.Namespace) -> int:
+    """The suite with the flags of `add_args` (`minidsa bench-decode`); prints the markdown report."""
     if not torch.cuda.is_available():
         print("the decode suite needs a CUDA GPU; nothing measured")
         return 2
@@ -607,6 +617,14 @@ def main(argv=None) -> int:
         with open(args.markdown, "w") as f:
             f.write(md)
     return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minidsa.bench.decode_suite", description=__doc__.splitlines()[0])
+    add_args(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)
 
 
 if __name__ == "__main__":
