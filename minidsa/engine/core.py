@@ -4,7 +4,9 @@ A step: the scheduler decides which requests run (sched/scheduler.py); the engin
 (plain data: rows, positions, input tokens, sampling parameters, page-table writes; sched/plan.py) and
 hands it to the `Worker` (exec/worker.py), the only owner of device state, which returns a `StepResult`
 (tokens, logprobs). The tokens enter their requests through the `OutputProcessor` (outputs.py: stop
-conditions, detokenising, RequestOutput).
+conditions, detokenising, RequestOutput). Which KV pages and req_to_token rows are free is host bookkeeping
+(sched/pages.py): the engine builds the allocators from the capacity the worker reports and hands them to the
+scheduler and the prefix cache; the worker owns the memory they address.
 
 Overlapped scheduling (`EngineConfig.overlap_schedule`, on by default): `step()` plans and launches step
 N+1 *before* it waits for step N's tokens, then processes them while the device runs N+1. A decode row's

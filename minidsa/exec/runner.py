@@ -1,4 +1,4 @@
-"""ModelRunner: decides HOW a batch runs. Owns the model, the KV pools and the DSA backend.
+"""ModelRunner: decides HOW a batch runs. Owns the model, the KV caches, the req_to_token table and the DSA backend.
 
 The worker (worker.py) builds a `ForwardBatch` from a step plan and hands it here. `forward` /
 `forward_mtp` are the entry points: a batch whose shape has a captured CUDA graph (decode, target
