@@ -277,7 +277,7 @@ def bench_capacity_section(rec: Recorder) -> None:
     tokens = {}
     for layout in ("auto", "fp8"):
         runner = _runner(layout)
-        n = runner.allocator.num_usable_pages * runner.page_size
+        n = (runner.kv_capacity.num_pages - 1) * runner.page_size  # page 0 is the dummy page
         tokens[layout] = n
         rec.add(bk.row("capacity", f"bench-dsv32 KV tokens, MLA {layout}", f"{runner.kv_bytes_per_token} B/token",
                        None, note=f"{n} tokens ({n * runner.kv_bytes_per_token / 2**30:.1f} GiB of KV)"))
@@ -318,8 +318,11 @@ def bench_step_section(rec: Recorder, iters: int, batch: int = 128, ctx: int = 3
 @torch.no_grad()
 def bench_accuracy_section(rec: Recorder, prompt_len: int = 3000, steps: int = 16) -> None:
     from minidsa.attention.backend import DSABackend
-    from minidsa.exec.batch import ForwardBatch, ForwardMode
-    from minidsa.exec.kv_cache import KVCache, MLALayout as Layout, pages_needed, slots_of
+    from minidsa.attention.topk_recording import TopkRecorder
+    from minidsa.exec.batch import ForwardBatch
+    from minidsa.sched.plan import StepKind
+    from minidsa.exec.kv_cache import KVCache, MLALayout as Layout
+    from minidsa.sched.pages import pages_needed, slots_of
 
     runner = _runner("auto", max_total_tokens=8192, max_running_requests=4)
     kv = runner.kv_cache
@@ -332,24 +335,24 @@ def bench_accuracy_section(rec: Recorder, prompt_len: int = 3000, steps: int = 1
     vocab = runner.model_config.vocab_size
     prompt = torch.randint(2, vocab, (prompt_len,), generator=g).tolist()
     forced = torch.randint(2, vocab, (steps,), generator=g).tolist()
-    row = runner.req_to_token_pool.alloc()
-    pages = runner.allocator.alloc(pages_needed(prompt_len + steps + 1, runner.page_size))
-    runner.req_to_token_pool.write(row, 0, slots_of(pages, 0, prompt_len + steps + 1, runner.page_size))
+    row = 0  # row 0 and pages 1..: this runner serves nothing else
+    pages = list(range(1, 1 + pages_needed(prompt_len + steps + 1, runner.page_size)))
+    runner.req_to_token_table.write(row, 0, slots_of(pages, 0, prompt_len + steps + 1, runner.page_size))
     r2t = runner.req_to_token
     logits, topks = {}, {}
     for name, attn in backends.items():
-        attn.topk_recorder = []
         out_logits, recorded = [], []
-        loc = r2t[row, :prompt_len].long()
-        batch = ForwardBatch.build(ForwardMode.EXTEND, prompt, [row], [0], [prompt_len], loc, DEV)
-        out_logits.append(runner.model(batch, attn).logits[-1].float())
-        for i, tok in enumerate(forced):
-            attn.topk_recorder = []
-            pos = prompt_len + i
-            batch = ForwardBatch.build(ForwardMode.DECODE, [tok], [row], [pos], [1], r2t[row, pos:pos + 1].long(), DEV)
+        with TopkRecorder(attn) as selected:  # each decode step's selected positions, per layer
+            loc = r2t[row, :prompt_len].long()
+            batch = ForwardBatch.build(StepKind.EXTEND, prompt, [row], [0], [prompt_len], loc, DEV)
             out_logits.append(runner.model(batch, attn).logits[-1].float())
-            recorded.append(dict(attn.topk_recorder))
-        attn.topk_recorder = None
+            for i, tok in enumerate(forced):
+                selected.records = []
+                pos = prompt_len + i
+                batch = ForwardBatch.build(StepKind.DECODE, [tok], [row], [pos], [1], r2t[row, pos:pos + 1].long(),
+                                           DEV)
+                out_logits.append(runner.model(batch, attn).logits[-1].float())
+                recorded.append(dict(selected.records))
         logits[name], topks[name] = torch.stack(out_logits), recorded
     full, fp8 = logits["auto"], logits["fp8"]
     rel = (fp8 - full).norm(dim=-1) / (full - full.mean(-1, keepdim=True)).norm(dim=-1)
@@ -364,8 +367,6 @@ def bench_accuracy_section(rec: Recorder, prompt_len: int = 3000, steps: int = 1
             f"top-k overlap {hits / max(total, 1):.4f} (prompt {prompt_len}, {steps} decode steps)")
     rec.meta["accuracy"] = note
     rec.add(bk.row("accuracy", "bench-dsv32 bf16: fp8 vs bf16 cache", "teacher-forced", None, note=note))
-    runner.allocator.free(pages)
-    runner.req_to_token_pool.free(row)
     del runner, backends, fp8_kv
     _free()
 

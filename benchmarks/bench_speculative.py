@@ -55,12 +55,10 @@ class ForwardTimer:
 
     def _wrap(self, runner, name: str) -> None:
         inner = getattr(runner, name)
-        mtp = name == "forward_mtp"
-
         def timed(batch, *args, **kwargs):
             if not self.on:
                 return inner(batch, *args, **kwargs)
-            kind = runner._graph_kind(batch, mtp) or f"uncaptured {batch.mode.name.lower()}{' mtp' if mtp else ''}"
+            kind = f"{'' if runner.has_graph(batch) else 'uncaptured '}{batch.kind.name.lower()}"
             start, end = self.event(), self.event()
             start.record()
             out = inner(batch, *args, **kwargs)

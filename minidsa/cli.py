@@ -1,4 +1,4 @@
-"""Command line: `minidsa generate | bench | serve | precompile`.
+"""Command line: `minidsa generate | bench | bench-decode | serve | precompile`.
 
 Engine arguments are derived from EngineConfig's fields: `max_total_tokens`
 is `--max-total-tokens`; booleans that default to True are turned off with
@@ -122,15 +122,16 @@ def _length_range(text: str) -> tuple[int, int]:
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-DEFAULT_LOG_LEVEL = {"serve": "INFO", "generate": "WARNING", "bench": "WARNING", "precompile": "INFO"}
+DEFAULT_LOG_LEVEL = {"serve": "INFO", "generate": "WARNING", "bench": "WARNING", "bench-decode": "INFO",
+                     "precompile": "INFO"}
 
 
 def _add_common(parser: argparse.ArgumentParser, top: bool) -> None:
     # Accepted before and after the subcommand; the subcommand's copy must not reset the top-level one.
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, metavar="{" + ",".join(LOG_LEVELS) + "}",
                         default=None if top else argparse.SUPPRESS,
-                        help="logging level; default INFO for serve, WARNING otherwise (DEBUG also prints "
-                             "tracebacks of errors)")
+                        help="logging level; default INFO for serve, bench-decode and precompile, WARNING otherwise "
+                             "(DEBUG also prints tracebacks of errors)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,8 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "handed to an in-process engine at t = 0. Online (--request-rate, "
                                        "--max-concurrency or --base-url): requests arrive over the streaming "
                                        "OpenAI API of a server, minidsa's own (started in-process) or any other "
-                                       "(--base-url). `minidsa bench --suite decode [--help]` runs the GPU decode "
-                                       "suite instead.")
+                                       "(--base-url). `minidsa bench-decode` runs the GPU decode suite.")
     _add_common(bench, top=False)
     bench.add_argument("--num-requests", type=_positive_int, default=None, metavar="N",
                        help="default 256 (16 on CPU)")
@@ -198,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-warmup", action="store_true", help="skip the short warm-up run")
     bench.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_engine_args(bench)
+
+    from minidsa.bench import decode_suite
+
+    suite = sub.add_parser("bench-decode", help="the GPU decode suite: step latency, MBU, graphs vs eager, DSA vs "
+                           "dense, verify vs decode, transformers (writes JSON / markdown)",
+                           description=decode_suite.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_common(suite, top=False)
+    decode_suite.add_args(suite)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_common(serve, top=False)
@@ -286,6 +294,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    from minidsa.bench import decode_suite
+
+    return decode_suite.run(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from minidsa.server import app  # aiohttp: imported only for `serve`
 
@@ -328,10 +342,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:3] == ["bench", "--suite", "decode"]:  # the GPU decode suite has its own flags (bench/decode_suite.py)
-        from minidsa.bench import decode_suite
-
-        return decode_suite.main(argv[3:])
     args = build_parser().parse_args(argv)
     level = args.log_level or DEFAULT_LOG_LEVEL[args.command]
     logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -340,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     startup_level = logging.INFO if args.command == "bench" and args.log_level is None else logging.NOTSET
     logging.getLogger("minidsa.exec.startup").setLevel(startup_level)
     try:
-        return {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve,
+        return {"generate": cmd_generate, "bench": cmd_bench, "bench-decode": cmd_bench_decode, "serve": cmd_serve,
                 "precompile": cmd_precompile}[args.command](args)
     except KeyboardInterrupt:
         print(f"minidsa {args.command}: interrupted", file=sys.stderr)

@@ -152,7 +152,7 @@ section_graphs_bench() {   # issue 6: graphs + compile == eager token for token 
 section_bench_decode() {   # issue 6: decode suite -> RESULTS.md (copy into benchmarks/ after the run)
     # Defaults: what fits one 10-minute call with whole-forward compile (benchmarks/RESULTS.md, Regenerate).
     local args=${BENCH_DECODE_ARGS:-"--skip spec --dense-batches 1 16 32 --hf-contexts 4096 --profile 20 --iters 15"}
-    timeout "$TIMEOUT" $PY -m minidsa.bench.decode_suite --json "$OUT/decode.json" --markdown "$OUT/RESULTS.md" $args
+    timeout "$TIMEOUT" $PY -m minidsa.cli bench-decode --json "$OUT/decode.json" --markdown "$OUT/RESULTS.md" $args
 }
 
 section_bench_prefix() {   # issue 9: shared-prefix workload (2k-token system prompt), TTFT with and without the cache
@@ -268,7 +268,7 @@ section_tp() {   # issue 17: tensor_parallel_size 1 through the distributed path
     local args=${BENCH_TP_ARGS:-"--batches 1 32 --contexts 4096 --skip verify dense spec hf --iters 20"}
     for backend in uni mp; do
         echo "--- decode suite, --distributed-executor-backend $backend"
-        timeout "$TIMEOUT" $PY -m minidsa.bench.decode_suite $args --distributed-executor-backend $backend 2>&1 | grep -v " INFO "
+        timeout "$TIMEOUT" $PY -m minidsa.cli bench-decode $args --distributed-executor-backend $backend 2>&1 | grep -v " INFO "
         [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     done
     local loop=${TP_LOOP_ARGS:-"--skip-bench --disable-compile --cuda-graph-max-bs 32"}

@@ -1,7 +1,7 @@
 """A minimal paged-cache driver for model-level tests (no scheduler, no sampling).
 
-It owns the pools for one model and runs prefill (optionally chunked) and
-greedy decode steps for several requests at once, the way the engine does.
+It owns the KV memory (caches, req->token table, page and row allocators) for one model and runs prefill
+(optionally chunked) and greedy decode steps for several requests at once, the way the engine does.
 """
 
 from __future__ import annotations
@@ -9,10 +9,12 @@ from __future__ import annotations
 import torch
 
 from minidsa.attention.backend import DSABackend
-from minidsa.exec.batch import ForwardBatch, ForwardMode
+from minidsa.exec.batch import ForwardBatch
 from minidsa.config import ModelConfig
-from minidsa.exec.kv_cache import IndexerLayout, KVCache, MLALayout, PageAllocator, ReqToTokenPool, pages_needed, slots_of
-from minidsa.topk_recording import TopkRecorder
+from minidsa.exec.kv_cache import IndexerLayout, KVCache, MLALayout, ReqToTokenTable
+from minidsa.sched.pages import PageAllocator, RowAllocator, pages_needed, slots_of
+from minidsa.sched.plan import StepKind
+from minidsa.attention.topk_recording import TopkRecorder
 
 
 class PagedDriver:
@@ -22,27 +24,28 @@ class PagedDriver:
         self.model, self.config, self.page_size = model, config, page_size
         num_pages = num_pages or (max_reqs * pages_needed(max_len, page_size) + 1)
         self.alloc = PageAllocator(num_pages, page_size)
-        self.pool = ReqToTokenPool(max_reqs, max_len, "cpu")
+        self.rows = RowAllocator(max_reqs)
+        self.table = ReqToTokenTable(max_reqs, max_len, "cpu")
         layers = list(config.indexer_full) + [True] * config.num_nextn_predict_layers
         mla = MLALayout.for_model(config.kv_lora_rank, config.qk_rope_head_dim, dtype, kv_cache_dtype)
         index = IndexerLayout(config.index_head_dim, dtype, indexer_fp8, page_size)
         self.kv = KVCache(config.num_layers_with_mtp, num_pages, mla, index, "cpu", layers)
-        self.attn = DSABackend(self.kv, self.pool.req_to_token, config.index_topk, kernels)
+        self.attn = DSABackend(self.kv, self.table.req_to_token, config.index_topk, kernels)
         self.topk = TopkRecorder(self.attn)  # call self.topk.start() to record
         self.reqs: list[dict] = []
         self.last_topk: dict[int, torch.Tensor] = {}  # layer -> positions of the last step, when recording
 
     def add(self, tokens: list[int], reserve: int) -> int:
-        row = self.pool.alloc()
+        row = self.rows.alloc()
         pages = self.alloc.alloc(pages_needed(len(tokens) + reserve, self.page_size))
-        self.pool.write(row, 0, slots_of(pages, 0, len(tokens) + reserve, self.page_size))
+        self.table.write(row, 0, slots_of(pages, 0, len(tokens) + reserve, self.page_size))
         self.reqs.append(dict(row=row, pages=pages, tokens=list(tokens), done=0))
         return len(self.reqs) - 1
 
-    def _step(self, mode, ids, idx, prefix, extend, logits="last"):
-        loc = torch.cat([self.pool.req_to_token[self.reqs[i]["row"], p:p + n].long()
+    def _step(self, kind, ids, idx, prefix, extend, logits="last"):
+        loc = torch.cat([self.table.req_to_token[self.reqs[i]["row"], p:p + n].long()
                          for i, p, n in zip(idx, prefix, extend)])
-        batch = ForwardBatch.build(mode, ids, [self.reqs[i]["row"] for i in idx], prefix, extend, loc, "cpu",
+        batch = ForwardBatch.build(kind, ids, [self.reqs[i]["row"] for i in idx], prefix, extend, loc, "cpu",
                                    logits=logits)
         if self.topk.records is not None:
             self.topk.records = []
@@ -68,7 +71,7 @@ class PagedDriver:
                     which.append(i)
             if not which:
                 return outs
-            out, batch = self._step(ForwardMode.EXTEND, ids, which, prefix, extend, logits)
+            out, batch = self._step(StepKind.EXTEND, ids, which, prefix, extend, logits)
             for i, n in zip(which, extend):
                 self.reqs[i]["done"] += n
             outs.append((which, out, batch, self.last_topk))
@@ -77,7 +80,7 @@ class PagedDriver:
         for i, t in zip(idx, next_tokens):
             self.reqs[i]["tokens"].append(t)
         prefix = [self.reqs[i]["done"] for i in idx]
-        out, batch = self._step(ForwardMode.DECODE, next_tokens, idx, prefix, [1] * len(idx))
+        out, batch = self._step(StepKind.DECODE, next_tokens, idx, prefix, [1] * len(idx))
         for i in idx:
             self.reqs[i]["done"] += 1
         return out
@@ -85,20 +88,34 @@ class PagedDriver:
     def release_all(self):
         for r in self.reqs:
             self.alloc.free(r["pages"])
-            self.pool.free(r["row"])
+            self.rows.free(r["row"])
         self.reqs = []
         self.alloc.check_all_free()
-        self.pool.check_all_free()
+        self.rows.check_all_free()
 
 
-def count_replays(graphs) -> dict[str, int]:
+# Tokens of the compiled path's warm-up steps on CPU (Triton's interpreter): a GPU engine warms up to its step budget.
+CPU_WARMUP_TOKENS = 11
+
+
+def static_fast_paths(runner, spec_layout=None, compile_backend=None) -> None:
+    """`ModelRunner.prepare_fast_paths` on CPU, from the runner's public pieces: batches go through the step
+    graphs' static, padded buffers (run eagerly: nothing is captured without a GPU), and with the engine's
+    enable_compile the step functions are compiled with `compile_backend` (e.g. "aot_eager", a recording
+    backend; None: not compiled) and the uncaptured compiled path is warmed up, as on a GPU."""
+    assert runner.config.enable_cuda_graph, "the engine serves without graphs"
+    run_main, run_mtp = runner.step_functions(compile_backend if runner.config.enable_compile else None)
+    runner.use_graphs(runner.build_graphs(spec_layout, run_main, run_mtp), warm_up_tokens=CPU_WARMUP_TOKENS)
+
+
+def count_replays(graphs) -> dict[StepKind, int]:
     """Replays per step kind from now on (wraps StepGraphs.replay on this instance)."""
-    counts = {name: 0 for name in graphs.kinds}
+    counts = {kind: 0 for kind in graphs.shapes}
     replay = graphs.replay
 
-    def counted(kind_name, *args, **kwargs):
-        counts[kind_name] += 1
-        return replay(kind_name, *args, **kwargs)
+    def counted(batch, *args, **kwargs):
+        counts[batch.kind] += 1
+        return replay(batch, *args, **kwargs)
 
     graphs.replay = counted
     return counts
@@ -120,6 +137,6 @@ def compile_without_probing(runner, monkeypatch, library) -> list[set[str]]:
         traced.append({str(n.target) for n in gm.graph.nodes})
         return aot_eager(gm, example_inputs)
 
-    runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=backend)
+    static_fast_paths(runner, None, backend)
     return traced
 

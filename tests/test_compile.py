@@ -15,13 +15,14 @@ import pytest
 import torch
 from torch._dynamo.backends.debugging import aot_eager
 
-from harness import PagedDriver, count_replays
+from harness import PagedDriver, count_replays, static_fast_paths
 from minidsa import LLM, SamplingParams
-from minidsa.exec.batch import ForwardBatch, ForwardMode
+from minidsa.exec.batch import ForwardBatch
 from minidsa.config import ModelConfig
 from minidsa.attention.select import triton_usable
 from minidsa.models.loader import build_model
 from minidsa.models.presets import preset_config
+from minidsa.sched.plan import StepKind
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True, detokenize=False)
 
@@ -37,11 +38,11 @@ def test_decode_and_verify_forward_have_no_graph_breaks():
         d.add(list(range(3, 3 + n)), reserve=4)
     d.prefill([0, 1])
     rows, seq = [d.reqs[i]["row"] for i in range(2)], [40, 50]
-    r2t = d.pool.req_to_token
-    decode = ForwardBatch.build(ForwardMode.DECODE, [5, 6], rows, seq, [1, 1],
+    r2t = d.table.req_to_token
+    decode = ForwardBatch.build(StepKind.DECODE, [5, 6], rows, seq, [1, 1],
                                 torch.stack([r2t[r, n].long() for r, n in zip(rows, seq)]), "cpu")
     mask = torch.tril(torch.ones(3, 3, dtype=torch.bool)).repeat(2, 1)
-    verify = ForwardBatch.build(ForwardMode.TARGET_VERIFY, list(range(10, 16)), rows, seq, [3, 3],
+    verify = ForwardBatch.build(StepKind.VERIFY, list(range(10, 16)), rows, seq, [3, 3],
                                 torch.cat([r2t[r, n:n + 3].long() for r, n in zip(rows, seq)]), "cpu", logits="all",
                                 positions=torch.tensor([n + j for n in seq for j in range(3)]),
                                 kv_lens=torch.tensor([n for n in seq for _ in range(3)]), tree_mask=mask,
@@ -93,14 +94,14 @@ def test_compiled_steps_equal_eager_with_one_graph_per_kind(monkeypatch):
     llm = _llm(kernel_backend="triton", speculative_num_steps=1)
     runner = llm.engine.runner
     monkeypatch.setattr("minidsa.exec.runner.CTX_BUCKETS", [64])  # two context buckets on short prompts
-    runner.prepare_fast_paths(llm.engine.speculator.layout, static_on_cpu=True, compile_backend=backend)
+    static_fast_paths(runner, llm.engine.speculator.layout, backend)
     assert runner.compiled and len(runner.graphs.ctx_buckets) == 2
     replays = count_replays(runner.graphs)
     # One request, then three together (batch buckets 1 and 4, both context buckets).
     outs = [llm.generate(prompts[:1], GREEDY)[0].token_ids]
     outs += [o.token_ids for o in llm.generate(prompts[1:], GREEDY)]
     assert outs == reference
-    assert all(replays[k] > 0 for k in ("verify", "draft_extend"))
+    assert all(replays[k] > 0 for k in (StepKind.VERIFY, StepKind.DRAFT_EXTEND))
 
     # Regional compilation: a fixed set of graphs per decoder-layer kind, whatever the depth, the step kind and
     # the batch / context buckets. Dense and MoE layers: the general shape and one token (prefill, warmed up at
@@ -131,14 +132,14 @@ def test_capture_order_compiles_one_graph_for_every_bucket_above_one(monkeypatch
               cuda_graph_max_bs=8, progress=False, kernel_backend="triton")
     runner = llm.engine.runner
     assert runner.attn.req_to_token.shape[0] == 8
-    runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=backend)
+    static_fast_paths(runner, None, backend)
     graphs = runner.graphs
     assert graphs.buckets == [1, 2, 4, 8]
-    kind, ctx = graphs.kinds["decode"], graphs.ctx_buckets[0]
+    shape, ctx = graphs.shapes[StepKind.DECODE], graphs.ctx_buckets[0]
     with torch.no_grad():
         for bs in (8, 4, 2, 1):
             for _ in range(2):
-                graphs._run(kind, graphs.static[("decode", bs, ctx)])
+                graphs._run(shape, graphs.static[(StepKind.DECODE, bs, ctx)])
     sizes = [len(g.graph.nodes) for g in backend.graphs if len(g.graph.nodes) > 0]
     assert len(sizes) == 2 * 2, sizes  # (dense, MoE layer) x (buckets above one, bucket one)
 
@@ -172,7 +173,6 @@ def test_compiled_layers_do_not_grow_with_depth():
     2-layer one (one per layer kind), because layers read their caches as inputs, never their index."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from minidsa.exec.batch import ForwardMode
     from minidsa.models.deepseek_v32 import call_layer
 
     frames = []
@@ -188,8 +188,8 @@ def test_compiled_layers_do_not_grow_with_depth():
         counter = CompileCounterWithBackend("aot_eager")
         layer = torch.compile(call_layer, dynamic=True, fullgraph=True, backend=counter)
         row = d.reqs[0]["row"]
-        r2t = d.pool.req_to_token
-        prefill = ForwardBatch.build(ForwardMode.EXTEND, list(range(3, 43)), [row], [0], [40],
+        r2t = d.table.req_to_token
+        prefill = ForwardBatch.build(StepKind.EXTEND, list(range(3, 43)), [row], [0], [40],
                                      r2t[row, :40].long(), "cpu")
         with torch.no_grad():
             eager = model(prefill, d.attn).logits
@@ -220,7 +220,7 @@ def compiled_llm():
         buf.copy_(torch.randint(0, 100, buf.shape, generator=g).to(buf.dtype))
     before = [b.clone() for b in buffers]
     counter = CompileCounterWithBackend("aot_eager")
-    runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=counter)
+    static_fast_paths(runner, None, counter)
     return llm, counter, [before, [b.clone() for b in buffers]]
 
 
@@ -230,8 +230,6 @@ def test_serving_after_start_up_compiles_nothing_and_matches_eager(compiled_llm,
     into decode steps, and decode batches past the largest graph bucket all run the compiled layer (never the
     plain modules) with zero new compilations, giving the eager engine's greedy tokens. The warm-up writes only
     the reserved dummy slot: every other cache row and the req->token table are untouched."""
-    from minidsa.sched.plan import StepMode
-
     llm, counter, (before, after) = compiled_llm
     assert counter.frame_count > 0  # the warm-up compiled the layer kinds
     for old, new in zip(before, after):  # caches: slot 0 is the dummy slot; req_to_token: every row
@@ -262,8 +260,8 @@ def test_serving_after_start_up_compiles_nothing_and_matches_eager(compiled_llm,
     got = [o.token_ids for wave in waves for o in llm.generate(wave, params)]
     assert got == want
     assert counter.frame_count == compiled_at_start_up, "serving compiled again"
-    assert StepMode.MIXED in {p.mode for p in plans}
-    assert any(p.mode == StepMode.DECODE and p.batch_size > runner.graphs.buckets[-1] for p in plans)
+    assert any(p.kind == StepKind.EXTEND and p.has_decode_rows for p in plans)
+    assert any(p.kind == StepKind.DECODE and p.batch_size > runner.graphs.buckets[-1] for p in plans)
 
 
 @pytest.mark.skipif(not triton_usable(torch.device("cpu"))[0], reason="needs Triton's interpreter on CPU")
@@ -273,18 +271,18 @@ def test_compiled_prefill_and_mixed_batches_equal_forward_eager(compiled_llm):
     llm, counter, _ = compiled_llm
     runner = llm.engine.runner
     compiled_at_start_up = counter.frame_count
-    pool, alloc = runner.req_to_token_pool, runner.allocator
+    table, pages_free, rows_free = runner.req_to_token_table, llm.engine.page_allocator, llm.engine.row_allocator
     lens = (34, 6)  # 34 > index_topk 32: sparse attention
-    rows = [pool.alloc() for _ in lens]
-    pages = [alloc.alloc(n + 9) for n in lens]  # page_size 1 on CPU: one page per position
+    rows = [rows_free.alloc() for _ in lens]
+    pages = [pages_free.alloc(n + 9) for n in lens]  # page_size 1 on CPU: one page per position
     for row, p in zip(rows, pages):
-        pool.write_pages(row, 0, p, runner.page_size)
+        table.write_pages(row, 0, p, runner.page_size)
     rng = random.Random(7)
 
     def batch(prefix, extend):
         ids = [rng.randint(2, 5000) for _ in range(sum(extend))]
         loc = torch.cat([runner.req_to_token[r, s:s + n].long() for r, s, n in zip(rows, prefix, extend)])
-        return ForwardBatch.build(ForwardMode.EXTEND, ids, rows, prefix, extend, loc, "cpu", logits="all")
+        return ForwardBatch.build(StepKind.EXTEND, ids, rows, prefix, extend, loc, "cpu", logits="all")
 
     try:
         for b in (batch([0, 0], list(lens)), batch(list(lens), [1, 4])):
@@ -296,8 +294,8 @@ def test_compiled_prefill_and_mixed_batches_equal_forward_eager(compiled_llm):
             assert torch.equal(compiled.topk, eager.topk)
     finally:
         for row, p in zip(rows, pages):
-            pool.free(row)
-            alloc.free(p)
+            rows_free.free(row)
+            pages_free.free(p)
     assert counter.frame_count == compiled_at_start_up
 
 

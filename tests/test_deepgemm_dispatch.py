@@ -30,16 +30,17 @@ from triton_interp import import_kernels_interpreted  # noqa: E402
 INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
 
-from harness import compile_without_probing, count_replays  # noqa: E402
-from minidsa.topk_recording import slots_to_positions  # noqa: E402
+from harness import compile_without_probing, count_replays, static_fast_paths  # noqa: E402
+from minidsa.attention.topk_recording import slots_to_positions  # noqa: E402
 from minidsa.attention.backend import DSABackend, bind_ops  # noqa: E402
 from minidsa.attention import select  # noqa: E402
 from minidsa.attention.select import KernelChoice, load_libraries, select_kernels  # noqa: E402
-from minidsa.exec.batch import ForwardBatch, ForwardMode  # noqa: E402
+from minidsa.exec.batch import ForwardBatch  # noqa: E402
+from minidsa.sched.plan import StepKind  # noqa: E402
 from minidsa.kernels import deepgemm, fp8, optional_lib  # noqa: E402
 from minidsa.kernels import reference as ref  # noqa: E402
-from minidsa.exec.kv_cache import (IndexerLayout, KVCache, MLALayout, PageAllocator, ReqToTokenPool,  # noqa: E402
-                              pages_needed, slots_of)
+from minidsa.exec.kv_cache import IndexerLayout, KVCache, MLALayout, ReqToTokenTable  # noqa: E402
+from minidsa.sched.pages import PageAllocator, pages_needed, slots_of  # noqa: E402
 
 
 @pytest.mark.skipif(INTERPRETED, reason="kernels are interpreted in this process")
@@ -396,9 +397,9 @@ def test_shapes_deepgemm_cannot_take_use_triton(sm90, monkeypatch, caplog):
 def _backend(kernels: KernelChoice | None, page_size: int):
     kv = KVCache(2, 8, MLALayout.for_model(32, 16, torch.float32, "auto"),
                  IndexerLayout(32, torch.float32, True, page_size), "cpu", indexer_layers=[True, False])
-    pool = ReqToTokenPool(4, 256, "cpu")
+    table = ReqToTokenTable(4, 256, "cpu")
     libraries = load_libraries(kernels, "cpu") if kernels is not None else None
-    return DSABackend(kv, pool.req_to_token, index_topk=24, kernels=kernels, libraries=libraries), pool
+    return DSABackend(kv, table.req_to_token, index_topk=24, kernels=kernels, libraries=libraries), table
 
 
 @in_this_process
@@ -409,16 +410,15 @@ def test_dsa_backend_ops_match_reference_backend(sm90, monkeypatch, with_deep_ge
     page_size, heads, lens = 64, 32, [150, 90]
     choice = choose()
     assert choice.index_logits == ("deepgemm" if with_deep_gemm else "triton")
-    fast, fast_pool = _backend(choice, page_size)
-    slow, slow_pool = _backend(None, page_size)
+    fast, fast_table = _backend(choice, page_size)
+    slow, slow_table = _backend(None, page_size)
     alloc = PageAllocator(8, page_size)
     rows, locs = [], []
     for n in lens:
-        row = fast_pool.alloc()
-        assert slow_pool.alloc() == row
+        row = len(rows)  # rows 0, 1 of both tables
         slots = slots_of(alloc.alloc(pages_needed(n + 1, page_size)), 0, n + 1, page_size)
-        fast_pool.write(row, 0, slots)
-        slow_pool.write(row, 0, slots)
+        fast_table.write(row, 0, slots)
+        slow_table.write(row, 0, slots)
         rows.append(row)
         locs.append(slots)
     g = torch.Generator().manual_seed(9)
@@ -450,7 +450,7 @@ def test_dsa_backend_ops_match_reference_backend(sm90, monkeypatch, with_deep_ge
     def extend(reqs: list[int], starts: list[int], ends: list[int], attend: bool = True):
         n = [e - s for s, e in zip(starts, ends)]
         loc = torch.cat([locs[r][s:e] for r, s, e in zip(reqs, starts, ends)])
-        run(ForwardBatch.build(ForwardMode.EXTEND, torch.zeros(sum(n), dtype=torch.long), [rows[r] for r in reqs],
+        run(ForwardBatch.build(StepKind.EXTEND, torch.zeros(sum(n), dtype=torch.long), [rows[r] for r in reqs],
                                starts, n, loc, "cpu"), attend)
 
     # Most of each prompt stored only (the interpreter is slow), then prefill chunks of one and of two
@@ -459,7 +459,7 @@ def test_dsa_backend_ops_match_reference_backend(sm90, monkeypatch, with_deep_ge
     extend([0], [lens[0] - 9], [lens[0] - 3])
     extend([0, 1], [lens[0] - 3, lens[1] - 3], [lens[0], lens[1]])
     decode_loc = torch.stack([locs[0][lens[0]], locs[1][lens[1]]])
-    run(ForwardBatch.build(ForwardMode.DECODE, [0, 0], rows, lens, [1, 1], decode_loc, "cpu"))
+    run(ForwardBatch.build(StepKind.DECODE, [0, 0], rows, lens, [1, 1], decode_loc, "cpu"))
     if with_deep_gemm:  # the one-request chunk went through fp8_mqa_logits, the others the paged kernel
         assert calls["ragged"] == 1 and calls["paged"] == 2
     # Keys were stored by the Triton kernel on one side and torch on the other: same bytes but for rare roundings.
@@ -523,7 +523,7 @@ def test_engine_with_deep_gemm_importable_compiles_and_generates(sm90, monkeypat
     replays = count_replays(runner.graphs)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == want
-    assert replays["decode"] > 0 and calls["paged"] > 0
+    assert replays[StepKind.DECODE] > 0 and calls["paged"] > 0
     assert any("minidsa.deepgemm_index_logits" in t for g in traced for t in g)
 
 
@@ -547,7 +547,7 @@ def test_compiled_prefill_with_deep_gemm_compiles_nothing_after_start_up(sm90, m
               chunked_prefill_size=64, max_prefill_tokens=96, progress=False)
     assert llm.engine.runner.kernels.index_logits == "deepgemm"
     counter = CompileCounterWithBackend("eager")
-    llm.engine.runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=counter)
+    static_fast_paths(llm.engine.runner, None, counter)
     at_start_up = counter.frame_count
     params = SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False)
     g = torch.Generator().manual_seed(1)

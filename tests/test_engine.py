@@ -95,14 +95,14 @@ def test_kv_pressure_preempts_and_outputs_match(tiny_llm):
 def test_leak_check_detects_leaks(tiny_llm):
     engine = tiny_llm.engine
     engine.check_no_leaks()
-    pages = engine.runner.allocator.alloc(2)
+    pages = engine.page_allocator.alloc(2)
     with pytest.raises(AssertionError, match="leak"):
         engine.check_no_leaks()
-    engine.runner.allocator.free(pages)
-    row = engine.runner.req_to_token_pool.alloc()
+    engine.page_allocator.free(pages)
+    row = engine.row_allocator.alloc()
     with pytest.raises(AssertionError, match="leak"):
         engine.check_no_leaks()
-    engine.runner.req_to_token_pool.free(row)
+    engine.row_allocator.free(row)
     engine.check_no_leaks()
 
 
@@ -117,7 +117,7 @@ def test_autouse_leak_check_fails_the_leaking_test(pytester):
             return Engine(device="cpu", progress=False, max_total_tokens=64)
 
         def test_leaks_a_page():
-            make().runner.allocator.alloc(1)  # a page no request owns; the engine is dropped right away
+            make().page_allocator.alloc(1)  # a page no request owns; the engine is dropped right away
 
         def test_clean():
             engine = make()
@@ -130,7 +130,7 @@ def test_autouse_leak_check_fails_the_leaking_test(pytester):
     result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(["*ERROR at teardown of test_leaks_a_page*", "*KV slot leak*"])
     for engine in inner:  # this test's own leak check sees the inner engines too: give the page back
-        alloc = engine.runner.allocator
+        alloc = engine.page_allocator
         alloc.free([p for p in range(1, alloc.num_pages) if alloc._used[p]])
 
 
@@ -245,16 +245,16 @@ def test_append_tokens_checks_every_token(tiny_llm):
     """The one entry for new tokens: several per step (speculation), truncated after a stop."""
     engine = tiny_llm.engine
     r = Request(request_id="x", prompt_ids=[5, 6], params=SamplingParams(max_tokens=10, stop_token_ids=[99]))
-    kept, _ = engine.append_tokens(r, [10, 11, 99, 12, 13])
+    kept, _ = engine.outputs.append_tokens(r, [10, 11, 99, 12, 13])
     assert kept == [10, 11, 99] and r.output_ids == kept and r.finish_reason == "stop"
     r = Request(request_id="y", prompt_ids=[5], params=SamplingParams(max_tokens=4))
-    engine.append_tokens(r, [1000, 1001, 1002])
+    engine.outputs.append_tokens(r, [1000, 1001, 1002])
     assert r.finish_reason is None
-    kept, _ = engine.append_tokens(r, [1003, 1004, 1005])
+    kept, _ = engine.outputs.append_tokens(r, [1003, 1004, 1005])
     assert kept == [1003] and r.finish_reason == "length"
     ids = tiny_llm.tokenizer.encode("alpha beta gamma delta", add_special_tokens=False)
     r = Request(request_id="z", prompt_ids=[5], params=SamplingParams(max_tokens=50, stop=["gam"]).validate())
-    kept, new_text = engine.append_tokens(r, ids + ids)
+    kept, new_text = engine.outputs.append_tokens(r, ids + ids)
     assert r.finish_reason == "stop" and r.text == "alpha beta " and new_text == "alpha beta "
     assert "gam" in tiny_llm.tokenizer.decode(kept) and len(kept) <= len(ids)
 

@@ -13,7 +13,7 @@ import pytest
 
 from minidsa import SamplingParams
 from minidsa.engine import Engine
-from minidsa.sched.plan import StepMode, StepPlan
+from minidsa.sched.plan import StepKind, StepPlan
 
 MAX_TOKENS = 12
 
@@ -58,7 +58,7 @@ def test_plan_is_plain_data_that_survives_a_round_trip(long_prompts):
     engine = cpu_engine()
     plans = record_plans(engine)
     run_all(engine, long_prompts[:2], SamplingParams(max_tokens=3, ignore_eos=True))
-    assert {p.mode for p in plans} >= {StepMode.EXTEND, StepMode.DECODE}
+    assert {p.kind for p in plans} >= {StepKind.EXTEND, StepKind.DECODE}
     for plan in plans:
         assert pickle.loads(pickle.dumps(plan)) == plan
         stack = [vars(plan)]
@@ -83,15 +83,15 @@ def test_overlap_and_mixed_steps_and_mixed_budgets_give_the_same_tokens(long_pro
     plans = record_plans(engine)
     finals, _ = run_all(engine, long_prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     assert [o.token_ids for o in finals] == reference
-    modes = {p.mode for p in plans}
-    assert (StepMode.MIXED in modes) == mixed, modes  # chunks rode along with decode rows, or never
+    mixed_steps = [p for p in plans if p.kind == StepKind.EXTEND and p.has_decode_rows]
+    assert bool(mixed_steps) == mixed, {p.kind for p in plans}  # chunks rode along with decode rows, or never
     cap = min(48, mixed_budget or 48)
     for plan in plans:
         prefill_tokens = sum(n for n, decoding in zip(plan.extend_lens, plan.from_device) if not decoding)
-        if plan.mode == StepMode.MIXED:
+        if plan.kind == StepKind.EXTEND and plan.has_decode_rows:
             assert 0 < prefill_tokens <= cap
     if mixed_budget is not None:  # an idle engine still prefills with the whole max_prefill_tokens
-        assert max(p.num_tokens for p in plans if p.mode == StepMode.EXTEND) > mixed_budget
+        assert max(p.num_tokens for p in plans if p.kind == StepKind.EXTEND) > mixed_budget
 
 
 def test_mixed_steps_keep_decoders_running_while_a_long_prompt_prefills(long_prompts, reference):
@@ -112,7 +112,7 @@ def test_mixed_steps_keep_decoders_running_while_a_long_prompt_prefills(long_pro
         for o in engine.step():
             outs[o.request_id] += o.new_token_ids
         for plan in plans[n:]:
-            if plan.mode == StepMode.MIXED:
+            if plan.kind == StepKind.EXTEND and plan.has_decode_rows:
                 steps_with_chunks += 1
                 assert plan.from_device[0] and plan.request_ids[0] == first  # decode rows first
                 assert sum(plan.extend_lens) <= 24  # the step's token budget
@@ -218,6 +218,6 @@ def test_a_second_worker_fed_the_same_plans_produces_the_same_results(long_promp
               SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.9, prompt_logprobs=1)]
     run_all(first, long_prompts[:3], params)
     second = cpu_engine(chunked_prefill_size=32, max_prefill_tokens=48)
-    assert any(pickle.loads(p).mode == StepMode.MIXED for p, _ in steps)
+    assert any(plan.kind == StepKind.EXTEND and plan.has_decode_rows for plan in (pickle.loads(p) for p, _ in steps))
     for blob, pending in steps:
         assert second.worker.execute(pickle.loads(blob)) == pending.result()

@@ -305,6 +305,7 @@ def test_engine_with_flash_mla_compiles_and_generates_the_triton_tokens(sm90, mo
 
 
     from harness import compile_without_probing, count_replays
+    from minidsa.sched.plan import StepKind
     from minidsa import LLM, SamplingParams
     from minidsa.models import presets
 
@@ -344,5 +345,5 @@ def test_engine_with_flash_mla_compiles_and_generates_the_triton_tokens(sm90, mo
     replays = count_replays(runner.graphs)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == want
-    assert replays["decode"] > 0 and calls["decode"] > 0
+    assert replays[StepKind.DECODE] > 0 and calls["decode"] > 0
     assert any("minidsa.flashmla_sparse_mla" in t for g in traced for t in g)

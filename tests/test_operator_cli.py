@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from hf_tiny import build_hf, save_hf
@@ -139,10 +140,16 @@ def test_every_engine_flag_is_described_with_its_choices(capsys):
         for flag in ("--page-size", "--max-total-tokens", "--max-model-len", "--speculative-num-draft-tokens"):
             described = text.split(flag + " N ", 1)[1][:200]
             assert "0 = auto" in described, (flag, described)  # zero-means-auto flags say so
-    with pytest.raises(SystemExit):
-        cli.main(["bench", "--suite", "decode", "--help"])
+    with pytest.raises(SystemExit):  # the decode suite is a subcommand with its own flags (bench/decode_suite.py)
+        cli.main(["bench-decode", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "(e) verify" not in text and "verify" in text and "transformers" in text
+    assert text.startswith("usage: minidsa bench-decode") and "--skip [{verify,dense,spec,hf} ...]" in text
+    assert "--kv-tokens" in text and "--log-level" in text and "transformers" in text
+    with pytest.raises(SystemExit) as e:  # no longer a mode of `bench`
+        cli.main(["bench", "--suite", "decode"])
+    assert e.value.code == 2 and "unrecognized arguments: --suite decode" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # the subcommand runs the suite, which measures nothing without a GPU
+        assert cli.main(["bench-decode", "--batches", "1"]) == 2 and "needs a CUDA GPU" in capsys.readouterr().out
 
 
 def test_shared_prefix_bench_reports_with_and_without_the_cache(capsys, tmp_path):

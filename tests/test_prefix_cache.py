@@ -19,9 +19,10 @@ import types
 import pytest
 import torch
 
-from minidsa.sched.plan import StepMode
+from minidsa.sched.plan import StepKind
 from minidsa.engine import Engine
-from minidsa.exec.kv_cache import OutOfPages, PageAllocator, ReqToTokenPool
+from minidsa.exec.kv_cache import ReqToTokenTable
+from minidsa.sched.pages import OutOfPages, PageAllocator, RowAllocator
 from minidsa.sched.prefix_cache import PrefixCache
 from minidsa.engine.request import Request, RequestStatus, SamplingParams
 from minidsa.sched.scheduler import Scheduler
@@ -126,6 +127,7 @@ class FakeEngine:
 
     def __init__(self, sched: Scheduler, rng: random.Random, vocab: int):
         self.s, self.rng, self.vocab = sched, rng, vocab
+        self.table = ReqToTokenTable(sched.req_pool.max_reqs, 256, "cpu")  # the worker's req_to_token
         self.kv: dict[int, int] = {}
         self.mtp: dict[int, int] = {}
         self.steps = 0
@@ -139,14 +141,14 @@ class FakeEngine:
         return out
 
     def slot(self, req: Request, pos: int) -> int:
-        return int(self.s.req_pool.req_to_token[req.row, pos])
+        return int(self.table.req_to_token[req.row, pos])
 
     def check_reads(self) -> None:
         ps = self.s.page_size
         for r in self.s.running:
             n = len(r.pages) * ps
             want = torch.tensor([r.pages[p // ps] * ps + p % ps for p in range(n)], dtype=torch.int32)
-            assert torch.equal(self.s.req_pool.req_to_token[r.row, :n], want), "row does not map the pages"
+            assert torch.equal(self.table.req_to_token[r.row, :n], want), "row does not map the pages"
             h = self.hashes(r.token_slice(0, r.num_tokens))
             for pos in range(r.seq_len):
                 assert self.kv.get(self.slot(r, pos)) == h[pos], f"{r.request_id} reads wrong KV at {pos}"
@@ -170,11 +172,11 @@ class FakeEngine:
             return False
         self.steps += 1
         for w in s.take_table_writes():  # the worker's part: the page table
-            s.req_pool.write_pages(w.row, w.first_page, w.pages, s.page_size)
+            self.table.write_pages(w.row, w.first_page, w.pages, s.page_size)
         s.check_consistent()
         self.check_reads()
         for r, n in zip(sched.reqs, sched.extend_lens):
-            if sched.mode == StepMode.EXTEND:
+            if sched.kind == StepKind.EXTEND:
                 start = r.seq_len
                 r.seq_len += n
                 toks = r.token_slice(0, r.num_tokens)
@@ -205,7 +207,7 @@ def test_scheduler_shares_pages_and_every_read_is_right(page_size, reserve, look
     vocab = 5  # small: generated tails and questions collide, so decode pages are shared too
     alloc = PageAllocator(160 // page_size + 1, page_size)
     cache = PrefixCache(alloc, lookahead)
-    s = Scheduler(alloc, ReqToTokenPool(6, 256, "cpu"), max_running_requests=6, max_prefill_tokens=48,
+    s = Scheduler(alloc, RowAllocator(6), max_running_requests=6, max_prefill_tokens=48,
                   chunked_prefill_size=24, decode_reserve=reserve, prefix_cache=cache)
     fake = FakeEngine(s, rng, vocab)
     systems = [[rng.randint(1, vocab) for _ in range(n)] for n in (40, 13, 70)]
@@ -250,7 +252,7 @@ def test_scheduler_shares_pages_and_every_read_is_right(page_size, reserve, look
 @pytest.mark.parametrize("page_size,reserve,lookahead", [(1, 1, 0), (2, 3, 1)])
 def test_next_turn_reuses_generated_tokens_but_never_the_uncached_last_one(page_size, reserve, lookahead):
     alloc = PageAllocator(65, page_size)
-    s = Scheduler(alloc, ReqToTokenPool(2, 128, "cpu"), max_running_requests=2, max_prefill_tokens=64,
+    s = Scheduler(alloc, RowAllocator(2), max_running_requests=2, max_prefill_tokens=64,
                   chunked_prefill_size=64, decode_reserve=reserve, prefix_cache=PrefixCache(alloc, lookahead))
     fake = FakeEngine(s, random.Random(1), 50)
     for turn in range(3):
@@ -275,7 +277,7 @@ def test_next_turn_reuses_generated_tokens_but_never_the_uncached_last_one(page_
 def test_requests_arriving_together_share_the_prefix_computed_first():
     """A batch does not compute a long common prefix twice: the later request waits a step, then hits it."""
     alloc = PageAllocator(65, 4)
-    s = Scheduler(alloc, ReqToTokenPool(4, 128, "cpu"), max_running_requests=4, max_prefill_tokens=200,
+    s = Scheduler(alloc, RowAllocator(4), max_running_requests=4, max_prefill_tokens=200,
                   chunked_prefill_size=100, prefix_cache=PrefixCache(alloc))
     system = list(range(100, 160))
     a = Request(request_id="a", prompt_ids=system + [1, 2], params=SamplingParams(max_tokens=2))
@@ -375,7 +377,8 @@ def test_greedy_outputs_with_the_cache_equal_outputs_without(scenario, engine_ar
     # nothing is running: every cached page is evictable and goes when asked
     engine.prefix_cache.evict_all()
     assert engine.metrics().prefix_cache_pages == 0
-    engine.runner.check_all_free()
+    engine.page_allocator.check_all_free()
+    engine.row_allocator.check_all_free()
 
 
 @pytest.mark.parametrize("engine_args", [dict(page_size=4), dict(page_size=1, speculative_num_steps=2)],

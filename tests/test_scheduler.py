@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minidsa.sched.plan import StepMode as ForwardMode
-from minidsa.exec.kv_cache import PageAllocator, ReqToTokenPool
+from minidsa.sched.plan import StepKind
+from minidsa.exec.kv_cache import ReqToTokenTable
+from minidsa.sched.pages import PageAllocator, RowAllocator
 from minidsa.engine.request import Request, RequestStatus, SamplingParams
 from minidsa.sched.scheduler import Scheduler
 
@@ -14,7 +15,14 @@ from minidsa.sched.scheduler import Scheduler
 def make(num_pages=64, page_size=4, max_reqs=8, width=256, **kw) -> Scheduler:
     args = dict(max_running_requests=max_reqs, max_prefill_tokens=64, chunked_prefill_size=32, decode_reserve=1)
     args.update(kw)
-    return Scheduler(PageAllocator(num_pages, page_size), ReqToTokenPool(max_reqs, width, "cpu"), **args)
+    s = Scheduler(PageAllocator(num_pages, page_size), RowAllocator(max_reqs), **args)
+    s.table = ReqToTokenTable(max_reqs, width, "cpu")  # the worker's req_to_token, written by run_step
+    return s
+
+
+def is_mixed(sched) -> bool:
+    """Prefill chunks riding along with decode rows: an EXTEND step with decode rows."""
+    return sched.kind == StepKind.EXTEND and sched.num_decode > 0
 
 
 def req(i: int, prompt_len: int, max_tokens: int = 8) -> Request:
@@ -27,7 +35,7 @@ def check_rows(s: Scheduler) -> None:
     for r in s.running:
         n = len(r.pages) * ps
         want = torch.tensor([r.pages[p // ps] * ps + p % ps for p in range(n)], dtype=torch.int32)
-        assert torch.equal(s.req_pool.req_to_token[r.row, :n], want)
+        assert torch.equal(s.table.req_to_token[r.row, :n], want)
         assert r.seq_len <= n
 
 
@@ -38,7 +46,7 @@ def run_step(s: Scheduler) -> tuple:
     if sched is None:
         return None
     for w in s.take_table_writes():
-        s.req_pool.write_pages(w.row, w.first_page, w.pages, s.page_size)
+        s.table.write_pages(w.row, w.first_page, w.pages, s.page_size)
     check_rows(s)
     s.check_consistent()
     for b, (r, n) in enumerate(zip(sched.reqs, sched.extend_lens)):
@@ -76,12 +84,12 @@ def test_long_prompt_is_chunked_and_budget_respected():
     for r in reqs:
         s.add(r)
     first = run_step(s)
-    assert first.mode == ForwardMode.EXTEND and first.extend_lens == [16]  # r0 chunk ends the batch
+    assert first.kind == StepKind.EXTEND and first.extend_lens == [16]  # r0 chunk ends the batch
     second = run_step(s)
     assert second.reqs[0] is reqs[0] and second.extend_lens[0] == 16
     log = [first, second] + drain(s)
     for sched in log:
-        if sched.mode == ForwardMode.EXTEND:
+        if sched.kind == StepKind.EXTEND:
             assert sum(sched.extend_lens) <= 40 and max(sched.extend_lens) <= 16
             partial = [r for r, n in zip(sched.reqs, sched.extend_lens) if r.prefill_len > 0 and r.in_prefill]
             assert len(partial) <= 1
@@ -93,12 +101,12 @@ def test_prefill_first_then_decode_all_running():
     for i in range(3):
         s.add(req(i, 5))
     a = run_step(s)
-    assert a.mode == ForwardMode.EXTEND and len(a.reqs) == 3
+    assert a.kind == StepKind.EXTEND and len(a.reqs) == 3
     b = run_step(s)
-    assert b.mode == ForwardMode.DECODE and len(b.reqs) == 3
+    assert b.kind == StepKind.DECODE and len(b.reqs) == 3
     s.add(req(3, 5))
     c = run_step(s)
-    assert c.mode == ForwardMode.EXTEND and [r.request_id for r in c.reqs] == ["r3"]
+    assert c.kind == StepKind.EXTEND and [r.request_id for r in c.reqs] == ["r3"]
     drain(s)
 
 
@@ -128,7 +136,7 @@ def test_preemption_of_most_recent_and_recompute():
     assert reqs[0].num_preemptions == 0
     assert reqs[2].num_preemptions >= 1
     # A re-admitted request prefills prompt + the tokens it had generated.
-    recompute = [n for sched in log if sched.mode == ForwardMode.EXTEND
+    recompute = [n for sched in log if sched.kind == StepKind.EXTEND
                  for r, n in zip(sched.reqs, sched.extend_lens) if r is reqs[2]]
     assert max(recompute) > 12
     assert all(len(r.output_ids) == 12 for r in reqs)
@@ -142,7 +150,7 @@ def test_admission_keeps_headroom_for_decoders():
     run_step(s)  # a holds 7 slots (6 + 1 reserve)
     s.add(req(1, 1, max_tokens=1))
     sched = run_step(s)  # b needs 2 slots but only 1 is free beyond a's next step: decode runs instead
-    assert sched.mode == ForwardMode.DECODE and sched.preempted == []
+    assert sched.kind == StepKind.DECODE and sched.preempted == []
     drain(s)
 
 
@@ -175,17 +183,18 @@ def test_mixed_steps_run_every_decoder_beside_prefill_chunks_under_the_budget():
     s = make(chunked_prefill_size=16, max_prefill_tokens=24, mixed=True)
     a = req(0, 10, max_tokens=20)
     s.add(a)
-    assert run_step(s).mode == ForwardMode.EXTEND  # nothing decodes yet: a plain prefill
+    sched = run_step(s)
+    assert sched.kind == StepKind.EXTEND and sched.num_decode == 0  # nothing decodes yet: a plain prefill
     b = req(1, 50)
     s.add(b)
     chunks = []
     while b.seq_len < 50:
         sched = run_step(s)
-        assert sched.mode == ForwardMode.MIXED and sched.num_decode == 1 and sched.reqs[0] is a  # decode rows first
+        assert is_mixed(sched) and sched.num_decode == 1 and sched.reqs[0] is a  # decode rows first
         assert sum(sched.extend_lens) <= 24  # one token budget for decode rows and chunks
         chunks.append(sched.extend_lens[1])
     assert chunks == [16, 16, 16, 2]
-    assert run_step(s).mode == ForwardMode.DECODE  # both decode: a pure decode step (CUDA graphs)
+    assert run_step(s).kind == StepKind.DECODE  # both decode: a pure decode step (CUDA graphs)
     drain(s)
 
 
@@ -194,19 +203,18 @@ def test_mixed_prefill_budget_caps_chunks_beside_decoders_not_prefill_alone():
     a = req(0, 10, max_tokens=4)
     s.add(a)
     first = run_step(s)
-    assert first.mode == ForwardMode.EXTEND and first.extend_lens == [10]  # no decoders: the whole budget
+    assert first.kind == StepKind.EXTEND and first.extend_lens == [10]  # no decoders: the whole budget
     b = req(1, 50, max_tokens=2)
     s.add(b)
     chunks = []
     while not b.output_ids:  # its prefill
         sched = run_step(s)
-        if sched.mode == ForwardMode.MIXED:
+        if is_mixed(sched):
             assert sched.num_decode == 1 and sum(sched.extend_lens[1:]) <= 5
         else:  # a finished: b alone has max_prefill_tokens again, chunked by chunked_prefill_size
-            assert sched.mode == ForwardMode.EXTEND and sched.num_decode == 0 and a.status == RequestStatus.FINISHED
-        chunks.append((sched.mode, sched.extend_lens[sched.num_decode:]))
-    assert chunks == [(ForwardMode.MIXED, [5])] * 3 + [(ForwardMode.EXTEND, [16]), (ForwardMode.EXTEND, [16]),
-                                                       (ForwardMode.EXTEND, [3])]
+            assert sched.kind == StepKind.EXTEND and sched.num_decode == 0 and a.status == RequestStatus.FINISHED
+        chunks.append((is_mixed(sched), sched.extend_lens[sched.num_decode:]))
+    assert chunks == [(True, [5])] * 3 + [(False, [16]), (False, [16]), (False, [3])]
     drain(s)
 
 
@@ -228,7 +236,7 @@ def test_a_mixed_budget_below_a_page_or_chunk_still_prefills_long_prompts(page_s
         log.append(run_step(s))
         assert len(log) < 60, "the long prompts made no progress beside the decoders"
     assert all(r.status == RequestStatus.RUNNING for r in decoders)  # prefilled beside them, not after
-    mixed = [sched for sched in log if sched.mode == ForwardMode.MIXED]
+    mixed = [sched for sched in log if is_mixed(sched)]
     assert mixed and all(0 < sum(sched.extend_lens[sched.num_decode:]) <= budget for sched in mixed)
     drain(s)
     assert all(len(r.output_ids) == r.params.max_tokens for r in decoders + long)

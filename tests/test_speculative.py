@@ -16,10 +16,13 @@ import random
 import pytest
 import torch
 
-from harness import PagedDriver, count_replays
+from harness import PagedDriver, count_replays, static_fast_paths
 from hf_tiny import build_hf, save_hf, save_hf_with_mtp
 from minidsa import LLM, SamplingParams
 from minidsa.config import ConfigError, ModelConfig
+from minidsa.sched.plan import StepKind
+from minidsa.speculative.mtp import MTPSpeculator
+from minidsa.speculative.runner_api import SpecRunner
 
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True, detokenize=False)
 SPEC_CONFIGS = {
@@ -90,6 +93,27 @@ def force_drafts(speculator, override) -> None:
     speculator.propose = forced
 
 
+class OnlySpecRunner:
+    """A runner seen through `SpecRunner` alone: any other attribute the speculator reaches for fails."""
+
+    MEMBERS = frozenset(n for n in (*vars(SpecRunner), *SpecRunner.__annotations__) if not n.startswith("_"))
+
+    def __init__(self, runner):
+        self._runner = runner
+
+    def __getattr__(self, name):
+        if name not in self.MEMBERS:
+            raise AttributeError(f"the speculator used runner.{name}, which SpecRunner does not provide")
+        return getattr(self._runner, name)
+
+
+def speculate_through_spec_runner(llm: LLM) -> None:
+    """Rebuild the engine's speculator on its runner seen through `SpecRunner` alone."""
+    eng = llm.engine
+    eng.worker.speculator = MTPSpeculator(OnlySpecRunner(eng.runner), eng.speculator.opts, eng.sampler,
+                                          seed=eng.config.seed)
+
+
 def run(llm: LLM, prompts, params=GREEDY, override=None) -> list[list[int]]:
     ids = [llm.engine.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
     if override is not None:
@@ -125,6 +149,23 @@ def test_greedy_speculation_is_lossless(arch, spec, glm_path):
         assert m.spec_verify_steps_total == stats.verify_steps and m.spec_accepted_tokens_total > 0
 
 
+@pytest.mark.parametrize("spec", ["chain2", "tree"])
+def test_the_speculator_needs_only_the_spec_runner_interface(spec):
+    """Chains and trees (forced long accepted paths: compaction moves KV) through a runner that has nothing but
+    SpecRunner's members give the plain engine's tokens."""
+    plain = make(None)
+    prompts = prompts_for(plain.engine.model_config, 2)
+    reference = run(plain, prompts)
+    llm = make(None, **SPEC_CONFIGS[spec])
+    speculate_through_spec_runner(llm)
+    assert sorted(OnlySpecRunner.MEMBERS) == ["device", "dtype", "forward", "forward_mtp", "has_draft_extend_graph",
+                                              "model_config", "move_kv", "num_rows", "req_to_token"]
+    ref_by_id = {f"r{i}": r for i, r in enumerate(reference)}
+    override = forced_override(ref_by_id, llm.engine.speculator.opts.topk, random.Random(2))
+    assert run(llm, prompts, override=override) == reference
+    assert max(n for v in llm.engine.speculator.stats.per_request.values() for n in v) >= 2
+
+
 def test_sampled_requests_with_speculation_follow_their_seed():
     params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True, detokenize=False)
     llm = make(None, **SPEC_CONFIGS["chain2"])
@@ -145,8 +186,8 @@ def test_tree_compaction_leaves_exactly_what_plain_decode_writes():
     eng.add_request(prompt, SamplingParams(max_tokens=30, ignore_eos=True, detokenize=False), request_id="r0")
     force_drafts(eng.speculator, forced_override({"r0": reference}, 2, random.Random(0)))
     moved = []
-    real_move = eng.runner.attn.kv_move
-    eng.runner.attn.kv_move = lambda src, dst: (moved.append(len(src)), real_move(src, dst))[1]
+    real_move = eng.runner.move_kv
+    eng.runner.move_kv = lambda src, dst: (moved.append(len(src)), real_move(src, dst))[1]
     req = eng.requests["r0"]
     while len(req.output_ids) < 16:
         eng.step()
@@ -154,13 +195,13 @@ def test_tree_compaction_leaves_exactly_what_plain_decode_writes():
     n = req.seq_len
     tokens = req.token_slice(0, n)
     assert tokens == (prompt + reference)[:n]
-    slots = eng.runner.req_to_token_pool.req_to_token[req.row, :n].long()
+    slots = eng.runner.req_to_token[req.row, :n].long()
     kv = eng.runner.kv_cache
 
     driver = PagedDriver(eng.runner.model, config, page_size=1, max_len=n + 4)
     driver.add(tokens, reserve=0)
     driver.prefill([0])
-    ref_slots = driver.pool.req_to_token[driver.reqs[0]["row"], :n].long()
+    ref_slots = driver.table.req_to_token[driver.reqs[0]["row"], :n].long()
     for layer in range(config.num_hidden_layers):
         assert torch.allclose(kv.mla[layer][slots], driver.kv.mla[layer][ref_slots], atol=1e-4), layer
         if kv.index_k[layer] is not None:
@@ -193,16 +234,19 @@ def test_speculation_needs_an_mtp_layer(tmp_path):
 
 
 def test_static_graph_buffers_keep_speculation_lossless():
-    """The padded static-buffer path of every captured step kind (run eagerly on CPU) stays lossless."""
+    """The padded static-buffer path of every captured step kind (run eagerly on CPU) stays lossless; the speculator
+    pads its draft extends for the graph knowing only what SpecRunner tells it."""
     plain = make(None)
     prompts = prompts_for(plain.engine.model_config, 6)
     reference = run(plain, prompts)
     for spec in ("chain2", "tree"):
         llm = make(None, **SPEC_CONFIGS[spec])
-        llm.engine.runner.prepare_fast_paths(llm.engine.speculator.layout, static_on_cpu=True)
+        speculate_through_spec_runner(llm)
+        static_fast_paths(llm.engine.runner, llm.engine.speculator.layout)
+        assert llm.engine.speculator.runner.has_draft_extend_graph
         replays = count_replays(llm.engine.runner.graphs)
         assert run(llm, prompts) == reference
-        assert replays["verify"] > 0 and replays["draft_extend"] > 0 and replays["draft"] > 0
+        assert replays[StepKind.VERIFY] > 0 and replays[StepKind.DRAFT_EXTEND] > 0 and replays[StepKind.DRAFT] > 0
 
 
 # -- simulated acceptance (benchmarks only) -------------------------------------------------------------------------

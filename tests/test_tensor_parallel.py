@@ -18,12 +18,13 @@ import signal
 import pytest
 import torch
 
-from harness import count_replays
+from harness import count_replays, static_fast_paths
 from hf_tiny import save_hf_with_mtp
 from minidsa import LLM, SamplingParams
 from minidsa.config import ConfigError, EngineConfig, ModelConfig
 from minidsa.parallel.launch import RankFailedError
 from minidsa.attention.select import triton_usable
+from minidsa.sched.plan import StepKind
 from test_speculative import forced_override, run as run_with_forced_drafts
 from tp_forced_rank import ENV as FORCED_DRAFTS_ENV
 
@@ -215,10 +216,10 @@ def test_single_rank_group_compiles_its_collectives_into_the_layer_graphs():
     with LLM(distributed_executor_backend="mp", **kw) as one:
         runner = one.engine.runner
         assert runner.ranks.world_size == 1 and runner.model.tp.collectives
-        runner.prepare_fast_paths(None, static_on_cpu=True, compile_backend=backend)
+        static_fast_paths(runner, None, backend)
         replays = count_replays(runner.graphs)
         assert generate(one, prompts, params) == reference
-        assert replays["decode"] > 0
+        assert replays[StepKind.DECODE] > 0
     graphs = [g for g in backend.graphs if len(g.graph.nodes) > 0]
     assert graphs and all(any("all_reduce" in str(n.target) for n in g.graph.nodes) for g in graphs)
 

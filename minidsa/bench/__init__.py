@@ -1,1 +1,1 @@
-"""`minidsa bench`: the offline and online serving benchmarks and the GPU decode suite."""
+"""`minidsa bench`: the offline and online serving benchmarks; `minidsa bench-decode`: the GPU decode suite."""

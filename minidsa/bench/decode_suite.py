@@ -1,4 +1,4 @@
-"""GPU decode performance suite: `minidsa bench --suite decode` (or `python -m minidsa.bench.decode_suite`).
+"""GPU decode performance suite: `minidsa bench-decode` (or `python -m minidsa.bench.decode_suite`).
 
 Measures, in one run on one GPU, on a benchmark preset with random bf16 weights:
  (a) decode step latency and tokens/s at several batch sizes and contexts (CUDA graphs);
@@ -27,15 +27,21 @@ import os
 import statistics
 import subprocess
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from minidsa.exec.batch import ForwardBatch, ForwardMode
+from minidsa.exec.batch import ForwardBatch
 from minidsa.config import EngineConfig, ModelConfig, resolve
-from minidsa.exec.graphs import StepGraphs, StepKind
-from minidsa.exec.kv_cache import pages_needed
+from minidsa.sched.pages import PageAllocator, RowAllocator, pages_needed
 from minidsa.models.presets import preset_config
-from minidsa.exec.runner import ModelRunner
+from minidsa.sched.plan import StepKind
+
+if TYPE_CHECKING:
+    from minidsa.exec.graphs import GraphShape, StepGraphs
+
+# The CLI builds `minidsa bench-decode`'s flags from `add_args`: the model code (exec/runner.py, exec/graphs.py)
+# is imported when the suite runs, not each time `minidsa` starts.
 
 logger = logging.getLogger(__name__)
 
@@ -166,8 +172,14 @@ class Bench:
 
             self.runner = RankModelRunner(single_rank_group(cfg.device), resolved, progress=False)
         else:
+            from minidsa.exec.runner import ModelRunner
+
             self.runner = ModelRunner(resolved, progress=False)
         self.device = self.runner.device
+        # The engine's host-side bookkeeping of the runner's KV memory, for the synthetic contexts.
+        capacity = self.runner.kv_capacity
+        self.pages = PageAllocator(capacity.num_pages, capacity.page_size)
+        self.rows = RowAllocator(capacity.num_rows)
         # The engine's own step functions: the whole forward through torch.compile (one dynamic graph
         # per step kind, shared by every graph below), or plain eager modules.
         self.compile = compile
@@ -198,51 +210,58 @@ class Bench:
         ps = r.page_size
         rows, pages = [], []
         for _ in range(bs):
-            row = r.req_to_token_pool.alloc()
-            pg = r.allocator.alloc(pages_needed(ctx + 16, ps))
+            row = self.rows.alloc()
+            pg = self.pages.alloc(pages_needed(ctx + 16, ps))
             slots = torch.tensor([p * ps + o for p in pg for o in range(ps)][: ctx + 16], dtype=torch.int64)
-            r.req_to_token_pool.write(row, 0, slots)
+            r.req_to_token_table.write(row, 0, slots)
             rows.append(row)
             pages.append(pg)
         return rows, pages
 
     def release(self, rows, pages):
         for row, pg in zip(rows, pages):
-            self.runner.allocator.free(pg)
-            self.runner.req_to_token_pool.free(row)
+            self.pages.free(pg)
+            self.rows.free(row)
 
     def decode_batch(self, rows, ctx) -> ForwardBatch:
-        r2t = self.runner.req_to_token_pool.req_to_token
+        r2t = self.runner.req_to_token
         loc = r2t[torch.tensor(rows, device=self.device), ctx].long()
         ids = torch.randint(2, 1000, (len(rows),)).tolist()
-        return ForwardBatch.build(ForwardMode.DECODE, ids, rows, [ctx] * len(rows), [1] * len(rows), loc, self.device)
+        return ForwardBatch.build(StepKind.DECODE, ids, rows, [ctx] * len(rows), [1] * len(rows), loc, self.device)
 
     def verify_batch(self, rows, ctx, nd) -> ForwardBatch:
-        r2t = self.runner.req_to_token_pool.req_to_token
+        r2t = self.runner.req_to_token
         bs = len(rows)
         loc = torch.cat([r2t[r, ctx:ctx + nd].long() for r in rows])
         mask = torch.tril(torch.ones(nd, nd, dtype=torch.bool)).repeat(bs, 1)
         pos = torch.tensor([ctx + j for _ in rows for j in range(nd)])
         kv = torch.full((bs * nd,), ctx)
         ids = torch.randint(2, 1000, (bs * nd,)).tolist()
-        return ForwardBatch.build(ForwardMode.TARGET_VERIFY, ids, rows, [ctx] * bs, [nd] * bs, loc, self.device,
+        return ForwardBatch.build(StepKind.VERIFY, ids, rows, [ctx] * bs, [nd] * bs, loc, self.device,
                                   logits="all", positions=pos, kv_lens=kv, tree_mask=mask, max_kv_len=ctx + nd)
 
-    def graphs(self, kinds: list[StepKind], buckets: list[int], max_kv_len: int, compiled: bool = True) -> StepGraphs:
+    def graphs(self, shapes: list[GraphShape], buckets: list[int], max_kv_len: int,
+               compiled: bool = True) -> StepGraphs:
+        from minidsa.exec.graphs import StepGraphs
+
         r = self.runner
         run_main, run_mtp = (self.run_main, self.run_mtp) if compiled else r.step_functions(None)
-        return StepGraphs(run_main, run_mtp, kinds, buckets, max_kv_len, self.model_config.hidden_size, r.dtype,
+        return StepGraphs(run_main, run_mtp, shapes, buckets, max_kv_len, self.model_config.hidden_size, r.dtype,
                           r.device, capture=True)
 
 
-DECODE = StepKind("decode", ForwardMode.DECODE, 1, 0, False)
+def graph_shape(kind: StepKind, tokens_per_req: int = 1, tree_width: int = 0) -> GraphShape:
+    """The shape of a captured step kind (exec/graphs.py)."""
+    from minidsa.exec.graphs import GraphShape
+
+    return GraphShape(kind, tokens_per_req, tree_width)
 
 
 def _graph_decode_ms(bench: Bench, bs: int, ctx: int, iters: int) -> float:
     rows, pages = bench.contexts(bs, ctx)
-    g = bench.graphs([DECODE], [bs], max_kv_len=ctx + 64)
+    g = bench.graphs([graph_shape(StepKind.DECODE)], [bs], max_kv_len=ctx + 64)
     batch = bench.decode_batch(rows, ctx)
-    ms = time_cuda(lambda: g.replay("decode", batch), iters=iters) * 1e3
+    ms = time_cuda(lambda: g.replay(batch), iters=iters) * 1e3
     bench.release(rows, pages)
     return ms
 
@@ -251,10 +270,10 @@ def profile_step(graphs: StepGraphs, batch: ForwardBatch, iters: int) -> dict:
     """Where a replayed decode step's time goes: GPU kernels (CUPTI sees inside graph replays) vs the step."""
     from torch.profiler import ProfilerActivity, profile
 
-    step = time_cuda(lambda: graphs.replay("decode", batch), iters=iters)
+    step = time_cuda(lambda: graphs.replay(batch), iters=iters)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            graphs.replay("decode", batch)
+            graphs.replay(batch)
         torch.cuda.synchronize()
     kernels: dict[str, list[float]] = {}
     for ev in prof.events():
@@ -280,18 +299,19 @@ def run_suite(args) -> dict:
     result["distributed_executor_backend"] = args.distributed_executor_backend
     cfg = bench.model_config
     result["kernels"] = bench.runner.kernels.describe()
+    decode = graph_shape(StepKind.DECODE)
 
     # (a) + (b): graph decode over batch x context
     rows_a = []
     for ctx in args.contexts:
-        graphs = bench.graphs([DECODE], sorted(set(args.batches)), max_kv_len=ctx + 64)
+        graphs = bench.graphs([decode], sorted(set(args.batches)), max_kv_len=ctx + 64)
         for bs in args.batches:
             if bs * (ctx + 64) > args.kv_tokens:
                 rows_a.append({"bs": bs, "ctx": ctx, "skipped": "KV capacity"})
                 continue
             rows, pages = bench.contexts(bs, ctx)
             batch = bench.decode_batch(rows, ctx)
-            t = time_cuda(lambda: graphs.replay("decode", batch), iters=args.iters)
+            t = time_cuda(lambda: graphs.replay(batch), iters=args.iters)
             by = decode_bytes(cfg, bs, ctx)
             rows_a.append({"bs": bs, "ctx": ctx, "step_ms": t * 1e3, "tok_s": bs / t,
                            "bytes_GB": by["total"] / 1e9, "MBU": by["total"] / t / 1e9 / ceil["copy_GBps"]})
@@ -304,10 +324,10 @@ def run_suite(args) -> dict:
     ctx = args.contexts[0]
     rows, pages = bench.contexts(1, ctx)
     batch = bench.decode_batch(rows, ctx)
-    graphs = bench.graphs([DECODE], [1], max_kv_len=ctx + 64)
-    t_graph = time_cuda(lambda: graphs.replay("decode", batch), iters=args.iters)
-    plain = bench.graphs([DECODE], [1], max_kv_len=ctx + 64, compiled=False) if bench.compile else graphs
-    t_plain = time_cuda(lambda: plain.replay("decode", batch), iters=args.iters)
+    graphs = bench.graphs([decode], [1], max_kv_len=ctx + 64)
+    t_graph = time_cuda(lambda: graphs.replay(batch), iters=args.iters)
+    plain = bench.graphs([decode], [1], max_kv_len=ctx + 64, compiled=False) if bench.compile else graphs
+    t_plain = time_cuda(lambda: plain.replay(batch), iters=args.iters)
     t_eager = time_cuda(lambda: bench.runner.forward_eager(batch), iters=max(5, args.iters // 4))
     result["graph_vs_eager"] = {"ctx": ctx, "compiled": bench.compile, "graph_ms": t_graph * 1e3,
                                 "graph_uncompiled_ms": t_plain * 1e3, "eager_ms": t_eager * 1e3,
@@ -324,12 +344,11 @@ def run_suite(args) -> dict:
     rows_e = []
     for bs in (1, 8) if "verify" not in args.skip else ():
         rows, pages = bench.contexts(bs, ctx)
-        verify_kind = StepKind("verify", ForwardMode.TARGET_VERIFY, nd, nd, False)
-        graphs = bench.graphs([DECODE, verify_kind], [bs], max_kv_len=ctx + 64)
+        graphs = bench.graphs([decode, graph_shape(StepKind.VERIFY, nd, nd)], [bs], max_kv_len=ctx + 64)
         db = bench.decode_batch(rows, ctx)  # built once: the timing is the replay, as for verify below
-        t_dec = time_cuda(lambda: graphs.replay("decode", db), iters=args.iters)
+        t_dec = time_cuda(lambda: graphs.replay(db), iters=args.iters)
         vb = bench.verify_batch(rows, ctx, nd)
-        t_ver = time_cuda(lambda: graphs.replay("verify", vb), iters=args.iters)
+        t_ver = time_cuda(lambda: graphs.replay(vb), iters=args.iters)
         rows_e.append({"bs": bs, "ctx": ctx, "tokens_verified": nd, "decode_ms": t_dec * 1e3,
                        "verify_ms": t_ver * 1e3, "ratio": t_ver / t_dec})
         bench.release(rows, pages)
@@ -584,11 +603,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", default=None)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="minidsa bench --suite decode", description=__doc__.splitlines()[0])
-    add_args(p)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def run(args: argparse.Namespace) -> int:
+    """The suite with the flags of `add_args` (`minidsa bench-decode`); prints the markdown report."""
     if not torch.cuda.is_available():
         print("the decode suite needs a CUDA GPU; nothing measured")
         return 2
@@ -602,6 +618,14 @@ def main(argv=None) -> int:
         with open(args.markdown, "w") as f:
             f.write(md)
     return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minidsa.bench.decode_suite", description=__doc__.splitlines()[0])
+    add_args(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The control plane. Which module owns what:
 
 - `core.Engine`: requests in (add / abort), one step at a time: asks the scheduler what runs, turns it
-  into a `StepPlan` for the worker, takes the `StepResult` back; overlapped scheduling lives here.
+  into a `StepPlan` for the worker, takes the `StepResult` back; overlapped scheduling lives here. It builds
+  the host-side KV page and row allocators (sched/pages.py) from the capacity the worker reports.
 - `outputs.OutputProcessor`: tokens into requests (stop conditions), detokenising, chat answers parsed,
   `RequestOutput`.
 - `chat`: chat requests: a conversation rendered with the model's chat format (minidsa.chat) and added with

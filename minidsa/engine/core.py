@@ -4,7 +4,9 @@ A step: the scheduler decides which requests run (sched/scheduler.py); the engin
 (plain data: rows, positions, input tokens, sampling parameters, page-table writes; sched/plan.py) and
 hands it to the `Worker` (exec/worker.py), the only owner of device state, which returns a `StepResult`
 (tokens, logprobs). The tokens enter their requests through the `OutputProcessor` (outputs.py: stop
-conditions, detokenising, RequestOutput).
+conditions, detokenising, RequestOutput). Which KV pages and req_to_token rows are free is host bookkeeping
+(sched/pages.py): the engine builds the allocators from the capacity the worker reports and hands them to the
+scheduler and the prefix cache; the worker owns the memory they address.
 
 Overlapped scheduling (`EngineConfig.overlap_schedule`, on by default): `step()` plans and launches step
 N+1 *before* it waits for step N's tokens, then processes them while the device runs N+1. A decode row's
@@ -42,13 +44,14 @@ from minidsa.config import ConfigError, EngineConfig, make_engine_config, resolv
 from minidsa.engine.outputs import OutputProcessor
 from minidsa.exec.kv_cache import CacheLayouts
 from minidsa.exec.memory import check_fit
+from minidsa.sched.pages import PageAllocator, RowAllocator
 from minidsa.sched.prefix_cache import PrefixCache
 from minidsa.engine.request import (InvalidRequest, QueueFull, Request, RequestOutput, RequestStatus, SamplingParams,
                              Struct, now)
 from minidsa.exec.runner import ModelRunner
 from minidsa.exec.sampling import Sampler
 from minidsa.sched.scheduler import ScheduledBatch, Scheduler
-from minidsa.sched.plan import PromptScoring, StepMode, StepPlan
+from minidsa.sched.plan import PromptScoring, StepKind, StepPlan
 from minidsa.engine.tokenizer import Tokenizer, load_tokenizer
 from minidsa.exec.build import start_local_worker
 from minidsa.exec.worker import PendingStep, Worker
@@ -124,12 +127,16 @@ class Engine:
             return
         eos_token_ids = frozenset(self.model_config.eos_token_ids or self._tokenizer_eos())
         try:  # a failure from here on must not leave tensor-parallel ranks behind
+            # The host-side bookkeeping of the worker's KV memory: which pages and req_to_token rows are free.
+            capacity = self.worker.kv_capacity
+            self.page_allocator = PageAllocator(capacity.num_pages, capacity.page_size)
+            self.row_allocator = RowAllocator(capacity.num_rows)
             # With MTP speculation a page's last MTP slot depends on the token after the page: it is part of the key.
-            self.prefix_cache = PrefixCache(runner.allocator, lookahead=1 if resolved.spec else 0) \
+            self.prefix_cache = PrefixCache(self.page_allocator, lookahead=1 if resolved.spec else 0) \
                 if cfg.enable_prefix_caching else None
             # The speculator verifies pure decode batches: with it, prefill and decode steps alternate.
             self.mixed_steps = cfg.enable_mixed_chunk and speculator is None
-            self.scheduler = Scheduler(runner.allocator, runner.req_to_token_pool.rows,
+            self.scheduler = Scheduler(self.page_allocator, self.row_allocator,
                                        max_running_requests=cfg.max_running_requests,
                                        max_prefill_tokens=cfg.max_prefill_tokens,
                                        max_mixed_prefill_tokens=cfg.max_mixed_prefill_tokens,
@@ -337,7 +344,7 @@ class Engine:
                 outputs += self._finish(launched)
         elif previous is None and self.requests and not self.scheduler.running:
             raise RuntimeError(f"scheduler made no progress with {len(self.requests)} requests waiting "
-                               f"and {self.runner.allocator.num_free_pages} free KV pages")
+                               f"and {self.page_allocator.num_free_pages} free KV pages")
         return outputs
 
     def _take_in_flight(self) -> _InFlight | None:
@@ -368,8 +375,7 @@ class Engine:
     def _plan(self, sched: ScheduledBatch) -> tuple[StepPlan, list[bool]]:
         """The step plan of a scheduled batch; advances each request's planned state (seq_len, num_pending)."""
         reqs = sched.reqs
-        spec = self.speculator is not None and sched.mode == StepMode.DECODE
-        mode = StepMode.SPEC if spec else sched.mode
+        spec = self.speculator is not None and sched.kind == StepKind.DECODE
         input_ids: list[int] = []
         from_device, sample, positions, completes = [], [], [], []
         scoring: list[PromptScoring | None] = []
@@ -389,7 +395,7 @@ class Engine:
                 lookahead.append(None)
             scoring.append(self._prompt_scoring(r, n) if not decode_row else None)
         plan = StepPlan(
-            mode=mode, rows=[r.row for r in reqs], prefix_lens=[r.seq_len for r in reqs],
+            kind=StepKind.SPEC if spec else sched.kind, rows=[r.row for r in reqs], prefix_lens=[r.seq_len for r in reqs],
             extend_lens=list(sched.extend_lens), input_ids=input_ids, from_device=from_device, sample=sample,
             params=[r.params for r in reqs], output_positions=positions,
             table_writes=self.scheduler.take_table_writes(), request_ids=[r.request_id for r in reqs],
@@ -426,9 +432,9 @@ class Engine:
         outputs: list[RequestOutput] = []
         for b, req in enumerate(step.reqs):
             toks = result.tokens[b]
-            if plan.sample[b] or plan.mode == StepMode.SPEC:
+            if plan.sample[b] or plan.kind == StepKind.SPEC:
                 req.num_pending -= 1
-            if plan.mode == StepMode.SPEC and req.status == RequestStatus.RUNNING:
+            if plan.kind == StepKind.SPEC and req.status == RequestStatus.RUNNING:
                 req.seq_len += len(toks)  # the root and the accepted drafts are cached
             if req.finish_reason is not None:
                 continue  # stopped in an earlier step, or aborted, after this step was planned: dropped
@@ -481,14 +487,9 @@ class Engine:
             del self.requests[req.request_id]
         self._finished_total += 1
 
-    # -- tokens in (tests and tools call these directly) -------------------------
-    def append_tokens(self, req: Request, tokens: list[int], logprobs: list[float] | None = None,
-                      top_logprobs: list[dict[int, float]] | None = None) -> tuple[list[int], str]:
-        return self.outputs.append_tokens(req, tokens, logprobs, top_logprobs)
-
     # -- introspection ------------------------------------------------------------
     def metrics(self) -> EngineMetrics:
-        alloc = self.runner.allocator
+        alloc = self.page_allocator
         used = alloc.num_held_pages * alloc.page_size  # evictable cached pages are free for the taking
         total = alloc.num_usable_pages * alloc.page_size
         spec = getattr(self.speculator, "stats", None)
@@ -517,7 +518,8 @@ class Engine:
         reference count is not the number of running requests holding it (prefix-cache pages aside)."""
         self.scheduler.check_consistent()
         if not self.requests:
-            self.runner.check_all_free()
+            self.page_allocator.check_all_free()
+            self.row_allocator.check_all_free()
 
 
 

@@ -1,4 +1,4 @@
-"""What one model call sees: `ForwardMode` and `ForwardBatch`.
+"""What one model call sees: `ForwardBatch`, tagged with its `StepKind` (sched/plan.py).
 
 Layout conventions (all tensors on the model's device):
 - Tokens of all requests are flattened: `T` query tokens, request b owns
@@ -14,18 +14,12 @@ Layout conventions (all tensors on the model's device):
 
 from __future__ import annotations
 
-import enum
 import itertools
 from dataclasses import dataclass
 
 import torch
 
-
-class ForwardMode(enum.IntEnum):
-    EXTEND = 0  # prefill / chunked prefill
-    DECODE = 1  # one token per request (also the draft model's steps)
-    TARGET_VERIFY = 2  # the target model scores all draft tokens at once
-    DRAFT_EXTEND = 3  # the draft model catches up on accepted tokens
+from minidsa.sched.plan import StepKind
 
 
 def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -44,7 +38,7 @@ def ints_to_device(values: list[int], device: torch.device | str) -> torch.Tenso
 
 @dataclass
 class ForwardBatch:
-    mode: ForwardMode
+    kind: StepKind  # EXTEND, DECODE, VERIFY (main model); DRAFT, DRAFT_EXTEND (the MTP layer)
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, RoPE positions
     out_cache_loc: torch.Tensor  # [T] int64, slots this step writes
@@ -73,7 +67,7 @@ class ForwardBatch:
     @classmethod
     def build(
         cls,
-        mode: ForwardMode,
+        kind: StepKind,
         input_ids: list[int] | torch.Tensor,
         req_pool_indices: list[int],
         prefix_lens: list[int],
@@ -126,7 +120,7 @@ class ForwardBatch:
         flat = ints_to_device([x for v in host.values() for x in v], device).split(sizes)
         fields = dict(zip(host, flat), **on_device)
         return cls(
-            mode=mode,
+            kind=kind,
             input_ids=fields["input_ids"],
             positions=fields["positions"],
             out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),

@@ -1,10 +1,11 @@
 """CUDA graphs for every step whose shape can be fixed: decode, target verify, the draft's steps, draft extend,
-and prefill chunks / mixed steps ("extend").
+and prefill chunks / mixed steps (EXTEND).
 
-One graph per (step kind, batch-size bucket, context bucket), all in one shared memory pool. Each graph reads
-static input buffers and writes static output buffers; `replay` copies a real batch into the first rows, points
-padding rows at the dummy slot 0 (row 0 of req_to_token, one visible position), replays, and returns views of the
-real rows' outputs. The graph itself never reads host state.
+One graph per (step kind, batch-size bucket, context bucket), all in one shared memory pool. The kind is the batch's
+`StepKind` (sched/plan.py: `replay(batch)` picks the graph from it); each captured kind has a `GraphShape`. Each
+graph reads static input buffers and writes static output buffers; `replay` copies a real batch into the first
+rows, points padding rows at the dummy slot 0 (row 0 of req_to_token, one visible position), replays, and returns
+views of the real rows' outputs. The graph itself never reads host state.
 
 Buffers are per kind, not per graph: every graph of a kind reads views of one set of input buffers and writes one
 set of output buffers, sized for the kind's largest bucket. A graph's own intermediates live in the shared pool and
@@ -20,7 +21,7 @@ The smallest context bucket of every kind is captured at start-up; a larger one 
 (a capture costs a few forwards and a device sync, once), so start-up does not pay for contexts a deployment
 never sees. Batches larger than the largest bucket, or of another shape, run uncaptured.
 
-The "extend" kind (prefill chunks and mixed steps: decode rows beside chunks, any tokens per request) is bucketed by
+The EXTEND kind (prefill chunks and mixed steps: decode rows beside chunks, any tokens per request) is bucketed by
 tokens instead (`EXTEND_TOKEN_BUCKETS`), with room for `max_requests` requests; its per-token request index and
 logits rows are refreshed per step like every other input. Run uncaptured, such a step spent ~20 ms of host time on
 a 4-layer model (the GPU idle 72% of it) against a 6 ms decode step. Only (tokens, context) buckets whose indexer
@@ -40,8 +41,9 @@ from typing import Callable
 
 import torch
 
-from minidsa.exec.batch import ForwardBatch, ForwardMode
+from minidsa.exec.batch import ForwardBatch
 from minidsa.models.deepseek_v32 import ModelOutput
+from minidsa.sched.plan import StepKind
 
 logger = logging.getLogger(__name__)
 
@@ -51,15 +53,18 @@ EXTEND_GRAPH_MAX_LOGITS = 1 << 24  # tokens x context of a captured extend step:
 
 
 @dataclass(frozen=True)
-class StepKind:
-    """What a captured step looks like."""
+class GraphShape:
+    """What the captured steps of one kind look like."""
 
-    name: str  # "decode" | "verify" | "draft" | "draft_extend" | "extend"
-    mode: ForwardMode
-    tokens_per_req: int  # 0: any ("extend"; its buckets count tokens)
+    kind: StepKind  # DECODE, VERIFY, DRAFT, DRAFT_EXTEND or EXTEND
+    tokens_per_req: int  # 0: any (EXTEND; its buckets count tokens)
     tree_width: int  # 0 = causal (no tree mask)
-    mtp: bool  # runs the MTP layer (with a hidden-state input) instead of the main model
-    logits_per_req: int = 0  # rows of logits per request (0: every token); the extend kind: one per request
+    logits_per_req: int = 0  # rows of logits per request (0: every token); the EXTEND kind: one per request
+
+    @property
+    def mtp(self) -> bool:
+        """Runs the MTP layer (with a hidden-state input) instead of the main model."""
+        return self.kind.runs_mtp
 
     def logit_rows(self, bs: int) -> int:
         return bs * (self.logits_per_req or self.tokens_per_req)
@@ -86,12 +91,12 @@ class _Graph:
 class StepGraphs:
     def __init__(self, run_main: Callable[[ForwardBatch], ModelOutput],
                  run_mtp: Callable[[ForwardBatch, torch.Tensor], ModelOutput],
-                 kinds: list[StepKind], buckets: list[int], max_kv_len: int, hidden_size: int,
+                 shapes: list[GraphShape], buckets: list[int], max_kv_len: int, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, capture: bool = True,
                  ctx_buckets: list[int] | None = None, extend_buckets: list[int] | None = None,
                  max_requests: int = 0):
         self.run_main, self.run_mtp = run_main, run_mtp
-        self.kinds = {k.name: k for k in kinds}
+        self.shapes = {s.kind: s for s in shapes}
         self.buckets = sorted(set(buckets))
         self.extend_buckets = sorted(set(extend_buckets or ()))
         self.max_requests = max_requests  # requests an extend graph has room for
@@ -99,99 +104,97 @@ class StepGraphs:
         self.ctx_buckets = sorted({c for c in (ctx_buckets or []) if c < max_kv_len} | {max_kv_len})
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
         self.capture = capture
-        self.static: dict[tuple[str, int, int], _Graph] = {}
-        self.captured_lazily: list[tuple[str, int, int]] = []
+        self.static: dict[tuple[StepKind, int, int], _Graph] = {}
+        self.captured_lazily: list[tuple[StepKind, int, int]] = []
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self._buffers = {k.name: self._kind_buffers(k) for k in kinds}
+        self._buffers = {s.kind: self._kind_buffers(s) for s in shapes}
         start = time.perf_counter()
         smallest = self.ctx_buckets[0]
-        for kind in kinds:
-            for bs in sorted(self._sizes(kind), reverse=True):  # largest first: later graphs reuse its pool memory
-                if self._capturable(kind, bs, smallest):
-                    self.static[(kind.name, bs, smallest)] = self._capture(kind, bs, smallest)
+        for shape in shapes:
+            for bs in sorted(self._sizes(shape), reverse=True):  # largest first: later graphs reuse its pool memory
+                if self._capturable(shape, bs, smallest):
+                    self.static[(shape.kind, bs, smallest)] = self._capture(shape, bs, smallest)
         if capture:
             logger.info("captured %d CUDA graphs in %.1f s: %s x batch buckets %s at context %d; extend token "
                         "buckets %s; larger contexts (%s) are captured on first use", len(self.static),
-                        time.perf_counter() - start, [k.name for k in kinds if k.tokens_per_req], self.buckets,
-                        smallest, [b for (n, b, _) in self.static if n == "extend"], self.ctx_buckets[1:])
+                        time.perf_counter() - start, [s.kind.name.lower() for s in shapes if s.tokens_per_req],
+                        self.buckets, smallest, [b for (k, b, _) in self.static if k == StepKind.EXTEND],
+                        self.ctx_buckets[1:])
 
-    def _sizes(self, kind: StepKind) -> list[int]:
-        """Batch-size buckets of a kind; token buckets of the extend kind."""
-        return self.buckets if kind.tokens_per_req else self.extend_buckets
+    def _sizes(self, shape: GraphShape) -> list[int]:
+        """Batch-size buckets of a kind; token buckets of the EXTEND kind."""
+        return self.buckets if shape.tokens_per_req else self.extend_buckets
 
     @staticmethod
-    def _capturable(kind: StepKind, size: int, ctx: int) -> bool:
-        return bool(kind.tokens_per_req) or size * ctx <= EXTEND_GRAPH_MAX_LOGITS
+    def _capturable(shape: GraphShape, size: int, ctx: int) -> bool:
+        return bool(shape.tokens_per_req) or size * ctx <= EXTEND_GRAPH_MAX_LOGITS
 
     # -- shapes -----------------------------------------------------------------
-    def bucket_for(self, kind: str, bs: int) -> int | None:
-        if kind not in self.kinds:
+    def bucket_for(self, kind: StepKind, bs: int) -> int | None:
+        if kind not in self.shapes:
             return None
         return next((b for b in self.buckets if b >= bs), None)
 
     def ctx_bucket_for(self, max_kv_len: int) -> int | None:
         return next((c for c in self.ctx_buckets if c >= max_kv_len), None)
 
-    def key_for(self, kind_name: str, batch: ForwardBatch) -> tuple[str, int, int] | None:
-        """The graph that takes this batch of a kind (captured or not yet), or None when none can."""
-        kind = self.kinds.get(kind_name)
+    def key_for(self, batch: ForwardBatch) -> tuple[StepKind, int, int] | None:
+        """The graph of the batch's kind that takes it (captured or not yet), or None when none can."""
+        shape = self.shapes.get(batch.kind)
         ctx = self.ctx_bucket_for(batch.max_kv_len)
-        if kind is None or ctx is None:
+        if shape is None or ctx is None:
             return None
-        if (batch.tree_mask is None) != (kind.tree_width == 0):
+        if (batch.tree_mask is None) != (shape.tree_width == 0):
             return None
-        if kind.tree_width and batch.tree_mask.shape[1] != kind.tree_width:
+        if shape.tree_width and batch.tree_mask.shape[1] != shape.tree_width:
             return None
-        if kind.tokens_per_req:
-            bucket = self.bucket_for(kind_name, batch.batch_size)
-            if bucket is None or batch.num_tokens != batch.batch_size * kind.tokens_per_req:
+        if shape.tokens_per_req:
+            bucket = self.bucket_for(shape.kind, batch.batch_size)
+            if bucket is None or batch.num_tokens != batch.batch_size * shape.tokens_per_req:
                 return None
-            if batch.logits_indices.numel() > kind.logit_rows(bucket):
+            if batch.logits_indices.numel() > shape.logit_rows(bucket):
                 return None
-            return kind_name, bucket, ctx
+            return shape.kind, bucket, ctx
         bucket = next((b for b in self.extend_buckets if b >= batch.num_tokens), None)
-        if bucket is None or not self._capturable(kind, bucket, ctx):
+        if bucket is None or not self._capturable(shape, bucket, ctx):
             return None
         room = min(bucket, self.max_requests)
         if batch.batch_size > room or batch.logits_indices.numel() > room:
             return None
-        return kind_name, bucket, ctx
-
-    def extend_key(self, batch: ForwardBatch) -> tuple[str, int, int] | None:
-        return self.key_for("extend", batch) if "extend" in self.kinds else None
+        return shape.kind, bucket, ctx
 
     # -- static buffers -------------------------------------------------------------
-    def _kind_buffers(self, kind: StepKind) -> _Buffers:
+    def _kind_buffers(self, shape: GraphShape) -> _Buffers:
         """Inputs for the kind's largest graph; every graph of the kind reads views of them."""
         dev = self.device
         zeros = lambda n: torch.zeros(n, dtype=torch.int64, device=dev)  # noqa: E731
-        if kind.tokens_per_req:
+        if shape.tokens_per_req:
             reqs = max(self.buckets)
-            tokens, logit_rows = reqs * kind.tokens_per_req, kind.logit_rows(reqs)
+            tokens, logit_rows = reqs * shape.tokens_per_req, shape.logit_rows(reqs)
         else:  # extend: `bs` tokens from up to `room` requests, plus a spare request row for padding tokens
             tokens = max(self.extend_buckets, default=0)
             reqs, logit_rows = min(tokens, self.max_requests) + 1, min(tokens, self.max_requests)
         batch = ForwardBatch(
-            mode=kind.mode, input_ids=zeros(tokens), positions=zeros(tokens), out_cache_loc=zeros(tokens),
+            kind=shape.kind, input_ids=zeros(tokens), positions=zeros(tokens), out_cache_loc=zeros(tokens),
             req_pool_indices=zeros(reqs), seq_lens=zeros(reqs), extend_lens=zeros(reqs), token_req=zeros(tokens),
             kv_lens=zeros(tokens), logits_indices=zeros(logit_rows), max_kv_len=0,
-            tree_mask=(torch.zeros(tokens, kind.tree_width, dtype=torch.bool, device=dev)
-                       if kind.tree_width else None))
-        hidden_in = (torch.zeros(tokens, self.hidden_size, dtype=self.dtype, device=dev) if kind.mtp else None)
+            tree_mask=(torch.zeros(tokens, shape.tree_width, dtype=torch.bool, device=dev)
+                       if shape.tree_width else None))
+        hidden_in = (torch.zeros(tokens, self.hidden_size, dtype=self.dtype, device=dev) if shape.mtp else None)
         return _Buffers(batch, hidden_in)
 
-    def _graph_views(self, kind: StepKind, size: int, ctx: int) -> _Graph:
+    def _graph_views(self, shape: GraphShape, size: int, ctx: int) -> _Graph:
         """A graph's static batch: views of the kind's buffers, reset to the dummy state (slot 0, row 0, one
         visible position), so warm-up and capture runs touch no request's cache."""
-        b = self._buffers[kind.name]
+        b = self._buffers[shape.kind]
         full = b.batch
-        if kind.tokens_per_req:
-            t, reqs, n = size * kind.tokens_per_req, size, kind.logit_rows(size)
+        if shape.tokens_per_req:
+            t, reqs, n = size * shape.tokens_per_req, size, shape.logit_rows(size)
         else:
             room = min(size, self.max_requests)
             t, reqs, n = size, room + 1, room
         batch = ForwardBatch(
-            mode=kind.mode, input_ids=full.input_ids[:t], positions=full.positions[:t],
+            kind=shape.kind, input_ids=full.input_ids[:t], positions=full.positions[:t],
             out_cache_loc=full.out_cache_loc[:t], req_pool_indices=full.req_pool_indices[:reqs],
             seq_lens=full.seq_lens[:reqs], extend_lens=full.extend_lens[:reqs], token_req=full.token_req[:t],
             kv_lens=full.kv_lens[:t], logits_indices=full.logits_indices[:n], max_kv_len=ctx,
@@ -200,11 +203,11 @@ class StepGraphs:
             getattr(batch, name).zero_()
         batch.seq_lens.fill_(1)
         batch.kv_lens.fill_(1)
-        if kind.tokens_per_req:
-            batch.extend_lens.fill_(kind.tokens_per_req)
-            batch.token_req.copy_(torch.arange(reqs, device=self.device).repeat_interleave(kind.tokens_per_req))
-            per = kind.logits_per_req or kind.tokens_per_req
-            first = torch.arange(reqs, device=self.device).repeat_interleave(per) * kind.tokens_per_req
+        if shape.tokens_per_req:
+            batch.extend_lens.fill_(shape.tokens_per_req)
+            batch.token_req.copy_(torch.arange(reqs, device=self.device).repeat_interleave(shape.tokens_per_req))
+            per = shape.logits_per_req or shape.tokens_per_req
+            first = torch.arange(reqs, device=self.device).repeat_interleave(per) * shape.tokens_per_req
             batch.logits_indices.copy_(first + torch.arange(per, device=self.device).repeat(reqs))
         else:
             batch.extend_lens.zero_()
@@ -218,10 +221,10 @@ class StepGraphs:
         return _Graph(batch, hidden_in)
 
     # -- capture ----------------------------------------------------------------
-    def _run(self, kind: StepKind, g: _Graph) -> ModelOutput:
+    def _run(self, shape: GraphShape, g: _Graph) -> ModelOutput:
         """One step over a graph's static batch, its outputs written into the kind's output buffers."""
-        out = self.run_mtp(g.batch, g.hidden_in) if kind.mtp else self.run_main(g.batch)
-        b = self._buffers[kind.name]
+        out = self.run_mtp(g.batch, g.hidden_in) if shape.mtp else self.run_main(g.batch)
+        b = self._buffers[shape.kind]
         if b.logits is None:  # the first run of the kind (its largest graph): output widths are known now
             tokens, rows = b.batch.num_tokens, b.batch.logits_indices.numel()
             b.hidden = out.hidden.new_empty(tokens, out.hidden.shape[1])
@@ -234,40 +237,40 @@ class StepGraphs:
             b.topk[:t].copy_(out.topk)
         return ModelOutput(hidden=b.hidden[:t], logits=b.logits[:n], topk=None if b.topk is None else b.topk[:t])
 
-    def _capture(self, kind: StepKind, size: int, ctx: int) -> _Graph:
-        g = self._graph_views(kind, size, ctx)
+    def _capture(self, shape: GraphShape, size: int, ctx: int) -> _Graph:
+        g = self._graph_views(shape, size, ctx)
         if not self.capture:
             return g
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm up: allocator, autotuning, lazy init stay out of the graph
-                self._run(kind, g)
+                self._run(shape, g)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self._run(kind, g)
+            self._run(shape, g)
         g.graph = graph
         return g
 
-    def _graph_for(self, key: tuple[str, int, int]) -> _Graph:
+    def _graph_for(self, key: tuple[StepKind, int, int]) -> _Graph:
         g = self.static.get(key)
         if g is None:  # a context bucket this deployment meets for the first time
             start = time.perf_counter()
-            g = self.static[key] = self._capture(self.kinds[key[0]], key[1], key[2])
+            g = self.static[key] = self._capture(self.shapes[key[0]], key[1], key[2])
             self.captured_lazily.append(key)
             if self.capture:
-                logger.info("captured the %s graph for %d at context %d on first use (%.0f ms)", key[0], key[1],
-                            key[2], 1000 * (time.perf_counter() - start))
+                logger.info("captured the %s graph for %d at context %d on first use (%.0f ms)",
+                            key[0].name.lower(), key[1], key[2], 1000 * (time.perf_counter() - start))
         return g
 
     # -- replay -----------------------------------------------------------------
-    def replay(self, kind_name: str, batch: ForwardBatch, hidden_in: torch.Tensor | None = None) -> ModelOutput:
-        """Run `batch` through its graph. The outputs are views of the kind's buffers: valid until the next replay
-        of the same kind."""
-        kind = self.kinds[kind_name]
-        key = self.key_for(kind_name, batch)
-        assert key is not None, (f"no {kind_name} graph for {batch.num_tokens} tokens of {batch.batch_size} "
+    def replay(self, batch: ForwardBatch, hidden_in: torch.Tensor | None = None) -> ModelOutput:
+        """Run `batch` through the graph of its kind (`hidden_in`: the MTP layer's hidden-state input). The outputs
+        are views of the kind's buffers: valid until the next replay of the same kind."""
+        shape = self.shapes[batch.kind]
+        key = self.key_for(batch)
+        assert key is not None, (f"no {batch.kind.name} graph for {batch.num_tokens} tokens of {batch.batch_size} "
                                  f"requests at context {batch.max_kv_len}")
         g = self._graph_for(key)
         s, t, bs = g.batch, batch.num_tokens, batch.batch_size
@@ -283,21 +286,21 @@ class StepGraphs:
         n = batch.logits_indices.numel()
         s.logits_indices[:n].copy_(batch.logits_indices)
         s.logits_indices[n:].fill_(0)
-        if not kind.tokens_per_req:  # which request each token belongs to
+        if not shape.tokens_per_req:  # which request each token belongs to
             spare = s.batch_size - 1  # padding tokens: a request row of its own at the dummy row 0
             s.token_req[:t].copy_(batch.token_req)
             s.token_req[t:].fill_(spare)
             s.extend_lens[:bs].copy_(batch.extend_lens)
             s.extend_lens[bs:].fill_(0)
-        if kind.tree_width:
+        if shape.tree_width:
             s.tree_mask[:t].copy_(batch.tree_mask)
             s.tree_mask[t:].fill_(False)
-        if kind.mtp:
+        if shape.mtp:
             g.hidden_in[:t].copy_(hidden_in)
             g.hidden_in[t:].zero_()
         if g.graph is not None:
             g.graph.replay()
         else:
-            self._run(kind, g)
-        b = self._buffers[kind_name]
+            self._run(shape, g)
+        b = self._buffers[batch.kind]
         return ModelOutput(hidden=b.hidden[:t], logits=b.logits[:n], topk=None if b.topk is None else b.topk[:t])

@@ -1,8 +1,9 @@
-"""KV memory: page allocator, req->token table, per-layer MLA and indexer caches.
+"""KV memory on the device: the req->token table, per-layer MLA and indexer caches, their layouts.
 
-Slots are token-granular ids `page * page_size + offset`. Page 0 is never
-handed out: its slot 0 is the dummy slot that padding rows (CUDA-graph
-batches, -1 indices) point at. Both per-layer caches use the same slot ids.
+Which pages and rows are free is the control plane's host bookkeeping (sched/pages.py); this module holds
+what they address. Slots are token-granular ids `page * page_size + offset`. Page 0 is never handed out: its
+slot 0 is the dummy slot that padding rows (CUDA-graph batches, -1 indices) point at. Both per-layer caches use
+the same slot ids.
 
 Each cache kind has one layout object that owns its geometry: bytes per
 token, the buffer it allocates, the views kernels read, the reference store.
@@ -30,178 +31,9 @@ import torch
 
 from minidsa.exec.batch import host_to_device
 from minidsa.kernels import reference as ref
+from minidsa.sched.pages import slots_of
 
 KV_CACHE_DTYPES = ("auto", "fp8")
-
-
-class OutOfPages(RuntimeError):
-    """KV memory is exhausted; the scheduler preempts or waits."""
-
-
-class PageAllocator:
-    """Hands out KV pages and counts who holds them.
-
-    `ref(page)` is the number of requests holding a page: with prefix caching
-    several requests share the pages of a common prefix. Separately a page
-    may be *cached*, held by the prefix cache (prefix_cache.py). A page goes
-    back to the free list once no request holds it and the cache does not
-    either. A cached page no request holds is *evictable*: it keeps its KV
-    for later hits, and `alloc` asks the cache to evict such pages when the
-    free list runs short, so evictable pages count as available.
-    """
-
-    def __init__(self, num_pages: int, page_size: int):
-        if num_pages < 2:
-            raise ValueError(f"need at least 2 pages (page 0 is the reserved dummy page), got {num_pages}")
-        self.num_pages = num_pages
-        self.page_size = page_size
-        # Low pages first: keeps allocations deterministic and compact.
-        self._free = list(range(num_pages - 1, 0, -1))
-        self._ref = [0] * num_pages  # requests holding each page
-        self._used = bytearray(num_pages)  # 1 while some request holds the page (ref > 0)
-        self._cached = bytearray(num_pages)  # 1 while the prefix cache holds the page
-        self.num_cached_pages = 0
-        self.num_evictable_pages = 0  # cached, held by no request
-        self.cache = None  # the PrefixCache, once one attaches itself
-
-    def attach_cache(self, cache) -> None:
-        """`cache` provides evict(n) -> freed and on_evictable(page); see prefix_cache.PrefixCache."""
-        if self.cache is not None:
-            raise RuntimeError("a prefix cache is already attached to this allocator")
-        self.cache = cache
-
-    @property
-    def num_free_pages(self) -> int:
-        """Pages on the free list (not counting evictable cached pages)."""
-        return len(self._free)
-
-    @property
-    def num_available_pages(self) -> int:
-        """Pages an allocation can get: free ones plus evictable cached ones."""
-        return len(self._free) + self.num_evictable_pages
-
-    @property
-    def num_usable_pages(self) -> int:
-        return self.num_pages - 1
-
-    @property
-    def num_used_pages(self) -> int:
-        """Pages not on the free list: held by a request or by the prefix cache."""
-        return self.num_usable_pages - len(self._free)
-
-    @property
-    def num_held_pages(self) -> int:
-        """Pages held by at least one request."""
-        return self.num_used_pages - self.num_evictable_pages
-
-    def ref(self, page: int) -> int:
-        return self._ref[page]
-
-    def is_cached(self, page: int) -> bool:
-        return bool(self._cached[page])
-
-    def alloc(self, n: int) -> list[int]:
-        if n > len(self._free) and self.cache is not None and self.num_evictable_pages:
-            self.cache.evict(n - len(self._free))
-        if n > len(self._free):
-            raise OutOfPages(f"asked for {n} KV pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(n)]
-        for p in pages:
-            assert self._ref[p] == 0 and not self._cached[p], f"KV page {p} on the free list is still held"
-            self._ref[p] = 1
-            self._used[p] = 1
-        return pages
-
-    def share(self, pages: list[int]) -> None:
-        """One more request holds each of `pages` (held or cached ones: prefix-cache hits)."""
-        for p in pages:
-            if self._ref[p] == 0:
-                if not self._cached[p]:
-                    raise RuntimeError(f"KV page {p} is free: it cannot be shared")
-                self.num_evictable_pages -= 1
-                self._used[p] = 1
-            self._ref[p] += 1
-
-    def free(self, pages: list[int]) -> None:
-        """One request fewer holds each of `pages`; pages nobody holds any more go back (or stay cached)."""
-        released = []
-        for p in pages:
-            if self._ref[p] == 0:
-                raise RuntimeError(f"KV page {p} freed twice (no request holds it)")
-            self._ref[p] -= 1
-            if self._ref[p] == 0:
-                self._used[p] = 0
-                if self._cached[p]:
-                    self.num_evictable_pages += 1
-                    self.cache.on_evictable(p)
-                else:
-                    released.append(p)
-        self._free.extend(reversed(released))
-
-    def cache_add(self, page: int) -> None:
-        """The prefix cache takes a page that a request holds (its KV is complete)."""
-        if self._ref[page] == 0:
-            raise RuntimeError(f"KV page {page} is held by no request: it cannot enter the prefix cache")
-        if self._cached[page]:
-            raise RuntimeError(f"KV page {page} is already in the prefix cache")
-        self._cached[page] = 1
-        self.num_cached_pages += 1
-
-    def cache_evict(self, page: int) -> None:
-        """The prefix cache drops an evictable page: it goes back to the free list."""
-        if not self._cached[page]:
-            raise RuntimeError(f"KV page {page} is not in the prefix cache")
-        if self._ref[page]:
-            raise RuntimeError(f"KV page {page} evicted while {self._ref[page]} requests hold it")
-        self._cached[page] = 0
-        self.num_cached_pages -= 1
-        self.num_evictable_pages -= 1
-        self._free.append(page)
-
-    def check_refs(self, holders: dict[int, int]) -> None:
-        """Debug check: `holders[page]` (the running requests' count) is every page's reference count, and
-        the free list, the cache flags and the counters agree."""
-        bad = [p for p in range(1, self.num_pages) if self._ref[p] != holders.get(p, 0)]
-        if bad:
-            p = bad[0]
-            raise AssertionError(f"KV slot leak or early free: {len(bad)} pages with wrong reference counts, "
-                                 f"e.g. page {p}: {self._ref[p]} holders counted, {holders.get(p, 0)} running "
-                                 f"requests hold it; pages {bad[:20]}")
-        free = set(self._free)
-        if len(free) != len(self._free) or 0 in free:
-            raise AssertionError("KV free list has duplicates or the dummy page")
-        wrong = [p for p in free if self._ref[p] or self._cached[p]]
-        if wrong:
-            raise AssertionError(f"KV pages on the free list are still held: {wrong[:20]}")
-        lost = [p for p in range(1, self.num_pages) if p not in free and not self._ref[p] and not self._cached[p]]
-        if lost:
-            raise AssertionError(f"KV slot leak: {len(lost)} pages held by nobody but not free: {lost[:20]}")
-        if any(self._used[p] != (self._ref[p] > 0) for p in range(self.num_pages)):
-            raise AssertionError("KV allocator: used flags disagree with reference counts")
-        cached = sum(self._cached)
-        evictable = sum(1 for p in range(self.num_pages) if self._cached[p] and not self._ref[p])
-        if cached != self.num_cached_pages or evictable != self.num_evictable_pages:
-            raise AssertionError(f"KV allocator counters: {self.num_cached_pages} cached / "
-                                 f"{self.num_evictable_pages} evictable counted, {cached} / {evictable} found")
-
-    def check_all_free(self) -> None:
-        """Debug check: raise if any page is still held by a request (pages held only by the prefix cache are
-        fine: they are evictable)."""
-        held = [i for i in range(1, self.num_pages) if self._ref[i]]
-        if held:
-            raise AssertionError(f"KV slot leak: {len(held)} pages still allocated: {held[:20]}")
-        self.check_refs({})
-
-
-def pages_needed(num_tokens: int, page_size: int) -> int:
-    return (num_tokens + page_size - 1) // page_size
-
-
-def slots_of(pages: list[int], start: int, end: int, page_size: int) -> torch.Tensor:
-    """Physical slots of row positions [start, end) for a request holding `pages`."""
-    pos = torch.arange(start, end, dtype=torch.int64)
-    page_ids = torch.tensor(pages, dtype=torch.int64)
-    return page_ids[pos // page_size] * page_size + pos % page_size
 
 
 def row_slots(req_to_token: torch.Tensor, rows: list[int], starts: list[int], lens: list[int]) -> torch.Tensor:
@@ -213,58 +45,18 @@ def row_slots(req_to_token: torch.Tensor, rows: list[int], starts: list[int], le
     return torch.cat(parts).long()
 
 
-class RowAllocator:
-    """Which req_to_token rows are free: host bookkeeping of the control plane (the table is the worker's)."""
+class ReqToTokenTable:
+    """The req->token table: row position -> slot, one row per running request.
 
-    def __init__(self, max_reqs: int):
-        self.max_reqs = max_reqs
-        self._free = list(range(max_reqs - 1, -1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def alloc(self) -> int:
-        if not self._free:
-            raise OutOfPages("no free req_to_token rows")
-        return self._free.pop()
-
-    def free(self, row: int) -> None:
-        if row in self._free:
-            raise RuntimeError(f"req_to_token row {row} freed twice")
-        self._free.append(row)
-
-    def check_all_free(self) -> None:
-        if len(self._free) != self.max_reqs:
-            raise AssertionError(f"req_to_token leak: {self.max_reqs - len(self._free)} rows still allocated")
-
-
-class ReqToTokenPool:
-    """The req->token table (row position -> slot, one row per running request) and its row allocator.
-
-    Rows are handed out by the scheduler (`rows`); the table is written only by the worker, from the
-    step plan's page writes (`write_pages`). A freed row keeps stale slots: a new owner maps every
-    position it reads before reading it.
+    Which rows are free is the control plane's (sched/pages.RowAllocator); the table is written only by the
+    worker, from the step plan's page writes (`write_pages`). A freed row keeps stale slots: a new owner maps
+    every position it reads before reading it.
     """
 
     def __init__(self, max_reqs: int, max_context_len: int, device: torch.device | str):
         self.max_reqs = max_reqs
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros(max_reqs, max_context_len, dtype=torch.int32, device=device)
-        self.rows = RowAllocator(max_reqs)
-
-    @property
-    def num_free(self) -> int:
-        return self.rows.num_free
-
-    def alloc(self) -> int:
-        return self.rows.alloc()
-
-    def free(self, row: int) -> None:
-        self.rows.free(row)
-
-    def check_all_free(self) -> None:
-        self.rows.check_all_free()
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         end = start + slots.numel()

@@ -1,4 +1,4 @@
-"""ModelRunner: decides HOW a batch runs. Owns the model, the KV pools and the DSA backend.
+"""ModelRunner: decides HOW a batch runs. Owns the model, the KV caches, the req_to_token table and the DSA backend.
 
 The worker (worker.py) builds a `ForwardBatch` from a step plan and hands it here. `forward` /
 `forward_mtp` are the entry points: a batch whose shape has a captured CUDA graph (decode, target
@@ -23,15 +23,17 @@ import torch
 from tqdm.auto import tqdm
 
 from minidsa.attention.backend import DSABackend
-from minidsa.exec.batch import ForwardBatch, ForwardMode
+from minidsa.exec.batch import ForwardBatch
 from minidsa.exec.compile_cache import CompileCache, CompileStats, count_entries
 from minidsa.config import ConfigError, ResolvedConfig
-from minidsa.exec.graphs import DEFAULT_BUCKETS, EXTEND_TOKEN_BUCKETS, StepGraphs, StepKind
+from minidsa.exec.graphs import DEFAULT_BUCKETS, EXTEND_TOKEN_BUCKETS, GraphShape, StepGraphs
 from minidsa.attention.select import load_libraries
-from minidsa.exec.kv_cache import CacheLayouts, KVCache, PageAllocator, ReqToTokenPool, pages_needed
+from minidsa.exec.kv_cache import CacheLayouts, KVCache, ReqToTokenTable
 from minidsa.models.deepseek_v32 import ModelOutput, call_layer
 from minidsa.exec.memory import GiB, MIN_KV_TOKENS, DoesNotFit, graph_buffer_bytes, margin_bytes
 from minidsa.models.loader import build_model
+from minidsa.sched.pages import KVCapacity, pages_needed
+from minidsa.sched.plan import StepKind
 from minidsa.speculative.layout import SpecLayout
 from minidsa.exec.startup import StartupPhases
 
@@ -40,8 +42,6 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
 # Context buckets of the decode-like graphs (plus the table width): indexer rows span the bucket.
 CTX_BUCKETS = [4096, 16384, 65536]
-# Tokens of the start-up warm-up steps without a GPU (tests under Triton's interpreter); on a GPU the step budget.
-CPU_WARMUP_TOKENS = 11
 
 
 def warm_up_shapes(tokens: int, page_size: int, max_model_len: int, table_width: int
@@ -73,23 +73,17 @@ def warm_up_shapes(tokens: int, page_size: int, max_model_len: int, table_width:
     return shapes
 
 
-# Which captured kind serves a batch of a forward mode, on the main model (False) or the MTP layer (True).
-GRAPH_KIND_OF = {(ForwardMode.DECODE, False): "decode", (ForwardMode.TARGET_VERIFY, False): "verify",
-                 (ForwardMode.EXTEND, False): "extend", (ForwardMode.DECODE, True): "draft",
-                 (ForwardMode.DRAFT_EXTEND, True): "draft_extend"}
-
-
-def step_kinds(spec_layout: SpecLayout | None) -> list[StepKind]:
+def decode_graph_shapes(spec_layout: SpecLayout | None) -> list[GraphShape]:
     """The decode-like step kinds to capture: plain decode, or the speculator's verify / draft / draft extend (with a
     speculator every decode step is a speculative round). Chains are causal (no tree mask); trees carry one."""
     if spec_layout is None:
-        return [StepKind("decode", ForwardMode.DECODE, 1, 0, False, logits_per_req=1)]
+        return [GraphShape(StepKind.DECODE, 1, 0, logits_per_req=1)]
     nd, k, chain = spec_layout.num_draft_tokens, spec_layout.topk, spec_layout.topk == 1
-    kinds = [StepKind("verify", ForwardMode.TARGET_VERIFY, nd, 0 if chain else nd, False),
-             StepKind("draft_extend", ForwardMode.DRAFT_EXTEND, nd, 0, True, logits_per_req=1)]
+    shapes = [GraphShape(StepKind.VERIFY, nd, 0 if chain else nd),
+              GraphShape(StepKind.DRAFT_EXTEND, nd, 0, logits_per_req=1)]
     if spec_layout.num_steps > 1:
-        kinds.append(StepKind("draft", ForwardMode.DECODE, k, 0 if chain else spec_layout.draft_width, True))
-    return kinds
+        shapes.append(GraphShape(StepKind.DRAFT, k, 0 if chain else spec_layout.draft_width))
+    return shapes
 
 
 def _weights_detail(model: torch.nn.Module, path: str | None) -> str:
@@ -154,8 +148,8 @@ class ModelRunner:
         kv_start = time.perf_counter()
         total_tokens = config.max_total_tokens or self._auto_kv_tokens()
         num_pages = pages_needed(total_tokens, self.page_size) + 1  # + the reserved dummy page
-        self.allocator = PageAllocator(num_pages, self.page_size)
-        capacity = self.kv_capacity = self.allocator.num_usable_pages * self.page_size
+        self.num_pages = num_pages
+        capacity = (num_pages - 1) * self.page_size
 
         # Longest request: fits alone in the cache with room for one decode step's new positions.
         limit = min(model_config.max_position_embeddings, capacity - decode_reserve)
@@ -167,12 +161,12 @@ class ModelRunner:
                               f"KV capacity {capacity} tokens minus {decode_reserve} decode positions)")
         self.max_model_len = config.max_model_len or limit
         table_width = pages_needed(self.max_model_len + decode_reserve, self.page_size) * self.page_size
-        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, table_width, self.device)
+        self.req_to_token_table = ReqToTokenTable(config.max_running_requests, table_width, self.device)
         self.kv_cache = KVCache(num_layers, num_pages, self.mla_layout, self.index_layout, self.device,
                                 indexer_layers)
         self.startup.record("KV cache", time.perf_counter() - kv_start,
                             f"{capacity} tokens, {self.kv_bytes_per_token * capacity / 2**30:.1f} GiB")
-        self.attn = DSABackend(self.kv_cache, self.req_to_token_pool.req_to_token, model_config.index_topk,
+        self.attn = DSABackend(self.kv_cache, self.req_to_token_table.req_to_token, model_config.index_topk,
                                self.kernels, self.libraries)
         self.table_width = table_width
         self.graphs: StepGraphs | None = None
@@ -193,8 +187,22 @@ class ModelRunner:
 
     @property
     def req_to_token(self) -> torch.Tensor:
-        """[max_running_requests, width] int32: row position -> KV slot, one row per running request."""
-        return self.req_to_token_pool.req_to_token
+        """[num_rows, width] int32: row position -> KV slot, one row per running request."""
+        return self.req_to_token_table.req_to_token
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of req_to_token: the most requests that can run at once."""
+        return self.req_to_token.shape[0]
+
+    @property
+    def kv_capacity(self) -> KVCapacity:
+        """What the control plane allocates (sched/pages.py): KV pages (page 0 the dummy page) and rows."""
+        return KVCapacity(self.num_pages, self.page_size, self.num_rows)
+
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the KV of slots `src` to slots `dst`: the MLA and indexer caches of every layer."""
+        self.attn.kv_move(src, dst)
 
     def _auto_kv_tokens(self) -> int:
         if self.device.type != "cuda":
@@ -238,7 +246,7 @@ class ModelRunner:
         context = min(mc.max_position_embeddings, cfg.max_model_len or mc.max_position_embeddings,
                       max(free // self.kv_bytes_per_token, 2))
         context = pages_needed(context + decode_reserve, self.page_size) * self.page_size
-        scratch_rows = ReqToTokenPool(1, context, dev)  # every position maps to the dummy slot 0
+        scratch_rows = ReqToTokenTable(1, context, dev)  # every position maps to the dummy slot 0
         scratch = KVCache(mc.num_layers_with_mtp, 1, self.mla_layout, self.index_layout, dev, self._indexer_layers)
         attn = DSABackend(scratch, scratch_rows.req_to_token, mc.index_topk, self.kernels, self.libraries)
         step_tokens = self.step_tokens
@@ -246,7 +254,7 @@ class ModelRunner:
 
         def scratch_batch(lens: list[int], logits: str) -> ForwardBatch:
             n = sum(lens)
-            return ForwardBatch.build(ForwardMode.EXTEND, torch.arange(n, device=dev) % mc.vocab_size, [0] * len(lens),
+            return ForwardBatch.build(StepKind.EXTEND, torch.arange(n, device=dev) % mc.vocab_size, [0] * len(lens),
                                       [0] * len(lens), lens, torch.zeros(n, dtype=torch.int64, device=dev), dev,
                                       logits=logits, kv_lens=torch.ones(n, dtype=torch.int64, device=dev),
                                       max_kv_len=context)
@@ -288,62 +296,66 @@ class ModelRunner:
         return reserve
 
     # -- compile and graphs -------------------------------------------------------
-    def prepare_fast_paths(self, spec_layout: SpecLayout | None, static_on_cpu: bool = False,
-                           compile_backend: str | None = None) -> None:
-        """torch.compile and CUDA-graph capture, once, after the speculator (if any) fixed its step shapes.
-
-        `static_on_cpu` (tests): without a GPU, still route batches through the graphs'
-        static, padded buffers, run eagerly, so the padding logic is exercised on CPU.
-        `compile_backend`: torch.compile backend of the captured steps and of the batches without a graph
-        (default: inductor on CUDA; on CPU nothing is compiled unless a backend is named, e.g. "aot_eager"
-        in tests).
-        """
+    def prepare_fast_paths(self, spec_layout: SpecLayout | None) -> None:
+        """torch.compile and CUDA-graph capture (a GPU only), once, after the speculator (if any) fixed its step
+        shapes: the step functions (`step_functions`), the graphs over them (`build_graphs`), routed and warmed up
+        (`use_graphs`). Tests compose the same pieces on CPU (tests/harness.py: `static_fast_paths`)."""
         cfg = self.config
-        if self.device.type != "cuda" and not static_on_cpu:
+        if self.device.type != "cuda":
             if cfg.enable_cuda_graph or cfg.enable_compile:
                 logger.info("CUDA graphs and torch.compile skipped: device is %s (they need a CUDA GPU)",
                             self.device)
             return
-        capture = self.device.type == "cuda"
         step_tokens = self.step_tokens
-        if capture:
-            self._warm_up_deepgemm(step_tokens)
+        self._warm_up_deepgemm(step_tokens)
         if not cfg.enable_cuda_graph:
             logger.info("CUDA graphs disabled (enable_cuda_graph=False): decode runs eagerly, uncompiled "
                         "(torch.compile serves the captured steps)")
             return
-        if self.compile_cache is not None and cfg.enable_compile and capture:
+        if self.compile_cache is not None and cfg.enable_compile:
             with self.startup.phase("compile cache") as phase:
                 phase.detail = self.compile_cache.load()
-        run_main, run_mtp = self.step_functions(
-            compile_backend or ("inductor" if capture else None) if cfg.enable_compile else None)
-        kinds = step_kinds(spec_layout)
+        run_main, run_mtp = self.step_functions("inductor" if cfg.enable_compile else None)
+        # torch.compile runs inside the first calls of the capture and of the warm-up: their lines say how long.
+        with self._compiling_phase("capture") as phase:
+            graphs = self.build_graphs(spec_layout, run_main, run_mtp)
+            phase.detail = f"{len(graphs.static)} CUDA graphs"
+        self.use_graphs(graphs, warm_up_tokens=step_tokens)
+        if self.compile_cache is not None and self.compiled:
+            with self.startup.phase("compile cache save") as phase:
+                phase.detail = self.compile_cache.save()
+
+    def build_graphs(self, spec_layout: SpecLayout | None, run_main: Callable[[ForwardBatch], ModelOutput],
+                     run_mtp: Callable[..., ModelOutput]) -> StepGraphs:
+        """The step graphs this engine serves with (decode or the speculator's kinds, and EXTEND), over the step
+        functions given: CUDA graphs captured on a GPU; elsewhere their static, padded buffers run eagerly."""
+        cfg = self.config
+        shapes = decode_graph_shapes(spec_layout)
         limit = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
         buckets = [b for b in DEFAULT_BUCKETS if b <= limit] or [1]
         if buckets[-1] < limit:
             buckets.append(limit)
-        extend_buckets = [b for b in EXTEND_TOKEN_BUCKETS if b <= step_tokens]
+        extend_buckets = [b for b in EXTEND_TOKEN_BUCKETS if b <= self.step_tokens]
         if extend_buckets:  # prefill chunks and mixed steps up to a bucket's tokens
-            kinds.append(StepKind("extend", ForwardMode.EXTEND, 0, 0, False))
-        # torch.compile runs inside the first calls of the capture and of the warm-up: their lines say how long.
-        with self._compiling_phase("capture") as phase:
-            self.graphs = StepGraphs(run_main, run_mtp, kinds, buckets, self.table_width,
-                                     self.model_config.hidden_size, self.dtype, self.device, capture=capture,
-                                     ctx_buckets=CTX_BUCKETS, extend_buckets=extend_buckets,
-                                     max_requests=cfg.max_running_requests)
-            phase.detail = f"{len(self.graphs.static)} CUDA graphs" if capture else "static buffers, not captured"
-        if self.compiled:
-            # Batches without a graph (prefill chunks, mixed steps, oversized decode batches) run the same compiled
-            # layer. Warmed up here, after capture: the first real prefill must not compile mid-serving.
-            self._run_uncaptured = lambda batch: run_main(_at_least_two_keys(batch))
-            self._run_mtp_uncaptured = lambda batch, hidden, topk: run_mtp(_at_least_two_keys(batch), hidden, topk)
-            with self._compiling_phase("warm-up") as phase:
-                shapes = self._warm_up_uncaptured(spec_layout is not None,
-                                                  step_tokens if capture else CPU_WARMUP_TOKENS)
-                phase.detail = f"{len(shapes)} prefill / mixed shapes"
-        if self.compile_cache is not None and self.compiled and capture:
-            with self.startup.phase("compile cache save") as phase:
-                phase.detail = self.compile_cache.save()
+            shapes.append(GraphShape(StepKind.EXTEND, 0, 0))
+        return StepGraphs(run_main, run_mtp, shapes, buckets, self.table_width, self.model_config.hidden_size,
+                          self.dtype, self.device, capture=self.device.type == "cuda", ctx_buckets=CTX_BUCKETS,
+                          extend_buckets=extend_buckets, max_requests=cfg.max_running_requests)
+
+    def use_graphs(self, graphs: StepGraphs, warm_up_tokens: int) -> None:
+        """Serve batches through `graphs` from now on. When their step functions are compiled, batches without a
+        graph (prefill chunks, mixed steps, oversized decode batches) run the same compiled layer, warmed up here
+        over steps of up to `warm_up_tokens` tokens: the first real prefill must not compile mid-serving."""
+        self.graphs = graphs
+        if not self.compiled:
+            return
+        run_main, run_mtp = graphs.run_main, graphs.run_mtp
+        self._run_uncaptured = lambda batch: run_main(_at_least_two_keys(batch))
+        self._run_mtp_uncaptured = lambda batch, hidden, topk: run_mtp(_at_least_two_keys(batch), hidden, topk)
+        with self._compiling_phase("warm-up") as phase:
+            # under speculation the MTP layer catches up after every prefill: its uncaptured path is warmed up too
+            shapes = self._warm_up_uncaptured(StepKind.DRAFT_EXTEND in graphs.shapes, warm_up_tokens)
+            phase.detail = f"{len(shapes)} prefill / mixed shapes"
 
     @contextlib.contextmanager
     def _compiling_phase(self, name: str):
@@ -357,7 +369,7 @@ class ModelRunner:
                 done += f", {count_entries(triton_dir) - kernels} Triton kernels compiled"
             phase.detail = f"{phase.detail}; {done}" if phase.detail else done
 
-    def step_functions(self, compile_backend: str | None = None):
+    def step_functions(self, compile_backend: str | Callable | None = None):
         """(run_main(batch), run_mtp(batch, hidden_prev, prev_topk=None)); compiled when a backend is named.
 
         Regional compilation: torch.compile compiles one decoder layer (`call_layer`), not the unrolled
@@ -433,7 +445,7 @@ class ModelRunner:
                                      device=self.device)
                 topk = torch.zeros(batch.num_tokens, self.model_config.index_topk, dtype=torch.int32,
                                    device=self.device)
-                self._run_mtp_uncaptured(batch, hidden, topk)
+                self._run_mtp_uncaptured(dataclasses.replace(batch, kind=StepKind.DRAFT_EXTEND), hidden, topk)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         logger.debug("compiled prefill / mixed path warmed up in %.1f s (extends of %s tokens per request, with "
@@ -447,29 +459,26 @@ class ModelRunner:
         num_tokens = sum(lens)
         dev = self.device
         ids = torch.arange(num_tokens, device=dev) % self.model_config.vocab_size
-        return ForwardBatch.build(ForwardMode.EXTEND, ids, [0] * len(lens), [0] * len(lens), lens,
+        return ForwardBatch.build(StepKind.EXTEND, ids, [0] * len(lens), [0] * len(lens), lens,
                                   torch.zeros(num_tokens, dtype=torch.int64, device=dev), dev,
                                   kv_lens=torch.ones(num_tokens, dtype=torch.int64, device=dev),
                                   max_kv_len=min(context, self.table_width))
 
     @property
-    def pads_draft_extend(self) -> bool:
-        """Draft extend runs as a graph when every request's tokens are padded to num_draft_tokens."""
-        return self.graphs is not None and "draft_extend" in self.graphs.kinds
+    def has_draft_extend_graph(self) -> bool:
+        """Draft extends replay a captured graph, which takes every request padded to num_draft_tokens tokens."""
+        return self.graphs is not None and StepKind.DRAFT_EXTEND in self.graphs.shapes
 
-    def _graph_kind(self, batch: ForwardBatch, mtp: bool) -> str | None:
-        """The captured step kind that takes this batch, or None (it runs uncaptured)."""
-        if self.graphs is None:
-            return None
-        name = GRAPH_KIND_OF.get((batch.mode, mtp))
-        return name if name is not None and self.graphs.key_for(name, batch) is not None else None
+    def has_graph(self, batch: ForwardBatch) -> bool:
+        """A captured graph of the batch's kind takes it (else it runs uncaptured)."""
+        return self.graphs is not None and self.graphs.key_for(batch) is not None
 
     # -- execution --------------------------------------------------------------
     def forward(self, batch: ForwardBatch) -> ModelOutput:
-        """Run the main model on a batch: a captured graph when one fits, else eagerly."""
-        name = self._graph_kind(batch, mtp=False)
-        if name is not None:
-            return self.graphs.replay(name, batch)
+        """Run the main model on a batch (EXTEND, DECODE, VERIFY): a captured graph when one fits, else uncaptured."""
+        assert not batch.kind.runs_mtp, f"a {batch.kind.name} batch runs the MTP layer (forward_mtp)"
+        if self.has_graph(batch):
+            return self.graphs.replay(batch)
         return self._run_uncaptured(batch)
 
     @torch.no_grad()
@@ -497,18 +506,14 @@ class ModelRunner:
 
     def forward_mtp(self, batch: ForwardBatch, hidden_prev: torch.Tensor,
                     prev_topk: torch.Tensor | None = None) -> ModelOutput:
-        """Run the MTP layer. Graph-captured draft steps take no handed top-k: the layer computes
-        its own (the gating rule's fallback), which is exact, only not shared."""
-        name = self._graph_kind(batch, mtp=True)
-        if name is not None:
-            return self.graphs.replay(name, batch, hidden_prev)
+        """Run the MTP layer on a DRAFT or DRAFT_EXTEND batch. Graph-captured draft steps take no handed top-k: the
+        layer computes its own (the gating rule's fallback), which is exact, only not shared."""
+        assert batch.kind.runs_mtp, f"a {batch.kind.name} batch runs the main model (forward)"
+        if self.has_graph(batch):
+            return self.graphs.replay(batch, hidden_prev)
         return self._run_mtp_uncaptured(batch, hidden_prev, prev_topk)
 
     @torch.no_grad()
     def forward_mtp_eager(self, batch: ForwardBatch, hidden_prev: torch.Tensor,
                           prev_topk: torch.Tensor | None = None) -> ModelOutput:
         return self.model.forward_mtp(batch, self.attn, hidden_prev, prev_topk)
-
-    def check_all_free(self) -> None:
-        self.allocator.check_all_free()
-        self.req_to_token_pool.check_all_free()

@@ -35,13 +35,14 @@ from typing import Any
 
 import torch
 
-from minidsa.exec.batch import ForwardBatch, ForwardMode, host_to_device, ints_to_device
+from minidsa.exec.batch import ForwardBatch, host_to_device, ints_to_device
 from minidsa.exec.kv_cache import row_slots
 from minidsa.models.deepseek_v32 import ModelOutput
 from minidsa.exec.runner import ModelRunner
 from minidsa.exec.sampling import SampledTokens, Sampler, TokenMask
 from minidsa.speculative.mtp import SpecRows
-from minidsa.sched.plan import PromptScoring, StepMode, StepPlan, StepResult
+from minidsa.sched.pages import KVCapacity
+from minidsa.sched.plan import PromptScoring, StepKind, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +112,13 @@ class Worker:
         self.device = runner.device
         self.page_size = runner.page_size
         # The token last sampled for each req_to_token row: the next decode step's input.
-        self.next_input_ids = torch.zeros(runner.req_to_token_pool.max_reqs, dtype=torch.int64, device=self.device)
+        self.next_input_ids = torch.zeros(runner.num_rows, dtype=torch.int64, device=self.device)
         self.bitmask_width = (sampler.vocab_size + 31) // 32  # int32 words of a grammar mask row
+
+    @property
+    def kv_capacity(self) -> KVCapacity:
+        """The KV pages and req_to_token rows the control plane allocates (the engine builds its allocators)."""
+        return self.runner.kv_capacity
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.launch(plan).result()
@@ -126,10 +132,10 @@ class Worker:
         """Release what outlives the process's objects (tensor-parallel ranks); nothing for one process."""
 
     def launch(self, plan: StepPlan) -> PendingStep:
-        pool = self.runner.req_to_token_pool
+        table = self.runner.req_to_token_table
         for w in plan.table_writes:
-            pool.write_pages(w.row, w.first_page, w.pages, self.page_size)
-        if plan.mode == StepMode.SPEC:
+            table.write_pages(w.row, w.first_page, w.pages, self.page_size)
+        if plan.kind == StepKind.SPEC:
             if plan.grammar_rows:  # the round needs its constrained requests' masks (`launch_sampling`)
                 return PendingStep(plan, [], None, None, None, forward=(None, None))
             return PendingStep(plan, [], None, None, None, done=self._speculate(plan, None))
@@ -159,7 +165,7 @@ class Worker:
                                  f"{(rows, self.bitmask_width)}")
             mask = host_to_device(bitmask, self.device)
         self._share_mask(mask)
-        if pending.plan.mode == StepMode.SPEC:
+        if pending.plan.kind == StepKind.SPEC:
             pending.forward = None
             pending._done = self._speculate(pending.plan, mask)
             return
@@ -192,7 +198,7 @@ class Worker:
             rows = batch.req_pool_indices if len(sampled) == plan.batch_size else \
                 ints_to_device([plan.rows[b] for b in sampled], self.device)
             self.next_input_ids[rows] = tokens.ids
-        if self.speculator is not None and plan.mode != StepMode.DECODE:
+        if self.speculator is not None and plan.kind == StepKind.EXTEND:
             self._draft_extend_after_prefill(plan, batch, out, sampled, tokens)
         event = None
         if tokens is not None:
@@ -206,10 +212,10 @@ class Worker:
     def _batch(self, plan: StepPlan) -> ForwardBatch:
         dev, r2t = self.device, self.runner.req_to_token
         rows, starts, lens = plan.rows, plan.prefix_lens, plan.extend_lens
-        if plan.mode == StepMode.DECODE:
+        if plan.kind == StepKind.DECODE:
             rows_t, starts_t = ints_to_device(rows + starts, dev).split(len(rows))
             loc = r2t[rows_t, starts_t].long()
-            return ForwardBatch.build(ForwardMode.DECODE, self.next_input_ids[rows_t], rows, starts, lens, loc, dev)
+            return ForwardBatch.build(StepKind.DECODE, self.next_input_ids[rows_t], rows, starts, lens, loc, dev)
         ids = torch.zeros(plan.num_tokens, dtype=torch.int64)
         host_pos, dev_pos, dev_rows = [], [], []
         offset = 0
@@ -229,7 +235,7 @@ class Worker:
             at, from_rows = ints_to_device(dev_pos + dev_rows, dev).split(len(dev_pos))
             ids[at] = self.next_input_ids[from_rows]
         loc = row_slots(r2t, rows, starts, lens)
-        return ForwardBatch.build(ForwardMode.EXTEND, ids, rows, starts, lens, loc, dev)
+        return ForwardBatch.build(StepKind.EXTEND, ids, rows, starts, lens, loc, dev)
 
     # -- host-data steps ------------------------------------------------------------
     def _score_prompts(self, plan: StepPlan, hidden: torch.Tensor

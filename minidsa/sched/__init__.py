@@ -1,1 +1,2 @@
-"""The scheduler side of the control plane: which requests run each step, prefix cache, the step plan."""
+"""The scheduler side of the control plane: which requests run each step (scheduler.py), the host-side KV page and
+req_to_token row allocators (pages.py), the prefix cache (prefix_cache.py), the step plan and StepKind (plan.py)."""

@@ -1,4 +1,5 @@
-"""What crosses from the control plane (engine, scheduler) to the worker and back: `StepPlan`, `StepResult`.
+"""What crosses from the control plane (engine, scheduler) to the worker and back: `StepPlan`, `StepResult`, and
+`StepKind`, the one name of what a step or a forward is (plans, `ForwardBatch`, CUDA graphs).
 
 Plain data only (ints, lists, SamplingParams structs): a plan can be pickled and broadcast to every rank
 of a tensor-parallel group, and each rank's `Worker.execute(plan)` does the same thing. The control plane
@@ -24,11 +25,21 @@ from dataclasses import dataclass, field
 from minidsa.engine.request import SamplingParams
 
 
-class StepMode(enum.IntEnum):
-    EXTEND = 0  # prefill chunks only
+class StepKind(enum.IntEnum):
+    """What a step plan or a forward is. A plan is EXTEND, DECODE or SPEC; the worker's forwards are EXTEND, DECODE,
+    VERIFY, DRAFT and DRAFT_EXTEND (a SPEC plan runs several of them); the captured CUDA graphs are keyed by it."""
+
+    EXTEND = 0  # prefill chunks; decode rows may ride along in the same forward (a mixed step: `has_decode_rows`)
     DECODE = 1  # one device-fed token per request: CUDA graphs where a bucket fits
-    MIXED = 2  # decode rows and prefill chunks in one forward (chunked-prefill piggy-backing)
-    SPEC = 3  # one speculative round (draft, verify, accept, draft extend) per request
+    SPEC = 2  # plan level: one speculative round (draft, verify, accept, draft extend) per request
+    VERIFY = 3  # the target model scores every draft token of a round at once
+    DRAFT = 4  # the MTP layer's decode steps (draft tokens)
+    DRAFT_EXTEND = 5  # the MTP layer catches up on the positions the target just cached
+
+    @property
+    def runs_mtp(self) -> bool:
+        """A forward of this kind runs the MTP layer (fed the target's hidden states), not the main model."""
+        return self in (StepKind.DRAFT, StepKind.DRAFT_EXTEND)
 
 
 @dataclass(frozen=True)
@@ -53,7 +64,7 @@ class PromptScoring:
 
 @dataclass(frozen=True)
 class StepPlan:
-    mode: StepMode
+    kind: StepKind  # EXTEND, DECODE or SPEC
     rows: list[int]
     prefix_lens: list[int]
     extend_lens: list[int]
@@ -80,6 +91,12 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(self.extend_lens)
+
+    @property
+    def has_decode_rows(self) -> bool:
+        """Some request runs a device-fed decode token: every request of a DECODE plan, the decode rows riding
+        along with prefill chunks in an EXTEND plan (a mixed step)."""
+        return any(self.from_device)
 
 
 @dataclass

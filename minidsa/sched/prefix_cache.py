@@ -33,7 +33,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from minidsa.exec.kv_cache import PageAllocator
+from minidsa.sched.pages import PageAllocator
 
 
 @dataclass(eq=False)

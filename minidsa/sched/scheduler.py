@@ -43,8 +43,8 @@ inflicts on them. A step without decode rows has the whole
 smaller than a chunk or a page only slows a prefill: the partially
 prefilled request goes first in the next step and takes at least one token.
 A step with decode rows only is a pure DECODE step (CUDA graphs); one with
-both is MIXED (an extend graph up to its largest token bucket, else compiled
-/ eager).
+both is a mixed EXTEND step (`num_decode` > 0; an extend graph up to its
+largest token bucket, else compiled / eager).
 Without `mixed` (speculation: the speculator needs pure decode batches)
 prefill and decode alternate as above.
 
@@ -70,17 +70,17 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from minidsa.exec.kv_cache import PageAllocator, RowAllocator, pages_needed
+from minidsa.sched.pages import PageAllocator, RowAllocator, pages_needed
 from minidsa.sched.prefix_cache import Node, PrefixCache
 from minidsa.engine.request import Request, RequestStatus
-from minidsa.sched.plan import StepMode, TableWrite
+from minidsa.sched.plan import StepKind, TableWrite
 
 
 @dataclass
 class ScheduledBatch:
     """What runs this step: decode rows first (`num_decode` of them, one token each), then prefill chunks."""
 
-    mode: StepMode  # EXTEND (chunks only), DECODE (decode rows only) or MIXED
+    kind: StepKind  # DECODE (decode rows only) or EXTEND (prefill chunks, after `num_decode` decode rows if mixed)
     reqs: list[Request]
     extend_lens: list[int]  # tokens of each request this step (1 for decode rows)
     num_decode: int = 0
@@ -152,7 +152,7 @@ class Scheduler:
                                              self.max_mixed_prefill_tokens))
         if prefill is None:
             return decode
-        return ScheduledBatch(StepMode.MIXED, decode.reqs + prefill.reqs, decode.extend_lens + prefill.extend_lens,
+        return ScheduledBatch(StepKind.EXTEND, decode.reqs + prefill.reqs, decode.extend_lens + prefill.extend_lens,
                               len(decode.reqs), decode.preempted)
 
     def _schedule_prefill(self, budget: int | None = None) -> ScheduledBatch | None:
@@ -170,7 +170,7 @@ class Scheduler:
                 lens.append(got)
                 budget -= got
                 if got < req.prefill_len - req.seq_len:
-                    return ScheduledBatch(StepMode.EXTEND, reqs, lens)
+                    return ScheduledBatch(StepKind.EXTEND, reqs, lens)
                 if self.prefix_cache is not None:
                     node, done = self._cached_upto[req.request_id]
                     computing.update(self._chain_hashes(req, node, done, (req.seq_len + got) // self.page_size))
@@ -209,7 +209,7 @@ class Scheduler:
                                                     total // self.page_size))
         if not reqs:
             return None
-        return ScheduledBatch(StepMode.EXTEND, reqs, lens)
+        return ScheduledBatch(StepKind.EXTEND, reqs, lens)
 
     # In-batch prefix sharing: requests arriving together with a common prefix would all miss the cache and
     # compute it side by side. A waiting request whose next pages (past its cache hit) are pages that a request
@@ -249,7 +249,7 @@ class Scheduler:
             if preempted and not self.running:  # everything got preempted (not with a sane max_model_len)
                 raise RuntimeError("KV cache too small to decode a single request")
             return None
-        return ScheduledBatch(StepMode.DECODE, reqs, [1] * len(reqs), len(reqs), preempted)
+        return ScheduledBatch(StepKind.DECODE, reqs, [1] * len(reqs), len(reqs), preempted)
 
     @staticmethod
     def _decodes(req: Request) -> bool:

@@ -4,10 +4,10 @@ One round for a batch of decoding requests (n = tokens in the target cache,
 the root = the last committed token, at row position n, not yet cached):
 
 1. draft: the root's children are the draft's top-k at the last committed
-   position (kept from the previous draft extend); `num_steps - 1` DECODE
+   position (kept from the previous draft extend); `num_steps - 1` DRAFT
    forwards of the MTP layer grow them into beams;
 2. build a tree of `num_draft_tokens` nodes (best cumulative draft scores);
-3. TARGET_VERIFY: all nodes in one forward, node k at row position n + k,
+3. VERIFY: all nodes in one forward, node k at row position n + k,
    RoPE position n + depth, seeing `[0, n)` plus its ancestors and itself, in
    the indexer's top-k as well as in attention;
 4. accept: greedy longest match, or rejection sampling;
@@ -29,7 +29,8 @@ The draft state of every req_to_token row (the draft's logits for the token afte
 state at the last committed position) lives in device buffers indexed by row.
 
 The scheduler decides which requests run; this module decides which tokens they run; the runner runs the
-forwards. Every out_cache_loc layout comes from `layout.SpecLayout`.
+forwards, reached through the narrow `SpecRunner` interface (runner_api.py). Every out_cache_loc layout comes from
+`layout.SpecLayout`.
 """
 
 from __future__ import annotations
@@ -41,12 +42,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minidsa.exec.batch import ForwardBatch, ForwardMode, ints_to_device
+from minidsa.exec.batch import ForwardBatch, ints_to_device
 from minidsa.config import SpecOptions
 from minidsa.models.deepseek_v32 import ModelOutput
 from minidsa.engine.request import SamplingParams
+from minidsa.sched.plan import StepKind
 from minidsa.exec.sampling import Sampler, TokenMask, probabilities, row_key, uniforms
 from minidsa.speculative.layout import SpecLayout
+from minidsa.speculative.runner_api import SpecRunner
 from minidsa.speculative.tree import DraftTree, accept_greedy, accept_sampled, grow_tree
 
 logger = logging.getLogger(__name__)
@@ -101,14 +104,14 @@ _ACCEPT_SALT = 0x5DEECE66D
 
 
 class MTPSpeculator:
-    def __init__(self, runner, options: SpecOptions, sampler: Sampler, seed: int = 0):
+    def __init__(self, runner: SpecRunner, options: SpecOptions, sampler: Sampler, seed: int = 0):
         self.runner = runner
         self.opts = options
         self.sampler = sampler
         self.layout = SpecLayout(options.num_steps, options.topk, options.num_draft_tokens)
         self.stats = SpecStats()
         mc, dev = runner.model_config, runner.device
-        rows = runner.req_to_token_pool.max_reqs
+        rows = runner.num_rows
         # Per req_to_token row, what its next round starts from (rewritten whenever a prefill completes on it).
         self.draft_logits = torch.zeros(rows, mc.vocab_size, dtype=torch.float32, device=dev)
         self.draft_hidden = torch.zeros(rows, mc.hidden_size, dtype=runner.dtype, device=dev)
@@ -157,7 +160,7 @@ class MTPSpeculator:
             return
         mtp_rows = [rows[b] for b in finals]
         loc = SpecLayout.draft_extend_cache_loc(self.runner.req_to_token, mtp_rows, prefix, extend)
-        mtp_batch = ForwardBatch.build(ForwardMode.DRAFT_EXTEND, ids, mtp_rows, prefix, extend, loc,
+        mtp_batch = ForwardBatch.build(StepKind.DRAFT_EXTEND, ids, mtp_rows, prefix, extend, loc,
                                        self.runner.device, logits="last")
         sel = torch.cat(hidden_rows).to(out.hidden.device)
         reuse = out.topk[sel] if out.topk is not None else None  # same positions, same visibility
@@ -205,7 +208,7 @@ class MTPSpeculator:
             steps_loc = lay.draft_steps_view(lay.draft_cache_loc(runner.req_to_token, rows_t, seq_t), bs)
             prev_topk = None
             for f in range(steps - 1):
-                batch = ForwardBatch.build(ForwardMode.DECODE, drafts[-1], rows, [n + f for n in seq], [1] * bs,
+                batch = ForwardBatch.build(StepKind.DRAFT, drafts[-1], rows, [n + f for n in seq], [1] * bs,
                                            steps_loc[f], dev)
                 out = runner.forward_mtp(batch, hidden, prev_topk)
                 if opts.share_topk_across_steps:
@@ -217,7 +220,7 @@ class MTPSpeculator:
         # Verify: root + drafts, causal, at row positions n .. n + steps.
         loc = lay.verify_cache_loc(runner.req_to_token, rows_t, seq_t)
         ids = torch.cat([roots.view(bs, 1), drafted], 1).view(-1)
-        verify = ForwardBatch.build(ForwardMode.TARGET_VERIFY, ids, rows, seq, [nd] * bs, loc, dev, logits="all")
+        verify = ForwardBatch.build(StepKind.VERIFY, ids, rows, seq, [nd] * bs, loc, dev, logits="all")
         out = runner.forward(verify)
         accepted, emitted = self._accept_chain(reqs, drafted, out.logits.view(bs, nd, -1))
         if reqs.constrained:
@@ -228,9 +231,9 @@ class MTPSpeculator:
 
         # Draft extend over all nd positions (target hidden at n + j with the token at n + j + 1); the next
         # round's state comes from position n + accepted.
-        extend = ForwardBatch.build(ForwardMode.DRAFT_EXTEND, emitted.view(-1), rows, seq, [nd] * bs, loc, dev)
+        extend = ForwardBatch.build(StepKind.DRAFT_EXTEND, emitted.view(-1), rows, seq, [nd] * bs, loc, dev)
         extend.logits_indices = torch.arange(bs, device=dev) * nd + accepted
-        reuse = out.topk if opts.topk == 1 and not runner.pads_draft_extend else None
+        reuse = out.topk if opts.topk == 1 and not runner.has_draft_extend_graph else None
         mout = runner.forward_mtp(extend, out.hidden, reuse)
         self._keep_state(rows, rows_t, mout.logits, mout.hidden[extend.logits_indices])
 
@@ -326,7 +329,7 @@ class MTPSpeculator:
                 own = lay.draft_step_positions(f, seq) - seq.repeat_interleave(k)  # = f*k + j
                 ancestry[torch.arange(bs * k, device=dev), own] = True
                 batch = ForwardBatch.build(
-                    ForwardMode.DECODE, beam_tok, reqs.rows, reqs.seq_lens, [k] * bs, steps_loc[f], dev,
+                    StepKind.DRAFT, beam_tok, reqs.rows, reqs.seq_lens, [k] * bs, steps_loc[f], dev,
                     logits="all", positions=(seq + f).repeat_interleave(k), kv_lens=seq.repeat_interleave(k),
                     tree_mask=ancestry, max_kv_len=n_max + lay.draft_width)
                 out = runner.forward_mtp(batch, hidden, None)
@@ -362,7 +365,7 @@ class MTPSpeculator:
         loc = lay.verify_cache_loc(runner.req_to_token, rows, seq)
         n_rep = seq.repeat_interleave(nd)
         batch = ForwardBatch.build(
-            ForwardMode.TARGET_VERIFY, ids, reqs.rows, reqs.seq_lens, [nd] * bs, loc, dev, logits="all",
+            StepKind.VERIFY, ids, reqs.rows, reqs.seq_lens, [nd] * bs, loc, dev, logits="all",
             positions=n_rep + depth, kv_lens=n_rep, tree_mask=mask, max_kv_len=max(reqs.seq_lens) + nd)
         out = runner.forward(batch)
         logits = out.logits.view(bs, nd, -1)
@@ -375,7 +378,7 @@ class MTPSpeculator:
         # Compaction: accepted nodes to the front.
         src, dst = lay.compaction_moves(runner.req_to_token, reqs.rows, reqs.seq_lens, paths)
         if src.numel():
-            runner.attn.kv_move(src, dst)
+            runner.move_kv(src, dst)
         hid_rows = torch.cat([torch.tensor(p, device=dev) + b * nd for b, p in enumerate(paths)])
         hidden = out.hidden[hid_rows]
         self._count(reqs, [len(p) - 1 for p in paths], nd)
@@ -398,8 +401,8 @@ class MTPSpeculator:
         lens = [len(t) for t in new_tokens]
         loc = SpecLayout.draft_extend_cache_loc(runner.req_to_token, rows, seq, lens)
         ids = [t for toks in new_tokens for t in toks]
-        if not runner.pads_draft_extend:
-            return ForwardBatch.build(ForwardMode.DRAFT_EXTEND, ids, rows, seq, lens, loc, dev, logits="last"), hidden
+        if not runner.has_draft_extend_graph:
+            return ForwardBatch.build(StepKind.DRAFT_EXTEND, ids, rows, seq, lens, loc, dev, logits="last"), hidden
         nd = self.opts.num_draft_tokens
         real = torch.tensor([b * nd + m for b, n in enumerate(lens) for m in range(n)], device=dev)
         pad_ids = torch.zeros(len(rows) * nd, dtype=torch.int64, device=dev)
@@ -410,7 +413,7 @@ class MTPSpeculator:
         positions[real] = torch.tensor([n + m for n, k in zip(seq, lens) for m in range(k)], device=dev)
         kv_lens = torch.ones_like(pad_ids)
         kv_lens[real] = positions[real] + 1
-        batch = ForwardBatch.build(ForwardMode.DRAFT_EXTEND, pad_ids, rows, seq, [nd] * len(rows), pad_loc, dev,
+        batch = ForwardBatch.build(StepKind.DRAFT_EXTEND, pad_ids, rows, seq, [nd] * len(rows), pad_loc, dev,
                                    positions=positions, kv_lens=kv_lens, max_kv_len=max(seq) + nd)
         batch.logits_indices = torch.tensor([b * nd + n - 1 for b, n in enumerate(lens)], device=dev)
         pad_hidden = hidden.new_zeros(len(rows) * nd, hidden.shape[-1])

@@ -29,6 +29,7 @@ if not torch.cuda.is_available():
 from minidsa.kernels import custom_ops, flashmla, sparse_mla  # noqa: E402,F401
 from minidsa.kernels import reference as ref  # noqa: E402
 from minidsa.exec.kv_cache import MLALayout  # noqa: E402
+from minidsa.sched.plan import StepKind  # noqa: E402
 
 DEV = torch.device("cuda")
 MODULE, STATUS = flashmla.probe(DEV)
@@ -165,7 +166,7 @@ def test_bench_preset_flashmla_engine_follows_triton_engine(kv_cache_dtype):
     triton_served, _, want = _run(prompts, kv_cache_dtype=kv_cache_dtype, use_flash_mla=False)
     flash_served, replays, got = _run(prompts, kv_cache_dtype=kv_cache_dtype)
     assert (triton_served, flash_served) == ("triton", "flashmla")
-    assert replays["decode"] > 0
+    assert replays[StepKind.DECODE] > 0
     for w, f in zip(want, got):
         shared = next((i for i, (a, b) in enumerate(zip(w.token_ids, f.token_ids)) if a != b), len(w.token_ids))
         gaps = (torch.tensor(w.logprobs[:shared]) - torch.tensor(f.logprobs[:shared])).abs()

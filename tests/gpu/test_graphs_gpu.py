@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from harness import count_replays
+from minidsa.sched.plan import StepKind
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -34,7 +35,7 @@ def _run(model, prompts, extra=None, **kw):
     # Graphs torch.compile produced for this engine, and how many step kinds it captured (a speculative
     # engine also captures plain decode, its fallback).
     replays["compiled_graphs"] = counters["stats"]["unique_graphs"] - compiled_before
-    replays["captured_kinds"] = len(graphs.kinds) if graphs is not None else 0
+    replays["captured_kinds"] = len(graphs.shapes) if graphs is not None else 0
     llm.engine.check_no_leaks()
     del llm
     gc.collect()
@@ -60,7 +61,7 @@ def test_tiny_graphs_equal_eager_in_every_mode(spec):
         eager, _, _ = _run("tiny", prompts, enable_cuda_graph=False, enable_compile=False, **exact)
         fast, replays, _ = _run("tiny", prompts, enable_cuda_graph=True, enable_compile=True, **exact)
         assert fast == eager
-        wanted = ["verify", "draft_extend", "draft"] if spec else ["decode"]
+        wanted = [StepKind.VERIFY, StepKind.DRAFT_EXTEND, StepKind.DRAFT] if spec else [StepKind.DECODE]
         assert all(replays.get(k, 0) > 0 for k in wanted), replays
         # Regional compilation: graphs per decoder-layer kind (dense, MoE, MTP) x what a step hands a layer
         # (a tree mask or none, a previous top-k or none) x size-1 batches or not: bounded by those (24), not
@@ -92,7 +93,7 @@ def test_bench_preset_graphs_and_compile_equal_eager():
     _, _, eager_out = _run("bench-dsv32", prompts, params, enable_cuda_graph=False, enable_compile=False, **exact)
     _, replays, fast_out = _run("bench-dsv32", prompts, params, enable_cuda_graph=True, enable_compile=True,
                                 **exact)
-    assert replays["decode"] > 0
+    assert replays[StepKind.DECODE] > 0
     # Bounds from the H100 (commit 911dbc4): logprobs of shared tokens differed by up to 0.19 nats. A path that
     # reads a stale or wrong buffer differs by whole nats and from the first decoded token.
     for e, f in zip(eager_out, fast_out):
@@ -118,7 +119,6 @@ def test_tiny_compiled_prefill_and_mixed_steps_equal_eager_without_recompiles(se
     from torch._dynamo.utils import counters
 
     from minidsa import LLM, SamplingParams
-    from minidsa.sched.plan import StepMode
 
     kw = dict(model="tiny", progress=False, max_running_requests=8, cuda_graph_max_bs=4, chunked_prefill_size=64,
               max_prefill_tokens=96, **settings)
@@ -156,12 +156,11 @@ def test_tiny_compiled_prefill_and_mixed_steps_equal_eager_without_recompiles(se
     got = [o.token_ids for wave in waves for o in llm.generate(wave, params)]
     assert counters["stats"]["unique_graphs"] == graphs_before, "compiled after start-up"
     assert dict(counters["frames"]) == frames_before, (frames_before, dict(counters["frames"]))
-    modes = {p.mode for p in plans}
     if "speculative_num_steps" not in settings:
-        assert StepMode.MIXED in modes, modes
-        assert any(p.mode == StepMode.DECODE and p.batch_size > runner.graphs.buckets[-1] for p in plans)
+        assert any(p.kind == StepKind.EXTEND and p.has_decode_rows for p in plans), {p.kind for p in plans}
+        assert any(p.kind == StepKind.DECODE and p.batch_size > runner.graphs.buckets[-1] for p in plans)
     # Chunks and mixed steps of up to 64 tokens replay the extend graphs; the larger ones run uncaptured.
-    assert replays["extend"] > 0, replays
+    assert replays[StepKind.EXTEND] > 0, replays
     if exact:
         assert got == want
     llm.engine.check_no_leaks()

@@ -95,7 +95,7 @@ def test_constrained_decode_steps_launch_without_a_host_sync():
     from test_structured_outputs import PERSON, PROMPTS, json_schema
 
     from minidsa import SamplingParams
-    from minidsa.sched.plan import StepMode
+    from minidsa.sched.plan import StepKind
 
     llm = _llm()
     worker = llm.engine.worker
@@ -103,7 +103,7 @@ def test_constrained_decode_steps_launch_without_a_host_sync():
     checked = []
 
     def strict(fn, plan, *args):
-        if plan.mode != StepMode.DECODE:
+        if plan.kind != StepKind.DECODE:
             return fn(*args)
         torch.cuda.set_sync_debug_mode("error")
         try:

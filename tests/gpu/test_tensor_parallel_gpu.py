@@ -17,6 +17,8 @@ import gc
 import pytest
 import torch
 
+from minidsa.sched.plan import StepKind
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 PARAMS = dict(max_tokens=12, ignore_eos=True, detokenize=False)
@@ -63,9 +65,9 @@ def test_single_rank_distributed_path_equals_plain_engine_on_bench_preset(spec):
     dist, replays, worker, overlap = _run("bench-dsv32:4", prompts, distributed_executor_backend="mp", **exact)
     assert worker == "TensorParallelWorker"
     if spec:
-        assert replays.get("verify", 0) > 0 and replays.get("draft_extend", 0) > 0, replays
+        assert replays.get(StepKind.VERIFY, 0) > 0 and replays.get(StepKind.DRAFT_EXTEND, 0) > 0, replays
     else:
-        assert overlap and replays.get("decode", 0) > 0, replays
+        assert overlap and replays.get(StepKind.DECODE, 0) > 0, replays
     same = sum(a == b for a, b in zip(plain, dist))
     assert same == len(prompts), f"{same}/{len(prompts)} prompts token-identical; plain {plain}\nmp {dist}"
 
@@ -79,7 +81,7 @@ def test_two_gpus_equal_one_with_speculation(tmp_path):
     exact = dict(dtype="float32", indexer_cache_dtype="model", max_total_tokens=4096, speculative_num_steps=2)
     one, _, _, _ = _run(path, prompts, **exact)
     two, replays, worker, _ = _run(path, prompts, tensor_parallel_size=2, **exact)
-    assert worker == "TensorParallelWorker" and replays.get("verify", 0) > 0, replays
+    assert worker == "TensorParallelWorker" and replays.get(StepKind.VERIFY, 0) > 0, replays
     assert two == one
 
 
@@ -90,6 +92,6 @@ def test_two_gpus_equal_one_with_expert_parallelism_on_the_fp8_bench_preset():
     one, _, _, _ = _run("bench-dsv32:4", prompts, **exact)
     two, replays, _, overlap = _run("bench-dsv32:4", prompts, tensor_parallel_size=2, enable_expert_parallel=True,
                                     **exact)
-    assert overlap and replays.get("decode", 0) > 0, replays
+    assert overlap and replays.get(StepKind.DECODE, 0) > 0, replays
     same = sum(a == b for a, b in zip(one, two))
     assert same == len(prompts), f"{same}/{len(prompts)} prompts token-identical; TP=1 {one}\nTP=2 {two}"
