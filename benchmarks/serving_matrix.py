@@ -135,6 +135,9 @@ def main() -> int:
     p.add_argument("--bench-timeout", type=float, default=300)
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="more flags for every server")
     args = p.parse_args()
+    # A timeout's SIGTERM must stop the running server too (its `finally`): a server left behind holds the GPU's
+    # memory and the next program on the machine finds it full.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     os.makedirs(args.out, exist_ok=True)
     rows: list[dict] = []
     for name in args.only or COMBOS:
