@@ -122,17 +122,21 @@ def steady_decode(engine, timer: ForwardTimer, bs: int, prompt_len: int, decode_
             "host_ms_per_step": 1e3 * wall / steps - sum(gpu.values()) / steps}
 
 
-def greedy_outputs(engine, n: int, tokens: int) -> list[list[int]]:
-    """Greedy continuations of `n` fixed prompts (the model's own acceptance: no simulation)."""
+def greedy_outputs(engine, n: int, tokens: int, together: bool = True) -> list[list[int]]:
+    """Greedy continuations of `n` fixed prompts (the model's own acceptance: no simulation), in one batch or one
+    request at a time (`together=False`: other batch shapes, so other reduction orders in the kernels)."""
     from minidsa import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, detokenize=False)
-    ids = [engine.add_request(p, params, use_prefix_cache=False) for p in _prompts(n, 256, engine.vocab_size, 7)]
+    prompts = _prompts(n, 256, engine.vocab_size, 7)
     done: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o.token_ids
+    ids: list[str] = []
+    for group in ([prompts] if together else [[p] for p in prompts]):
+        ids += [engine.add_request(p, params, use_prefix_cache=False) for p in group]
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = o.token_ids
     return [done[i] for i in ids]
 
 
@@ -158,12 +162,16 @@ def run_engine(args, extra: dict, label: str, accept_lens: list[float | None]) -
     engine = Engine(config, progress=False)
     startup = time.perf_counter() - t0
     timer = ForwardTimer(engine.runner)
-    steady_decode(engine, timer, 2, 64, 8, seed=99)  # warm-up: first-call costs out of the numbers
     out: dict = {"label": label, "startup_s": startup, "runs": []}
     if args.agreement:
         if engine.speculator is not None:
             engine.speculator.simulator = None  # the model's own acceptance
         out["greedy"] = greedy_outputs(engine, args.agreement, 64)
+        out["greedy_alone"] = greedy_outputs(engine, args.agreement, 64, together=False)
+    if args.agreement_only:
+        accept_lens = []
+    else:
+        steady_decode(engine, timer, 2, 64, 8, seed=99)  # warm-up: first-call costs out of the numbers
     for L in accept_lens:
         if L is not None:
             engine.speculator.simulator = AcceptanceSimulator(L, engine.speculator.opts.num_steps, 0)
@@ -229,7 +237,9 @@ def main() -> int:
     p.add_argument("--allow-cpu", action="store_true", help="a smoke run without a GPU (the figures mean nothing)")
     p.add_argument("--agreement", type=int, default=0, metavar="N",
                    help="also N greedy prompts x 64 tokens on both engines with the model's own acceptance: how "
-                        "often speculation gives plain decoding's tokens in this dtype")
+                        "often speculation gives plain decoding's tokens in this dtype; and, as the floor, how often "
+                        "plain decoding agrees with itself run one request at a time")
+    p.add_argument("--agreement-only", action="store_true", help="with --agreement: no timed runs")
     add_engine_args(p)
     p.set_defaults(model="bench-dsv32")
     args = p.parse_args()
@@ -246,11 +256,15 @@ def main() -> int:
               "plain": plain, "speculative": spec}
     lines = table(plain, spec)
     if args.agreement:
-        result["agreement"] = agreement(plain["greedy"], spec["greedy"])
-        a = result["agreement"]
-        lines += ["", f"Greedy agreement ({a['requests']} prompts x {a['tokens']} tokens, the model's own acceptance): "
-                      f"{a['identical']} identical, tokens agreeing {a['token_agreement']:.1%}, mean first difference "
-                      f"at token {a['mean_first_difference']:.1f}"]
+        pairs = {"MTP vs plain, batched": (plain["greedy"], spec["greedy"]),
+                 "MTP vs plain, one request at a time": (plain["greedy_alone"], spec["greedy_alone"]),
+                 "plain batched vs plain one at a time (the floor)": (plain["greedy"], plain["greedy_alone"])}
+        result["agreement"] = {k: agreement(*v) for k, v in pairs.items()}
+        lines += ["", f"Greedy agreement ({args.agreement} prompts x 64 tokens, the model's own acceptance):", "",
+                  "| compared | identical | tokens agreeing | mean first difference at token |", "|---|---|---|---|"]
+        for k, a in result["agreement"].items():
+            lines.append(f"| {k} | {a['identical']} / {a['requests']} | {a['token_agreement']:.1%} | "
+                         f"{a['mean_first_difference']:.1f} |")
     with open(os.path.join(args.out, "speculative.json"), "w") as f:
         json.dump(result, f, indent=2)
     with open(os.path.join(args.out, "speculative.md"), "w") as f:
