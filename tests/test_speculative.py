@@ -111,7 +111,7 @@ def speculate_through_spec_runner(llm: LLM) -> None:
     """Rebuild the engine's speculator on its runner seen through `SpecRunner` alone."""
     eng = llm.engine
     eng.worker.speculator = MTPSpeculator(OnlySpecRunner(eng.runner), eng.speculator.opts, eng.sampler,
-                                          seed=eng.config.seed)
+                                          seed=eng.config.args.seed)
 
 
 def run(llm: LLM, prompts, params=GREEDY, override=None) -> list[list[int]]:
