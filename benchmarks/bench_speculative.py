@@ -223,6 +223,25 @@ def table(plain: dict, spec: dict) -> list[str]:
     return lines
 
 
+FLOOR = "plain batched vs plain one at a time (the floor)"
+
+
+def agreement_lines(n: int, rows: dict[str, dict]) -> list[str]:
+    lines = ["", f"Greedy agreement ({n} prompts x 64 tokens, the model's own acceptance):", "",
+             "| compared | identical | tokens agreeing | mean first difference at token |", "|---|---|---|---|"]
+    for k, a in rows.items():
+        lines.append(f"| {k} | {a['identical']} / {a['requests']} | {a['token_agreement']:.1%} | "
+                     f"{a['mean_first_difference']:.1f} |")
+    return lines
+
+
+def _write(out: str, result: dict, lines: list[str]) -> None:
+    with open(os.path.join(out, "speculative.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    with open(os.path.join(out, "speculative.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def main() -> int:
     from minidsa.cli import add_engine_args
 
@@ -248,27 +267,24 @@ def main() -> int:
         print("needs a CUDA GPU (or --allow-cpu for a smoke run)", file=sys.stderr)
         return 2
     plain = run_engine(args, {}, "plain", [None])
+    result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("MINIDSA_COMMIT"), "args": sys.argv[1:],
+              "plain": plain}
+    if args.agreement:  # written now: a run cut short during the second engine's start-up keeps the floor
+        result["agreement"] = {FLOOR: agreement(plain["greedy"], plain["greedy_alone"])}
+        _write(args.out, result, agreement_lines(args.agreement, result["agreement"]))
     spec = run_engine(args, {"speculative_num_steps": args.steps,
                              "speculative_simulate_accept_len": args.accept_lens[0]},
                       f"MTP {args.steps}/1/{args.steps + 1}", args.accept_lens)
-    result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("MINIDSA_COMMIT"), "args": sys.argv[1:],
-              "plain": plain, "speculative": spec}
+    result["speculative"] = spec
     lines = table(plain, spec)
     if args.agreement:
-        pairs = {"MTP vs plain, batched": (plain["greedy"], spec["greedy"]),
-                 "MTP vs plain, one request at a time": (plain["greedy_alone"], spec["greedy_alone"]),
-                 "plain batched vs plain one at a time (the floor)": (plain["greedy"], plain["greedy_alone"])}
-        result["agreement"] = {k: agreement(*v) for k, v in pairs.items()}
-        lines += ["", f"Greedy agreement ({args.agreement} prompts x 64 tokens, the model's own acceptance):", "",
-                  "| compared | identical | tokens agreeing | mean first difference at token |", "|---|---|---|---|"]
-        for k, a in result["agreement"].items():
-            lines.append(f"| {k} | {a['identical']} / {a['requests']} | {a['token_agreement']:.1%} | "
-                         f"{a['mean_first_difference']:.1f} |")
-    with open(os.path.join(args.out, "speculative.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    with open(os.path.join(args.out, "speculative.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+        result["agreement"] = {
+            "MTP vs plain, batched": agreement(plain["greedy"], spec["greedy"]),
+            "MTP vs plain, one request at a time": agreement(plain["greedy_alone"], spec["greedy_alone"]),
+            FLOOR: result["agreement"][FLOOR]}
+        lines += agreement_lines(args.agreement, result["agreement"])
+    _write(args.out, result, lines)
     print("\n".join(lines))
     return 0
 
