@@ -127,7 +127,7 @@ class FakeEngine:
 
     def __init__(self, sched: Scheduler, rng: random.Random, vocab: int):
         self.s, self.rng, self.vocab = sched, rng, vocab
-        self.table = ReqToTokenTable(sched.req_pool.max_reqs, 256, "cpu")  # the worker's req_to_token
+        self.table = ReqToTokenTable(sched.rows.max_reqs, 256, "cpu")  # the worker's req_to_token
         self.kv: dict[int, int] = {}
         self.mtp: dict[int, int] = {}
         self.steps = 0
@@ -242,7 +242,7 @@ def test_scheduler_shares_pages_and_every_read_is_right(page_size, reserve, look
         assert fake.steps < 5000
     s.check_consistent()
     alloc.check_all_free()
-    s.req_pool.check_all_free()
+    s.rows.check_all_free()
     done = [r for r in reqs if r.request_id not in aborted]
     assert all(r.status == RequestStatus.FINISHED and len(r.output_ids) == r.params.max_tokens for r in done)
     assert s.cache_hit_tokens > s.cache_query_tokens // 4

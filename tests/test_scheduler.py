@@ -74,7 +74,7 @@ def drain(s: Scheduler, limit: int = 10_000) -> list:
         assert len(log) < limit
     s.check_consistent()
     s.allocator.check_all_free()
-    s.req_pool.check_all_free()
+    s.rows.check_all_free()
     return log
 
 

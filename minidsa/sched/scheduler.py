@@ -88,12 +88,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, req_pool: RowAllocator, *, max_running_requests: int,
+    def __init__(self, allocator: PageAllocator, rows: RowAllocator, *, max_running_requests: int,
                  max_prefill_tokens: int, chunked_prefill_size: int, decode_reserve: int = 1,
                  prefix_cache: PrefixCache | None = None, mixed: bool = False,
                  max_mixed_prefill_tokens: int | None = None):
         self.allocator = allocator
-        self.req_pool = req_pool  # req_to_token rows (alloc / free / num_free / max_reqs)
+        self.rows = rows  # req_to_token rows (alloc / free / num_free / max_reqs)
         self.mixed = mixed
         self._table_writes: list[TableWrite] = []
         self.page_size = allocator.page_size
@@ -177,7 +177,7 @@ class Scheduler:
         headroom = self._decode_headroom_pages()
         i = 0  # waiting[i] is the next candidate; earlier ones wait for pages this batch computes
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_running_requests \
-                and self.req_pool.num_free > 0:
+                and self.rows.num_free > 0:
             req = self.waiting[i]
             if req.num_pending:
                 break  # preempted with a token in flight: recompute once it has arrived
@@ -266,7 +266,7 @@ class Scheduler:
 
     # -- KV ownership ---------------------------------------------------------
     def _admit(self, req: Request, hit: list[Node]) -> None:
-        req.row = self.req_pool.alloc()
+        req.row = self.rows.alloc()
         req.status = RequestStatus.RUNNING
         req.seq_len = 0
         req.prefill_len = req.num_tokens
@@ -337,7 +337,7 @@ class Scheduler:
             self.allocator.free(req.pages)
             req.pages = []
         if req.row >= 0:
-            self.req_pool.free(req.row)
+            self.rows.free(req.row)
             req.row = -1
         req.seq_len = 0
         req.prefill_len = 0
@@ -375,7 +375,7 @@ class Scheduler:
                     raise AssertionError(f"request {r.request_id}: its first {n} pages are not its prefix-cache path")
         elif self.allocator.num_cached_pages:
             raise AssertionError("KV pages flagged cached without a prefix cache")
-        rows_used = self.req_pool.max_reqs - self.req_pool.num_free
+        rows_used = self.rows.max_reqs - self.rows.num_free
         if rows_used != len(self.running):
             raise AssertionError(f"req_to_token leak: {rows_used} rows allocated, {len(self.running)} running")
 
