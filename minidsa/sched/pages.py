@@ -11,6 +11,7 @@ slot that padding rows (CUDA-graph batches, -1 indices) point at.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -48,8 +49,10 @@ class PageAllocator:
         self.num_pages = num_pages
         self.page_size = page_size
         # Low pages first: keeps allocations deterministic and compact.
-        self._free = list(range(num_pages - 1, 0, -1))
-        self._ref = [0] * num_pages  # requests holding each page
+        # Machine-integer arrays, not lists: the debug checks view them as tensors without copying (millions of
+        # pages at page size 1).
+        self._free = array("q", range(num_pages - 1, 0, -1))
+        self._ref = array("q", bytes(8 * num_pages))  # requests holding each page
         self._used = bytearray(num_pages)  # 1 while some request holds the page (ref > 0)
         self._cached = bytearray(num_pages)  # 1 while the prefix cache holds the page
         self.num_cached_pages = 0
@@ -152,37 +155,53 @@ class PageAllocator:
 
     def check_refs(self, holders: dict[int, int]) -> None:
         """Debug check: `holders[page]` (the running requests' count) is every page's reference count, and
-        the free list, the cache flags and the counters agree."""
-        bad = [p for p in range(1, self.num_pages) if self._ref[p] != holders.get(p, 0)]
+        the free list, the cache flags and the counters agree. Vectorised: a page-size-1 cache has millions of
+        pages, and Python loops over them took seconds at the end of every benchmark."""
+        ref = _tensor(self._ref, torch.int64)
+        want = torch.zeros_like(ref)
+        if holders:
+            want[torch.tensor(list(holders), dtype=torch.int64)] = torch.tensor(list(holders.values()))
+        bad = (ref[1:] != want[1:]).nonzero().flatten().add_(1).tolist()
         if bad:
             p = bad[0]
             raise AssertionError(f"KV slot leak or early free: {len(bad)} pages with wrong reference counts, "
                                  f"e.g. page {p}: {self._ref[p]} holders counted, {holders.get(p, 0)} running "
                                  f"requests hold it; pages {bad[:20]}")
-        free = set(self._free)
-        if len(free) != len(self._free) or 0 in free:
+        free = _tensor(self._free, torch.int64)
+        on_free = torch.zeros(self.num_pages, dtype=torch.bool)
+        on_free[free] = True
+        if int(on_free.sum()) != len(self._free) or bool(on_free[0]):
             raise AssertionError("KV free list has duplicates or the dummy page")
-        wrong = [p for p in free if self._ref[p] or self._cached[p]]
+        cached, used = _tensor(self._cached, torch.uint8).bool(), _tensor(self._used, torch.uint8).bool()
+        held = ref > 0
+        wrong = (on_free & (held | cached)).nonzero().flatten().tolist()
         if wrong:
             raise AssertionError(f"KV pages on the free list are still held: {wrong[:20]}")
-        lost = [p for p in range(1, self.num_pages) if p not in free and not self._ref[p] and not self._cached[p]]
+        lost = (~on_free[1:] & ~held[1:] & ~cached[1:]).nonzero().flatten().add_(1).tolist()
         if lost:
             raise AssertionError(f"KV slot leak: {len(lost)} pages held by nobody but not free: {lost[:20]}")
-        if any(self._used[p] != (self._ref[p] > 0) for p in range(self.num_pages)):
+        if bool((used != held).any()):
             raise AssertionError("KV allocator: used flags disagree with reference counts")
-        cached = sum(self._cached)
-        evictable = sum(1 for p in range(self.num_pages) if self._cached[p] and not self._ref[p])
-        if cached != self.num_cached_pages or evictable != self.num_evictable_pages:
+        num_cached, evictable = int(cached.sum()), int((cached & ~held).sum())
+        if num_cached != self.num_cached_pages or evictable != self.num_evictable_pages:
             raise AssertionError(f"KV allocator counters: {self.num_cached_pages} cached / "
-                                 f"{self.num_evictable_pages} evictable counted, {cached} / {evictable} found")
+                                 f"{self.num_evictable_pages} evictable counted, {num_cached} / {evictable} found")
 
     def check_all_free(self) -> None:
         """Debug check: raise if any page is still held by a request (pages held only by the prefix cache are
         fine: they are evictable)."""
-        held = [i for i in range(1, self.num_pages) if self._ref[i]]
+        held = (_tensor(self._ref, torch.int64)[1:] > 0).nonzero().flatten().add_(1).tolist()
         if held:
             raise AssertionError(f"KV slot leak: {len(held)} pages still allocated: {held[:20]}")
         self.check_refs({})
+
+
+def _tensor(buffer: array | bytearray, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of a host array as a tensor. A copy: a tensor viewing the array would pin its buffer, and the array
+    could not grow while it lives (an exception's traceback can keep it alive)."""
+    if len(buffer) == 0:
+        return torch.zeros(0, dtype=dtype)
+    return torch.frombuffer(buffer, dtype=dtype).clone()
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
