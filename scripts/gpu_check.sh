@@ -5,7 +5,8 @@
 #
 # Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla
 # fp8_gemm moe. Not in the default list: moe_sweep (other MoE tile configs, for tuning).
-# Also: tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (start-up phase by phase, cold and warm caches); startup_tests; bench_prefill; compiled_prefill; sampling
+# Also: tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (start-up phase by phase, cold and warm caches); startup_tests; bench_prefill; compiled_prefill; sampling;
+# redesign_ab (issue 30: the code before the redesign against now, minidsa bench + decode suite, interleaved)
 # (prefill / mixed steps through the compiled layer: GPU tests, then bench_prefill compiled vs eager); flashmla (builds FlashMLA from a
 # carried .fmla folder first; minutes); structured (structured outputs: GPU tests, then ITL with and without a
 # json_schema at batch 1 and 64 on bench-dsv32; needs xgrammar's wheels in .whl or .gpu/whl).
@@ -306,6 +307,32 @@ section_serving_matrix() {   # issue 31: one server per speculative combination,
     timeout "$TIMEOUT" $PY benchmarks/serving_matrix.py --out "$OUT/matrix" ${MATRIX_ARGS:-}
     local rc=$?
     cp "$OUT/matrix/serving_matrix.md" "$OUT/matrix/serving_matrix.json" "$OUT/" 2>/dev/null
+    return $rc
+}
+
+section_redesign_ab() {   # issue 30: the code before the redesign against the code now, on this machine, interleaved:
+    # `minidsa bench` (default workload, bench-dsv32) and the decode suite at batch 1 and 32. The before tree travels
+    # as .gpu/before.tar.xz (`git archive $BEFORE minidsa setup.py | xz > .gpu/before.tar.xz`; BEFORE_COMMIT names
+    # it, default f6bdc44: main just before the redesign merged it); benchmarks/redesign_ab.py writes the table.
+    local before=/tmp/minidsa_before rc=0 here
+    here=$(pwd)
+    rm -rf "$before" && mkdir -p "$before" && tar -xJf .gpu/before.tar.xz -C "$before" || return 1
+    local decode_args=${AB_DECODE_ARGS:-"--batches 1 32 --contexts 4096 --skip verify dense spec hf --iters 20"}
+    for side in before after; do
+        local tree=$here; [ $side = before ] && tree=$before
+        echo "--- $side: minidsa bench"
+        (set -o pipefail; cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH timeout "$TIMEOUT" $PY -m minidsa.cli bench \
+            --model "${AB_MODEL:-bench-dsv32}" --json "$OUT/ab_${side}_bench.json" --no-progress 2>&1 | grep -v " INFO ") \
+            || rc=1
+    done
+    for side in before after; do
+        local tree=$here; [ $side = before ] && tree=$before
+        local cmd="bench-decode"; [ $side = before ] && cmd="bench --suite decode"
+        echo "--- $side: decode suite"
+        (set -o pipefail; cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH timeout "$TIMEOUT" $PY -m minidsa.cli $cmd \
+            $decode_args --json "$OUT/ab_${side}_decode.json" 2>&1 | grep -v " INFO ") || rc=1
+    done
+    $PY benchmarks/redesign_ab.py --dir "$OUT" --before "${BEFORE_COMMIT:-f6bdc44}" --after "${MINIDSA_COMMIT:-?}" || rc=1
     return $rc
 }
 
