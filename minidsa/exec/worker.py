@@ -31,7 +31,6 @@ from draft tokens on the host), prompt logprobs, and the speculator's draft exte
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 

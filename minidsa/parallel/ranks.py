@@ -41,7 +41,7 @@ from minidsa.exec.build import build_worker
 from minidsa.exec.runner import ModelRunner
 from minidsa.exec.worker import PendingStep, Worker
 from minidsa.parallel.channel import PlanChannel
-from minidsa.parallel.launch import RankFailedError, RankGroup, launch_mode, single_rank_group, start_ranks
+from minidsa.parallel.launch import RankGroup, launch_mode, single_rank_group, start_ranks
 from minidsa.parallel.state import building_with
 from minidsa.sched.plan import StepPlan, StepResult
 

@@ -25,7 +25,6 @@ from typing import Any, Callable
 
 from minidsa.chat.formats import ChatOptions
 from minidsa.engine.chat import prepare_chat
-from minidsa.engine.request import InvalidRequest
 from minidsa.parallel.launch import RankFailedError
 
 logger = logging.getLogger(__name__)
