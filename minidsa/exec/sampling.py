@@ -249,26 +249,25 @@ def race_argmax(x: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, 
 RACES = ("torch", "triton")
 
 
-def race_for(impl: str):
-    """The race implementation named by the kernel choice (`KernelChoice.sample`)."""
+def _by_impl(impl: str, triton_name: str, reference):
+    """`reference`, or its one-pass kernel in kernels/sampling.py (importing it imports Triton: GPU or interpreter)."""
     if impl == "triton":
-        from minidsa.kernels.sampling import race_argmax as triton_race  # imports Triton: GPU (or interpreter)
+        from minidsa.kernels import sampling as triton_sampling
 
-        return triton_race
+        return getattr(triton_sampling, triton_name)
     if impl != "torch":
         raise ValueError(f"sampler implementation {impl!r}, want one of {RACES}")
-    return race_argmax
+    return reference
+
+
+def race_for(impl: str):
+    """The race implementation named by the kernel choice (`KernelChoice.sample`)."""
+    return _by_impl(impl, "race_argmax", race_argmax)
 
 
 def token_mask_for(impl: str):
     """The grammar-mask implementation of the same kernel choice as `race_for`."""
-    if impl == "triton":
-        from minidsa.kernels.sampling import apply_token_mask as triton_mask  # imports Triton
-
-        return triton_mask
-    if impl != "torch":
-        raise ValueError(f"sampler implementation {impl!r}, want one of {RACES}")
-    return apply_token_mask
+    return _by_impl(impl, "apply_token_mask", apply_token_mask)
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch, race=race_argmax) -> tuple[torch.Tensor, torch.Tensor | None]:
