@@ -36,8 +36,8 @@ llm.generate([list(range(100, 164))], SamplingParams(max_tokens=1, ignore_eos=Tr
 print("STARTUP_SECONDS", ready, time.perf_counter() - t, flush=True)
 """
 
-PHASE = re.compile(r"^minidsa\.startup: start-up: (?P<name>[^()]+?) (?P<s>[\d.]+) s(?: \((?P<detail>.*)\))?$")
-TOTAL = re.compile(r"^minidsa\.startup: (start-up [\d.]+ s: .*)$")
+PHASE = re.compile(r"^minidsa\.exec\.startup: start-up: (?P<name>[^()]+?) (?P<s>[\d.]+) s(?: \((?P<detail>.*)\))?$")
+TOTAL = re.compile(r"^minidsa\.exec\.startup: (start-up [\d.]+ s: .*)$")
 
 
 def run_once(model: str, max_bs: int, cache: str, timeout: float) -> dict:

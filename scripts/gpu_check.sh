@@ -6,7 +6,8 @@
 # Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla
 # fp8_gemm moe. Not in the default list: moe_sweep (other MoE tile configs, for tuning).
 # Also: tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (start-up phase by phase, cold and warm caches); startup_tests; bench_prefill; compiled_prefill; sampling;
-# redesign_ab (issue 30: the code before the redesign against now, minidsa bench + decode suite, interleaved)
+# ab (two trees interleaved: minidsa bench + decode suite per preset, benchmarks/ab.py); redesign_ab (issue 30: ab against
+# the code before the redesign)
 # (prefill / mixed steps through the compiled layer: GPU tests, then bench_prefill compiled vs eager); flashmla (builds FlashMLA from a
 # carried .fmla folder first; minutes); structured (structured outputs: GPU tests, then ITL with and without a
 # json_schema at batch 1 and 64 on bench-dsv32; needs xgrammar's wheels in .whl or .gpu/whl).
@@ -310,30 +311,47 @@ section_serving_matrix() {   # issue 31: one server per speculative combination,
     return $rc
 }
 
-section_redesign_ab() {   # issue 30: the code before the redesign against the code now, on this machine, interleaved:
-    # `minidsa bench` (default workload, bench-dsv32) and the decode suite at batch 1 and 32. The before tree travels
-    # as .gpu/before.tar.xz (`git archive $BEFORE minidsa setup.py | xz > .gpu/before.tar.xz`; BEFORE_COMMIT names
-    # it, default f6bdc44: main just before the redesign merged it); benchmarks/redesign_ab.py writes the table.
+section_ab() {   # two trees on this machine, interleaved (before, after): `minidsa bench` (default workload, AB_MODEL,
+    # default bench-dsv32; AB_BENCH=0 leaves it out) and the decode suite on each preset of AB_PRESETS (default
+    # AB_MODEL; none: no decode suite). The before tree travels as AB_TARBALL (default .gpu/before.tar.xz: `git archive
+    # $BEFORE minidsa setup.py | xz > .gpu/before.tar.xz`; BEFORE_COMMIT names it); its decode suite runs as AB_BEFORE_DECODE (default bench-decode).
+    # benchmarks/ab.py writes AB_NAME.md / .json (default ab; AB_TITLE heads the table); the raw JSON goes into
+    # ab_raw.tgz (at most 8 files come back).
     local before=/tmp/minidsa_before rc=0 here
     here=$(pwd)
-    rm -rf "$before" && mkdir -p "$before" && tar -xJf .gpu/before.tar.xz -C "$before" || return 1
+    rm -rf "$before" && mkdir -p "$before" && tar -xJf "${AB_TARBALL:-.gpu/before.tar.xz}" -C "$before" || return 1
     local decode_args=${AB_DECODE_ARGS:-"--batches 1 32 --contexts 4096 --skip verify dense spec hf --iters 20"}
-    for side in before after; do
-        local tree=$here; [ $side = before ] && tree=$before
-        echo "--- $side: minidsa bench"
-        (set -o pipefail; cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH timeout "$TIMEOUT" $PY -m minidsa.cli bench \
-            --model "${AB_MODEL:-bench-dsv32}" --json "$OUT/ab_${side}_bench.json" --no-progress 2>&1 | grep -v " INFO ") \
-            || rc=1
+    local presets=${AB_PRESETS:-${AB_MODEL:-bench-dsv32}} side tree preset
+    [ "$presets" = none ] && presets=""
+    if [ "${AB_BENCH:-1}" != 0 ]; then
+        for side in before after; do
+            tree=$here; [ $side = before ] && tree=$before
+            echo "--- $side: minidsa bench"
+            (set -o pipefail; cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH timeout "$TIMEOUT" $PY -m minidsa.cli bench \
+                --model "${AB_MODEL:-bench-dsv32}" --json "$OUT/ab_${side}_bench.json" --no-progress 2>&1 \
+                | grep -v " INFO ") || rc=1
+        done
+    fi
+    for preset in $presets; do
+        local tag=""; [ "$presets" != "$preset" ] && tag="_${preset//[^A-Za-z0-9]/_}"
+        for side in before after; do
+            tree=$here; [ $side = before ] && tree=$before
+            local cmd=bench-decode; [ $side = before ] && cmd=${AB_BEFORE_DECODE:-bench-decode}
+            echo "--- $side: decode suite $preset"
+            (set -o pipefail; cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH timeout "$TIMEOUT" $PY -m minidsa.cli $cmd \
+                --preset "$preset" $decode_args --json "$OUT/ab_${side}_decode${tag}.json" 2>&1 | grep -v " INFO ") \
+                || rc=1
+        done
     done
-    for side in before after; do
-        local tree=$here; [ $side = before ] && tree=$before
-        local cmd="bench-decode"; [ $side = before ] && cmd="bench --suite decode"
-        echo "--- $side: decode suite"
-        (set -o pipefail; cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH timeout "$TIMEOUT" $PY -m minidsa.cli $cmd \
-            $decode_args --json "$OUT/ab_${side}_decode.json" 2>&1 | grep -v " INFO ") || rc=1
-    done
-    $PY benchmarks/redesign_ab.py --dir "$OUT" --before "${BEFORE_COMMIT:-f6bdc44}" --after "${MINIDSA_COMMIT:-?}" || rc=1
+    $PY benchmarks/ab.py --dir "$OUT" --before "${BEFORE_COMMIT:-?}" --after "${MINIDSA_COMMIT:-?}" \
+        --name "${AB_NAME:-ab}" --title "${AB_TITLE:-Before / after}" || rc=1
+    (cd "$OUT" && tar -czf ab_raw.tgz ab_*.json && rm -f ab_*.json)
     return $rc
+}
+
+section_redesign_ab() {   # issue 30: the code before the redesign (f6bdc44) against the code now (the `ab` section)
+    BEFORE_COMMIT=${BEFORE_COMMIT:-f6bdc44} AB_BEFORE_DECODE="bench --suite decode" AB_NAME=redesign_ab \
+        AB_TITLE="Redesign" section_ab
 }
 
 SECTIONS=${*:-$ALL_SECTIONS}
