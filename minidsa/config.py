@@ -794,7 +794,8 @@ def _select_kernels(args: EngineConfig, model: ModelConfig, cache_dir: str | Non
     try:
         return select.select_kernels(args.device, args.kernel_backend, args.use_deep_gemm, args.use_flash_mla,
                                      select.IndexerShape(model.index_n_heads, model.index_head_dim, args.page_size,
-                                                         args.indexer_cache_dtype == "fp8"))
+                                                         args.indexer_cache_dtype == "fp8"),
+                                     select.RouterShape(model.n_routed_experts, model.n_group))
     except ValueError as e:  # an override in the environment names what this machine cannot run
         raise ConfigError("kernel_backend", str(e)) from e
 

@@ -364,3 +364,54 @@ def test_custom_ops_trace_opaquely_under_compile():
     args = (q, w, cache, r2t, rows, kv_lens, qm, mla)
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(*args), step(*args))
+
+
+# ---------------------------------------------------------------------------
+# MoE router (kernels/router.py)
+
+@in_this_process
+@pytest.mark.parametrize("experts,groups,topk_group,top_k,norm", [
+    (256, 8, 4, 8, True),  # DeepSeek-V3.2
+    (256, 1, 1, 8, True),  # GLM-5: no groups
+    (8, 2, 1, 2, True),  # the tiny preset
+    (64, 4, 2, 6, False),
+])
+def test_router_matches_reference(experts, groups, topk_group, top_k, norm):
+    from minidsa.kernels import router
+    g = _gen(experts + groups + top_k)
+    logits = torch.randn(37, experts, generator=g) * 3
+    bias = torch.randn(experts, generator=g) * 0.1
+    ids, weights = router.route(logits, bias, top_k, groups, topk_group, norm, 2.5)
+    want_ids, want_weights = ref.route(logits, bias, top_k, groups, topk_group, norm, 2.5)
+    assert ids.dtype == torch.int64 and ids.shape == (37, top_k)
+    assert torch.equal(ids, want_ids)  # same experts, same (descending) order
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
+
+
+@in_this_process
+def test_router_ties_and_group_limits():
+    """Equal scores: the lower expert wins (torch.topk leaves the order of ties open: compare sets there). An
+    expert outside the kept groups is never chosen, even when its unbiased score is the best of the row."""
+    from minidsa.kernels import router
+    logits = torch.zeros(2, 16)
+    bias = torch.zeros(16)
+    ids, weights = router.route(logits, bias, 3, 4, 1, True, 1.0)
+    assert ids.tolist() == [[0, 1, 2]] * 2  # all equal: group 0, then its lowest experts, in order
+    torch.testing.assert_close(weights, torch.full((2, 3), 1 / 3))
+    logits = torch.linspace(-1, 1, 16).repeat(2, 1)
+    bias = torch.zeros(16)
+    bias[:4] = 1.0 + torch.arange(4) * 0.01  # group 0 wins on its biased scores
+    logits[1, 4] = 8.0  # row 1: expert 4 (group 1) has the best sigmoid score of all
+    ids, weights = router.route(logits, bias, 3, 4, 1, True, 2.0)
+    want_ids, want_weights = ref.route(logits, bias, 3, 4, 1, True, 2.0)
+    assert torch.equal(ids, want_ids) and ids.tolist() == [[3, 2, 1]] * 2
+    torch.testing.assert_close(weights, want_weights)
+
+
+def test_router_refuses_shapes_it_cannot_take():
+    from minidsa.kernels import router
+    assert router.supported(256, 8) is None and router.supported(256, 1) is None
+    assert "power-of-two" in router.supported(96, 4)
+    assert "two best" in router.supported(8, 8)
+    with pytest.raises(ValueError, match="power-of-two"):
+        router.route(torch.zeros(2, 96), torch.zeros(96), 2, 4, 2, True, 1.0)

@@ -1,7 +1,7 @@
 """Which implementation serves each kernel of an engine: decided once, at start-up, one logged line per decision.
 
 Two steps:
-- `select_kernels(device, kernel_backend, use_deep_gemm, use_flash_mla, indexer)` -> `KernelChoice`, a frozen,
+- `select_kernels(device, kernel_backend, use_deep_gemm, use_flash_mla, indexer, router)` -> `KernelChoice`, a frozen,
   picklable record of one implementation per kernel (tensor-parallel ranks receive it with the engine's
   config). It probes DeepGEMM and FlashMLA (import, GPU generation, every function called) and reads the
   environment overrides MINIDSA_TOPK, MINIDSA_SAMPLE and MINIDSA_FP8_GEMM, here and nowhere else.
@@ -28,7 +28,9 @@ What the choice says, per kernel:
   MINIDSA_FP8_GEMM (torch | triton | deepgemm) overrides;
 - moe_gemm (the routed experts' fused MoE op): "deepgemm" where the FP8 linears use DeepGEMM and its build has
   the contiguous grouped GEMM (per call, from `deepgemm.moe_contiguous_wins`), else what the op runs on the
-  device: the Triton fused MoE on CUDA, the reference elsewhere.
+  device: the Triton fused MoE on CUDA, the reference elsewhere;
+- router (the MoE router's selection after its gate GEMM): one Triton launch (kernels/router.py) wherever Triton
+  runs and the model's experts and groups are powers of two (`router.supported`), else the torch reference.
 
 Per-shape decisions stay inside the custom ops, from pure functions of the concrete sizes: compiled code sees
 the choice as constants and gets no guards. Nothing here is called from a traced step.
@@ -43,7 +45,7 @@ from types import MappingProxyType
 
 import torch
 
-from minidsa.kernels import deepgemm, flashmla
+from minidsa.kernels import deepgemm, flashmla, router as router_kernel
 from minidsa.kernels.deepgemm import DeepGEMM
 from minidsa.kernels.flashmla import FlashMLA
 
@@ -61,6 +63,7 @@ IMPLS = MappingProxyType({
     "sample": ("torch", "triton"),
     "fp8_gemm": ("torch", "triton", "deepgemm"),
     "moe_gemm": ("torch", "triton", "deepgemm"),
+    "router": ("torch", "triton"),
 })
 DSA_OPS = ("store_index_k", "index_logits", "topk", "sparse_mla", "kv_move", "store_mla")
 # How each decision is named in the start-up log.
@@ -74,6 +77,7 @@ LABELS = MappingProxyType({
     "sample": "Sampler race",
     "fp8_gemm": "FP8 linear",
     "moe_gemm": "MoE experts",
+    "router": "MoE router",
 })
 SERVED = MappingProxyType({  # what an implementation does for a kernel, where it is more than its name
     ("index_logits", "deepgemm"): "DeepGEMM where measured faster, else Triton",
@@ -100,6 +104,7 @@ class KernelChoice:
     sample: str = "torch"  # the sampler's exponential race (sampling.race_for)
     fp8_gemm: str = "torch"  # the FP8 linears (layers.linear.GEMMS)
     moe_gemm: str = "torch"  # the routed experts' fused MoE op ("deepgemm": its grouped GEMMs where faster)
+    router: str = "torch"  # the MoE router's selection (models.deepseek_v32.set_router)
 
     def __post_init__(self):
         for name, impl in self.__dict__.items():
@@ -123,6 +128,14 @@ class IndexerShape:
     head_dim: int
     page_size: int
     fp8_cache: bool
+
+
+@dataclass(frozen=True)
+class RouterShape:
+    """The model's routing: the Triton router takes only some (`router.supported`)."""
+
+    n_experts: int
+    n_group: int
 
 
 @dataclass(frozen=True)
@@ -172,7 +185,8 @@ def triton_usable(device: torch.device | str) -> tuple[bool, str]:
 
 
 def select_kernels(device: torch.device | str, kernel_backend: str = "auto", use_deep_gemm: bool = True,
-                   use_flash_mla: bool = True, indexer: IndexerShape | None = None) -> KernelChoice:
+                   use_flash_mla: bool = True, indexer: IndexerShape | None = None,
+                   router: RouterShape | None = None) -> KernelChoice:
     """Decide once, at start-up, which implementation serves each kernel; logs each decision and why."""
     device = torch.device(device)
     moe_off_gpu = "triton" if device.type == "cuda" else "torch"  # what the fused MoE op runs by itself
@@ -194,11 +208,13 @@ def select_kernels(device: torch.device | str, kernel_backend: str = "auto", use
         return choice
     index, index_why = _index_logits(device, use_deep_gemm, indexer)
     sparse, sparse_why = _sparse_mla(device, use_flash_mla)
+    route_why = router_kernel.supported(router.n_experts, router.n_group) if router is not None else None
     choice = KernelChoice(store_index_k="triton", index_logits=index, topk=env.topk, sparse_mla=sparse,
                           kv_move="triton", store_mla="triton", sample=env.sample, fp8_gemm=fp8_gemm,
-                          moe_gemm=moe_gemm)
+                          moe_gemm=moe_gemm, router="torch" if route_why else "triton")
     why = dict.fromkeys(IMPLS, triton_why)
     why.update(index_logits=index_why, sparse_mla=sparse_why, fp8_gemm=fp8_why, moe_gemm=moe_why,
+               router=route_why or triton_why,
                topk="MINIDSA_TOPK" if "MINIDSA_TOPK" in os.environ else triton_why,
                sample="MINIDSA_SAMPLE" if "MINIDSA_SAMPLE" in os.environ else triton_why)
     _log(choice, why)

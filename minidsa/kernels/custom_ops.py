@@ -22,7 +22,7 @@ from torch import Tensor
 
 from minidsa.kernels import deepgemm, flashmla, fp8_gemm as fp8_gemm_mod, fused_moe as fused_moe_mod, indexer
 from minidsa.kernels import kv_move as kv_move_mod, log_once, mla_store, reference, sparse_mla as sparse_mla_mod
-from minidsa.kernels import topk as topk_mod
+from minidsa.kernels import router as router_mod, topk as topk_mod
 from minidsa.kernels.optional_lib import LibraryCallFailed
 
 logger = logging.getLogger(__name__)
@@ -259,3 +259,16 @@ def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, use_deep_gemm: bool
 @fp8_linear.register_fake
 def _(x, weight, scale_inv, use_deep_gemm):
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("minidsa::route", mutates_args=())
+def route(logits: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int, norm: bool,
+          scaling: float) -> tuple[Tensor, Tensor]:
+    """The MoE router's selection in one Triton launch (kernels/router.py), where the engine chose it."""
+    return router_mod.route(logits, bias, top_k, n_group, topk_group, norm, scaling)
+
+
+@route.register_fake
+def _(logits, bias, top_k, n_group, topk_group, norm, scaling):
+    return (logits.new_empty(logits.shape[0], top_k, dtype=torch.int64),
+            logits.new_empty(logits.shape[0], top_k, dtype=torch.float32))

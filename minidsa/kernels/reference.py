@@ -1,4 +1,4 @@
-"""Pure-torch reference implementations of every DSA kernel.
+"""Pure-torch reference implementations of every DSA kernel, and of the MoE router's selection.
 
 These are the CPU path and the oracle the Triton / DeepGEMM kernels are
 tested against. They favour clarity over speed, but bound their temporary
@@ -266,3 +266,26 @@ def kv_move(
         dp, do = dst // page_size, dst % page_size
         keys[dp, do] = keys[sp, so]
         scales[dp, do] = scales[sp, so]
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int, norm: bool,
+          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE router's selection from fp32 gate logits [T, E] -> (expert ids [T, top_k] int64, weights fp32).
+
+    Sigmoid scores; the correction bias only for choosing; with groups, only the `topk_group` groups whose two best
+    biased scores sum highest; the `top_k` best biased scores among them, in descending order; their unbiased
+    scores as weights, normalised to sum 1 when `norm`, times `scaling`.
+    """
+    scores = logits.sigmoid()
+    choice = scores + bias
+    n_experts = logits.shape[-1]
+    if n_group > 1:
+        grouped = choice.view(-1, n_group, n_experts // n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group, dim=-1).indices, 1.0)
+        choice = choice.masked_fill(~keep.bool().repeat_interleave(n_experts // n_group, 1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if norm:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return ids, weights * scaling

@@ -6,10 +6,17 @@ Two implementations of `reference.topk_slots`' contract (slots and positions
   orderable 32-bit keys (4 x 8 bits, or 11 + 11 + 10) find the exact k-th
   largest value; a last pass writes every position above it and the first
   positions equal to it (ties go to lower positions). Output is in position
-  order, not score order. Many rows: one program per row, all passes in one
-  launch. Few rows (decode at small batch): each row is split over several
-  programs, one launch per pass, histograms summed with atomics, so a
-  single long row does not leave the rest of the GPU idle.
+  order, not score order. Three kernels, by shape (`method=` forces one):
+  - many rows ("rows"): one program per row, all passes in one launch;
+  - few rows ("split", decode at small batch): each row is split over several
+    programs, one launch per pass, histograms summed with atomics, so a
+    single long row does not leave the rest of the GPU idle;
+  - few rows no wider than `REGISTER_MAX_WIDTH` ("register",
+    `register_select_wins`): one launch, one program per row holding the whole
+    row in registers (read from memory once); the k-th largest key comes from
+    16 two-bit search steps over those registers (each one `tl.sum` of three
+    packed counts; or 4 `tl.histogram` byte passes), then one `tl.cumsum`
+    places the taken positions.
 - `torch_topk_slots`: `torch.topk` (unsorted) plus a gather of only the k
   chosen slots (the reference gathers the whole req_to_token row).
 """
@@ -145,6 +152,78 @@ def _topk_kernel(
 
 
 @triton.jit
+def _register_topk_kernel(
+    logits_ptr, r2t_ptr, rows_ptr, slots_ptr, pos_ptr,
+    width, k, stride_l, stride_r2t, stride_o,
+    BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr,
+):
+    """Row t (width <= BLOCK) loaded once into registers; every radix step and the write work on those.
+
+    RADIX_BITS 2: a search for the largest key T with count(key >= T) >= k, two bits per step from the top:
+    one tl.sum counts, packed into 21-bit fields of an int64, the keys at or above T + 1, 2 and 3 << b.
+    RADIX_BITS 8: four tl.histogram passes of the next byte of the keys matching the prefix so far."""
+    t = tl.program_id(0)
+    tl.static_assert(BLOCK <= 16384)  # counts fit the 16-bit fields of the packed cumsum below
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(logits_ptr + t.to(tl.int64) * stride_l + offs, mask=offs < width, other=float("-inf"))
+    key = _orderable(x)  # lanes past the row hold -inf: never visible, below any threshold taken
+    neg_inf = _orderable(tl.full((), float("-inf"), tl.float32))
+    visible = key > neg_inf
+    n_valid = tl.sum(visible.to(tl.int32), axis=0)
+    # Threshold key and how many keys equal to it to take; with <= k visible, every visible one.
+    thr = neg_inf
+    need_eq = tl.zeros((), tl.int32)
+    if n_valid > k:
+        if RADIX_BITS == 2:
+            # T's bits above b are final; keys >= T + (4 << b) (n_above of them) are all taken, fewer than k.
+            thr = tl.zeros((), tl.uint32)
+            n_above = tl.zeros((), tl.int32)
+            one = tl.full((), 1, tl.int64)
+            f2 = one + (one << 21)
+            f3 = f2 + (one << 42)
+            for i in tl.static_range(16):  # b = 30 - 2 * i, a constexpr
+                packed = tl.where(key >= (thr | (3 << (30 - 2 * i))), f3,
+                                  tl.where(key >= (thr | (2 << (30 - 2 * i))), f2,
+                                           tl.where(key >= (thr | (1 << (30 - 2 * i))), one, 0)))
+                counts = tl.sum(packed, axis=0)
+                n1 = (counts & 0x1FFFFF).to(tl.int32)
+                n2 = ((counts >> 21) & 0x1FFFFF).to(tl.int32)
+                n3 = (counts >> 42).to(tl.int32)
+                d = (n1 >= k).to(tl.int32) + (n2 >= k).to(tl.int32) + (n3 >= k).to(tl.int32)
+                n_above = tl.where(d == 0, n1, tl.where(d == 1, n2, tl.where(d == 2, n3, n_above)))
+                thr = thr | (d.to(tl.uint32) << (30 - 2 * i))
+            need_eq = k - n_above
+        else:
+            tl.static_assert(RADIX_BITS == 8)
+            k_rem = tl.zeros((), tl.int32) + k
+            prefix = tl.zeros((), tl.uint32)
+            for p in tl.static_range(4):  # the byte at 24 - 8 * p
+                digit = ((key >> (24 - 8 * p)) & 255).to(tl.int32)
+                if p > 0:
+                    # Keys off the prefix land in bin 0: `_pick_bin` never counts bin 0 into k_rem, and bin 0's
+                    # keys-at-or-above (all keys) passes the k_rem test anyway.
+                    digit = tl.where((key >> (32 - 8 * p)) == prefix, digit, 0)
+                k_rem, b = _pick_bin(tl.histogram(digit, 256), k_rem, 256)
+                prefix = (prefix << 8) | b.to(tl.uint32)
+            thr = prefix
+            need_eq = k_rem
+    gt = visible & (key > thr)
+    eq = visible & (key == thr)
+    # One scan for both running counts: keys above (low 16 bits) and equal (high bits), inclusive.
+    cum = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
+    n_eq = cum >> 16
+    take = gt | (eq & (n_eq <= need_eq))  # ties: the lowest positions
+    dst = (cum & 0xFFFF) + tl.minimum(n_eq, need_eq) - 1
+    r2t_row = r2t_ptr + tl.load(rows_ptr + t).to(tl.int64) * stride_r2t
+    out_slots = slots_ptr + t.to(tl.int64) * stride_o
+    out_pos = pos_ptr + t.to(tl.int64) * stride_o
+    tl.store(out_slots + dst, tl.load(r2t_row + offs, mask=take, other=0), mask=take)
+    tl.store(out_pos + dst, offs, mask=take)
+    # Above k visible: the keys above thr and need_eq equal ones, exactly k.
+    _pad_tail(out_slots, out_pos, 0, BLOCK, tl.minimum(n_valid, k), k, BLOCK)
+
+
+@triton.jit
 def _resolve(hist_ptr, k, NPASS: tl.constexpr):
     """(k_rem, prefix) after NPASS 8-bit passes, from the summed histograms hist[p, 256] of one row."""
     bins = tl.arange(0, 256)
@@ -250,6 +329,30 @@ def triton_wins(num_tokens: int, width: int, device: torch.device) -> bool:
     return waves * width <= TRITON_MAX_ROW_WORK
 
 
+# Rows this wide or narrower, at few rows (`few_rows`), take the register select (one launch) instead of the
+# split one (6 launches + a memset). To be set from the H100 measurement (benchmarks/bench_topk_short.py);
+# the kernel itself takes rows up to REGISTER_MAX_BLOCK wide.
+REGISTER_MAX_WIDTH = 8192
+REGISTER_MAX_BLOCK = 16384
+# RADIX_BITS of the register select (2: packed-count search, 8: tl.histogram passes); to be set from the same
+# measurement. Its num_warps follows the block (`register_warps`).
+REGISTER_RADIX_BITS = 2
+TOPK_METHODS = ("register", "split", "rows")
+
+
+def register_select_wins(num_tokens: int, width: int, device: torch.device) -> bool:
+    """Few rows (each would otherwise be split over programs) no wider than REGISTER_MAX_WIDTH: the register
+    select, one program per row and one launch, beats the split select's 6 launches."""
+    return few_rows(num_tokens, device) and width <= REGISTER_MAX_WIDTH
+
+
+def register_warps(block: int) -> int:
+    """num_warps of the register select for a row block: 16 keys per thread, 4 to 32 warps. (ptxas for sm_90,
+    RADIX_BITS 2: 64 registers and no spills up to 8192 at 16 warps; 16384 at 16 warps spills 60 bytes a thread
+    at 128 registers, at 32 warps 12 bytes.)"""
+    return min(32, max(4, block // 512))
+
+
 def fastest_topk_slots(logits: torch.Tensor, topk: int, req_to_token: torch.Tensor,
                        token_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`topk_slots` or `torch_topk_slots`, whichever `triton_wins` picks for this shape.
@@ -272,12 +375,19 @@ def split_chunks(num_tokens: int, width: int, device: torch.device) -> int:
 def topk_slots(
     logits: torch.Tensor, topk: int, req_to_token: torch.Tensor, token_rows: torch.Tensor,
     config: tuple[int, int, int] | None = None, num_chunks: int | None = None, split_block: int | None = None,
+    method: str | None = None, register_config: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton radix select: (slots [T, topk] int32, positions [T, topk] int32), -1 padded, position order.
 
+    `method` forces a kernel: "register" (row in registers, width <= REGISTER_MAX_BLOCK), "split" (rows split
+    over programs) or "rows" (one program per row, re-reading the row each pass). By default: `num_chunks` if
+    given, else the register select where `register_select_wins`, else `split_chunks`.
     `num_chunks`: programs per row (default `split_chunks`; 1 runs the one-program-per-row kernel with
-    `config`); `split_block` overrides the split kernels' block (tests: several chunks on short rows)."""
+    `config`); `split_block` overrides the split kernels' block (tests: several chunks on short rows);
+    `register_config`: (RADIX_BITS, num_warps) of the register select."""
     _check(logits, topk, token_rows)
+    if method is not None and method not in TOPK_METHODS:
+        raise ValueError(f"topk: method must be one of {TOPK_METHODS}, got {method!r}")
     num_tokens, width = logits.shape
     slots = torch.empty(num_tokens, topk, dtype=torch.int32, device=logits.device)
     positions = torch.empty_like(slots)
@@ -285,9 +395,19 @@ def topk_slots(
         return slots, positions
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    if num_chunks is None:
-        num_chunks = split_chunks(num_tokens, width, logits.device)
-    if num_chunks > 1:
+    if method is None:
+        if num_chunks is None and register_select_wins(num_tokens, width, logits.device):
+            method = "register"
+        else:
+            if num_chunks is None:
+                num_chunks = split_chunks(num_tokens, width, logits.device)
+            method = "split" if num_chunks > 1 else "rows"
+    if method == "register":
+        _register_topk(logits, topk, req_to_token, token_rows, slots, positions, register_config)
+        return slots, positions
+    if method == "split":
+        if num_chunks is None:
+            num_chunks = split_chunks(num_tokens, width, logits.device)
         _split_topk(logits, topk, req_to_token, token_rows, slots, positions, num_chunks, split_block)
         return slots, positions
     block, radix_bits, num_warps = config or TOPK_CONFIG
@@ -298,6 +418,20 @@ def topk_slots(
         BLOCK=block, RADIX_BITS=radix_bits, num_warps=num_warps,
     )
     return slots, positions
+
+
+def _register_topk(logits, topk, req_to_token, token_rows, slots, positions,
+                   config: tuple[int, int] | None = None) -> None:
+    num_tokens, width = logits.shape
+    block = max(256, triton.next_power_of_2(width))
+    if block > REGISTER_MAX_BLOCK:
+        raise ValueError(f"topk: the register select takes rows up to {REGISTER_MAX_BLOCK} wide, got {width}")
+    radix_bits, num_warps = config or (REGISTER_RADIX_BITS, register_warps(block))
+    _register_topk_kernel[(num_tokens,)](
+        logits, req_to_token, token_rows, slots, positions,
+        width, topk, logits.stride(0), req_to_token.stride(0), slots.stride(0),
+        BLOCK=block, RADIX_BITS=radix_bits, num_warps=num_warps,
+    )
 
 
 def _split_topk(logits, topk, req_to_token, token_rows, slots, positions, num_chunks: int,

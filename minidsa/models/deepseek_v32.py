@@ -34,6 +34,7 @@ from minidsa.attention.backend import DSABackend, IndexStep, LayerCaches
 from minidsa.exec.batch import ForwardBatch
 from minidsa.config import ModelConfig
 from minidsa.parallel.state import building_tp
+from minidsa.kernels import reference
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape
 from minidsa.kernels.fused_moe import SKIP
 from minidsa.models.layers.linear import FusedLinear, Linear, WeightLoadError, as_tensor, load_block_scaled
@@ -230,7 +231,10 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Grouped sigmoid routing with a correction bias used for choice only (fp32)."""
+    """Grouped sigmoid routing with a correction bias used for choice only (fp32).
+
+    The gate's GEMM runs here; the selection (`kernels.reference.route`) runs as the engine chose
+    (`KernelChoice.router`, set once at build by `set_router`): the torch reference, or one Triton launch."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -240,22 +244,24 @@ class Router(nn.Module):
         self.topk_group = config.topk_group
         self.norm_topk_prob = config.norm_topk_prob
         self.scaling = config.routed_scaling_factor
+        self.kernel = "torch"
         self.weight = nn.Parameter(torch.zeros(self.n_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        choice = scores + self.e_score_correction_bias.float()
-        if self.n_group > 1:
-            grouped = choice.view(-1, self.n_group, self.n_experts // self.n_group)
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
-            keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, 1.0)
-            choice = choice.masked_fill(~keep.bool().repeat_interleave(self.n_experts // self.n_group, 1), float("-inf"))
-        ids = choice.topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return ids, weights * self.scaling
+        logits = F.linear(x.float(), self.weight.float())
+        route = torch.ops.minidsa.route if self.kernel == "triton" else reference.route
+        return route(logits, self.e_score_correction_bias.float(), self.top_k, self.n_group, self.topk_group,
+                     self.norm_topk_prob, self.scaling)
+
+
+def set_router(model: nn.Module, kernel: str) -> None:
+    """Which implementation selects every MoE layer's experts ("torch" or "triton"), decided once at build."""
+    if kernel not in ("torch", "triton"):
+        raise ValueError(f"router kernel {kernel!r} is not 'torch' or 'triton'")
+    for mod in model.modules():
+        if isinstance(mod, Router):
+            mod.kernel = kernel
 
 
 class Experts(nn.Module):

@@ -290,3 +290,25 @@ def test_own_paged_schedule_is_what_deepgemm_computes(tokens):
     ctx = deepgemm.context_lens_2d(lens)
     want = module.get_paged_mqa_logits_metadata(ctx, PAGE, num_sms)
     assert torch.equal(deepgemm.paged_schedule(ctx, num_sms), want)
+
+
+@pytest.mark.parametrize("tokens", [1, 32, 8192])
+@pytest.mark.parametrize("groups,topk_group", [(8, 4), (1, 1)])  # DeepSeek-V3.2, GLM-5
+def test_router_real_size(tokens, groups, topk_group):
+    """The one-launch router == the torch reference at 256 experts, top 8; under a CUDA graph too."""
+    from minidsa.kernels import router
+    g = torch.Generator(device="cuda").manual_seed(tokens + groups)
+    logits = torch.randn(tokens, 256, device="cuda", generator=g) * 2
+    bias = torch.randn(256, device="cuda", generator=g) * 0.05
+    want_ids, want_w = ref.route(logits, bias, 8, groups, topk_group, True, 2.5)
+    ids, w = torch.ops.minidsa.route(logits, bias, 8, groups, topk_group, True, 2.5)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-6)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gids, gw = router.route(logits, bias, 8, groups, topk_group, True, 2.5)
+    logits.copy_(torch.randn(tokens, 256, device="cuda", generator=g))
+    graph.replay()
+    want_ids, want_w = ref.route(logits, bias, 8, groups, topk_group, True, 2.5)
+    assert torch.equal(gids, want_ids)
+    torch.testing.assert_close(gw, want_w, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,218 @@
+"""The register top-k select (`topk.topk_slots(method="register")`) against the reference, on CPU through Triton's
+interpreter: one program per row, the row held in registers, one launch.
+
+Same set-up as tests/test_kernels.py: the kernels are imported interpreted (or, when a compiled triton was
+imported earlier in this process, the file re-runs itself in a child process), and every torch.empty made during
+a test comes back poisoned, so an output element the kernel forgets to write fails. Outputs are compared with
+`reference.topk_slots` (same positions per row, each slot req_to_token[token_rows[t], pos], -1 padding) and, exactly,
+with the one-program-per-row and split kernels (all three write in position order, ties to lower positions).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/gpu/test_kernels_gpu.py checks the compiled kernels", allow_module_level=True)
+
+
+from triton_interp import import_kernels_interpreted  # noqa: E402
+
+INTERPRETED = import_kernels_interpreted()
+in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
+
+import minidsa.kernels  # noqa: E402
+from minidsa.kernels import reference as ref  # noqa: E402
+from minidsa.kernels import topk as topk_mod  # noqa: E402
+
+
+@pytest.mark.skipif(INTERPRETED, reason="kernels are interpreted in this process")
+def test_register_topk_in_child_process():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+
+
+_real_empty, _real_empty_like = torch.empty, torch.empty_like
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype.is_floating_point:
+        return t.fill_(float("nan"))
+    return t.fill_(-123456)
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every torch.empty / empty_like made during a test comes back full of garbage; TRITON_INTERPRET=1 meanwhile."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: _poison(_real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: _poison(_real_empty_like(*a, **k)))
+
+
+def _case(seed: int, width: int):
+    """6 rows of random logits, -inf past each row's visible length (all, none, 3, half, all but one, 17); logits a
+    view with a row stride past the width, req_to_token rows wider than the logits, token_rows out of order."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, width + 5, generator=g)[:, :width]
+    visible = torch.tensor([width, 0, 3, width // 2, width - 1, 17])
+    logits[torch.arange(width)[None, :] >= visible[:, None]] = float("-inf")
+    r2t = torch.randperm(4 * (width + 7), generator=g)[: 3 * (width + 7)].view(3, width + 7).to(torch.int32)
+    rows = torch.tensor([2, 0, 1, 1, 0, 2])
+    return logits, r2t, rows
+
+
+def _check_against_reference(logits, k, r2t, rows, slots, pos):
+    want_slots, want_pos = ref.topk_slots(logits, k, r2t, rows)
+    assert slots.shape == pos.shape == (logits.shape[0], k) and slots.dtype == pos.dtype == torch.int32
+    for t in range(logits.shape[0]):
+        assert sorted(pos[t].tolist()) == sorted(want_pos[t].tolist()), t
+        assert sorted(slots[t].tolist()) == sorted(want_slots[t].tolist()), t
+        ok = pos[t] >= 0
+        n = int(ok.sum())
+        assert ok[:n].all() and not ok[n:].any()  # the taken positions first, then -1 padding
+        assert torch.equal(pos[t][:n], pos[t][:n].sort().values)  # in position order
+        assert torch.equal(slots[t][:n], r2t[rows[t], pos[t][:n].long()])
+        assert (slots[t][n:] == -1).all()
+
+
+@in_this_process
+@pytest.mark.parametrize("radix_bits", [2, 8])
+@pytest.mark.parametrize("width,k", [
+    (1, 16), (100, 16), (2047, 16), (2048, 16), (2049, 16), (4096, 16), (5000, 16), (8192, 16),
+    (100, 2048), (2047, 2048), (2048, 2048), (2049, 2048), (5000, 2048),  # k > width, = width, just below
+])
+def test_register_matches_reference(radix_bits, width, k):
+    logits, r2t, rows = _case(width * 7 + k, width)
+    slots, pos = topk_mod.topk_slots(logits, k, r2t, rows, method="register", register_config=(radix_bits, 4))
+    _check_against_reference(logits, k, r2t, rows, slots, pos)
+    rows_slots, rows_pos = topk_mod.topk_slots(logits, k, r2t, rows, method="rows")
+    assert torch.equal(pos, rows_pos) and torch.equal(slots, rows_slots)
+
+
+@in_this_process
+@pytest.mark.parametrize("width", [4096, 8192])
+def test_register_long_rows_default_config(width):
+    """The served shape (k = 2048) at the default RADIX_BITS and warps, one row (the default path on CPU) and 3."""
+    for num_rows in (1, 3):
+        logits, r2t, rows = _case(width + num_rows, width)
+        logits, rows = logits[:num_rows], rows[:num_rows]
+        slots, pos = topk_mod.topk_slots(logits, 2048, r2t, rows, method="register")
+        _check_against_reference(logits, 2048, r2t, rows, slots, pos)
+
+
+def _lowest_ties(logits: torch.Tensor, k: int) -> list[list[int]]:
+    """Per row: the k largest visible positions, equal values taken from the lowest position up, in position order."""
+    out = []
+    for row in logits:
+        order = torch.sort(row, descending=True, stable=True).indices[:k]
+        out.append(sorted(p for p in order.tolist() if row[p] > float("-inf")))
+    return out
+
+
+@in_this_process
+@pytest.mark.parametrize("radix_bits", [2, 8])
+def test_register_ties_take_lowest_positions(radix_bits):
+    width, k = 1000, 100
+    logits = torch.full((5, width), float("-inf"))
+    logits[0, :600] = 1.0  # 600 equal values: the first 100 positions
+    logits[1, 500:] = torch.arange(500).float() % 7  # many ties at the threshold value
+    logits[2] = 0.5  # every value equal
+    logits[3, ::3] = -2.0  # 334 equal negative values above the rest of the row: positions 0, 3, ..., 297
+    logits[3, 1::3] = torch.arange(333).float() % 3 - 5.0
+    logits[4, :50] = 3.0  # fewer visible than k, all equal: all of them
+    r2t = torch.arange(3 * width, dtype=torch.int32).view(3, width) * 2 + 1
+    rows = torch.tensor([0, 1, 2, 0, 1])
+    slots, pos = topk_mod.topk_slots(logits, k, r2t, rows, method="register", register_config=(radix_bits, 4))
+    want = _lowest_ties(logits, k)
+    assert pos[0].tolist() == list(range(100))
+    for t in range(logits.shape[0]):
+        n = len(want[t])
+        assert pos[t, :n].tolist() == want[t] and (pos[t, n:] == -1).all()
+        assert torch.equal(slots[t, :n], r2t[rows[t], pos[t, :n].long()]) and (slots[t, n:] == -1).all()
+    for other in (dict(method="rows"), dict(method="split", num_chunks=4, split_block=64)):
+        o_slots, o_pos = topk_mod.topk_slots(logits, k, r2t, rows, **other)
+        assert torch.equal(pos, o_pos) and torch.equal(slots, o_slots), other
+
+
+@in_this_process
+def test_default_dispatch_takes_the_register_select(monkeypatch):
+    """Few rows no wider than REGISTER_MAX_WIDTH (on CPU, 8 stand-in SMs: one row) take the register select, from
+    topk_slots and fastest_topk_slots; num_chunks still forces the split / one-program-per-row kernels."""
+    calls = []
+    original = topk_mod._register_topk
+    monkeypatch.setattr(topk_mod, "_register_topk", lambda *a, **kw: calls.append(a[0].shape) or original(*a, **kw))
+    logits, r2t, rows = _case(3, 300)
+    one = (logits[:1], 40, r2t, rows[:1])
+    want = ref.topk_slots(*one)
+    for fn in (topk_mod.topk_slots, topk_mod.fastest_topk_slots):
+        slots, pos = fn(*one)
+        assert sorted(pos[0].tolist()) == sorted(want[1][0].tolist())
+    assert calls == [(1, 300)] * 2
+    topk_mod.topk_slots(*one, num_chunks=1)
+    topk_mod.topk_slots(*one, num_chunks=3, split_block=64)
+    topk_mod.topk_slots(logits, 40, r2t, rows)  # 6 rows: not few on CPU
+    wide = torch.randn(1, topk_mod.REGISTER_MAX_WIDTH + 1)
+    topk_mod.topk_slots(wide, 16, torch.zeros(1, wide.shape[1], dtype=torch.int32), torch.zeros(1, dtype=torch.long))
+    assert len(calls) == 2
+
+
+def test_register_select_wins_is_a_pure_size_rule(monkeypatch):
+    cpu = torch.device("cpu")  # 8 stand-in SMs: few rows = 1
+    assert topk_mod.register_select_wins(1, 4096, cpu)
+    assert topk_mod.register_select_wins(1, topk_mod.REGISTER_MAX_WIDTH, cpu)
+    assert not topk_mod.register_select_wins(1, topk_mod.REGISTER_MAX_WIDTH + 1, cpu)
+    assert not topk_mod.register_select_wins(2, 4096, cpu)
+    cuda = torch.device("cuda")  # an H100's 132 SMs: few rows = up to 16
+    monkeypatch.setitem(minidsa.kernels._NUM_SMS, cuda, 132)
+    assert topk_mod.register_select_wins(16, 4096, cuda)
+    assert not topk_mod.register_select_wins(17, 4096, cuda)
+    assert topk_mod.REGISTER_MAX_WIDTH <= topk_mod.REGISTER_MAX_BLOCK
+
+
+def test_register_select_refuses_what_it_cannot_take():
+    logits = torch.randn(1, topk_mod.REGISTER_MAX_BLOCK + 1)
+    r2t = torch.zeros(1, logits.shape[1], dtype=torch.int32)
+    rows = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(ValueError, match="register select takes rows up to"):
+        topk_mod.topk_slots(logits, 16, r2t, rows, method="register")
+    with pytest.raises(ValueError, match="method must be one of"):
+        topk_mod.topk_slots(logits, 16, r2t, rows, method="heap")
+
+
+_COMPILE_FOR_H100 = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from minidsa.kernels import topk
+sig = {"logits_ptr": "*fp32", "r2t_ptr": "*i32", "rows_ptr": "*i64", "slots_ptr": "*i32", "pos_ptr": "*i32",
+       "width": "i32", "k": "i32", "stride_l": "i32", "stride_r2t": "i32", "stride_o": "i32",
+       "BLOCK": "constexpr", "RADIX_BITS": "constexpr"}
+for block in (4096, topk.REGISTER_MAX_BLOCK):
+    for bits in (2, 8):
+        src = ASTSource(topk._register_topk_kernel, sig, constexprs={"BLOCK": block, "RADIX_BITS": bits})
+        options = {"num_warps": topk.register_warps(block)}
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        assert kernel.asm["cubin"], (block, bits)
+print("compiled")
+"""
+
+
+def test_register_kernel_compiles_for_h100():
+    """The interpreter runs Python, not Triton's compiler: compile the kernel for sm_90 (no GPU needed) so what only
+    the compiler refuses (say, a constexpr name bound twice in an unrolled loop) fails here."""
+    backends = pytest.importorskip("triton.backends")
+    if "nvidia" not in getattr(backends, "backends", {}):
+        pytest.skip("this triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H100], env=env, capture_output=True, text=True, timeout=300)
+    if r.returncode and "ptxas" in r.stderr and "_register_topk_kernel" not in r.stderr:
+        pytest.skip(f"no usable ptxas here: {r.stderr[-300:]}")
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
