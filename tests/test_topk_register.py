@@ -143,7 +143,7 @@ def test_register_ties_take_lowest_positions(radix_bits):
 
 @in_this_process
 def test_default_dispatch_takes_the_register_select(monkeypatch):
-    """Few rows no wider than REGISTER_MAX_WIDTH (on CPU, 8 stand-in SMs: one row) take the register select, from
+    """Rows no wider than REGISTER_FEW_ROWS_MAX_WIDTH (few rows: on CPU, 8 stand-in SMs, one row) or REGISTER_MAX_WIDTH (more rows) take the register select, from
     topk_slots and fastest_topk_slots; num_chunks still forces the split / one-program-per-row kernels."""
     calls = []
     original = topk_mod._register_topk
@@ -157,22 +157,24 @@ def test_default_dispatch_takes_the_register_select(monkeypatch):
     assert calls == [(1, 300)] * 2
     topk_mod.topk_slots(*one, num_chunks=1)
     topk_mod.topk_slots(*one, num_chunks=3, split_block=64)
-    topk_mod.topk_slots(logits, 40, r2t, rows)  # 6 rows: not few on CPU
-    wide = torch.randn(1, topk_mod.REGISTER_MAX_WIDTH + 1)
+    topk_mod.topk_slots(logits, 40, r2t, rows)  # 6 rows (not few on CPU), 300 wide: the register select too
+    assert calls[-1] == (6, 300)
+    wide = torch.randn(1, topk_mod.REGISTER_FEW_ROWS_MAX_WIDTH + 1)  # one row this wide splits
     topk_mod.topk_slots(wide, 16, torch.zeros(1, wide.shape[1], dtype=torch.int32), torch.zeros(1, dtype=torch.long))
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
 def test_register_select_wins_is_a_pure_size_rule(monkeypatch):
     cpu = torch.device("cpu")  # 8 stand-in SMs: few rows = 1
     assert topk_mod.register_select_wins(1, 4096, cpu)
-    assert topk_mod.register_select_wins(1, topk_mod.REGISTER_MAX_WIDTH, cpu)
-    assert not topk_mod.register_select_wins(1, topk_mod.REGISTER_MAX_WIDTH + 1, cpu)
-    assert not topk_mod.register_select_wins(2, 4096, cpu)
+    assert topk_mod.register_select_wins(1, topk_mod.REGISTER_FEW_ROWS_MAX_WIDTH, cpu)
+    assert not topk_mod.register_select_wins(1, topk_mod.REGISTER_FEW_ROWS_MAX_WIDTH + 1, cpu)  # split
+    assert topk_mod.register_select_wins(2, topk_mod.REGISTER_MAX_WIDTH, cpu)  # many rows: register up to 16384
+    assert not topk_mod.register_select_wins(2, topk_mod.REGISTER_MAX_WIDTH + 1, cpu)
     cuda = torch.device("cuda")  # an H100's 132 SMs: few rows = up to 16
     monkeypatch.setitem(minidsa.kernels._NUM_SMS, cuda, 132)
-    assert topk_mod.register_select_wins(16, 4096, cuda)
-    assert not topk_mod.register_select_wins(17, 4096, cuda)
+    assert topk_mod.register_select_wins(16, 4096, cuda) and topk_mod.register_select_wins(17, 4096, cuda)
+    assert not topk_mod.register_select_wins(16, 16384, cuda) and topk_mod.register_select_wins(17, 16384, cuda)
     assert topk_mod.REGISTER_MAX_WIDTH <= topk_mod.REGISTER_MAX_BLOCK
 
 

@@ -11,7 +11,7 @@ Two implementations of `reference.topk_slots`' contract (slots and positions
   - few rows ("split", decode at small batch): each row is split over several
     programs, one launch per pass, histograms summed with atomics, so a
     single long row does not leave the rest of the GPU idle;
-  - few rows no wider than `REGISTER_MAX_WIDTH` ("register",
+  - rows no wider than `REGISTER_MAX_WIDTH` (few rows: `REGISTER_FEW_ROWS_MAX_WIDTH`; "register",
     `register_select_wins`): one launch, one program per row holding the whole
     row in registers (read from memory once); the k-th largest key comes from
     16 two-bit search steps over those registers (each one `tl.sum` of three
@@ -329,28 +329,32 @@ def triton_wins(num_tokens: int, width: int, device: torch.device) -> bool:
     return waves * width <= TRITON_MAX_ROW_WORK
 
 
-# Rows this wide or narrower, at few rows (`few_rows`), take the register select (one launch) instead of the
-# split one (6 launches + a memset). To be set from the H100 measurement (benchmarks/bench_topk_short.py);
-# the kernel itself takes rows up to REGISTER_MAX_BLOCK wide.
-REGISTER_MAX_WIDTH = 8192
+# Which rows take the register select, from benchmarks/bench_topk_short.py (H200, 2026-11-26, k = 2048, us per call
+# in CUDA graphs; benchmarks/TAIL.md). Against the one-program-per-row kernel it wins at every batch (1-64) and
+# width measured: 12.5 vs 19.9 us at 4096, 20.0 vs 33.0 at 8192, 35 vs 61 at 16384. Against the split select (few
+# rows): 12.1 vs 32.9 at 4096, 19.8 vs 33.2 at 8192, but 34.6 vs 33.0 at 16384, so few rows split above 8192.
+REGISTER_MAX_WIDTH = 16384
+REGISTER_FEW_ROWS_MAX_WIDTH = 8192
 REGISTER_MAX_BLOCK = 16384
-# RADIX_BITS of the register select (2: packed-count search, 8: tl.histogram passes); to be set from the same
-# measurement. Its num_warps follows the block (`register_warps`).
+# RADIX_BITS of the register select (2: packed-count search, 8: tl.histogram passes): 2 won at every shape of the
+# same measurement (4096: 12.1 vs 16.0 us). Its num_warps follows the block (`register_warps`).
 REGISTER_RADIX_BITS = 2
 TOPK_METHODS = ("register", "split", "rows")
 
 
 def register_select_wins(num_tokens: int, width: int, device: torch.device) -> bool:
-    """Few rows (each would otherwise be split over programs) no wider than REGISTER_MAX_WIDTH: the register
-    select, one program per row and one launch, beats the split select's 6 launches."""
-    return few_rows(num_tokens, device) and width <= REGISTER_MAX_WIDTH
+    """The register select (one program per row, one launch, the row read once) over the split select (few rows:
+    6 launches) or the one-program-per-row kernel (4 reads of the row), as measured."""
+    if few_rows(num_tokens, device):
+        return width <= REGISTER_FEW_ROWS_MAX_WIDTH
+    return width <= REGISTER_MAX_WIDTH
 
 
 def register_warps(block: int) -> int:
-    """num_warps of the register select for a row block: 16 keys per thread, 4 to 32 warps. (ptxas for sm_90,
-    RADIX_BITS 2: 64 registers and no spills up to 8192 at 16 warps; 16384 at 16 warps spills 60 bytes a thread
-    at 128 registers, at 32 warps 12 bytes.)"""
-    return min(32, max(4, block // 512))
+    """num_warps of the register select for a row block: 8, and 16 for 16384-wide rows, the fastest of 4 to 32 on
+    the H200 (8192: 19.1 us at 8 warps, 19.7 at 16, 24.2 at 32; 16384: 34.6 at 16, 39.7 at 32; 2048: within
+    0.2 us of each other). ptxas for sm_90, RADIX_BITS 2: 16384 at 16 warps spills 60 bytes a thread."""
+    return 16 if block > 8192 else 8
 
 
 def fastest_topk_slots(logits: torch.Tensor, topk: int, req_to_token: torch.Tensor,
