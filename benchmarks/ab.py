@@ -123,9 +123,9 @@ def main() -> int:
     p.add_argument("--title", default="Before / after", help="the table's first words")
     args = p.parse_args()
     table = rows(args.dir)
-    device = next((x.get("device") for x in (_load(f) for f in sorted(glob.glob(os.path.join(args.dir,
-                                                                                        "ab_*_decode*.json")))) if x),
-                  "?")
+    raw = sorted(glob.glob(os.path.join(args.dir, "ab_*_decode*.json"))) + \
+        sorted(glob.glob(os.path.join(args.dir, "ab_*_bench.json")))
+    device = next((x["device"] for x in map(_load, raw) if x and x.get("device")), "?")
     lines = [f"{args.title}: before ({args.before}) / after ({args.after}), {device}, {time.strftime('%Y-%m-%d')}, "
              "one machine, interleaved", "", "| measure | before | after | after / before | better |",
              "|---|---|---|---|---|"]

@@ -319,6 +319,7 @@ section_ab() {   # two trees on this machine, interleaved (before, after): `mini
     # ab_raw.tgz (at most 8 files come back).
     local before=/tmp/minidsa_before rc=0 here
     here=$(pwd)
+    side_commit() { if [ "$1" = before ]; then echo "${BEFORE_COMMIT:-?}"; else echo "${MINIDSA_COMMIT:-?}"; fi; }
     rm -rf "$before" && mkdir -p "$before" && tar -xJf "${AB_TARBALL:-.gpu/before.tar.xz}" -C "$before" || return 1
     local decode_args=${AB_DECODE_ARGS:-"--batches 1 32 --contexts 4096 --skip verify dense spec hf --iters 20"}
     local presets=${AB_PRESETS:-${AB_MODEL:-bench-dsv32}} side tree preset
@@ -327,7 +328,8 @@ section_ab() {   # two trees on this machine, interleaved (before, after): `mini
         for side in before after; do
             tree=$here; [ $side = before ] && tree=$before
             echo "--- $side: minidsa bench"
-            (set -o pipefail; cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH timeout "$TIMEOUT" $PY -m minidsa.cli bench \
+            (set -o pipefail; cd "$tree" && MINIDSA_COMMIT=$(side_commit $side) PYTHONPATH=$tree:$PYTHONPATH \
+                timeout "$TIMEOUT" $PY -m minidsa.cli bench \
                 --model "${AB_MODEL:-bench-dsv32}" --json "$OUT/ab_${side}_bench.json" --no-progress 2>&1 \
                 | grep -v " INFO ") || rc=1
         done
@@ -338,7 +340,8 @@ section_ab() {   # two trees on this machine, interleaved (before, after): `mini
             tree=$here; [ $side = before ] && tree=$before
             local cmd=bench-decode; [ $side = before ] && cmd=${AB_BEFORE_DECODE:-bench-decode}
             echo "--- $side: decode suite $preset"
-            (set -o pipefail; cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH timeout "$TIMEOUT" $PY -m minidsa.cli $cmd \
+            (set -o pipefail; cd "$tree" && MINIDSA_COMMIT=$(side_commit $side) PYTHONPATH=$tree:$PYTHONPATH \
+                timeout "$TIMEOUT" $PY -m minidsa.cli $cmd \
                 --preset "$preset" $decode_args --json "$OUT/ab_${side}_decode${tag}.json" 2>&1 | grep -v " INFO ") \
                 || rc=1
         done

@@ -158,6 +158,19 @@ def ops_for(choice: KernelChoice, page_size: int = 64):
 # choosing
 # ---------------------------------------------------------------------------
 @in_this_process
+def test_router_kernel_is_chosen_by_the_models_routing(caplog):
+    """The one-launch router where Triton runs and the experts and groups are powers of two; the reference
+    otherwise, with the reason in the start-up log; the references everywhere with kernel_backend="torch"."""
+    from minidsa.attention.select import RouterShape
+    assert choose(router=RouterShape(256, 8)).router == "triton"  # DeepSeek-V3.2
+    assert choose(router=RouterShape(256, 1)).router == "triton"  # GLM-5
+    with caplog.at_level(logging.INFO):
+        assert choose(router=RouterShape(96, 4)).router == "torch"
+    assert "MoE router: torch reference (the Triton router needs power-of-two" in caplog.text
+    assert select_kernels("cpu", kernel_backend="torch", router=RouterShape(256, 8)).router == "torch"
+
+
+@in_this_process
 def test_missing_deep_gemm_falls_back_to_triton_and_says_so(sm90, monkeypatch, caplog):
     _with_module(monkeypatch, None)
     with caplog.at_level(logging.INFO):

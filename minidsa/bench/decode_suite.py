@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import time
 from typing import TYPE_CHECKING
 
@@ -35,6 +34,7 @@ from minidsa.exec.batch import ForwardBatch
 from minidsa.config import EngineConfig, ModelConfig, resolve
 from minidsa.sched.pages import PageAllocator, RowAllocator, pages_needed
 from minidsa.models.presets import preset_config
+from minidsa.bench.offline import git_commit
 from minidsa.sched.plan import StepKind
 
 if TYPE_CHECKING:
@@ -290,7 +290,7 @@ def profile_step(graphs: StepGraphs, batch: ForwardBatch, iters: int) -> dict:
 def run_suite(args) -> dict:
     dev = torch.device("cuda")
     result: dict = {"device": torch.cuda.get_device_name(dev), "date": dt.date.today().isoformat(),
-                    "commit": _commit(), "torch": torch.__version__, "preset": args.preset}
+                    "commit": git_commit() or "unknown", "torch": torch.__version__, "preset": args.preset}
     result["ceilings"] = ceil = measure_ceilings(dev)
     logger.info("ceilings: %s", ceil)
     bench = Bench(args.preset, max_context=max(args.contexts + args.dense_contexts), max_batch_tokens=args.kv_tokens,
@@ -498,16 +498,6 @@ def _transformers(args, result) -> dict:
     hf = None
     torch.cuda.empty_cache()
     return out
-
-
-def _commit() -> str:
-    if os.environ.get("MINIDSA_COMMIT"):  # the GPU machine gets a copy of the tree without .git
-        return os.environ["MINIDSA_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except Exception:
-        return "unknown"
 
 
 def to_markdown(r: dict) -> str:

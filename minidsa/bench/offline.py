@@ -179,7 +179,11 @@ def _speculative_summary(engine: Engine, before: Any, after: Any) -> dict[str, A
             "simulated_accept_len": after.spec_simulated_accept_len or None}
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
+    """The commit measured: MINIDSA_COMMIT where set (the GPU machine's copy of a tree may carry another tree's .git
+    or none), else git's HEAD of this tree."""
+    if os.environ.get("MINIDSA_COMMIT"):
+        return os.environ["MINIDSA_COMMIT"]
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
@@ -329,7 +333,7 @@ def run_bench(engine: Engine, num_requests: int | None = None, input_len: tuple[
         "model": engine.model_name,
         "device": describe_device(engine),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "torch": torch.__version__,
         "engine_config": {k: v for k, v in dataclasses.asdict(engine.config.args).items() if k != "extra"},
         "workload": {"type": workload, "num_requests": w.num_requests, "input_len": list(w.input_len),

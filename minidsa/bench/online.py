@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from minidsa.bench.offline import PERCENTILES, Workload, _git_commit, _percentiles, make_workload, throughput
+from minidsa.bench.offline import PERCENTILES, Workload, git_commit, _percentiles, make_workload, throughput
 
 REMOTE_VOCAB = 32000  # prompts for a server whose tokenizer is unknown use ids below this
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
@@ -291,7 +291,7 @@ def _result(model: str, device: str, w: Workload, workload: str, request_rate: f
         "device": device,
         "base_url": base_url,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "torch": torch.__version__,
         "workload": {"type": workload, "num_requests": len(w.prompts), "input_len": list(w.input_len),
                      "output_len": list(w.output_len), "seed": w.seed, "shared_prefix_len": w.shared_prefix_len,

@@ -427,8 +427,10 @@ def topk_slots(
 def _register_topk(logits, topk, req_to_token, token_rows, slots, positions,
                    config: tuple[int, int] | None = None) -> None:
     num_tokens, width = logits.shape
-    block = max(256, triton.next_power_of_2(width))
-    if block > REGISTER_MAX_BLOCK:
+    # Rows narrower than k share k's block: each block is one more Triton compilation, which a served engine meets
+    # on the first prefill of a new width, not only in its warm-up.
+    block = min(REGISTER_MAX_BLOCK, max(256, triton.next_power_of_2(max(width, topk))))
+    if triton.next_power_of_2(width) > REGISTER_MAX_BLOCK:
         raise ValueError(f"topk: the register select takes rows up to {REGISTER_MAX_BLOCK} wide, got {width}")
     radix_bits, num_warps = config or (REGISTER_RADIX_BITS, register_warps(block))
     _register_topk_kernel[(num_tokens,)](
