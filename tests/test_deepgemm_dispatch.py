@@ -12,9 +12,7 @@ Triton kernels run through Triton's interpreter, as in tests/test_kernels.py.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
-import subprocess
 import sys
 import types
 
@@ -25,7 +23,7 @@ if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu/test_kernels_gpu.py checks the compiled kernels", allow_module_level=True)
 
 
-from triton_interp import import_kernels_interpreted  # noqa: E402
+from triton_interp import import_kernels_interpreted, run_file_interpreted  # noqa: E402
 
 INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
@@ -45,10 +43,7 @@ from minidsa.sched.pages import PageAllocator, pages_needed, slots_of  # noqa: E
 
 @pytest.mark.skipif(INTERPRETED, reason="kernels are interpreted in this process")
 def test_dispatch_in_child_process():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+    run_file_interpreted(__file__)
 
 
 # ---------------------------------------------------------------------------

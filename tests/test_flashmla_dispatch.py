@@ -13,8 +13,6 @@ values. It is injected as `sys.modules["flash_mla"]`, and the CPU passes for an 
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
 import sys
 import types
 
@@ -24,7 +22,7 @@ import torch
 if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu/test_flashmla_gpu.py checks the real FlashMLA", allow_module_level=True)
 
-from triton_interp import import_kernels_interpreted, torch_rounded_casts  # noqa: E402
+from triton_interp import import_kernels_interpreted, run_file_interpreted, torch_rounded_casts  # noqa: E402
 
 INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
@@ -40,10 +38,7 @@ LATENT, ROPE = 512, 64
 
 @pytest.mark.skipif(INTERPRETED, reason="kernels are interpreted in this process")
 def test_flashmla_dispatch_in_child_process():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                       env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+    run_file_interpreted(__file__, timeout=900)
 
 
 # ---------------------------------------------------------------------------

@@ -21,9 +21,6 @@ as the GPU (and torch) do.
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -33,7 +30,7 @@ import torch.nn.functional as F
 if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu/test_fused_moe_gpu.py checks the compiled kernels", allow_module_level=True)
 
-from triton_interp import import_kernels_interpreted, torch_rounded_casts  # noqa: E402
+from triton_interp import import_kernels_interpreted, run_file_interpreted, torch_rounded_casts  # noqa: E402
 
 INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
@@ -47,10 +44,7 @@ E, TOP_K, N_GROUP, TOPK_GROUP = 256, 8, 8, 4
 
 @pytest.mark.skipif(INTERPRETED, reason="kernels are interpreted in this process")
 def test_fused_moe_kernels_in_child_process():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                       env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+    run_file_interpreted(__file__, timeout=900)
 
 
 def route(num_tokens: int, hidden: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -14,10 +14,6 @@ itself in a child process. On a machine with CUDA, tests/gpu covers this.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -25,7 +21,7 @@ if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu/test_kernels_gpu.py checks the compiled kernels", allow_module_level=True)
 
 
-from triton_interp import import_kernels_interpreted  # noqa: E402
+from triton_interp import import_kernels_interpreted, poison_new_tensors, run_file_interpreted  # noqa: E402
 
 INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
@@ -47,32 +43,13 @@ def _kv_cache(num_layers: int, num_pages: int, page_size: int, index_fp8: bool, 
 
 @pytest.mark.skipif(INTERPRETED, reason="kernels are interpreted in this process")
 def test_kernels_in_child_process():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
-
-
-_real_empty, _real_empty_like = torch.empty, torch.empty_like
-
-
-def _poison(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype.is_floating_point:
-        return t.fill_(float("nan"))
-    if t.dtype == torch.bool:
-        return t.fill_(True)
-    return t.fill_(77 if t.dtype == torch.uint8 else -123456)
+    run_file_interpreted(__file__)
 
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    """Every torch.empty / empty_like made during a test comes back full of garbage.
-
-    Also keeps TRITON_INTERPRET=1 while a test runs: triton reads it again in imports it makes lazily.
-    """
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: _poison(_real_empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: _poison(_real_empty_like(*a, **k)))
+    """Every torch.empty / empty_like made during a test comes back full of garbage (TRITON_INTERPRET=1 meanwhile)."""
+    poison_new_tensors(monkeypatch)
 
 
 def _gen(seed: int) -> torch.Generator:

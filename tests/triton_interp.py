@@ -8,9 +8,38 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
 
 import torch
+
+
+def run_file_interpreted(path: str, timeout: float = 600) -> None:
+    """Run a test file's tests again in a child process with TRITON_INTERPRET=1; fail with its output if they do."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
+                       env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+
+
+_real_empty, _real_empty_like = torch.empty, torch.empty_like
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype.is_floating_point:
+        return t.fill_(float("nan"))
+    if t.dtype == torch.bool:
+        return t.fill_(True)
+    return t.fill_(77 if t.dtype == torch.uint8 else -123456)
+
+
+def poison_new_tensors(monkeypatch) -> None:
+    """Every torch.empty / empty_like made from now on (for the test `monkeypatch` belongs to) comes back full of
+    garbage, so an output element a kernel forgets to write shows. Also keeps TRITON_INTERPRET=1 meanwhile: triton
+    reads it again in imports it makes lazily."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: _poison(_real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: _poison(_real_empty_like(*a, **k)))
 
 
 def import_kernels_interpreted() -> bool:

@@ -399,19 +399,14 @@ def topk_slots(
         return slots, positions
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    if method is None:
-        if num_chunks is None and register_select_wins(num_tokens, width, logits.device):
-            method = "register"
-        else:
-            if num_chunks is None:
-                num_chunks = split_chunks(num_tokens, width, logits.device)
-            method = "split" if num_chunks > 1 else "rows"
+    if method is None and num_chunks is None and register_select_wins(num_tokens, width, logits.device):
+        method = "register"
     if method == "register":
         _register_topk(logits, topk, req_to_token, token_rows, slots, positions, register_config)
         return slots, positions
-    if method == "split":
-        if num_chunks is None:
-            num_chunks = split_chunks(num_tokens, width, logits.device)
+    if num_chunks is None:
+        num_chunks = split_chunks(num_tokens, width, logits.device)
+    if method == "split" or (method is None and num_chunks > 1):
         _split_topk(logits, topk, req_to_token, token_rows, slots, positions, num_chunks, split_block)
         return slots, positions
     block, radix_bits, num_warps = config or TOPK_CONFIG
