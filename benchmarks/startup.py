@@ -25,8 +25,25 @@ import tempfile
 import time
 
 CHILD = r"""
-import logging, sys, time
+import logging, os, sys, time
 t = time.perf_counter()
+if os.environ.get("STARTUP_COMPILE_LOG"):
+    # Every Triton compilation this process runs (minidsa's kernels; inductor's compile in its own workers and
+    # show here only as cache loads): kernel name, seconds, phase-independent. Printed as one JSON line at exit.
+    import atexit, collections, json, threading
+    import triton, triton.compiler, triton.compiler.compiler as tcc
+    compiles = collections.defaultdict(lambda: [0, 0.0])
+    original = tcc.compile
+    def timed_compile(src, *a, **k):
+        start = time.perf_counter()
+        try:
+            return original(src, *a, **k)
+        finally:
+            entry = compiles[getattr(src, "name", type(src).__name__) + ("" if threading.current_thread() is threading.main_thread() else " (thread)")]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - start
+    tcc.compile = triton.compiler.compile = triton.compile = timed_compile
+    atexit.register(lambda: print("TRITON_COMPILES", json.dumps(sorted(((n, c, round(s, 2)) for n, (c, s) in compiles.items()), key=lambda r: -r[2])), flush=True))
 logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stdout)
 logging.getLogger("minidsa.exec.startup").setLevel(logging.INFO)
 from minidsa import LLM, SamplingParams
@@ -40,9 +57,11 @@ PHASE = re.compile(r"^minidsa\.exec\.startup: start-up: (?P<name>[^()]+?) (?P<s>
 TOTAL = re.compile(r"^minidsa\.exec\.startup: (start-up [\d.]+ s: .*)$")
 
 
-def run_once(model: str, max_bs: int, cache: str, timeout: float) -> dict:
+def run_once(model: str, max_bs: int, cache: str, timeout: float, compile_log: bool = False) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "DG_JIT_CACHE_DIR")}
+    if compile_log:
+        env["STARTUP_COMPILE_LOG"] = "1"
     env["MINIDSA_CACHE_DIR"] = cache
     t = time.perf_counter()
     try:
@@ -57,6 +76,8 @@ def run_once(model: str, max_bs: int, cache: str, timeout: float) -> dict:
         if line.startswith("STARTUP_SECONDS"):
             _, ready, first = line.split()
             row["ready_s"], row["first_token_s"] = round(float(ready), 1), round(float(first), 1)
+        elif line.startswith("TRITON_COMPILES"):
+            row["triton_compiles"] = json.loads(line.split(None, 1)[1])
         elif m := PHASE.match(line):
             row["phases"].append({"phase": m["name"], "s": float(m["s"]), "detail": m["detail"] or ""})
         elif m := TOTAL.match(line):
@@ -73,6 +94,8 @@ def main() -> None:
                     help="cold: a new, empty cache directory; warm: the same directory again (after cold)")
     ap.add_argument("--max-bs", type=int, default=64, help="largest CUDA-graph batch bucket")
     ap.add_argument("--timeout", type=float, default=540, help="seconds per start before it is stopped")
+    ap.add_argument("--compile-log", action="store_true",
+                    help="time every Triton compilation in the engine's process, per kernel (the row's triton_compiles)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
@@ -83,7 +106,7 @@ def main() -> None:
                 if run == "cold":
                     shutil.rmtree(cache)
                     os.makedirs(cache)
-                row = {"model": model, "run": run, **run_once(model, args.max_bs, cache, args.timeout)}
+                row = {"model": model, "run": run, **run_once(model, args.max_bs, cache, args.timeout, args.compile_log)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         finally:
@@ -96,6 +119,12 @@ def main() -> None:
             p["phase"] == n for p in row["phases"]) else "-" for n in names]
         print(f"| {row['model']} | {row['run']} | {row.get('first_token_s', row['rc'])} | {row.get('ready_s', '-')} | "
               + " | ".join(cells) + " |")
+    for row in rows:
+        if row.get("triton_compiles"):
+            total = sum(r[2] for r in row["triton_compiles"])
+            print(f"\n{row['model']} {row['run']}: Triton compilations in the engine's process, {total:.1f} s; top 25:")
+            for name, count, seconds in row["triton_compiles"][:25]:
+                print(f"  {seconds:7.2f} s  {count:4d}  {name}")
     print("\nphase details (what compiled, what the caches gave):")
     for row in rows:
         for p in row["phases"]:

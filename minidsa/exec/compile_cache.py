@@ -97,7 +97,8 @@ class CompileStats:
 
         counters = utils.counters
         times = getattr(utils, "compilation_time_metrics", {}).get("_compile.compile_inner", [])
-        return cls(frames=counters["frames"]["ok"], seconds=float(sum(times)),
+        # torch >= 2.11 no longer counts frames["ok"]; unique_graphs is what Dynamo compiled
+        return cls(frames=counters["stats"]["unique_graphs"], seconds=float(sum(times)),
                    fx_hits=counters["inductor"]["fxgraph_cache_hit"],
                    fx_misses=counters["inductor"]["fxgraph_cache_miss"],
                    aot_hits=counters["aot_autograd"]["autograd_cache_hit"],
