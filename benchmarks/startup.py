@@ -43,6 +43,28 @@ if os.environ.get("STARTUP_COMPILE_LOG"):
             entry[0] += 1
             entry[1] += time.perf_counter() - start
     tcc.compile = triton.compiler.compile = triton.compile = timed_compile
+    # Where the main thread spends start-up, sampled every 0.2 s: seconds per function anywhere on its stack
+    # (inclusive), for torch's, Triton's, DeepGEMM's and minidsa's functions.
+    stacks = collections.Counter()
+    main_id = threading.main_thread().ident
+    def sample():
+        last = time.perf_counter()
+        while True:
+            time.sleep(0.2)
+            now = time.perf_counter()
+            frame, seen = sys._current_frames().get(main_id), set()
+            while frame is not None:
+                path = frame.f_code.co_filename
+                for root in ("torch/", "triton/", "deep_gemm/", "minidsa/", "flash_mla/"):
+                    if root in path:
+                        seen.add(path[path.rindex(root):] + ":" + frame.f_code.co_name)
+                        break
+                frame = frame.f_back
+            for name in seen:
+                stacks[name] += now - last
+            last = now
+    threading.Thread(target=sample, daemon=True).start()
+    atexit.register(lambda: print("MAIN_THREAD_PROFILE", json.dumps([(n, round(s, 1)) for n, s in stacks.most_common(80)]), flush=True))
     atexit.register(lambda: print("TRITON_COMPILES", json.dumps(sorted(((n, c, round(s, 2)) for n, (c, s) in compiles.items()), key=lambda r: -r[2])), flush=True))
 logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stdout)
 logging.getLogger("minidsa.exec.startup").setLevel(logging.INFO)
@@ -62,6 +84,7 @@ def run_once(model: str, max_bs: int, cache: str, timeout: float, compile_log: b
            if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "DG_JIT_CACHE_DIR")}
     if compile_log:
         env["STARTUP_COMPILE_LOG"] = "1"
+        env["TORCH_LOGS"] = "recompiles"
     env["MINIDSA_CACHE_DIR"] = cache
     t = time.perf_counter()
     try:
@@ -78,10 +101,14 @@ def run_once(model: str, max_bs: int, cache: str, timeout: float, compile_log: b
             row["ready_s"], row["first_token_s"] = round(float(ready), 1), round(float(first), 1)
         elif line.startswith("TRITON_COMPILES"):
             row["triton_compiles"] = json.loads(line.split(None, 1)[1])
+        elif line.startswith("MAIN_THREAD_PROFILE"):
+            row["main_thread_profile"] = json.loads(line.split(None, 1)[1])
         elif m := PHASE.match(line):
             row["phases"].append({"phase": m["name"], "s": float(m["s"]), "detail": m["detail"] or ""})
         elif m := TOTAL.match(line):
             row["summary"] = m.group(1)
+    if compile_log:  # TORCH_LOGS=recompiles: why Dynamo compiled each graph after the first
+        row["recompiles"] = [line for line in err.splitlines() if "ecompil" in line or "triggered by" in line][:60]
     if rc:
         row["error"] = (err or out)[-1500:]
     return row
@@ -95,7 +122,8 @@ def main() -> None:
     ap.add_argument("--max-bs", type=int, default=64, help="largest CUDA-graph batch bucket")
     ap.add_argument("--timeout", type=float, default=540, help="seconds per start before it is stopped")
     ap.add_argument("--compile-log", action="store_true",
-                    help="time every Triton compilation in the engine's process, per kernel (the row's triton_compiles)")
+                    help="time every Triton compilation in the engine's process, per kernel (the row's triton_compiles), "
+                    "sample where its main thread spends the time, and log Dynamo's recompilations")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
@@ -125,6 +153,12 @@ def main() -> None:
             print(f"\n{row['model']} {row['run']}: Triton compilations in the engine's process, {total:.1f} s; top 25:")
             for name, count, seconds in row["triton_compiles"][:25]:
                 print(f"  {seconds:7.2f} s  {count:4d}  {name}")
+        if row.get("main_thread_profile"):
+            print(f"\n{row['model']} {row['run']}: main thread, inclusive seconds by function (sampled):")
+            for name, seconds in row["main_thread_profile"]:
+                print(f"  {seconds:7.1f} s  {name}")
+        for line in row.get("recompiles", []):
+            print("  " + line[-300:])
     print("\nphase details (what compiled, what the caches gave):")
     for row in rows:
         for p in row["phases"]:
