@@ -68,6 +68,10 @@ if os.environ.get("STARTUP_COMPILE_LOG"):
     atexit.register(lambda: print("TRITON_COMPILES", json.dumps(sorted(((n, c, round(s, 2)) for n, (c, s) in compiles.items()), key=lambda r: -r[2])), flush=True))
 logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stdout)
 logging.getLogger("minidsa.exec.startup").setLevel(logging.INFO)
+for setting in filter(None, os.environ.get("STARTUP_INDUCTOR_CONFIG", "").split(",")):
+    import ast, torch._inductor.config as inductor_config
+    key, value = setting.split("=")
+    inductor_config.patch({key.strip(): ast.literal_eval(value.strip())}).__enter__()
 from minidsa import LLM, SamplingParams
 llm = LLM(model=sys.argv[1], progress=False, max_running_requests=int(sys.argv[2]), cuda_graph_max_bs=int(sys.argv[2]))
 ready = time.perf_counter() - t
@@ -79,13 +83,16 @@ PHASE = re.compile(r"^minidsa\.exec\.startup: start-up: (?P<name>[^()]+?) (?P<s>
 TOTAL = re.compile(r"^minidsa\.exec\.startup: (start-up [\d.]+ s: .*)$")
 
 
-def run_once(model: str, max_bs: int, cache: str, timeout: float, compile_log: bool = False) -> dict:
+def run_once(model: str, max_bs: int, cache: str, timeout: float, compile_log: bool = False,
+             inductor_config: str = "") -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "DG_JIT_CACHE_DIR")}
     if compile_log:
         env["STARTUP_COMPILE_LOG"] = "1"
         env["TORCH_LOGS"] = "recompiles"
     env["MINIDSA_CACHE_DIR"] = cache
+    if inductor_config:
+        env["STARTUP_INDUCTOR_CONFIG"] = inductor_config
     t = time.perf_counter()
     try:
         r = subprocess.run([sys.executable, "-c", CHILD, model, str(max_bs)], env=env, capture_output=True,
@@ -108,7 +115,12 @@ def run_once(model: str, max_bs: int, cache: str, timeout: float, compile_log: b
         elif m := TOTAL.match(line):
             row["summary"] = m.group(1)
     if compile_log:  # TORCH_LOGS=recompiles: why Dynamo compiled each graph after the first
-        row["recompiles"] = [line for line in err.splitlines() if "ecompil" in line or "triggered by" in line][:60]
+        # per recompilation ([frame/N]), the guard of the entry compiled just before it that failed
+        row["recompiles"] = []
+        for line in err.splitlines():
+            if m := re.search(r"\[(\d+)/(\d+)\] \[__recompiles\]\s+- \d+/(\d+): (.*)", line):
+                if int(m[3]) == int(m[2]) - 1:
+                    row["recompiles"].append(f"[{m[1]}/{m[2]}] {m[4][:400]}")
     if rc:
         row["error"] = (err or out)[-1500:]
     return row
@@ -124,6 +136,8 @@ def main() -> None:
     ap.add_argument("--compile-log", action="store_true",
                     help="time every Triton compilation in the engine's process, per kernel (the row's triton_compiles), "
                     "sample where its main thread spends the time, and log Dynamo's recompilations")
+    ap.add_argument("--inductor-config", default="",
+                    help="inductor settings for the children, e.g. 'triton.autotune_pointwise=False' (comma-separated)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
@@ -134,7 +148,7 @@ def main() -> None:
                 if run == "cold":
                     shutil.rmtree(cache)
                     os.makedirs(cache)
-                row = {"model": model, "run": run, **run_once(model, args.max_bs, cache, args.timeout, args.compile_log)}
+                row = {"model": model, "run": run, "inductor_config": args.inductor_config, **run_once(model, args.max_bs, cache, args.timeout, args.compile_log, args.inductor_config)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         finally:

@@ -34,6 +34,7 @@ padding logic.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -181,6 +182,12 @@ class StepGraphs:
             tree_mask=(torch.zeros(tokens, shape.tree_width, dtype=torch.bool, device=dev)
                        if shape.tree_width else None))
         hidden_in = (torch.zeros(tokens, self.hidden_size, dtype=self.dtype, device=dev) if shape.mtp else None)
+        # Graphs read views of these; Dynamo traces a view's base too. Left dynamic, the base's length would be
+        # "duck-sized" into the batch's symbol whenever the largest bucket is traced first (equal sizes), and
+        # every smaller bucket would compile the layer again.
+        for t in (*(getattr(batch, f.name) for f in dataclasses.fields(batch)), hidden_in):
+            if isinstance(t, torch.Tensor):
+                torch._dynamo.mark_static(t)
         return _Buffers(batch, hidden_in)
 
     def _graph_views(self, shape: GraphShape, size: int, ctx: int) -> _Graph:
