@@ -68,6 +68,9 @@ if os.environ.get("STARTUP_COMPILE_LOG"):
     atexit.register(lambda: print("TRITON_COMPILES", json.dumps(sorted(((n, c, round(s, 2)) for n, (c, s) in compiles.items()), key=lambda r: -r[2])), flush=True))
 logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stdout)
 logging.getLogger("minidsa.exec.startup").setLevel(logging.INFO)
+if os.environ.get("STARTUP_NO_AUTOTUNE"):  # experiment: inductor takes each kernel's first config unmeasured
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    CachingAutotuner.benchmark_all_configs = lambda self, *a, **k: {l: float(i) for i, l in enumerate(self.launchers)}
 for setting in filter(None, os.environ.get("STARTUP_INDUCTOR_CONFIG", "").split(",")):
     import ast, torch._inductor.config as inductor_config
     key, value = setting.split("=")
@@ -91,7 +94,9 @@ def run_once(model: str, max_bs: int, cache: str, timeout: float, compile_log: b
         env["STARTUP_COMPILE_LOG"] = "1"
         env["TORCH_LOGS"] = "recompiles"
     env["MINIDSA_CACHE_DIR"] = cache
-    if inductor_config:
+    if inductor_config == "no-autotune":
+        env["STARTUP_NO_AUTOTUNE"] = "1"
+    elif inductor_config:
         env["STARTUP_INDUCTOR_CONFIG"] = inductor_config
     t = time.perf_counter()
     try:
@@ -115,12 +120,11 @@ def run_once(model: str, max_bs: int, cache: str, timeout: float, compile_log: b
         elif m := TOTAL.match(line):
             row["summary"] = m.group(1)
     if compile_log:  # TORCH_LOGS=recompiles: why Dynamo compiled each graph after the first
-        # per recompilation ([frame/N]), the guard of the entry compiled just before it that failed
-        row["recompiles"] = []
-        for line in err.splitlines():
-            if m := re.search(r"\[(\d+)/(\d+)\] \[__recompiles\]\s+- \d+/(\d+): (.*)", line):
-                if int(m[3]) == int(m[2]) - 1:
-                    row["recompiles"].append(f"[{m[1]}/{m[2]}] {m[4][:400]}")
+        # per recompilation ([frame/N]), the guards of earlier entries that failed, the layer-type checks left out
+        row["recompiles"] = list(dict.fromkeys(
+            f"[{m[1]}/{m[2]}] {m[4][:300]}" for line in err.splitlines()
+            if (m := re.search(r"\[(\d+)/(\d+)\] \[__recompiles\]\s+- \d+/(\d+): (.*)", line))
+            and "___check_type_id" not in m[4]))
     if rc:
         row["error"] = (err or out)[-1500:]
     return row
@@ -137,7 +141,8 @@ def main() -> None:
                     help="time every Triton compilation in the engine's process, per kernel (the row's triton_compiles), "
                     "sample where its main thread spends the time, and log Dynamo's recompilations")
     ap.add_argument("--inductor-config", default="",
-                    help="inductor settings for the children, e.g. 'triton.autotune_pointwise=False' (comma-separated)")
+                    help="inductor settings for the children, e.g. 'triton.autotune_pointwise=False' (comma-separated); "
+                    "'no-autotune': every inductor kernel runs its first config, none measured (an experiment)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
