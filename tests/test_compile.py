@@ -9,6 +9,7 @@ implementations and the symbolic batch / context sizes are exercised as they are
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -322,3 +323,22 @@ def test_start_up_warm_up_reaches_every_kernel_tile_class():
             assert any(t % 2 for t in members), (name, c, sorted(warmed))
             if any(cls(t) == c for t in range(16, tokens + 1, 16)):
                 assert any(t % 16 == 0 for t in members), (name, c, sorted(warmed))
+
+
+def test_compiled_batches_get_key_widths_aligned_like_the_context_buckets():
+    """Batches through the compiled layer get an indexer-logits width that is a multiple of KEY_ALIGN, as the
+    decode graphs' context buckets are (an unaligned or one-page width would compile the layer again), never
+    wider than the req->token table, whose width is a multiple of it too."""
+    from minidsa.exec.runner import KEY_ALIGN, _aligned_keys
+
+    llm = LLM(model=None, device="cpu", dtype="float32", max_total_tokens=4096, max_model_len=1000,
+              max_running_requests=4, progress=False)
+    width = llm.engine.runner.table_width
+    assert width % KEY_ALIGN == 0 and width >= 1000
+    batch = ForwardBatch.build(StepKind.EXTEND, [5, 6, 7], [0], [0], [3], torch.zeros(3, dtype=torch.int64), "cpu")
+    assert batch.max_kv_len == 3
+    assert _aligned_keys(batch, width).max_kv_len == KEY_ALIGN
+    wide = dataclasses.replace(batch, max_kv_len=KEY_ALIGN + 1)
+    assert _aligned_keys(wide, width).max_kv_len == 2 * KEY_ALIGN
+    assert _aligned_keys(dataclasses.replace(batch, max_kv_len=width - 1), width).max_kv_len == width
+    assert _aligned_keys(dataclasses.replace(batch, max_kv_len=2 * KEY_ALIGN), width).max_kv_len == 2 * KEY_ALIGN

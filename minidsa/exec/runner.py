@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -57,9 +58,8 @@ def warm_up_shapes(tokens: int, page_size: int, max_model_len: int, table_width:
     """
     n = max(3, tokens - 4)
     n -= 1 - n % 2  # odd
-    # DeepGEMM's per-step block table is [tokens, pages of context]: a context of one page makes that width 1,
-    # which Dynamo specialises, so the general trace spans at least 5 pages (a width unlike the other sizes);
-    # batches whose context fits one page (short prompts) then get their own graphs here, after it.
+    # Short contexts (one page) too: their key widths are aligned (`_aligned_keys`), so they share the general
+    # graph, but the kernels inside meet other size classes.
     context = max(3, min(max(n, 4 * page_size + 1), max_model_len, table_width))
     context -= 1 - context % 2
     shapes = [([n, 2, 2], context), ([n], context), ([1], context)]
@@ -91,11 +91,17 @@ def _weights_detail(model: torch.nn.Module, path: str | None) -> str:
     return f"{size / 2**30:.1f} GiB, {'from ' + path if path else 'random'}"
 
 
-def _at_least_two_keys(batch: ForwardBatch) -> ForwardBatch:
-    """The batch with an indexer-logits width of at least 2. A width of 1 (every request at its first position)
-    would specialise the compiled layer on it, a second graph per layer kind; the extra key column is masked
-    by kv_lens, and every req_to_token row is at least 2 wide."""
-    return batch if batch.max_kv_len >= 2 else dataclasses.replace(batch, max_kv_len=2)
+# The indexer-logits width (max_kv_len) of batches through the compiled layer is a multiple of this, as the
+# decode graphs' context buckets are: DeepGEMM's paged logits rows are 256-aligned, so an unaligned width makes the
+# layer guard on alignment (a second graph per layer kind), and a one-page width (short prompts) on a block table
+# one wide (a third). Wider rows only add key columns that kv_lens masks.
+KEY_ALIGN = 256
+
+
+def _aligned_keys(batch: ForwardBatch, table_width: int) -> ForwardBatch:
+    """The batch with its indexer-logits width rounded up to KEY_ALIGN (the table width is a multiple of it)."""
+    width = min(-(-max(batch.max_kv_len, 1) // KEY_ALIGN) * KEY_ALIGN, table_width)
+    return batch if batch.max_kv_len == width else dataclasses.replace(batch, max_kv_len=width)
 
 
 class ModelRunner:
@@ -161,7 +167,8 @@ class ModelRunner:
                               f"(max_position_embeddings {model_config.max_position_embeddings}, "
                               f"KV capacity {capacity} tokens minus {decode_reserve} decode positions)")
         self.max_model_len = config.max_model_len or limit
-        table_width = pages_needed(self.max_model_len + decode_reserve, self.page_size) * self.page_size
+        row_align = math.lcm(self.page_size, KEY_ALIGN)  # every key width the compiled layer sees fits a row
+        table_width = -(-(self.max_model_len + decode_reserve) // row_align) * row_align
         self.req_to_token_table = ReqToTokenTable(config.max_running_requests, table_width, self.device)
         self.kv_cache = KVCache(num_layers, num_pages, self.mla_layout, self.index_layout, self.device,
                                 indexer_layers)
@@ -351,8 +358,9 @@ class ModelRunner:
         if not self.compiled:
             return
         run_main, run_mtp = graphs.run_main, graphs.run_mtp
-        self._run_uncaptured = lambda batch: run_main(_at_least_two_keys(batch))
-        self._run_mtp_uncaptured = lambda batch, hidden, topk: run_mtp(_at_least_two_keys(batch), hidden, topk)
+        width = self.table_width
+        self._run_uncaptured = lambda batch: run_main(_aligned_keys(batch, width))
+        self._run_mtp_uncaptured = lambda batch, hidden, topk: run_mtp(_aligned_keys(batch, width), hidden, topk)
         with self._compiling_phase("warm-up") as phase:
             # under speculation the MTP layer catches up after every prefill: its uncaptured path is warmed up too
             shapes = self._warm_up_uncaptured(StepKind.DRAFT_EXTEND in graphs.shapes, warm_up_tokens)
@@ -396,7 +404,17 @@ class ModelRunner:
         # first bucket traced to it, and every other bucket would compile again.
         for t in self.attn.persistent_tensors():
             torch._dynamo.mark_static(t)
-        layer = torch.compile(call_layer, dynamic=True, fullgraph=True, backend=compile_backend)
+        # Inductor's runtime autotuning of pointwise kernels (up to 6 configs each, timed at first launch) was
+        # 90 of a cold start's 240 s on an H200 (benchmarks/STARTUP.md); reductions keep theirs.
+        options = {"triton.autotune_pointwise": False} if compile_backend == "inductor" else None
+        compiled = torch.compile(call_layer, dynamic=True, fullgraph=True, backend=compile_backend, options=options)
+
+        def layer(*args):
+            # Duck sizing would tie sizes that are merely equal at the first trace (the batch and DeepGEMM's
+            # block-table width, both 64 at the largest bucket) into one symbol: a guard every other batch fails.
+            with torch.fx.experimental._config.patch(use_duck_shape=False):
+                return compiled(*args)
+
         self.compiled = True
         logger.info("torch.compile (%s): one decoder layer per layer kind, reused by every layer", compile_backend)
 
