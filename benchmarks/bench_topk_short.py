@@ -8,8 +8,11 @@ For batch 1..64 x width 2048..16384 it times, per call (a graph holding `--inner
 `--replays` times; the median replay over `--inner`; inputs stay in L2, as the indexer's logits do in a decode step;
 random normal logits, every position visible, so at width 2048 = k every kernel takes the whole row):
 - register: `topk_slots(method="register")`, one launch, the row held in registers (widths up to
-  REGISTER_MAX_BLOCK), at its default (RADIX_BITS, num_warps); with --variants (default on), also every
-  RADIX_BITS in (2, 8) x num_warps in (4, 8, 16, 32) that gives 4 to 64 keys a thread;
+  REGISTER_MAX_BLOCK), at its default (RADIX_BITS, num_warps) and tiles (`register_tiles_for`); with --variants
+  (default on), also every RADIX_BITS in (2, 8) x num_warps in (4, 8, 16, 32) that gives 4 to 64 keys a thread;
+- register one block: where the default tiles are two (a HEAD and a TAIL tile), the same select over one
+  power-of-two block (`register_tiles=(P, 0)`, what served such widths before the tail tile): old vs new side by
+  side;
 - split: `topk_slots(method="split")` at the default programs per row (`split_chunks`; 1 past few rows);
 - rows: `topk_slots(method="rows")`, one program per row re-reading the row each pass;
 - torch: `torch_topk_slots`; and what `fastest_topk_slots` (the served op) picks by default.
@@ -31,7 +34,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
-WIDTHS = (2048, 4096, 8192, 16384)
+# Powers of two, and widths just past one (a 4096 context plus decode tokens: 4160), which the register select holds
+# in two tiles (`topk.register_tiles_for`).
+WIDTHS = (2048, 2100, 4096, 4160, 5120, 8192, 8300, 10240, 16384)
 TOPK = 2048
 
 
@@ -127,8 +132,12 @@ def main() -> int:
                          "split_chunks": topk.split_chunks(batch, width, dev), "us": {}, "errors": {}}
             kwargs = {"split": dict(method="split"), "rows": dict(method="rows")}
             if block <= topk.REGISTER_MAX_BLOCK:
-                row["register_default"] = [topk.REGISTER_RADIX_BITS, topk.register_warps(block)]
+                head, tail = topk.register_tiles_for(width, TOPK)
+                row["register_default"] = [topk.REGISTER_RADIX_BITS, topk.register_warps(head + tail)]
+                row["register_tiles"] = [head, tail]
                 kwargs["register"] = dict(method="register")
+                if tail:
+                    kwargs["register one block"] = dict(method="register", register_tiles=(block, 0))
                 for bits, warps in register_variants(block) if args.variants else []:
                     kwargs[f"register b{bits} w{warps}"] = dict(method="register", register_config=(bits, warps))
             paths = {name: (lambda kw=kw: topk.topk_slots(logits, TOPK, r2t, rows, **kw))
@@ -175,9 +184,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"Top-k k={meta['k']}, us per call in CUDA graphs (median of {meta['replays']} replays of "
              f"{meta['inner']} calls), {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
              f"{meta['date']}, commit {meta['commit']}.", "",
-             "| batch | width | register | best register (bits, warps) | split (programs/row) | rows | torch.topk "
-             "| served (picks) | split / register |",
-             "|---:|---:|---:|---|---:|---:|---:|---|---:|"]
+             "| batch | width | register (tiles) | register one block | best register (bits, warps) "
+             "| split (programs/row) | rows | torch.topk | served (picks) | split / register |",
+             "|---:|---:|---:|---:|---|---:|---:|---:|---|---:|"]
 
     def us(r: dict, name: str) -> str:
         return f"{r['us'][name]:.1f}" if name in r["us"] else ("error" if name in r["errors"] else "-")
@@ -187,7 +196,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
         best_s = f"{r['us'][best]:.1f} ({best.removeprefix('register ')})" if best else "-"
         ratio = (f"{r['us']['split'] / r['us']['register']:.2f}x" if "register" in r["us"] and "split" in r["us"]
                  else "-")
-        lines.append(f"| {r['batch']} | {r['width']} | {us(r, 'register')} | {best_s} | {us(r, 'split')} "
+        tiles = "+".join(str(t) for t in r.get("register_tiles", []) if t)
+        lines.append(f"| {r['batch']} | {r['width']} | {us(r, 'register')} ({tiles or '-'}) "
+                     f"| {us(r, 'register one block')} | {best_s} | {us(r, 'split')} "
                      f"({r['split_chunks']}) | {us(r, 'rows')} | {us(r, 'torch')} | {us(r, 'served')} "
                      f"({r['served_picks']}) | {ratio} |")
     return "\n".join(lines)

@@ -222,15 +222,16 @@ def _act_rounded(x: torch.Tensor) -> torch.Tensor:
     return (q.float() * s.repeat_interleave(128, 1)[:, : x.shape[-1]]).view(x.shape).to(x.dtype)
 
 
-def _twin_linear_forward(self, x):
+# The twin is high precision: its norms quantise nothing, so x_quantized is always None here.
+def _twin_linear_forward(self, x, x_quantized=None):
     return _linear_forward(self, _act_rounded(x) if self.quantizable else x)
 
 
-def _twin_fused_forward(self, x):
+def _twin_fused_forward(self, x, x_quantized=None):
     return _fused_forward(self, _act_rounded(x))
 
 
-def _twin_experts_forward(self, x, ids, weights):
+def _twin_experts_forward(self, x, ids, weights, x_quantized=None):
     """Each token's chosen experts one by one (dequantised weights), inputs of both GEMMs rounded as w8a8 does."""
     inter = self.gate_up_proj.shape[1] // 2
     out = torch.zeros_like(x)

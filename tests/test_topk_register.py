@@ -93,6 +93,70 @@ def test_register_long_rows_default_config(width):
         _check_against_reference(logits, 2048, r2t, rows, slots, pos)
 
 
+def test_register_tiles_rule():
+    """One power-of-two block, or (P/2, P/8) where the row passes P/2 by at most P/8; few variants at k = 2048."""
+    rule = topk_mod.register_tiles_for
+    assert rule(4096, 2048) == (4096, 0) and rule(4097, 2048) == (4096, 1024) and rule(4160, 2048) == (4096, 1024)
+    assert rule(5120, 2048) == (4096, 1024) and rule(5121, 2048) == (8192, 0) and rule(8192, 2048) == (8192, 0)
+    assert rule(100, 2048) == (2048, 0) and rule(2049, 2048) == (2048, 512) and rule(8193, 2048) == (8192, 2048)
+    assert rule(1, 16) == (256, 0) and rule(257, 16) == (256, 64)
+    variants = {rule(w, 2048) for w in range(1, topk_mod.REGISTER_MAX_BLOCK + 1)}
+    assert variants == {(2048, 0), (2048, 512), (4096, 0), (4096, 1024), (8192, 0), (8192, 2048), (16384, 0)}
+    for w in range(1, topk_mod.REGISTER_MAX_BLOCK + 1, 37):
+        head, tail = rule(w, 2048)
+        assert head + tail >= w and head + tail <= topk_mod.REGISTER_MAX_BLOCK
+
+
+@in_this_process
+@pytest.mark.parametrize("radix_bits", [2, 8])
+@pytest.mark.parametrize("width,k,tiles", [
+    (4160, 2048, None), (5120, 2048, None), (4097, 2048, None),  # the default (4096, 1024) tiles
+    (300, 16, (256, 64)), (257, 16, (256, 64)), (256, 16, (256, 64)),  # the tail empty, one lane, full
+    (300, 200, (128, 256)), (200, 150, (128, 128)),  # k above HEAD; a tail as wide as the head
+    (2100, 2048, (2048, 512)), (3000, 2048, (2048, 2048)),
+])
+def test_register_two_tiles_match_reference(radix_bits, width, k, tiles):
+    """Rows held as a HEAD and a TAIL tile: the threshold counted over both, ties across the seam taken from the
+    lowest positions, output in position order (positions in the tail after the head's)."""
+    logits, r2t, rows = _case(width * 3 + k, width)
+    slots, pos = topk_mod.topk_slots(logits, k, r2t, rows, method="register", register_config=(radix_bits, 4),
+                                     register_tiles=tiles)
+    _check_against_reference(logits, k, r2t, rows, slots, pos)
+    one_slots, one_pos = topk_mod.topk_slots(logits, k, r2t, rows, method="register",
+                                             register_config=(radix_bits, 4),
+                                             register_tiles=(max(256, 1 << (max(width, k) - 1).bit_length()), 0))
+    assert torch.equal(pos, one_pos) and torch.equal(slots, one_slots)
+
+
+@in_this_process
+@pytest.mark.parametrize("radix_bits", [2, 8])
+def test_register_two_tiles_ties_across_the_seam(radix_bits):
+    """Equal keys on both sides of the HEAD | TAIL seam: the head's are taken first, then the tail's up to k."""
+    width, k, head, tail = 300, 100, 256, 64
+    logits = torch.full((3, width), float("-inf"))
+    logits[0, 200:] = 1.0  # 100 equal values: 56 in the head, 44 in the tail, all taken
+    logits[1, 220:] = 1.0  # 80 equal, 36 + 44 ...
+    logits[1, :30] = torch.arange(30).float() - 100.0  # ... and 20 of these 30 smaller ones: the largest 20
+    logits[2, :20] = 2.0  # 20 above 100 equal ones straddling the seam (200-299): the lowest 80 of those
+    logits[2, 200:] = 1.0
+    r2t = torch.arange(width, dtype=torch.int32).view(1, width) * 3 + 5
+    rows = torch.zeros(3, dtype=torch.long)
+    slots, pos = topk_mod.topk_slots(logits, k, r2t, rows, method="register", register_config=(radix_bits, 4),
+                                     register_tiles=(head, tail))
+    assert pos[0].tolist() == list(range(200, 300))
+    assert pos[1].tolist() == list(range(10, 30)) + list(range(220, 300))
+    assert pos[2].tolist() == list(range(20)) + list(range(200, 280))
+    assert torch.equal(slots, r2t[0, pos.long()])
+
+
+@in_this_process
+def test_register_tiles_refused_when_they_do_not_hold_the_row():
+    logits, r2t, rows = _case(1, 300)
+    for tiles in ((256, 32), (256, 48), (200, 128)):  # too narrow; not powers of two
+        with pytest.raises(ValueError, match="register tiles"):
+            topk_mod.topk_slots(logits, 16, r2t, rows, method="register", register_tiles=tiles)
+
+
 def _lowest_ties(logits: torch.Tensor, k: int) -> list[list[int]]:
     """Per row: the k largest visible positions, equal values taken from the lowest position up, in position order."""
     out = []
@@ -182,13 +246,13 @@ from triton.compiler import ASTSource
 from minidsa.kernels import topk
 sig = {"logits_ptr": "*fp32", "r2t_ptr": "*i32", "rows_ptr": "*i64", "slots_ptr": "*i32", "pos_ptr": "*i32",
        "width": "i32", "k": "i32", "stride_l": "i32", "stride_r2t": "i32", "stride_o": "i32",
-       "BLOCK": "constexpr", "RADIX_BITS": "constexpr"}
-for block in (4096, topk.REGISTER_MAX_BLOCK):
+       "HEAD": "constexpr", "TAIL": "constexpr", "RADIX_BITS": "constexpr"}
+for head, tail in ((4096, 0), (4096, 1024), (8192, 2048), (topk.REGISTER_MAX_BLOCK, 0)):
     for bits in (2, 8):
-        src = ASTSource(topk._register_topk_kernel, sig, constexprs={"BLOCK": block, "RADIX_BITS": bits})
-        options = {"num_warps": topk.register_warps(block)}
+        src = ASTSource(topk._register_topk_kernel, sig, constexprs={"HEAD": head, "TAIL": tail, "RADIX_BITS": bits})
+        options = {"num_warps": topk.register_warps(head + tail)}
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-        assert kernel.asm["cubin"], (block, bits)
+        assert kernel.asm["cubin"], (head, tail, bits)
 print("compiled")
 """
 

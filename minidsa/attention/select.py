@@ -30,7 +30,11 @@ What the choice says, per kernel:
   the contiguous grouped GEMM (per call, from `deepgemm.moe_contiguous_wins`), else what the op runs on the
   device: the Triton fused MoE on CUDA, the reference elsewhere;
 - router (the MoE router's selection after its gate GEMM): one Triton launch (kernels/router.py) wherever Triton
-  runs and the model's experts and groups are powers of two (`router.supported`), else the torch reference.
+  runs and the model's experts and groups are powers of two (`router.supported`), else the torch reference;
+- norm_quant (an RMSNorm whose output FP8 linears read, with the residual add before it where there is one): the
+  norm and the FP8 quantisation of its output in one Triton launch (kernels/norm_quant.py), which the GEMMs read
+  where they would quantise in a launch of their own, wherever Triton runs and the FP8 linears are not the torch
+  reference (which quantises for itself); else the torch norm (`models.deepseek_v32.set_norm_quant`).
 
 Per-shape decisions stay inside the custom ops, from pure functions of the concrete sizes: compiled code sees
 the choice as constants and gets no guards. Nothing here is called from a traced step.
@@ -64,6 +68,7 @@ IMPLS = MappingProxyType({
     "fp8_gemm": ("torch", "triton", "deepgemm"),
     "moe_gemm": ("torch", "triton", "deepgemm"),
     "router": ("torch", "triton"),
+    "norm_quant": ("torch", "triton"),
 })
 DSA_OPS = ("store_index_k", "index_logits", "topk", "sparse_mla", "kv_move", "store_mla")
 # How each decision is named in the start-up log.
@@ -78,6 +83,7 @@ LABELS = MappingProxyType({
     "fp8_gemm": "FP8 linear",
     "moe_gemm": "MoE experts",
     "router": "MoE router",
+    "norm_quant": "RMSNorm + FP8 input quantisation",
 })
 SERVED = MappingProxyType({  # what an implementation does for a kernel, where it is more than its name
     ("index_logits", "deepgemm"): "DeepGEMM where measured faster, else Triton",
@@ -105,6 +111,7 @@ class KernelChoice:
     fp8_gemm: str = "torch"  # the FP8 linears (layers.linear.GEMMS)
     moe_gemm: str = "torch"  # the routed experts' fused MoE op ("deepgemm": its grouped GEMMs where faster)
     router: str = "torch"  # the MoE router's selection (models.deepseek_v32.set_router)
+    norm_quant: str = "torch"  # RMSNorm + FP8 quantisation of its output (models.deepseek_v32.set_norm_quant)
 
     def __post_init__(self):
         for name, impl in self.__dict__.items():
@@ -209,12 +216,14 @@ def select_kernels(device: torch.device | str, kernel_backend: str = "auto", use
     index, index_why = _index_logits(device, use_deep_gemm, indexer)
     sparse, sparse_why = _sparse_mla(device, use_flash_mla)
     route_why = router_kernel.supported(router.n_experts, router.n_group) if router is not None else None
+    norm_quant_why = "the FP8 linears are the torch reference" if fp8_gemm == "torch" else None
     choice = KernelChoice(store_index_k="triton", index_logits=index, topk=env.topk, sparse_mla=sparse,
                           kv_move="triton", store_mla="triton", sample=env.sample, fp8_gemm=fp8_gemm,
-                          moe_gemm=moe_gemm, router="torch" if route_why else "triton")
+                          moe_gemm=moe_gemm, router="torch" if route_why else "triton",
+                          norm_quant="torch" if norm_quant_why else "triton")
     why = dict.fromkeys(IMPLS, triton_why)
     why.update(index_logits=index_why, sparse_mla=sparse_why, fp8_gemm=fp8_why, moe_gemm=moe_why,
-               router=route_why or triton_why,
+               router=route_why or triton_why, norm_quant=norm_quant_why or triton_why,
                topk="MINIDSA_TOPK" if "MINIDSA_TOPK" in os.environ else triton_why,
                sample="MINIDSA_SAMPLE" if "MINIDSA_SAMPLE" in os.environ else triton_why)
     _log(choice, why)

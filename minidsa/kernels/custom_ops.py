@@ -22,7 +22,7 @@ from torch import Tensor
 
 from minidsa.kernels import deepgemm, flashmla, fp8_gemm as fp8_gemm_mod, fused_moe as fused_moe_mod, indexer
 from minidsa.kernels import kv_move as kv_move_mod, log_once, mla_store, reference, sparse_mla as sparse_mla_mod
-from minidsa.kernels import router as router_mod, topk as topk_mod
+from minidsa.kernels import norm_quant as norm_quant_mod, router as router_mod, topk as topk_mod
 from minidsa.kernels.optional_lib import LibraryCallFailed
 
 logger = logging.getLogger(__name__)
@@ -194,11 +194,15 @@ def kv_move(
     kv_move_mod.kv_move(mla_buffer, index_buffer, src, dst, page_size, index_head_dim)
 
 
+def _act(x_q: Optional[Tensor], x_scale: Optional[Tensor]) -> Optional[tuple[Tensor, Tensor]]:
+    return None if x_q is None or x_scale is None else (x_q, x_scale)
+
+
 @torch.library.custom_op("minidsa::fused_moe", mutates_args=())
 def fused_moe(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
     gate_up_scale_inv: Optional[Tensor] = None, down_scale_inv: Optional[Tensor] = None, use_deep_gemm: bool = False,
-    has_skipped: bool = False,
+    has_skipped: bool = False, x_q: Optional[Tensor] = None, x_scale: Optional[Tensor] = None,
 ) -> Tensor:
     """Routed experts for any token count (minidsa.kernels.fused_moe): the torch reference on CPU.
 
@@ -206,6 +210,9 @@ def fused_moe(
     DeepGEMM's contiguous grouped GEMMs are measured faster (`deepgemm.moe_contiguous_wins`) run through them;
     every other call, and one they do not take or fail, runs the Triton fused MoE. `has_skipped`: topk_ids may hold
     `fused_moe.SKIP` (-1: an expert of another rank); those pairs add nothing (the reference always allows it).
+    (x_q, x_scale): x already quantised per token per 128 channels (the norm before it, `rmsnorm_quant`), which the
+    Triton fused MoE's first GEMM reads instead of quantising x; the reference and DeepGEMM quantise x themselves
+    (the same values).
     """
     return fused_moe_mod.fused_moe_reference(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv,
                                              down_scale_inv)
@@ -213,7 +220,7 @@ def fused_moe(
 
 @fused_moe.register_kernel("cuda")
 def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv=None, down_scale_inv=None,
-      use_deep_gemm=False, has_skipped=False):
+      use_deep_gemm=False, has_skipped=False, x_q=None, x_scale=None):
     # Tiles (and DeepGEMM or Triton) are picked inside on the concrete token count: compiled graphs see one
     # opaque op, no guards.
     if use_deep_gemm and deepgemm.moe_contiguous_wins(*topk_ids.shape, gate_up_proj.shape[0]):
@@ -226,26 +233,29 @@ def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv=None
             if out is not None:
                 return out
     return fused_moe_mod.fused_moe_triton(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv,
-                                          down_scale_inv, has_skipped=has_skipped)
+                                          down_scale_inv, has_skipped=has_skipped, act=_act(x_q, x_scale))
 
 
 @fused_moe.register_fake
 def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv=None, down_scale_inv=None,
-      use_deep_gemm=False, has_skipped=False):
+      use_deep_gemm=False, has_skipped=False, x_q=None, x_scale=None):
     return x.new_empty(x.shape[0], gate_up_proj.shape[2])
 
 
 @torch.library.custom_op("minidsa::fp8_linear", mutates_args=())
-def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, use_deep_gemm: bool) -> Tensor:
+def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, use_deep_gemm: bool, x_q: Optional[Tensor] = None,
+               x_scale: Optional[Tensor] = None) -> Tensor:
     """x [M, K] @ e4m3 weight [N, K]^T with 128x128 block scales, w8a8 (layers.linear). Tiles chosen by M inside.
 
     With `use_deep_gemm` (`KernelChoice.fp8_gemm`, given to the layers at model build), DeepGEMM's fp8_gemm_nt
     where it is measured faster (`deepgemm.fp8_gemm_wins`); a call it does not take, or fails, runs the Triton
-    kernel.
+    kernel. (x_q, x_scale): x already quantised per token per 128 channels (the norm before it, `rmsnorm_quant`),
+    read where the GEMM would quantise x in a launch of its own (the Triton GEMM above decode sizes, DeepGEMM).
     """
+    act = _act(x_q, x_scale)
     if use_deep_gemm and deepgemm.fp8_gemm_wins(x.shape[0], weight.shape[0], weight.shape[1]):
         try:
-            out = deepgemm.fp8_gemm_nt(deepgemm.library(), x, weight, scale_inv)
+            out = deepgemm.fp8_gemm_nt(deepgemm.library(), x, weight, scale_inv, act)
         except LibraryCallFailed as e:
             _error_once(f"DeepGEMM {e}; the Triton FP8 GEMM serves each call it fails")
         else:
@@ -253,12 +263,42 @@ def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, use_deep_gemm: bool
                 return out
             _warn_once(f"FP8 linear: Triton GEMM serves {tuple(x.shape)} x {tuple(weight.shape)} "
                        "(DeepGEMM: a shape or dtype it does not take)")
-    return fp8_gemm_mod.w8a8_block_gemm(x, weight, scale_inv)
+    return fp8_gemm_mod.w8a8_block_gemm(x, weight, scale_inv, act=act)
 
 
 @fp8_linear.register_fake
-def _(x, weight, scale_inv, use_deep_gemm):
+def _(x, weight, scale_inv, use_deep_gemm, x_q=None, x_scale=None):
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("minidsa::rmsnorm_quant", mutates_args=())
+def rmsnorm_quant(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """RMSNorm of x and its FP8 per-token-group quantisation in one Triton launch (kernels/norm_quant.py):
+    (normed, e4m3, fp32 scales), `reference.rmsnorm_quant`."""
+    _, normed, q, scales = norm_quant_mod.rmsnorm_quant(x, weight, eps)
+    return normed, q, scales
+
+
+@rmsnorm_quant.register_fake
+def _(x, weight, eps):
+    m, k = x.shape
+    return (x.new_empty(m, k, dtype=torch.promote_types(weight.dtype, x.dtype)),
+            x.new_empty(m, k, dtype=torch.float8_e4m3fn), x.new_empty(m, -(-k // 128), dtype=torch.float32))
+
+
+@torch.library.custom_op("minidsa::add_rmsnorm_quant", mutates_args=())
+def add_rmsnorm_quant(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """h = x + residual, RMSNorm of h and its FP8 per-token-group quantisation in one Triton launch:
+    (h, normed, e4m3, fp32 scales), `reference.rmsnorm_quant` with a residual."""
+    h, normed, q, scales = norm_quant_mod.rmsnorm_quant(x, weight, eps, residual)
+    return h, normed, q, scales
+
+
+@add_rmsnorm_quant.register_fake
+def _(x, residual, weight, eps):
+    m, k = x.shape
+    return (x.new_empty(m, k), x.new_empty(m, k, dtype=torch.promote_types(weight.dtype, x.dtype)),
+            x.new_empty(m, k, dtype=torch.float8_e4m3fn), x.new_empty(m, -(-k // 128), dtype=torch.float32))
 
 
 @torch.library.custom_op("minidsa::route", mutates_args=())

@@ -340,22 +340,28 @@ def gemm_row_classes(max_rows: int) -> list[int]:
     return classes
 
 
-def run_fp8_gemm(module: ModuleType, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+def run_fp8_gemm(module: ModuleType, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                 act: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`module.fp8_gemm_nt` on x [M, K] bf16 and an e4m3 weight, run with `gemm_rows(M)` rows (the padding rows'
     outputs are never read); raises what DeepGEMM raises. The one way minidsa calls it, so the start-up JIT
-    (`DeepGEMM.warm_up_fp8_gemms`, `deepgemm_jit`'s worker processes) compiles exactly the kernels serving asks for."""
+    (`DeepGEMM.warm_up_fp8_gemms`, `deepgemm_jit`'s worker processes) compiles exactly the kernels serving asks for.
+    `act`: x already quantised (e4m3 [M, K], fp32 scales [M, K/128]), used when M is its own row class (no
+    padding rows to add); otherwise x is quantised here into `gemm_rows(M)` rows."""
     from minidsa.kernels.fp8_gemm import quant_act
 
     m = x.shape[0]
     rows = gemm_rows(m)
-    xq, xs = quant_act(x.contiguous(), rows)
+    if act is not None and rows == m and act[0].is_contiguous() and act[1].is_contiguous():
+        xq, xs = act
+    else:
+        xq, xs = quant_act(x.contiguous(), rows)
     out = torch.empty(rows, weight.shape[0], dtype=torch.bfloat16, device=x.device)
     module.fp8_gemm_nt((xq, xs), (weight, scale_inv.float()), out)
     return out[:m]
 
 
-def fp8_gemm_nt(module: ModuleType, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
-                ) -> torch.Tensor | None:
+def fp8_gemm_nt(module: ModuleType, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                act: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """x [M, K] bf16 @ weight^T through DeepGEMM; None when it does not take this call (the caller runs Triton),
     LibraryCallFailed when it fails. Runs `gemm_rows(M)` rows (`run_fp8_gemm`)."""
     if x.dtype != torch.bfloat16 or x.shape[0] == 0:
@@ -363,7 +369,7 @@ def fp8_gemm_nt(module: ModuleType, x: torch.Tensor, weight: torch.Tensor, scale
     if x.shape[1] % 128 or weight.shape[0] % 64:
         return None  # DeepGEMM's TMA tiles want K in whole 128-blocks and N in 64s
     try:
-        return run_fp8_gemm(module, x, weight, scale_inv)
+        return run_fp8_gemm(module, x, weight, scale_inv, act)
     except Exception as e:  # a build whose contract differs: never fail the step for it
         raise failed("fp8_gemm_nt", e) from e
 

@@ -161,8 +161,13 @@ def quant_act(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, t
 
 
 def w8a8_block_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-                    tiles: GemmTiles | None = None) -> torch.Tensor:
-    """x [M, K] (bf16 / fp16 / fp32) @ e4m3 weight [N, K]^T with scales [ceil(N/128), ceil(K/128)] -> [M, N] x.dtype."""
+                    tiles: GemmTiles | None = None,
+                    act: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x [M, K] (bf16 / fp16 / fp32) @ e4m3 weight [N, K]^T with scales [ceil(N/128), ceil(K/128)] -> [M, N] x.dtype.
+
+    `act`: x already quantised (`quant_act`'s values: e4m3 [M, K], fp32 scales [M, ceil(K/128)], say by the norm
+    before it, `norm_quant.rmsnorm_quant`), used where the tiles quantise outside the GEMM; tiles that quantise
+    inside (decode sizes) read x."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"w8a8_block_gemm: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply")
     if weight.dtype != FP8_DTYPE:
@@ -179,6 +184,11 @@ def w8a8_block_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tens
     tiles = tiles or pick_tiles(m, n, k, _sm_count(x.device))
     if tiles.fuse_act_quant:
         a, a_scale = x, scale_inv  # a_scale is unused (quantised inside); any valid pointer
+    elif act is not None:
+        a, a_scale = act[0][:m], act[1][:m]
+        if a.stride(1) != 1 or a_scale.stride(1) != 1 or a_scale.shape != (m, num_kb):
+            raise ValueError(f"w8a8_block_gemm: quantised activations {tuple(a.shape)} + scales "
+                             f"{tuple(a_scale.shape)} do not fit x {tuple(x.shape)}")
     else:
         a, a_scale = quant_act(x)
     kb_per_split = -(-num_kb // tiles.split_k)

@@ -443,11 +443,14 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                      gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                      gate_up_scale_inv: torch.Tensor | None = None, down_scale_inv: torch.Tensor | None = None,
                      config: TileConfig | None = None, max_chunk_tokens: int = MAX_CHUNK_TOKENS,
-                     has_skipped: bool = False) -> torch.Tensor:
+                     has_skipped: bool = False, act: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> torch.Tensor:
     """The fused MoE through the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1); tiles by token count.
 
     `has_skipped`: topk_ids may hold SKIP (-1, an expert of another rank under expert parallelism); those pairs
-    get no GEMM rows and add nothing (their per-pair rows start at zero)."""
+    get no GEMM rows and add nothing (their per-pair rows start at zero). `act`: FP8 experts' input x already
+    quantised (e4m3 [T, H], fp32 scales [T, ceil(H/128)]: `fp8.quant_act_per_token_group`'s values, e.g. from the
+    norm before it, `norm_quant.rmsnorm_quant`); the gate/up GEMM reads it instead of quantising x again."""
     check_inputs(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv)
     num_tokens, top_k = topk_ids.shape
     hidden = x.shape[1]
@@ -457,7 +460,8 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         return torch.cat([
             fused_moe_triton(x[s:s + max_chunk_tokens], topk_ids[s:s + max_chunk_tokens],
                              topk_weights[s:s + max_chunk_tokens], gate_up_proj, down_proj, gate_up_scale_inv,
-                             down_scale_inv, config, max_chunk_tokens, has_skipped)
+                             down_scale_inv, config, max_chunk_tokens, has_skipped,
+                             None if act is None else (act[0][s:s + max_chunk_tokens], act[1][s:s + max_chunk_tokens]))
             for s in range(0, num_tokens, max_chunk_tokens)
         ])
     n_experts, two_i, _ = gate_up_proj.shape
@@ -476,7 +480,13 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     mid = None if cfg.split_gate_up else torch.empty(blocks.num_pairs, inter, dtype=x.dtype, device=x.device)
     # FP8: each GEMM's input quantised once, per row per 128 channels (fp8.quant_act_per_token_group's values),
     # not in every N-block's program: at prefill sizes that re-quantisation cost 20x the GEMM.
-    a, a_scale = quant_act(x) if is_fp8 else (x, route_w)
+    if is_fp8 and act is not None:
+        a, a_scale = act
+        if a.shape != x.shape or a_scale.shape != (num_tokens, -(-hidden // fp8.FP8_BLOCK)) or a.stride(-1) != 1:
+            raise ValueError(f"fused_moe: quantised input {tuple(a.shape)} + scales {tuple(a_scale.shape)} do not "
+                             f"fit x {tuple(x.shape)}")
+    else:
+        a, a_scale = quant_act(x) if is_fp8 else (x, route_w)
     per_pair = (torch.zeros if has_skipped else torch.empty)(blocks.num_pairs, hidden, dtype=x.dtype, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     launch = dict(GROUP_M=cfg.group_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

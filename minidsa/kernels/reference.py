@@ -19,6 +19,8 @@ import functools
 
 import torch
 
+from minidsa.kernels.fp8 import quant_act_per_token_group
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _QUERY_BLOCK = 256
 
@@ -289,3 +291,21 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, to
     if norm:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return ids, weights * scaling
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The models' RMSNorm: normalised in fp32, rounded to x's dtype, then times the weight (in their promoted
+    dtype)."""
+    dtype = x.dtype
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+
+def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm of x (+ residual, the sum in x's dtype) and its FP8 quantisation for a w8a8 GEMM:
+    (sum or None, normed [T, K], e4m3 [T, K], fp32 scales [T, ceil(K/128)] as `fp8.quant_act_per_token_group`)."""
+    h = x + residual if residual is not None else None
+    normed = rms_norm(h if h is not None else x, weight, eps)
+    q, scales = quant_act_per_token_group(normed)
+    return h, normed, q, scales

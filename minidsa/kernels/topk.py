@@ -13,7 +13,8 @@ Two implementations of `reference.topk_slots`' contract (slots and positions
     single long row does not leave the rest of the GPU idle;
   - rows no wider than `REGISTER_MAX_WIDTH` (few rows: `REGISTER_FEW_ROWS_MAX_WIDTH`; "register",
     `register_select_wins`): one launch, one program per row holding the whole
-    row in registers (read from memory once); the k-th largest key comes from
+    row in registers (read from memory once; one power-of-two tile, or two where
+    that holds the row in fewer lanes: `register_tiles_for`); the k-th largest key comes from
     16 two-bit search steps over those registers (each one `tl.sum` of three
     packed counts; or 4 `tl.histogram` byte passes), then one `tl.cumsum`
     places the taken positions.
@@ -152,24 +153,74 @@ def _topk_kernel(
 
 
 @triton.jit
+def _tile_keys(row_ptr, first, width, SIZE: tl.constexpr):
+    """Positions [first, first + SIZE) of a row and their orderable keys (-inf past the row: never visible)."""
+    pos = first + tl.arange(0, SIZE)
+    return pos, _orderable(tl.load(row_ptr + pos, mask=pos < width, other=float("-inf")))
+
+
+@triton.jit
+def _packed_at_or_above(key, thr, SHIFT: tl.constexpr):
+    """One tl.sum of three counts packed in 21-bit fields of an int64: keys >= thr | (1, 2, 3) << SHIFT."""
+    one = tl.full((), 1, tl.int64)
+    f2 = one + (one << 21)
+    f3 = f2 + (one << 42)
+    packed = tl.where(key >= (thr | (3 << SHIFT)), f3,
+                      tl.where(key >= (thr | (2 << SHIFT)), f2, tl.where(key >= (thr | (1 << SHIFT)), one, 0)))
+    return tl.sum(packed, axis=0)
+
+
+@triton.jit
+def _byte_histogram(key, prefix, P: tl.constexpr):
+    """Histogram of the byte at 24 - 8 * P of the keys whose higher bytes equal `prefix` (others in bin 0:
+    `_pick_bin` never counts bin 0 into k_rem, and bin 0's keys-at-or-above (all keys) passes the k_rem test)."""
+    digit = ((key >> (24 - 8 * P)) & 255).to(tl.int32)
+    if P > 0:
+        digit = tl.where((key >> (32 - 8 * P)) == prefix, digit, 0)
+    return tl.histogram(digit, 256)
+
+
+@triton.jit
+def _store_taken(key, pos, visible, thr, need_eq, base, r2t_row, out_slots, out_pos):
+    """Write this tile's taken positions (keys above thr, and keys equal to it while fewer than need_eq were taken
+    before) after the `base` ones of the tiles before it. `base` packs their counts of keys above thr (low 16 bits)
+    and equal to it (high bits); returns it with this tile's added."""
+    gt = visible & (key > thr)
+    eq = visible & (key == thr)
+    # One scan for both running counts, inclusive.
+    cum = base + tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
+    n_eq = cum >> 16
+    take = gt | (eq & (n_eq <= need_eq))  # ties: the lowest positions
+    dst = (cum & 0xFFFF) + tl.minimum(n_eq, need_eq) - 1
+    tl.store(out_slots + dst, tl.load(r2t_row + pos, mask=take, other=0), mask=take)
+    tl.store(out_pos + dst, pos, mask=take)
+    return base + tl.sum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
+
+
+@triton.jit
 def _register_topk_kernel(
     logits_ptr, r2t_ptr, rows_ptr, slots_ptr, pos_ptr,
     width, k, stride_l, stride_r2t, stride_o,
-    BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr,
+    HEAD: tl.constexpr, TAIL: tl.constexpr, RADIX_BITS: tl.constexpr,
 ):
-    """Row t (width <= BLOCK) loaded once into registers; every radix step and the write work on those.
+    """Row t (width <= HEAD + TAIL) loaded once into registers, as a HEAD tile and (TAIL > 0) a TAIL tile after it:
+    two powers of two cover a width like 4096 + a few decode tokens with 5120 lanes, not the 8192 of one block.
+    Every radix step and the write work on those registers; each count sums over both tiles.
 
     RADIX_BITS 2: a search for the largest key T with count(key >= T) >= k, two bits per step from the top:
-    one tl.sum counts, packed into 21-bit fields of an int64, the keys at or above T + 1, 2 and 3 << b.
+    one tl.sum per tile counts, packed into 21-bit fields of an int64, the keys at or above T + 1, 2 and 3 << b.
     RADIX_BITS 8: four tl.histogram passes of the next byte of the keys matching the prefix so far."""
     t = tl.program_id(0)
-    tl.static_assert(BLOCK <= 16384)  # counts fit the 16-bit fields of the packed cumsum below
-    offs = tl.arange(0, BLOCK)
-    x = tl.load(logits_ptr + t.to(tl.int64) * stride_l + offs, mask=offs < width, other=float("-inf"))
-    key = _orderable(x)  # lanes past the row hold -inf: never visible, below any threshold taken
+    tl.static_assert(HEAD + TAIL <= 16384)  # counts fit the 16-bit fields of the packed cumsum
+    row_ptr = logits_ptr + t.to(tl.int64) * stride_l
     neg_inf = _orderable(tl.full((), float("-inf"), tl.float32))
-    visible = key > neg_inf
-    n_valid = tl.sum(visible.to(tl.int32), axis=0)
+    pos_h, key_h = _tile_keys(row_ptr, 0, width, HEAD)
+    vis_h = key_h > neg_inf
+    n_valid = tl.sum(vis_h.to(tl.int32), axis=0)
+    if TAIL > 0:
+        pos_t, key_t = _tile_keys(row_ptr, HEAD, width, TAIL)
+        vis_t = key_t > neg_inf
+        n_valid += tl.sum(vis_t.to(tl.int32), axis=0)
     # Threshold key and how many keys equal to it to take; with <= k visible, every visible one.
     thr = neg_inf
     need_eq = tl.zeros((), tl.int32)
@@ -178,14 +229,10 @@ def _register_topk_kernel(
             # T's bits above b are final; keys >= T + (4 << b) (n_above of them) are all taken, fewer than k.
             thr = tl.zeros((), tl.uint32)
             n_above = tl.zeros((), tl.int32)
-            one = tl.full((), 1, tl.int64)
-            f2 = one + (one << 21)
-            f3 = f2 + (one << 42)
             for i in tl.static_range(16):  # b = 30 - 2 * i, a constexpr
-                packed = tl.where(key >= (thr | (3 << (30 - 2 * i))), f3,
-                                  tl.where(key >= (thr | (2 << (30 - 2 * i))), f2,
-                                           tl.where(key >= (thr | (1 << (30 - 2 * i))), one, 0)))
-                counts = tl.sum(packed, axis=0)
+                counts = _packed_at_or_above(key_h, thr, 30 - 2 * i)
+                if TAIL > 0:
+                    counts += _packed_at_or_above(key_t, thr, 30 - 2 * i)
                 n1 = (counts & 0x1FFFFF).to(tl.int32)
                 n2 = ((counts >> 21) & 0x1FFFFF).to(tl.int32)
                 n3 = (counts >> 42).to(tl.int32)
@@ -197,30 +244,22 @@ def _register_topk_kernel(
             tl.static_assert(RADIX_BITS == 8)
             k_rem = tl.zeros((), tl.int32) + k
             prefix = tl.zeros((), tl.uint32)
-            for p in tl.static_range(4):  # the byte at 24 - 8 * p
-                digit = ((key >> (24 - 8 * p)) & 255).to(tl.int32)
-                if p > 0:
-                    # Keys off the prefix land in bin 0: `_pick_bin` never counts bin 0 into k_rem, and bin 0's
-                    # keys-at-or-above (all keys) passes the k_rem test anyway.
-                    digit = tl.where((key >> (32 - 8 * p)) == prefix, digit, 0)
-                k_rem, b = _pick_bin(tl.histogram(digit, 256), k_rem, 256)
+            for p in tl.static_range(4):
+                hist = _byte_histogram(key_h, prefix, p)
+                if TAIL > 0:
+                    hist += _byte_histogram(key_t, prefix, p)
+                k_rem, b = _pick_bin(hist, k_rem, 256)
                 prefix = (prefix << 8) | b.to(tl.uint32)
             thr = prefix
             need_eq = k_rem
-    gt = visible & (key > thr)
-    eq = visible & (key == thr)
-    # One scan for both running counts: keys above (low 16 bits) and equal (high bits), inclusive.
-    cum = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
-    n_eq = cum >> 16
-    take = gt | (eq & (n_eq <= need_eq))  # ties: the lowest positions
-    dst = (cum & 0xFFFF) + tl.minimum(n_eq, need_eq) - 1
     r2t_row = r2t_ptr + tl.load(rows_ptr + t).to(tl.int64) * stride_r2t
     out_slots = slots_ptr + t.to(tl.int64) * stride_o
     out_pos = pos_ptr + t.to(tl.int64) * stride_o
-    tl.store(out_slots + dst, tl.load(r2t_row + offs, mask=take, other=0), mask=take)
-    tl.store(out_pos + dst, offs, mask=take)
+    base = _store_taken(key_h, pos_h, vis_h, thr, need_eq, tl.zeros((), tl.int32), r2t_row, out_slots, out_pos)
+    if TAIL > 0:
+        _store_taken(key_t, pos_t, vis_t, thr, need_eq, base, r2t_row, out_slots, out_pos)
     # Above k visible: the keys above thr and need_eq equal ones, exactly k.
-    _pad_tail(out_slots, out_pos, 0, BLOCK, tl.minimum(n_valid, k), k, BLOCK)
+    _pad_tail(out_slots, out_pos, 0, HEAD, tl.minimum(n_valid, k), k, HEAD)
 
 
 @triton.jit
@@ -380,6 +419,7 @@ def topk_slots(
     logits: torch.Tensor, topk: int, req_to_token: torch.Tensor, token_rows: torch.Tensor,
     config: tuple[int, int, int] | None = None, num_chunks: int | None = None, split_block: int | None = None,
     method: str | None = None, register_config: tuple[int, int] | None = None,
+    register_tiles: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton radix select: (slots [T, topk] int32, positions [T, topk] int32), -1 padded, position order.
 
@@ -388,7 +428,8 @@ def topk_slots(
     given, else the register select where `register_select_wins`, else `split_chunks`.
     `num_chunks`: programs per row (default `split_chunks`; 1 runs the one-program-per-row kernel with
     `config`); `split_block` overrides the split kernels' block (tests: several chunks on short rows);
-    `register_config`: (RADIX_BITS, num_warps) of the register select."""
+    `register_config`: (RADIX_BITS, num_warps) of the register select; `register_tiles`: its (HEAD, TAIL) tiles
+    (default `register_tiles_for(width, topk)`; (P, 0) runs one power-of-two block, as before the tail tile existed)."""
     _check(logits, topk, token_rows)
     if method is not None and method not in TOPK_METHODS:
         raise ValueError(f"topk: method must be one of {TOPK_METHODS}, got {method!r}")
@@ -402,7 +443,7 @@ def topk_slots(
     if method is None and num_chunks is None and register_select_wins(num_tokens, width, logits.device):
         method = "register"
     if method == "register":
-        _register_topk(logits, topk, req_to_token, token_rows, slots, positions, register_config)
+        _register_topk(logits, topk, req_to_token, token_rows, slots, positions, register_config, register_tiles)
         return slots, positions
     if num_chunks is None:
         num_chunks = split_chunks(num_tokens, width, logits.device)
@@ -419,19 +460,33 @@ def topk_slots(
     return slots, positions
 
 
+def register_tiles_for(width: int, topk: int) -> tuple[int, int]:
+    """(HEAD, TAIL) register tiles of the register select for rows `width` wide: the power-of-two block P that holds
+    the row (and k: rows narrower than k share k's block), or, when the row passes P / 2 by at most P / 8, a P / 2
+    tile plus a P / 8 one (4096 + 1024 lanes for 4096 + a few decode tokens, not 8192). Widths that are powers of
+    two keep their one block; each rule adds one compiled variant per power of two (7 at k = 2048, 2048 to 16384),
+    not one per width."""
+    need = max(256, width, topk)
+    block = triton.next_power_of_2(need)
+    if need <= block // 2 + block // 8:
+        return block // 2, block // 8
+    return block, 0
+
+
 def _register_topk(logits, topk, req_to_token, token_rows, slots, positions,
-                   config: tuple[int, int] | None = None) -> None:
+                   config: tuple[int, int] | None = None, tiles: tuple[int, int] | None = None) -> None:
     num_tokens, width = logits.shape
-    # Rows narrower than k share k's block: each block is one more Triton compilation, which a served engine meets
-    # on the first prefill of a new width, not only in its warm-up.
-    block = min(REGISTER_MAX_BLOCK, max(256, triton.next_power_of_2(max(width, topk))))
     if triton.next_power_of_2(width) > REGISTER_MAX_BLOCK:
         raise ValueError(f"topk: the register select takes rows up to {REGISTER_MAX_BLOCK} wide, got {width}")
-    radix_bits, num_warps = config or (REGISTER_RADIX_BITS, register_warps(block))
+    head, tail = tiles or register_tiles_for(width, topk)
+    if head + tail < width or head & (head - 1) or tail & (tail - 1) or head + tail > REGISTER_MAX_BLOCK:
+        raise ValueError(f"topk: register tiles {(head, tail)} (powers of two, at most {REGISTER_MAX_BLOCK} lanes) "
+                         f"do not hold a {width}-wide row")
+    radix_bits, num_warps = config or (REGISTER_RADIX_BITS, register_warps(head + tail))
     _register_topk_kernel[(num_tokens,)](
         logits, req_to_token, token_rows, slots, positions,
         width, topk, logits.stride(0), req_to_token.stride(0), slots.stride(0),
-        BLOCK=block, RADIX_BITS=radix_bits, num_warps=num_warps,
+        HEAD=head, TAIL=tail, RADIX_BITS=radix_bits, num_warps=num_warps,
     )
 
 

@@ -34,10 +34,11 @@ from minidsa.attention.backend import DSABackend, IndexStep, LayerCaches
 from minidsa.exec.batch import ForwardBatch
 from minidsa.config import ModelConfig
 from minidsa.parallel.state import building_tp
-from minidsa.kernels import reference
+from minidsa.kernels import norm_quant, reference
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape
 from minidsa.kernels.fused_moe import SKIP
-from minidsa.models.layers.linear import FusedLinear, Linear, WeightLoadError, as_tensor, load_block_scaled
+from minidsa.models.layers.linear import (FusedLinear, Linear, QuantizedInput, WeightLoadError, as_tensor,
+                                          load_block_scaled)
 from minidsa.models.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, checkpoint_shard
 
 importlib.import_module("minidsa.kernels.custom_ops")  # registers torch.ops.minidsa.* (fused_moe below)
@@ -46,16 +47,33 @@ logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
+    """`reference.rms_norm`. Where FP8 linears read the output (`set_norm_quant`, at build), `normed` and
+    `add_normed` also quantise it for them in the same Triton launch (`torch.ops.minidsa.rmsnorm_quant`)."""
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.quantizes_output = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return reference.rms_norm(x, self.weight, self.eps)
+
+    def normed(self, x: torch.Tensor) -> tuple[torch.Tensor, QuantizedInput | None]:
+        """(RMSNorm(x), its FP8 quantisation where this norm makes one, else None)."""
+        if not self.quantizes_output:
+            return self(x), None
+        normed, q, scales = torch.ops.minidsa.rmsnorm_quant(x, self.weight, self.eps)
+        return normed, (q, scales)
+
+    def add_normed(self, x: torch.Tensor, residual: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, QuantizedInput | None]:
+        """(h = residual + x, RMSNorm(h), its FP8 quantisation where this norm makes one, else None)."""
+        if not self.quantizes_output:
+            h = residual + x
+            return h, self(h), None
+        h, normed, q, scales = torch.ops.minidsa.add_rmsnorm_quant(x, residual, self.weight, self.eps)
+        return h, normed, (q, scales)
 
 
 class Rotary(nn.Module):
@@ -131,10 +149,11 @@ class Indexer(nn.Module):
         return torch.cat([rot, rest], dim=-1)
 
     def forward(self, caches: LayerCaches, x: torch.Tensor, qr: torch.Tensor, k: torch.Tensor,
-                ctx: LayerContext) -> torch.Tensor:
-        """`k` = wk(x), computed with the attention's input projections (one fused GEMV)."""
+                ctx: LayerContext, qr_quantized: QuantizedInput | None = None) -> torch.Tensor:
+        """`k` = wk(x), computed with the attention's input projections (one fused GEMV); `qr_quantized`: qr
+        quantised by q_a_layernorm (None where it makes none)."""
         num_tokens = x.shape[0]
-        q = self.wq_b(qr).view(num_tokens, self.n_heads, self.head_dim)
+        q = self.wq_b(qr, qr_quantized).view(num_tokens, self.n_heads, self.head_dim)
         q = self._rope(q, ctx.cos.unsqueeze(1), ctx.sin.unsqueeze(1))
         k = self._rope(self.k_norm(k), ctx.cos, ctx.sin)
         ctx.attn.store_index_k(caches, ctx.batch, k)
@@ -182,13 +201,14 @@ class MLAttention(nn.Module):
         self.in_proj = FusedLinear(*linears)
 
     def forward(self, x: torch.Tensor, ctx: LayerContext, prev_topk: torch.Tensor | None,
-                caches: LayerCaches) -> tuple[torch.Tensor, torch.Tensor]:
+                caches: LayerCaches, x_quantized: QuantizedInput | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x_quantized`: x quantised by the layer's input norm (None where it makes none)."""
         num_tokens = x.shape[0]
-        parts = _fused(self, "in_proj")(x)
+        parts = _fused(self, "in_proj")(x, x_quantized)
         q_in, kv = parts[0], parts[-1]
         index_k = parts[1] if len(parts) == 3 else None
-        qr = self.q_a_layernorm(q_in)
-        q = self.q_b_proj(qr).view(num_tokens, self.num_heads, self.nope + self.rope)
+        qr, qr_quantized = self.q_a_layernorm.normed(q_in)
+        q = self.q_b_proj(qr, qr_quantized).view(num_tokens, self.num_heads, self.nope + self.rope)
         q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]
         q_rope = rope_interleaved(q_rope, ctx.cos.unsqueeze(1), ctx.sin.unsqueeze(1))
 
@@ -201,7 +221,7 @@ class MLAttention(nn.Module):
                 raise RuntimeError(
                     f"layer {self.layer_id} shares the previous layer's top-k but was handed none"
                 )
-            topk = self.indexer(caches, x, qr, index_k, ctx)
+            topk = self.indexer(caches, x, qr, index_k, ctx, qr_quantized)
         else:
             topk = prev_topk
 
@@ -225,8 +245,8 @@ class MLP(nn.Module):
     def fuse(self) -> None:
         self.gate_up = FusedLinear(self.gate_proj, self.up_proj)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = _fused(self, "gate_up")(x)
+    def forward(self, x: torch.Tensor, x_quantized: QuantizedInput | None = None) -> torch.Tensor:
+        gate, up = _fused(self, "gate_up")(x, x_quantized)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -262,6 +282,24 @@ def set_router(model: nn.Module, kernel: str) -> None:
     for mod in model.modules():
         if isinstance(mod, Router):
             mod.kernel = kernel
+
+
+def set_norm_quant(model: nn.Module, kernel: str) -> list[RMSNorm]:
+    """Whether each RMSNorm feeding FP8 linears quantises its output for them in its own launch ("triton",
+    `KernelChoice.norm_quant`) or leaves it to them ("torch"), decided once at build; returns the norms that do.
+    Only norms whose width and dtype the kernel takes (`norm_quant.supported`) and that some FP8 consumer reads."""
+    if kernel not in ("torch", "triton"):
+        raise ValueError(f"norm_quant kernel {kernel!r} is not 'torch' or 'triton'")
+    fused = []
+    for layer in model.modules():
+        if not isinstance(layer, DecoderLayer):
+            continue
+        for norm, consumers in layer.norm_consumers():
+            norm.quantizes_output = (kernel == "triton" and any(c.is_fp8 for c in consumers)
+                                     and norm_quant.supported(norm.weight.shape[0], norm.weight.dtype) is None)
+            if norm.quantizes_output:
+                fused.append(norm)
+    return fused
 
 
 class Experts(nn.Module):
@@ -374,16 +412,18 @@ class Experts(nn.Module):
         scales = None if scale_inv is None else torch.cat([as_tensor(s) for _, s in halves], dim=-2)
         return weight, scales
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                x_quantized: QuantizedInput | None = None) -> torch.Tensor:
         expert_parallel = self.num_local_experts != self.n_experts
         if expert_parallel:  # global ids -> this rank's experts; another rank's: SKIP (no GEMM rows here)
             local = ids - self.first_expert
             elsewhere = (local < 0) | (local >= self.num_local_experts)
             ids = local.masked_fill(elsewhere, SKIP)
+        x_q, x_scale = x_quantized if x_quantized is not None else (None, None)
         return torch.ops.minidsa.fused_moe(x, ids, weights, self.gate_up_proj, self.down_proj,
                                            getattr(self, "gate_up_proj_scale_inv", None),
                                            getattr(self, "down_proj_scale_inv", None), self.gemm == "deepgemm",
-                                           expert_parallel)
+                                           expert_parallel, x_q, x_scale)
 
 
 class MoE(nn.Module):
@@ -398,11 +438,11 @@ class MoE(nn.Module):
         )
         self.tp = building_tp()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_quantized: QuantizedInput | None = None) -> torch.Tensor:
         ids, weights = self.gate(x)
-        y = self.experts(x, ids, weights)
+        y = self.experts(x, ids, weights, x_quantized)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
+            y = y + self.shared_experts(x, x_quantized)
         return self.tp.all_reduce(y)  # routed and shared partial sums: one all-reduce per MoE layer
 
 
@@ -415,10 +455,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, ctx: LayerContext, prev_topk: torch.Tensor | None, caches: LayerCaches):
-        a, topk = self.self_attn(self.input_layernorm(h), ctx, prev_topk, caches)
-        h = h + a
-        h = h + self.mlp(self.post_attention_layernorm(h))
+        x, x_quantized = self.input_layernorm.normed(h)
+        a, topk = self.self_attn(x, ctx, prev_topk, caches, x_quantized)
+        h, x, x_quantized = self.post_attention_layernorm.add_normed(a, h)
+        h = h + self.mlp(x, x_quantized)
         return h, topk
+
+    def norm_consumers(self) -> list[tuple[RMSNorm, list[nn.Module]]]:
+        """Each norm whose output feeds linears directly, with those linears (or routed experts)."""
+        attn, mlp = self.self_attn, self.mlp
+        indexer = [] if attn.indexer is None else [attn.indexer]
+        after_attn = ([mlp.gate_proj, mlp.up_proj] if isinstance(mlp, MLP) else
+                      [mlp.experts] + ([] if mlp.shared_experts is None else
+                                       [mlp.shared_experts.gate_proj, mlp.shared_experts.up_proj]))
+        return [(self.input_layernorm, [attn.q_a_proj, attn.kv_a_proj_with_mqa] + [i.wk for i in indexer]),
+                (attn.q_a_layernorm, [attn.q_b_proj] + [i.wq_b for i in indexer]),
+                (self.post_attention_layernorm, after_attn)]
 
 
 class SharedHead(nn.Module):

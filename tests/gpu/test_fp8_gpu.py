@@ -3,6 +3,8 @@
 - The Triton w8a8 GEMM (and DeepGEMM's fp8_gemm_nt when `deep_gemm` imports) against the torch reference
   at DeepSeek-V3.2 / GLM-5 projection shapes, for decode (M = 1, 8, 32) and prefill (M = 128, 2048) sizes.
 - The custom op inside a CUDA graph replays what it computed eagerly.
+- RMSNorm + FP8 input quantisation in one launch (kernels/norm_quant.py) at the real widths against the torch norm
+  and the GEMM's own quantisation, and the GEMMs reading it.
 - Random init of the bench-dsv32 preset (3 dense + 1 MoE layer + MTP, FP8) peaks at <= 1.1x its weights.
 - A few greedy tokens of bench-dsv32 in FP8 through the engine (eager vs CUDA graphs + compile).
 """
@@ -17,7 +19,8 @@ if not torch.cuda.is_available():
 
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from minidsa.kernels import custom_ops, deepgemm, fp8_gemm  # noqa: E402,F401
+from minidsa.kernels import custom_ops, deepgemm, fp8_gemm, norm_quant  # noqa: E402,F401
+from minidsa.kernels import reference as ref  # noqa: E402
 from minidsa.kernels.fp8 import FP8_DTYPE, quant_block, w8a8_block_matmul_reference  # noqa: E402
 
 if not isinstance(fp8_gemm._w8a8_gemm_kernel, JITFunction):
@@ -88,6 +91,64 @@ def test_fp8_linear_op_replays_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager), use_deep_gemm
+
+
+@pytest.mark.parametrize("tokens", [1, 32, 8192])
+@pytest.mark.parametrize("hidden,residual", [(7168, True), (7168, False), (1536, False), (6144, True)])
+def test_rmsnorm_quant_real_size(tokens, hidden, residual):
+    """DeepSeek-V3.2's hidden 7168 (after the attention's residual add, and the layer's input norm), its q_lora 1536,
+    GLM-5's 6144: the residual sum exact; the normed bf16 row within an ulp of the torch norm, almost all exactly;
+    e4m3 bytes and scales exactly what the GEMM's own quantisation (`fp8_gemm.quant_act`) makes of that row; the
+    w8a8 GEMM and the fused MoE reading them give what they give quantising themselves; in a CUDA graph too."""
+    g = torch.Generator(device=DEV).manual_seed(tokens + hidden)
+    x = torch.randn(tokens, hidden, device=DEV, generator=g).bfloat16()
+    res = torch.randn(tokens, hidden, device=DEV, generator=g).bfloat16() * 4 if residual else None
+    weight = (1 + 0.2 * torch.randn(hidden, device=DEV, generator=g)).bfloat16()
+    h, normed, q, s = norm_quant.rmsnorm_quant(x, weight, 1e-6, res)
+    want_h, want_normed, _, want_s = ref.rmsnorm_quant(x, weight, 1e-6, res)
+    if residual:
+        assert torch.equal(h, want_h)
+    ulp = want_normed.float().abs().clamp_min(1e-30) * torch.finfo(torch.bfloat16).eps
+    apart = (normed.float() - want_normed.float()).abs() / ulp
+    assert apart.max() <= 2 and (apart == 0).float().mean() >= 0.98, (apart.max(), (apart == 0).float().mean())
+    own_q, own_s = fp8_gemm.quant_act(normed)
+    assert torch.equal(s, own_s) and torch.equal(q.view(torch.uint8), own_q.view(torch.uint8))
+    torch.testing.assert_close(s, want_s, rtol=1e-2, atol=0)
+    wq, ws = _weights(2 * 2048, hidden)
+    for rows in sorted({tokens, min(tokens, 200)}):  # above 64 rows the GEMM quantises outside; at decode sizes inside
+        y = torch.ops.minidsa.fp8_linear(normed[:rows], wq, ws, False, q[:rows], s[:rows])
+        assert torch.equal(y, torch.ops.minidsa.fp8_linear(normed[:rows], wq, ws, False))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = (torch.ops.minidsa.add_rmsnorm_quant(x, res, weight, 1e-6) if residual else
+                 (None, *torch.ops.minidsa.rmsnorm_quant(x, weight, 1e-6)))
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(g_out[1:], (normed, q, s)):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == FP8_DTYPE else a,
+                           b.view(torch.uint8) if b.dtype == FP8_DTYPE else b)
+
+
+def test_fused_moe_reads_the_norms_quantisation():
+    """The Triton fused MoE at V3.2's per-expert shapes (hidden 7168, intermediate 2048, top 8; 16 of the 256
+    experts, to keep the random weights small), 1 and 32 tokens: handed the norm's quantisation of x, the same output
+    as quantising x itself."""
+    from minidsa.kernels.fused_moe import fused_moe_triton
+
+    g = torch.Generator(device=DEV).manual_seed(11)
+    experts, hidden, inter = 16, 7168, 2048
+    gu, gu_s = quant_block(torch.randn(experts, 2 * inter, hidden, device=DEV, generator=g) * 0.02, pow2_scale=True)
+    dn, dn_s = quant_block(torch.randn(experts, hidden, inter, device=DEV, generator=g) * 0.02, pow2_scale=True)
+    weight = torch.ones(hidden, device=DEV, dtype=torch.bfloat16)
+    for tokens in (1, 32):
+        x = torch.randn(tokens, hidden, device=DEV, generator=g).bfloat16()
+        _, normed, q, s = norm_quant.rmsnorm_quant(x, weight, 1e-6)
+        ids = torch.stack([torch.randperm(experts, device=DEV, generator=g)[:8] for _ in range(tokens)])
+        w = torch.rand(tokens, 8, device=DEV, generator=g)
+        base = fused_moe_triton(normed, ids, w, gu, dn, gu_s, dn_s)
+        assert torch.equal(fused_moe_triton(normed, ids, w, gu, dn, gu_s, dn_s, act=(q, s)), base)
+    del gu, dn
+    torch.cuda.empty_cache()
 
 
 def test_bench_preset_random_init_peaks_at_its_weights():

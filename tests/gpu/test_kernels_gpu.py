@@ -192,6 +192,38 @@ def test_topk_triton_matches_torch(shape):
     assert torch.equal(tslots.sort(1).values, want_slots.sort(1).values)
 
 
+@pytest.mark.parametrize("batch", [1, 32])
+@pytest.mark.parametrize("width", [4097, 4160, 5120, 2100, 8300, 10240])
+def test_register_topk_two_tiles_real_size(batch, width):
+    """The register select's (HEAD, TAIL) tiles (`topk.register_tiles_for`; widths just past a power of two, as a
+    4096 context plus decode tokens gives) == the reference and == one power-of-two block, in a CUDA graph too."""
+    head, tail = topk.register_tiles_for(width, TOPK)
+    assert tail > 0 and head + tail < 1 << (width - 1).bit_length()
+    g = _gen(width + batch)
+    logits = torch.randn(batch, width, device=DEV, generator=g)
+    vis = torch.randint(TOPK // 2, width + 1, (batch,), device=DEV, generator=g)
+    vis[0] = width
+    logits[torch.arange(width, device=DEV)[None] >= vis[:, None]] = float("-inf")
+    logits[-1, 4000:4300] = 0.25  # ties straddling the seam at HEAD 4096 (a row of more than k visible keys)
+    r2t = torch.randperm(batch * width + 7, device=DEV, generator=g)[: batch * width].view(batch, width).int()
+    rows = torch.arange(batch - 1, -1, -1, device=DEV)
+    slots, pos = topk.topk_slots(logits, TOPK, r2t, rows, method="register")
+    want_slots, want_pos = ref.topk_slots(logits, TOPK, r2t, rows)
+    assert torch.equal(pos.sort(1).values, want_pos.sort(1).values.int())
+    assert torch.equal(slots.sort(1).values, want_slots.sort(1).values)
+    one = topk.topk_slots(logits, TOPK, r2t, rows, method="register",
+                          register_tiles=(1 << (width - 1).bit_length(), 0))
+    assert torch.equal(pos, one[1]) and torch.equal(slots, one[0])  # ties alike: lowest positions, position order
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_slots, g_pos = topk.topk_slots(logits, TOPK, r2t, rows, method="register")
+    logits.copy_(torch.randn(batch, width, device=DEV, generator=g))
+    graph.replay()
+    want_slots, want_pos = ref.topk_slots(logits, TOPK, r2t, rows)
+    assert torch.equal(g_pos.sort(1).values, want_pos.sort(1).values.int())
+    assert torch.equal(g_slots.sort(1).values, want_slots.sort(1).values)
+
+
 @pytest.mark.parametrize("batch", [1, 8, 128])
 def test_sparse_mla_real_size(batch):
     g = _gen(10 + batch)

@@ -24,6 +24,9 @@ from minidsa.kernels.fp8 import (FP8_BLOCK, FP8_DTYPE, block_scale_shape, dequan
                                  w8a8_block_matmul_reference)
 
 GEMMS = ("torch", "triton", "deepgemm")  # torch = the reference (CPU, and the tests' oracle)
+# An input already quantised for an FP8 GEMM: (e4m3 [M, K], fp32 scales [M, ceil(K/128)]), the values
+# `fp8.quant_act_per_token_group` gives (made by the norm before the GEMM: `norm_quant.rmsnorm_quant`).
+QuantizedInput = tuple[torch.Tensor, torch.Tensor]
 
 
 class WeightLoadError(ValueError):
@@ -71,12 +74,15 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, scale_inv: 
     load_block_scaled(param.data, None, loaded, scale_inv, name or "tensor")
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, gemm: str) -> torch.Tensor:
-    """x [..., K] @ e4m3 weight [N, K]^T, w8a8 with 128-blocks, in x's dtype, by the chosen GEMM."""
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, gemm: str,
+               x_quantized: QuantizedInput | None = None) -> torch.Tensor:
+    """x [..., K] @ e4m3 weight [N, K]^T, w8a8 with 128-blocks, in x's dtype, by the chosen GEMM. `x_quantized`
+    (x as 2-D rows, already quantised) spares the GEMM quantising x where it would in a launch of its own."""
     if gemm == "torch":
         return w8a8_block_matmul_reference(x, weight, scale_inv, out_dtype=x.dtype)
     lead = x.shape[:-1]
-    y = torch.ops.minidsa.fp8_linear(x.reshape(-1, x.shape[-1]), weight, scale_inv, gemm == "deepgemm")
+    x_q, x_scale = x_quantized if x_quantized is not None else (None, None)
+    y = torch.ops.minidsa.fp8_linear(x.reshape(-1, x.shape[-1]), weight, scale_inv, gemm == "deepgemm", x_q, x_scale)
     return y.view(*lead, weight.shape[0])
 
 
@@ -117,10 +123,11 @@ class Linear(nn.Module):
         scale = None if self.weight_scale_inv is None else self.weight_scale_inv.data
         load_block_scaled(param.data, scale, loaded, scale_inv, name or "weight", self.pow2_scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_quantized: QuantizedInput | None = None) -> torch.Tensor:
+        """`x_quantized`: x already quantised for an FP8 weight (ignored by a high-precision one)."""
         if self.weight_scale_inv is None:
             return F.linear(x, self.weight)
-        return fp8_linear(x, self.weight, self.weight_scale_inv, self.gemm)
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.gemm, x_quantized)
 
     def extra_repr(self) -> str:
         kind = f"fp8 e4m3 128x128 blocks, gemm={self.gemm}" if self.is_fp8 else str(self.weight.dtype)
@@ -176,14 +183,14 @@ class FusedLinear(nn.Module):
         self.register_buffer("weight_scale_inv", scale, persistent=False)
         self.slices = tuple((start, lin.weight.shape[0]) for lin, start in zip(linears, starts))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """One output per member (views into one GEMM result)."""
+    def forward(self, x: torch.Tensor, x_quantized: QuantizedInput | None = None) -> tuple[torch.Tensor, ...]:
+        """One output per member (views into one GEMM result). `x_quantized`: as `Linear.forward`."""
         if self._separate:
-            return tuple(lin(x) for lin in self._separate)
+            return tuple(lin(x, x_quantized) for lin in self._separate)
         if self.weight_scale_inv is None:
             y = F.linear(x, self.weight)
         else:
-            y = fp8_linear(x, self.weight, self.weight_scale_inv, self.gemm)
+            y = fp8_linear(x, self.weight, self.weight_scale_inv, self.gemm, x_quantized)
         return tuple(y[..., start:start + rows] for start, rows in self.slices)
 
 

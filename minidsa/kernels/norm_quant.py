@@ -1,0 +1,98 @@
+"""RMSNorm (optionally after a residual add) and the FP8 per-token-group quantisation of its output, in one launch.
+
+`reference.rmsnorm_quant` is the contract: `h = x + residual` (rounded to x's dtype, as the model's `h = h + a`),
+`normed = weight * (h * rsqrt(mean(h^2) + eps)).to(x.dtype)` (the model's RMSNorm), and the e4m3 values + fp32
+scales `fp8.quant_act_per_token_group(normed)` gives (one scale per token per 128 channels, amax / 448).
+
+Why: an FP8 linear after a norm quantises the norm's output again: the fused MoE in a launch of its own at every
+size, the w8a8 GEMM in a launch of its own above 64 rows, DeepGEMM's GEMM always (`fp8_gemm.quant_act`). Here the
+norm's program quantises the row it already holds. The bf16 normed row is written too: the MoE router and the
+indexer's weights read it in high precision, and the Triton GEMM at decode sizes quantises inside itself from it
+(no second GEMM variant for pre-quantised input at those tiles).
+
+One program per row holds the row in registers (a power-of-two block: 7168 -> 8192 lanes, 56 groups of 128 + 8
+masked ones); the quantisation is `fp8_gemm._quant_tile`, the same code the GEMM runs on its input, so the bytes
+and scales are the GEMM's own for the same normed values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE
+from minidsa.kernels.fp8_gemm import EMULATE_CAST, _quant_tile
+from minidsa.kernels.triton_compat import tl, triton
+
+MAX_HIDDEN = 16384  # one row in one program's registers
+
+
+@triton.jit
+def _rmsnorm_quant_kernel(
+    x_ptr, res_ptr, w_ptr, sum_ptr, normed_ptr, q_ptr, s_ptr,
+    K, stride_x, stride_r, stride_sum, stride_n, stride_q, num_groups, eps,
+    BLOCK: tl.constexpr, GROUP: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE_CAST: tl.constexpr,
+):
+    m = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < K
+    x = tl.load(x_ptr + m * stride_x + offs, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        # Rounded to x's dtype before the norm reads it, as the model's `h = h + a` in bf16 is.
+        x = (x.to(tl.float32) + tl.load(res_ptr + m * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
+             ).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + m * stride_sum + offs, x, mask=ok)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
+    # The model rounds the normalised row to x's dtype before the weight multiplies it, then rounds the product.
+    xn = (xf * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    y = (w * xn).to(normed_ptr.dtype.element_ty)
+    tl.store(normed_ptr + m * stride_n + offs, y, mask=ok)
+    q, scale = _quant_tile(tl.reshape(y.to(tl.float32), (BLOCK // GROUP, GROUP)), EMULATE_CAST)
+    tl.store(q_ptr + m * stride_q + offs, tl.reshape(q, (BLOCK,)), mask=ok)
+    g = tl.arange(0, BLOCK // GROUP)
+    tl.store(s_ptr + m * num_groups + g, scale, mask=g < num_groups)
+
+
+def supported(hidden: int, dtype: torch.dtype) -> str | None:
+    """Why the kernel cannot take rows of this width and dtype, or None when it can."""
+    if hidden > MAX_HIDDEN:
+        return f"the fused RMSNorm + FP8 quantisation holds rows up to {MAX_HIDDEN} wide, got {hidden}"
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"the fused RMSNorm + FP8 quantisation takes bf16 / fp16 / fp32 rows, got {dtype}"
+    return None
+
+
+def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (+ residual [M, K]) -> (x + residual in x's dtype, or None without a residual; normed [M, K] in
+    the dtype of weight * x; e4m3 [M, K]; fp32 scales [M, ceil(K / 128)]): `reference.rmsnorm_quant`.
+    Rows may be strided (a slice of a fused projection's output); the last dim must be dense."""
+    if x.dim() != 2 or weight.shape != (x.shape[1],) or (residual is not None and (
+            residual.shape != x.shape or residual.dtype != x.dtype)):
+        raise ValueError(f"rmsnorm_quant: x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+                         f"{'' if residual is None else f', residual {residual.dtype} {tuple(residual.shape)}'} do not fit")
+    m, k = x.shape
+    why_not = supported(k, x.dtype)
+    if why_not is not None:
+        raise ValueError(why_not)
+    num_groups = -(-k // FP8_BLOCK)
+    out_sum = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
+    normed = torch.empty(m, k, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return out_sum, normed, q, scales
+    x = x if x.stride(1) == 1 else x.contiguous()
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    block = max(FP8_BLOCK, triton.next_power_of_2(k))
+    res = residual if residual is not None else x  # any valid pointer: unread without HAS_RESIDUAL
+    dst_sum = out_sum if out_sum is not None else normed
+    _rmsnorm_quant_kernel[(m,)](
+        x, res, weight.contiguous(), dst_sum, normed, q, scales,
+        k, x.stride(0), res.stride(0), dst_sum.stride(0), normed.stride(0), q.stride(0), num_groups, float(eps),
+        BLOCK=block, GROUP=FP8_BLOCK, HAS_RESIDUAL=residual is not None, EMULATE_CAST=EMULATE_CAST,
+        num_warps=8 if block >= 4096 else 4,
+    )
+    return out_sum, normed, q, scales

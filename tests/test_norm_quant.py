@@ -1,0 +1,338 @@
+"""RMSNorm + FP8 input quantisation in one launch (kernels/norm_quant.py) against `reference.rmsnorm_quant`, on CPU
+through Triton's interpreter, and its wiring: the GEMMs and the fused MoE reading the quantised input, the model
+choosing it at build (`set_norm_quant`), the custom ops under torch.compile(fullgraph=True, dynamic=True).
+
+Same set-up as tests/test_kernels.py: kernels imported interpreted (or the file re-runs itself in a child process),
+new torch.empty outputs poisoned. Narrowing float casts round as torch's do (`torch_rounded_casts`; the
+interpreter's own mis-round at binade carries, the GPU's do not).
+
+What is compared exactly and what within a tolerance: the residual sum exactly (one rounded add); the normed row
+within a few units in the last place of its dtype, in bf16 mostly exactly (the mean of squares is summed in another order
+than torch's, which can move rsqrt by an ulp); the e4m3 bytes and scales exactly equal to what
+`fp8.quant_act_per_token_group` makes of the kernel's own normed row (what a GEMM quantising that row itself would
+read), and the scales within an ulp of the reference's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/gpu/test_kernels_gpu.py checks the compiled kernels", allow_module_level=True)
+
+from triton_interp import (import_kernels_interpreted, poison_new_tensors, run_file_interpreted,  # noqa: E402
+                           torch_rounded_casts)
+
+INTERPRETED = import_kernels_interpreted()
+in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
+
+from minidsa.kernels import custom_ops  # noqa: E402,F401
+from minidsa.kernels import norm_quant  # noqa: E402
+from minidsa.kernels import reference as ref  # noqa: E402
+from minidsa.kernels.fp8 import FP8_DTYPE, quant_act_per_token_group, quant_block  # noqa: E402
+
+
+@pytest.mark.skipif(INTERPRETED, reason="kernels are interpreted in this process")
+def test_norm_quant_in_child_process():
+    run_file_interpreted(__file__)
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    poison_new_tensors(monkeypatch)
+
+
+def _rows(m: int, k: int, dtype: torch.dtype, seed: int, stride_pad: int = 0):
+    """x (a row-strided view when stride_pad), residual, weight; channels of very different sizes (so groups'
+    scales differ), one all-zero row."""
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.logspace(-2, 1.5, k)[torch.randperm(k, generator=g)]
+    x = (torch.randn(m, k + stride_pad, generator=g)[:, :k] * spread).to(dtype)
+    residual = (torch.randn(m, k, generator=g) * 3).to(dtype)
+    weight = (1 + 0.3 * torch.randn(k, generator=g)).to(dtype)
+    if m > 2:
+        x[2] = 0
+        residual[2] = 0
+    return x, residual, weight
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units of the last place of b's dtype at b (0 where equal)."""
+    eps = torch.finfo(b.dtype).eps
+    ulp = torch.where(b.float() != 0, b.float().abs() * eps, torch.finfo(b.dtype).tiny)
+    return (a.float() - b.float()).abs() / ulp
+
+
+def _check(got, want, residual_given: bool):
+    g_sum, g_normed, g_q, g_s = got
+    w_sum, w_normed, w_q, w_s = want
+    if residual_given:
+        assert torch.equal(g_sum, w_sum)
+    else:
+        assert g_sum is None
+    assert g_normed.dtype == w_normed.dtype and g_normed.shape == w_normed.shape
+    apart = _ulps_apart(g_normed, w_normed)
+    assert apart.max() <= 4.0, apart.max()
+    if w_normed.dtype.itemsize == 2:  # an ulp of rsqrt in fp32 rarely moves a bf16 rounding
+        assert (apart == 0).float().mean() >= 0.98, (apart == 0).float().mean()
+    own_q, own_s = quant_act_per_token_group(g_normed)
+    assert g_q.dtype == FP8_DTYPE and g_s.dtype == torch.float32 and g_s.shape == w_s.shape
+    assert torch.equal(g_s, own_s)
+    assert torch.equal(g_q.float(), own_q.float())  # the same e4m3 values (a tiny negative may round to +0 or -0)
+    assert torch.allclose(g_s, w_s, rtol=2 * torch.finfo(w_normed.dtype).eps, atol=0)
+
+
+@in_this_process
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,k,stride_pad", [
+    (3, 7168, 0),    # DeepSeek-V3.2 hidden: 56 groups in a 8192 block
+    (4, 1536, 0),    # q_lora_rank: 12 groups in 2048
+    (5, 300, 40),    # a partial last group; rows strided (a slice of a fused projection's output)
+    (1, 128, 0),     # one group
+])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_kernel_matches_reference(dtype, m, k, stride_pad, with_residual):
+    x, residual, weight = _rows(m, k, dtype, seed=m * k + stride_pad)
+    res = residual if with_residual else None
+    with torch_rounded_casts():
+        got = norm_quant.rmsnorm_quant(x, weight, 1e-6, res)
+    _check(got, ref.rmsnorm_quant(x, weight, 1e-6, res), with_residual)
+    if m > 2:  # the all-zero row: zero values, scale 1 (the GEMMs' convention)
+        assert (got[3][2] == 1).all() and (got[2][2].float() == 0).all()
+
+
+@in_this_process
+def test_kernel_fp32_weight_on_bf16_rows_and_custom_ops():
+    """The normed dtype is weight x row's promoted one (an fp32 weight on bf16 rows: fp32, as torch gives); the
+    custom ops return what the kernel does."""
+    x, residual, weight = _rows(3, 640, torch.bfloat16, seed=5)
+    weight = weight.float() * 1.01
+    with torch_rounded_casts():
+        got = norm_quant.rmsnorm_quant(x, weight, 1e-5, residual)
+        op_h, op_normed, op_q, op_s = torch.ops.minidsa.add_rmsnorm_quant(x, residual, weight, 1e-5)
+        op2 = torch.ops.minidsa.rmsnorm_quant(op_h, weight, 1e-5)
+    assert got[1].dtype == torch.float32
+    _check(got, ref.rmsnorm_quant(x, weight, 1e-5, residual), True)
+    for a, b in zip((op_h, op_normed, op_q.float(), op_s), (got[0], got[1], got[2].float(), got[3])):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(op2, got[1:]))  # norm of the sum == the fused one
+
+
+def test_kernel_refuses_what_it_cannot_take():
+    x = torch.zeros(2, norm_quant.MAX_HIDDEN + 1)
+    with pytest.raises(ValueError, match="holds rows up to"):
+        norm_quant.rmsnorm_quant(x, torch.ones(x.shape[1]), 1e-6)
+    with pytest.raises(ValueError, match="do not fit"):
+        norm_quant.rmsnorm_quant(torch.zeros(2, 256), torch.ones(256), 1e-6, torch.zeros(2, 256, dtype=torch.bfloat16))
+    assert norm_quant.supported(7168, torch.bfloat16) is None and norm_quant.supported(6144, torch.bfloat16) is None
+
+
+@in_this_process
+def test_gemm_and_fused_moe_read_the_quantised_input():
+    """The w8a8 GEMM above decode sizes and the Triton fused MoE read (x_q, x_scale) instead of quantising x: given
+    x's own quantisation they give what they give from x; given another one, they show they read it."""
+    from minidsa.kernels.fp8_gemm import GemmTiles, w8a8_block_gemm
+    from minidsa.kernels.fused_moe import fused_moe_triton
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(70, 256, generator=g)
+    wq, ws = quant_block(torch.randn(192, 256, generator=g) * 0.05)
+    act = quant_act_per_token_group(x)
+    with torch_rounded_casts():
+        plain = w8a8_block_gemm(x, wq, ws)  # 70 rows: quantised in a launch of its own
+        assert torch.equal(w8a8_block_gemm(x, wq, ws, act=act), plain)
+        assert not torch.equal(w8a8_block_gemm(x, wq, ws, act=quant_act_per_token_group(x * 2)), plain)
+        decode = GemmTiles(16, 64, 1, True, 4, 2)  # quantises inside from x: act unread
+        assert torch.equal(w8a8_block_gemm(x[:5], wq, ws, decode, act=quant_act_per_token_group(x[:5] * 2)),
+                           w8a8_block_gemm(x[:5], wq, ws, decode))
+        experts, inter = 4, 128
+        gu, gu_s = quant_block(torch.randn(experts, 2 * inter, 256, generator=g) * 0.05)
+        dn, dn_s = quant_block(torch.randn(experts, 256, inter, generator=g) * 0.05)
+        xs = x[:6].bfloat16()
+        ids = torch.tensor([[0, 1], [2, 3], [1, 1], [3, 0], [2, 2], [0, 3]])
+        w = torch.rand(6, 2, generator=g)
+        base = fused_moe_triton(xs, ids, w, gu, dn, gu_s, dn_s)
+        assert torch.equal(fused_moe_triton(xs, ids, w, gu, dn, gu_s, dn_s, act=quant_act_per_token_group(xs)), base)
+        other = fused_moe_triton(xs, ids, w, gu, dn, gu_s, dn_s, act=quant_act_per_token_group(xs * 2))
+        assert not torch.equal(other, base)
+        chunked = fused_moe_triton(xs, ids, w, gu, dn, gu_s, dn_s, max_chunk_tokens=4,
+                                   act=quant_act_per_token_group(xs))
+        assert torch.equal(chunked, fused_moe_triton(xs, ids, w, gu, dn, gu_s, dn_s, max_chunk_tokens=4))
+
+
+def _fp8_model(norm_quant_kernel: str, gemm: str = "triton"):
+    from minidsa.config import ModelConfig
+    from minidsa.models.loader import build_model
+    from minidsa.models.presets import preset_config
+
+    raw = preset_config("tiny")
+    raw.pop("initializer_range")
+    raw.update(vocab_size=256, hidden_size=256, intermediate_size=384, moe_intermediate_size=128, q_lora_rank=128,
+               kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, num_attention_heads=4,
+               num_key_value_heads=4)
+    cfg = ModelConfig.from_dict(raw)
+    model = build_model(cfg, None, torch.bfloat16, torch.device("cpu"), seed=1, init_std=0.05, quantization="fp8",
+                        gemm=gemm, norm_quant=norm_quant_kernel)
+    return model, cfg
+
+
+@in_this_process
+def test_set_norm_quant_picks_the_norms_fp8_linears_read():
+    from minidsa.models.deepseek_v32 import DecoderLayer, set_norm_quant
+
+    model, cfg = _fp8_model("triton")
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    for layer in layers:
+        assert layer.input_layernorm.quantizes_output and layer.self_attn.q_a_layernorm.quantizes_output
+        assert layer.post_attention_layernorm.quantizes_output
+        assert not layer.self_attn.kv_a_layernorm.quantizes_output  # its output goes to the cache, not a GEMM
+    assert not model.model.norm.quantizes_output  # the final norm feeds the bf16 lm_head
+    assert set_norm_quant(model, "torch") == []
+    assert not any(layer.input_layernorm.quantizes_output for layer in layers)
+    assert len(set_norm_quant(model, "triton")) == 3 * len(layers)
+    with pytest.raises(ValueError, match="norm_quant kernel"):
+        set_norm_quant(model, "cuda")
+
+
+@in_this_process
+def test_model_layers_with_fused_norms_equal_the_unfused_ones():
+    """One decoder layer of an FP8 model (dense and MoE) on 70 tokens (the GEMMs quantise outside the kernel at
+    that size, so they read the norms' quantisation) and on 3 (decode sizes: they quantise x themselves): fused and
+    unfused norms give the same hidden states within bf16 noise, through the same GEMMs. Also under
+    torch.compile(fullgraph=True, dynamic=True), where the norms are the opaque custom ops."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    from minidsa.models.deepseek_v32 import DecoderLayer, set_norm_quant
+
+    model, cfg = _fp8_model("triton")
+    layers = [m for m in model.model.layers if isinstance(m, DecoderLayer)][:cfg.num_hidden_layers]
+    kinds = {type(layer.mlp).__name__: layer for layer in layers}
+    assert set(kinds) == {"MLP", "MoE"}, kinds
+    g = torch.Generator().manual_seed(7)
+    for name, layer in kinds.items():
+        for tokens in (70, 3):
+            a = (torch.randn(tokens, cfg.hidden_size, generator=g) * 0.5).bfloat16()
+            h = torch.randn(tokens, cfg.hidden_size, generator=g).bfloat16()
+            set_norm_quant(model, "triton")
+            with torch.no_grad(), torch_rounded_casts():
+                h1, x1, xq1 = layer.post_attention_layernorm.add_normed(a, h)
+                fused = h1 + layer.mlp(x1, xq1)
+                step = torch.compile(lambda a, h: layer.post_attention_layernorm.add_normed(a, h),
+                                     backend=aot_eager, fullgraph=True, dynamic=True)
+                hc, xc, (qc, sc) = step(a, h)
+            set_norm_quant(model, "torch")
+            with torch.no_grad(), torch_rounded_casts():
+                h0, x0, xq0 = layer.post_attention_layernorm.add_normed(a, h)
+                plain = h0 + layer.mlp(x0)
+            assert xq0 is None and torch.equal(h1, h0) and torch.equal(hc, h1)
+            assert torch.equal(xc, x1) and torch.equal(qc.float(), xq1[0].float()) and torch.equal(sc, xq1[1])
+            err = (fused.float() - plain.float()).norm() / plain.float().norm()
+            assert err < 1e-2, (name, tokens, err)
+    set_norm_quant(model, "triton")
+
+
+@in_this_process
+def test_attention_input_norms_under_compile_take_the_custom_ops():
+    """The traced attention input path (input_layernorm, then q_a_layernorm after the fused projection) calls the
+    two norm ops and hands their quantisation to the FP8 linears' op: no graph break, dynamic token count."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    model, cfg = _fp8_model("triton")
+    layer = model.model.layers[0]
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return aot_eager(gm, inputs)
+
+    def attention_inputs(h):
+        x, xq = layer.input_layernorm.normed(h)
+        q_in = layer.self_attn.in_proj(x, xq)[0]
+        qr, qrq = layer.self_attn.q_a_layernorm.normed(q_in)
+        return layer.self_attn.q_b_proj(qr, qrq)
+
+    step = torch.compile(attention_inputs, backend=backend, fullgraph=True, dynamic=True)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad(), torch_rounded_casts():
+        for tokens in (70, 90):
+            h = torch.randn(tokens, cfg.hidden_size, generator=g).bfloat16()
+            assert torch.equal(step(h), attention_inputs(h))
+    graphs = [gm for gm in graphs if len(gm.graph.nodes) > 0]  # Dynamo also hands over empty frames
+    assert len(graphs) == 1  # both token counts, one graph
+    targets = [str(n.target) for n in graphs[0].graph.nodes if "minidsa" in str(n.target)]
+    assert sum("rmsnorm_quant" in t for t in targets) == 2 and sum("fp8_linear" in t for t in targets) == 2
+    fp8_calls = [n for n in graphs[0].graph.nodes if "fp8_linear" in str(n.target)]
+    assert all(len(n.args) == 6 and n.args[4] is not None for n in fp8_calls)  # the quantised input handed over
+
+
+_COMPILE_FOR_H100 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from minidsa.kernels import norm_quant
+sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16", "normed_ptr": "*bf16",
+       "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "stride_x": "i32", "stride_r": "i32", "stride_sum": "i32",
+       "stride_n": "i32", "stride_q": "i32", "num_groups": "i32", "eps": "fp32", "BLOCK": "constexpr",
+       "GROUP": "constexpr", "HAS_RESIDUAL": "constexpr", "EMULATE_CAST": "constexpr"}
+for block in (2048, 8192):
+    for residual in (False, True):
+        src = ASTSource(norm_quant._rmsnorm_quant_kernel, sig, constexprs={
+            "BLOCK": block, "GROUP": 128, "HAS_RESIDUAL": residual, "EMULATE_CAST": False})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        assert kernel.asm["cubin"], (block, residual)
+print("compiled")
+"""
+
+
+def test_norm_quant_kernel_compiles_for_h100():
+    """The interpreter runs Python, not Triton's compiler: compile the kernel for sm_90 (no GPU needed)."""
+    import os
+    import subprocess
+    import sys
+
+    backends = pytest.importorskip("triton.backends")
+    if "nvidia" not in getattr(backends, "backends", {}):
+        pytest.skip("this triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H100], env=env, capture_output=True, text=True, timeout=300)
+    if r.returncode and "ptxas" in r.stderr and "_rmsnorm_quant_kernel" not in r.stderr:
+        pytest.skip(f"no usable ptxas here: {r.stderr[-300:]}")
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+@in_this_process
+def test_fp8_model_with_fused_norms_traces_whole_and_decodes_like_the_unfused_one():
+    """An FP8 model whose norms quantise (`norm_quant="triton"`): the decode forward traces as one graph with no
+    break, holding the norm ops, and prefill + a decode step give the unfused model's logits within bf16 noise."""
+    from harness import PagedDriver
+
+    from minidsa.exec.batch import ForwardBatch
+    from minidsa.models.deepseek_v32 import set_norm_quant
+    from minidsa.sched.plan import StepKind
+
+    model, cfg = _fp8_model("triton")
+    d = PagedDriver(model, cfg, page_size=1, max_len=160, dtype=torch.bfloat16)
+    d.add(list(range(3, 3 + 90)), reserve=4)  # 90 tokens: the prefill's GEMMs read the norms' quantisation
+    d.add(list(range(5, 5 + 40)), reserve=4)
+    with torch_rounded_casts():
+        d.prefill([0, 1])
+    rows, seq = [d.reqs[i]["row"] for i in range(2)], [90, 40]
+    r2t = d.table.req_to_token
+    decode = ForwardBatch.build(StepKind.DECODE, [7, 9], rows, seq, [1, 1],
+                                torch.stack([r2t[r, n].long() for r, n in zip(rows, seq)]), "cpu")
+    with torch.no_grad():
+        ex = torch._dynamo.explain(model.forward)(decode, d.attn)
+        assert ex.graph_break_count == 0, [r.reason for r in ex.break_reasons]
+        ops = {str(n.target) for gm in ex.graphs for n in gm.graph.nodes if "minidsa" in str(n.target)}
+        assert any("add_rmsnorm_quant" in o for o in ops) and any("rmsnorm_quant" in o and "add_" not in o for o in ops), ops
+    logits = []
+    for kernel in ("triton", "torch"):
+        set_norm_quant(model, kernel)
+        batch = ForwardBatch.build(StepKind.EXTEND, list(range(3, 93)), rows[:1], [0], [90],
+                                   r2t[rows[0], :90].long(), "cpu")
+        with torch.no_grad(), torch_rounded_casts():
+            logits.append(model.forward(batch, d.attn).logits)
+    err = (logits[0] - logits[1]).norm() / logits[1].norm()
+    assert err < 2e-2, err
+    d.release_all()
