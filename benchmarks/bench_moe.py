@@ -269,8 +269,7 @@ def bench_decode(rec: Recorder, router: Router, weights: dict, dg, sweep: bool) 
             cfg = fm.tile_config(t, K, E, params[0].dtype, x.dtype)
             add("fused", lambda: fm.fused_moe_triton(x, ids, w, *params), note=f"graph; tiles {_tiles(cfg)}")
             if kind == "bf16":  # the part of the op that sorts the pairs (the same for both dtypes)
-                align = (fm.align_pairs_to_blocks_triton if ids.numel() <= fm.ALIGN_KERNEL_MAX_PAIRS
-                         else fm.align_pairs_to_blocks)
+                align = fm.align_for(ids.numel())
                 add("fused: alignment only", lambda: align(ids, E, cfg.block_m), reads_weights=False,
                     note=f"graph; {align.__name__}")
             if kind == "fp8" and dg is not None:

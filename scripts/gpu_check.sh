@@ -4,7 +4,8 @@
 #   OUT=/tmp/out MINIDSA_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh [section ...]
 #
 # Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla
-# fp8_gemm moe. Not in the default list: moe_sweep (other MoE tile configs, for tuning).
+# fp8_gemm moe. Not in the default list: moe_sweep (other MoE tile configs, for tuning); moe_prefill (issue 29 item 3:
+# the prefill MoE before vs after branch moe-prefill, its GPU tests then benchmarks/bench_moe_prefill.py).
 # Also: tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (start-up phase by phase, cold and warm caches); startup_tests; bench_prefill; compiled_prefill; sampling;
 # ab (two trees interleaved: minidsa bench + decode suite per preset, benchmarks/ab.py); redesign_ab (issue 30: ab against
 # the code before the redesign)
@@ -125,6 +126,13 @@ section_moe() {   # issue 15: fused MoE at DeepSeek-V3.2 expert shapes: GPU test
     local rc=0
     timeout "$TIMEOUT" $PY -m pytest -q -s -p no:cacheprovider tests/gpu/test_fused_moe_gpu.py -rs --durations=10 || rc=1
     timeout "$TIMEOUT" $PY benchmarks/bench_moe.py --json "$OUT/moe.json" || rc=1
+    return $rc
+}
+
+section_moe_prefill() {   # issue 29 item 3: prefill MoE passes at real shapes (tests), then before vs after (~5 min on H100)
+    local rc=0
+    timeout "$TIMEOUT" $PY -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe_prefill_gpu.py -rs --durations=10 || rc=1
+    timeout "$TIMEOUT" $PY benchmarks/bench_moe_prefill.py --json "$OUT/moe_prefill.json" ${BENCH_MOE_PREFILL_ARGS:-} || rc=1
     return $rc
 }
 

@@ -35,7 +35,7 @@ from triton_interp import import_kernels_interpreted, run_file_interpreted, torc
 INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
 
-from minidsa.kernels import fp8  # noqa: E402
+from minidsa.kernels import fp8, moe_layout, reference  # noqa: E402
 from minidsa.kernels import fused_moe as fm  # noqa: E402
 from minidsa.models.deepseek_v32 import Router  # noqa: E402
 
@@ -215,20 +215,26 @@ def test_triton_chunks_and_chosen_tiles_agree(poisoned_outputs):
 def grouped_gemm_stand_in(alignment: int, calls: list):
     """DeepGEMM's m_grouped_fp8_gemm_nt_contiguous contract in torch: row r of a (e4m3, one fp32 scale per 128
     columns) times expert m_indices[r]'s block-scaled weight, each expert's rows one segment starting at a multiple
-    of `alignment`."""
+    of `alignment`, padding rows (-1) only after an expert's rows in its last block. The outputs of padding rows
+    are NaN here (DeepGEMM leaves them zero or unmultiplied), so a caller that reads one shows. It also checks
+    that activation scales come MN-major and TMA-aligned (DeepGEMM's SM90 layout: no transpose per call)."""
     def m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices):
         (a8, a_s), (w8, w_s) = a, b
         rows = a8.shape[0]
         assert a8.dtype == w8.dtype == fp8.FP8_DTYPE and d.dtype == torch.bfloat16 and rows % alignment == 0
-        assert m_indices.shape == (rows,) and m_indices.dtype == torch.int32
+        assert m_indices.shape == (rows,) and m_indices.dtype == torch.int32 and m_indices.is_contiguous()
+        assert a_s.shape == (rows, a8.shape[1] // 128) and a_s.stride() == (1, -(-rows // 4) * 4), a_s.stride()
         seg = m_indices.view(-1, alignment)
-        assert (seg == seg[:, :1]).all(), "an aligned block mixes experts"
-        starts = torch.ones(rows, dtype=torch.bool)
-        starts[1:] = m_indices[1:] != m_indices[:-1]
-        assert m_indices[starts].unique().numel() == starts.sum(), "an expert's rows are not one segment"
+        assert (seg[:, 0] >= 0).all(), "a block starts with padding"
+        real = seg >= 0
+        assert (real[:, 1:] <= real[:, :-1]).all(), "a real row after padding within a block"
+        assert (torch.where(real, seg, seg[:, :1]) == seg[:, :1]).all(), "an aligned block mixes experts"
+        first = seg[:, 0]
+        assert first.unique_consecutive().numel() == first.unique().numel(), "an expert's rows are not one segment"
         calls.append(rows)
         acts = a8.float() * a_s.repeat_interleave(fp8.FP8_BLOCK, 1)[:, :a8.shape[1]]
-        for e in m_indices.unique().tolist():
+        d.fill_(float("nan"))
+        for e in m_indices[m_indices >= 0].unique().tolist():
             r = m_indices == e
             d[r] = (acts[r] @ fp8.dequant_block(w8[e], w_s[e]).T).to(d.dtype)
 
@@ -260,6 +266,7 @@ def test_deepgemm_grouped_moe_matches_per_token(num_tokens, skip, monkeypatch, p
     assert got is not None and got.dtype == torch.bfloat16 and got.shape == x.shape
     counts = torch.bincount(ids.flatten()[ids.flatten() >= 0], minlength=E)
     assert calls == [int(((counts + 7) // 8 * 8).sum())] * 2  # both GEMMs, rows padded per expert exactly
+    assert torch.isfinite(got).all()  # no padding row (NaN out of the stand-in) was summed
     # gate and up come out of the first GEMM in bf16 (as with split_gate_up tiles): twice the bf16 tolerance
     assert rel_err(got, per_token_reference(x, ref_ids, ref_weights, *params)) < 2 * FP8_TOL[torch.bfloat16]
     # at decode sizes (and where the build has no grouped GEMM) the Triton fused MoE serves
@@ -311,11 +318,96 @@ def test_skipped_pairs_add_nothing_triton(num_tokens, poisoned_outputs):
 def test_combine_rows_equals_reference():
     g = torch.Generator().manual_seed(3)
     rows = torch.randn(40, 1100, generator=g).bfloat16()  # H past one 1024-wide block
-    row_of_pair = torch.randperm(40, generator=g)[:30].view(10, 3).int()
+    rows[35:] = float("nan")  # rows no pair names: never read
+    row_of_pair = torch.randperm(35, generator=g)[:30].view(10, 3).int()
+    row_of_pair[2, 1] = row_of_pair[7, 0] = -1  # pairs with no row (another rank's expert) add nothing
     weights = torch.rand(10, 3, generator=g)
     got = fm.combine_rows(rows, row_of_pair, weights)
-    assert torch.allclose(got.float(), fm.combine_rows_reference(rows, row_of_pair, weights).float(),
-                          rtol=1e-2, atol=1e-2)
+    want = reference.combine_rows(rows, row_of_pair, weights)
+    assert torch.isfinite(want).all()
+    assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    dropped = reference.combine_rows(rows, row_of_pair.clamp(min=0), weights)  # the -1 pairs read as row 0
+    assert not torch.allclose(got.float()[[2, 7]], dropped.float()[[2, 7]], rtol=1e-2, atol=1e-2)
+    # the Triton path's k-sum: rows t * k + j, weights already applied
+    contiguous = rows[:30]
+    with torch_rounded_casts():  # the interpreter's own fp32 -> bf16 cast is not round-to-nearest-even
+        got = fm.combine_rows(contiguous, None, None, 3)
+    assert torch.equal(got, contiguous.float().view(10, 3, -1).sum(1).bfloat16())
+    assert torch.equal(reference.combine_rows(contiguous, None, None, 3), got)
+
+
+@in_this_process
+@pytest.mark.parametrize("num_tokens,alignment,skip", [(3, 16, False), (40, 16, True), (300, 128, False),
+                                                        (600, 16, True)])
+def test_expert_rows_equal_reference(num_tokens, alignment, skip):
+    """The chunked layout kernels (several chunks of 128 pairs from 40 tokens on) against the torch reference,
+    element for element, and against align_pairs_to_blocks (the Triton fused MoE's layout) where they overlap."""
+    _, ids, _ = route(num_tokens, 32, seed=11 + num_tokens)
+    if skip:
+        ids = _skip_some(ids, num_tokens)
+    got = moe_layout.expert_rows(ids, E, alignment)
+    row_expert, row_pair, block_expert, row_of_pair, num_rows = reference.expert_rows(ids, E, alignment)
+    assert int(got.num_rows) == num_rows
+    assert torch.equal(got.row_expert, row_expert) and torch.equal(got.row_pair, row_pair)
+    assert torch.equal(got.block_expert, block_expert) and torch.equal(got.row_of_pair, row_of_pair)
+    blocks = fm.align_pairs_to_blocks(ids, E, alignment)
+    assert torch.equal(got.row_pair, blocks.sorted_pair_ids) and torch.equal(got.block_expert, blocks.block_expert)
+    assert torch.equal(got.num_rows, blocks.num_padded)
+    # each kept pair has one row, holding its expert; rows past the used ones are padding
+    kept = ids.flatten() >= 0
+    assert ((got.row_of_pair >= 0) == kept).all()
+    assert torch.equal(got.row_expert[got.row_of_pair[kept].long()], ids.flatten()[kept].int())
+    assert (got.row_expert[num_rows:] == -1).all()
+
+
+@in_this_process
+def test_quant_scatter_equals_reference(poisoned_outputs):
+    """Each token quantised once into the rows of its pairs: the bytes and scales of fp8.quant_act_per_token_group
+    at every row a pair names, MN-major scales; the rows no pair names are left as they were (NaN here)."""
+    num_tokens, hidden = 37, 384
+    x, ids, _ = route(num_tokens, hidden, seed=21)
+    x = (x * torch.linspace(0.01, 30.0, hidden)).bfloat16()  # groups of very different magnitudes
+    ids = _skip_some(ids, 5)
+    layout = moe_layout.expert_rows(ids, E, 16)
+    rows = int(layout.num_rows)
+    with torch_rounded_casts():
+        q, s = moe_layout.quant_scatter(x, layout.row_of_pair, rows)
+    assert q.shape == (rows, hidden) and s.shape == (rows, hidden // 128) and s.stride() == (1, rows)
+    want_q, want_s = reference.quant_scatter(x, layout.row_of_pair, rows)
+    named = layout.row_of_pair[layout.row_of_pair >= 0].long()
+    assert torch.equal(q.view(torch.uint8)[named], want_q.view(torch.uint8)[named])
+    assert torch.equal(s[named], want_s[named])
+    unnamed = torch.ones(rows, dtype=torch.bool)
+    unnamed[named] = False
+    assert unnamed.any() and torch.isnan(s[unnamed]).all() and torch.isnan(q[unnamed].float()).all()
+    row_major = moe_layout.quant_scatter(x, layout.row_of_pair, rows, mn_major=False)[1]
+    assert row_major.is_contiguous() and torch.equal(row_major[named], s[named])
+
+
+@in_this_process
+@pytest.mark.parametrize("skip_padding", [False, True])
+def test_silu_mul_quantised_skips_padding(skip_padding, poisoned_outputs):
+    """silu(gate) * up quantised (the down GEMM's input) against the reference; with row_expert, padding rows
+    (-1) are neither read (NaN inputs there) nor written (outputs stay NaN)."""
+    g = torch.Generator().manual_seed(4)
+    rows, inter = 48, 256
+    gate_up = (torch.randn(rows, 2 * inter, generator=g) * 3).bfloat16()
+    row_expert = torch.randint(0, E, (rows,), generator=g, dtype=torch.int32)
+    row_expert[[5, 6, 7, 30, 47]] = -1
+    if skip_padding:
+        gate_up[row_expert < 0] = float("nan")
+    with torch_rounded_casts():
+        q, s = fm.silu_mul(gate_up, quantise=True, row_expert=row_expert if skip_padding else None,
+                           mn_major_scales=skip_padding)
+    want_q, want_s = reference.silu_mul(gate_up, quantise=True)
+    real = row_expert >= 0 if skip_padding else torch.ones(rows, dtype=torch.bool)
+    assert s.stride() == ((1, rows) if skip_padding else (inter // 128, 1))
+    deq = q.float()[real] * s[real].repeat_interleave(128, 1)
+    want = want_q.float()[real] * want_s[real].repeat_interleave(128, 1)
+    # the kernel's sigmoid and torch's differ in the last bits, which can move a value across a rounding edge
+    assert rel_err(deq, want) < 1e-3 and torch.allclose(s[real], want_s[real], rtol=1e-2)
+    if skip_padding:
+        assert torch.isnan(s[~real]).all() and torch.isnan(q[~real].float()).all()
 
 
 @pytest.mark.parametrize("block_m", [16, 64])

@@ -415,55 +415,54 @@ def moe_contiguous_wins(num_tokens: int, top_k: int, n_experts: int) -> bool:
 
 def moe_contiguous(module: ModuleType, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gate_up_scale_inv: torch.Tensor,
-                   down_scale_inv: torch.Tensor) -> torch.Tensor | None:
+                   down_scale_inv: torch.Tensor, max_chunk_tokens: int | None = None) -> torch.Tensor | None:
     """The routed experts (FP8 w8a8, block scales) through DeepGEMM's contiguous grouped GEMMs; None when it
     does not take the call (the caller runs the Triton fused MoE), LibraryCallFailed when it fails. Same math as
     `fused_moe.fused_moe_reference`.
 
-    Pairs are sorted by expert and padded per expert to DeepGEMM's alignment (`align_pairs_to_blocks` with
-    block_m = alignment); the activations are quantised once per token and their rows gathered into that
-    order; gate|up -> silu * up quantised (`fused_moe.silu_mul`) -> down; each token sums its top_k rows
-    weighted by the routing weights. One host sync sizes the padded rows exactly (prefill runs outside graphs).
+    Per chunk of tokens (`max_chunk_tokens`, default fused_moe.MAX_CHUNK_TOKENS: it bounds the per-row buffers):
+    1. `moe_layout.expert_rows`: pairs in rows grouped by expert, each expert's rows padded to DeepGEMM's alignment;
+       padding rows marked -1 in `m_indices`, DeepGEMM's contract for them: on SM90 a 64-row half of a block that
+       starts with padding is not multiplied (bench_moe's random router at 8192 tokens: 1.13 rows multiplied per
+       pair instead of 1.24 with the padding labelled as its expert);
+    2. one host sync sizes the rows exactly (prefill runs outside CUDA graphs; DeepGEMM's TMA loads every block it
+       is given, even one it skips computing, so a static bound would cost ~20% more loads at 8192 tokens);
+    3. `moe_layout.quant_scatter`: each token quantised once, straight into the rows of its pairs;
+    4. gate|up GEMM -> `fused_moe.silu_mul` (quantised, padding rows skipped) -> down GEMM; activation scales
+       handed over MN-major, the layout DeepGEMM would otherwise transpose them into per call;
+    5. `fused_moe.combine_rows`: each token's k rows weighted and summed in one pass.
     """
     grouped = grouped_contiguous(module)
     if grouped is None or x.dtype != torch.bfloat16 or gate_up_scale_inv is None or down_scale_inv is None:
         return None
     gemm, alignment = grouped
-    from minidsa.kernels import fused_moe
-    from minidsa.kernels.fp8_gemm import quant_act
+    from minidsa.kernels import fused_moe, moe_layout
 
     num_tokens, top_k = topk_ids.shape
     n_experts, two_i, hidden = gate_up_proj.shape
     if hidden % 128 or two_i % 256:
         return None  # whole 128-blocks in K for both GEMMs (I = two_i / 2)
-    chunk = fused_moe.MAX_CHUNK_TOKENS  # bounds the [rows, H] buffers as the Triton path's are bounded
+    chunk = max_chunk_tokens or fused_moe.MAX_CHUNK_TOKENS
     if num_tokens > chunk:
         parts = [moe_contiguous(module, x[s:s + chunk], topk_ids[s:s + chunk], topk_weights[s:s + chunk],
-                                gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv)
+                                gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv, chunk)
                  for s in range(0, num_tokens, chunk)]
         return None if any(p is None for p in parts) else torch.cat(parts)
-    blocks = fused_moe.align_pairs_to_blocks(topk_ids, n_experts, alignment)
-    rows = int(blocks.num_padded.item())
+    layout = moe_layout.expert_rows(topk_ids, n_experts, alignment)
+    rows = int(layout.num_rows.item())
     if rows == 0:  # every pair skipped (its experts live on other ranks)
         return torch.zeros_like(x)
-    num_pairs = blocks.num_pairs
-    pair_of_row = blocks.sorted_pair_ids[:rows].long()  # padding rows hold num_pairs
-    expert_of_row = blocks.block_expert[:rows // alignment].repeat_interleave(alignment)
-    xq, xs = quant_act(x.contiguous())
-    token_of_row = torch.where(pair_of_row < num_pairs, pair_of_row // top_k, 0)  # padding: any token
-    a1, s1 = xq[token_of_row], xs[token_of_row]
+    m_indices = layout.row_expert[:rows]
+    a1, s1 = moe_layout.quant_scatter(x, layout.row_of_pair, rows)
     gate_up = torch.empty(rows, two_i, dtype=torch.bfloat16, device=x.device)
-    down = torch.empty(rows + 1, hidden, dtype=torch.bfloat16, device=x.device)  # + a zero row: skipped pairs
-    down[rows].zero_()
+    down = torch.empty(rows, hidden, dtype=torch.bfloat16, device=x.device)
     try:
-        gemm((a1, s1), (gate_up_proj, gate_up_scale_inv.float()), gate_up, expert_of_row)
+        gemm((a1, s1), (gate_up_proj, gate_up_scale_inv.float()), gate_up, m_indices)
         del a1, s1
-        a2, s2 = fused_moe.silu_mul(gate_up, quantise=True)
+        a2, s2 = fused_moe.silu_mul(gate_up, quantise=True, row_expert=m_indices, mn_major_scales=True)
         del gate_up
-        gemm((a2, s2), (down_proj, down_scale_inv.float()), down[:rows], expert_of_row)
+        gemm((a2, s2), (down_proj, down_scale_inv.float()), down, m_indices)
     except Exception as e:  # a build whose contract differs: never fail the step for it
         raise failed(getattr(gemm, "__name__", "the grouped GEMM"), e) from e
-    # Skipped pairs (SKIP ids, expert parallelism) have no row: they read the zero row.
-    row_of_pair = torch.full((num_pairs + 1,), rows, dtype=torch.int32, device=x.device)
-    row_of_pair[pair_of_row] = torch.arange(rows, dtype=torch.int32, device=x.device)  # padding: the extra slot
-    return fused_moe.combine_rows(down, row_of_pair[:num_pairs].view(num_tokens, top_k), topk_weights)
+    # Skipped pairs (SKIP ids, expert parallelism) have no row (-1): they add nothing.
+    return fused_moe.combine_rows(down, layout.row_of_pair.view(num_tokens, top_k), topk_weights)

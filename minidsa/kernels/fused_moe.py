@@ -13,8 +13,9 @@ launch over the rows); the kernels load e4m3 A tiles and their per-row scales. (
 GEMM, per N-block program, measured 20x slower at prefill sizes on an H100: every program re-did it.)
 
 How (the `moe_align_block_size` idea of vLLM / SGLang, written here; nothing syncs with the host):
-1. `align_pairs_to_blocks` (torch ops; up to ALIGN_KERNEL_MAX_PAIRS pairs, as in decode, one Triton program
-   does the same in one launch): the T*k (token, choice) pairs are sorted by expert, each expert's count
+1. `align_pairs_to_blocks` (torch ops: the reference; served by one Triton program up to ALIGN_KERNEL_MAX_PAIRS
+   pairs, as in decode, and above by `moe_layout.expert_rows`, five launches over chunks of pairs, no sort): the
+   T*k (token, choice) pairs are sorted by expert, each expert's count
    padded to a multiple of BLOCK_M; `sorted_pair_ids` holds pair ids (t * k + j) with the sentinel
    T*k in padding rows, `block_expert` one expert per M-block (-1 past the end), `num_padded` the
    padded row count. Its length is a static bound, T*k + min(E, T*k) * (BLOCK_M - 1), so shapes
@@ -24,7 +25,7 @@ How (the `moe_align_block_size` idea of vLLM / SGLang, written here; nothing syn
    (`TileConfig.split_gate_up`, for the tile sweep: gate and up as one plain GEMM over the 2I rows, stored
    [T*k, 2I], then silu(gate) * up in the pass that quantises the down GEMM's input.)
 3. The same kernel (down) over that intermediate, times the routing weight, stored per pair [T*k, H].
-4. torch sums each token's k pair rows (fp32 accumulation, deterministic: no atomics).
+4. `combine_rows` sums each token's k pair rows in one pass (fp32 accumulation, deterministic: no atomics).
 
 M-blocks past `num_padded` return before reading anything, so only the chosen experts' weights are
 read. Memory: O(T * k * (I + H)); the Triton wrapper goes through the tokens in chunks of
@@ -44,6 +45,8 @@ import torch.nn.functional as F
 
 from minidsa.kernels import fp8
 from minidsa.kernels.fp8_gemm import EMULATE_CAST, _quant_tile, quant_act
+from minidsa.kernels.moe_layout import expert_rows, max_padded_rows
+from minidsa.kernels.moe_layout import mn_major_scales as mn_major_scales_of
 from minidsa.kernels.triton_compat import tl, triton
 
 SKIP = -1  # a topk id meaning "this pair's expert is on another rank" (expert parallelism): computed nowhere here
@@ -108,12 +111,6 @@ class ExpertBlocks:
     num_padded: torch.Tensor  # [1] int32: rows in use (a multiple of block_m)
     num_pairs: int
     block_m: int
-
-
-def max_padded_rows(num_pairs: int, n_experts: int, block_m: int) -> int:
-    """Static bound on the padded rows: each expert that got pairs (at most min(E, pairs)) pads < block_m."""
-    bound = num_pairs + min(n_experts, num_pairs) * (block_m - 1)
-    return -(-bound // block_m) * block_m
 
 
 def align_pairs_to_blocks(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> ExpertBlocks:
@@ -209,6 +206,18 @@ def align_pairs_to_blocks_triton(topk_ids: torch.Tensor, n_experts: int, block_m
                         BLOCK_M=block_m, E_POW2=triton.next_power_of_2(n_experts), CHUNK=32, TAIL=1024,
                         num_warps=8)
     return ExpertBlocks(sorted_pair_ids, block_expert, num_padded, num_pairs, block_m)
+
+
+def align_pairs_to_blocks_chunked(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> ExpertBlocks:
+    """align_pairs_to_blocks in five launches over chunks of pairs (`moe_layout.expert_rows`), for more pairs than
+    one program aligns quickly: the torch version is ~30 ops and a stable sort."""
+    rows = expert_rows(topk_ids, n_experts, block_m)
+    return ExpertBlocks(rows.row_pair, rows.block_expert, rows.num_rows, rows.num_pairs, block_m)
+
+
+def align_for(num_pairs: int):
+    """The alignment that serves this many pairs: one program up to ALIGN_KERNEL_MAX_PAIRS (decode), chunks above."""
+    return align_pairs_to_blocks_triton if num_pairs <= ALIGN_KERNEL_MAX_PAIRS else align_pairs_to_blocks_chunked
 
 
 @triton.jit
@@ -365,14 +374,19 @@ def fused_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, scale_ptr, rows, inter, stride_g, stride_o, num_groups,
-                     ROWS: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr, EMULATE_CAST: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, scale_ptr, row_expert_ptr, rows, inter, stride_g, stride_o, stride_s_row,
+                     stride_s_group, ROWS: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr,
+                     SKIP_PADDING: tl.constexpr, EMULATE_CAST: tl.constexpr):
     """out[r, c] = silu(gu[r, c]) * gu[r, inter + c] for one [ROWS, GROUP] tile, rounded to gu's dtype (as the
-    fused epilogue stores it); QUANT: then e4m3 per row per GROUP channels, one fp32 scale each."""
+    fused epilogue stores it); QUANT: then e4m3 per row per GROUP channels, one fp32 scale each. SKIP_PADDING: rows
+    whose row_expert is negative (padding of a grouped GEMM's layout) are neither read nor written."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     c = g * GROUP + tl.arange(0, GROUP)
-    mask = (r[:, None] < rows) & (c[None, :] < inter)
+    r_ok = r < rows
+    if SKIP_PADDING:
+        r_ok = r_ok & (tl.load(row_expert_ptr + r, mask=r_ok, other=-1) >= 0)
+    mask = r_ok[:, None] & (c[None, :] < inter)
     row = gu_ptr + r.to(tl.int64)[:, None] * stride_g
     gate = tl.load(row + c[None, :], mask=mask, other=0.0).to(tl.float32)
     up = tl.load(row + inter + c[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -381,62 +395,85 @@ def _silu_mul_kernel(gu_ptr, out_ptr, scale_ptr, rows, inter, stride_g, stride_o
     if QUANT:
         q, scale = _quant_tile(mid, EMULATE_CAST)
         tl.store(out, q, mask=mask)
-        tl.store(scale_ptr + r * num_groups + g, scale, mask=r < rows)
+        tl.store(scale_ptr + r * stride_s_row + g * stride_s_group, scale, mask=r_ok)
     else:
         tl.store(out, mid.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor, quantise: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def silu_mul(gate_up: torch.Tensor, quantise: bool, row_expert: torch.Tensor | None = None,
+             mn_major_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[R, 2I] (gate columns, then up) -> silu(gate) * up [R, I] in gate_up's dtype, or with `quantise` e4m3
-    [R, I] + fp32 scales [R, ceil(I/128)] (`fp8.quant_act_per_token_group` of that product)."""
+    [R, I] + fp32 scales [R, ceil(I/128)] (`fp8.quant_act_per_token_group` of that product).
+
+    `row_expert` [R]: rows where it is negative are padding (a grouped GEMM's layout, `moe_layout.ExpertRows`): left
+    unwritten, and their inputs unread (a fifth of the rows at 8192 tokens, V3.2 routing, 128-row alignment).
+    `mn_major_scales`: scales laid out as DeepGEMM's grouped GEMM reads them (`moe_layout.mn_major_scales`)."""
     rows, two_i = gate_up.shape
     inter = two_i // 2
     groups = triton.cdiv(inter, fp8.FP8_BLOCK)
     out = torch.empty(rows, inter, dtype=fp8.FP8_DTYPE if quantise else gate_up.dtype, device=gate_up.device)
-    scales = torch.empty(rows, groups, dtype=torch.float32, device=gate_up.device) if quantise else None
+    scales = None
+    if quantise:
+        scales = (mn_major_scales_of(rows, groups, gate_up.device) if mn_major_scales
+                  else torch.empty(rows, groups, dtype=torch.float32, device=gate_up.device))
     if rows:
         rows_per_program = 16
+        s = scales if quantise else out
         _silu_mul_kernel[(triton.cdiv(rows, rows_per_program), groups)](
-            gate_up, out, scales if quantise else out, rows, inter, gate_up.stride(0), out.stride(0), groups,
-            ROWS=rows_per_program, GROUP=fp8.FP8_BLOCK, QUANT=quantise, EMULATE_CAST=EMULATE_CAST)
+            gate_up, out, s, row_expert if row_expert is not None else out, rows, inter, gate_up.stride(0),
+            out.stride(0), s.stride(0), s.stride(1) if quantise else 0,
+            ROWS=rows_per_program, GROUP=fp8.FP8_BLOCK, QUANT=quantise, SKIP_PADDING=row_expert is not None,
+            EMULATE_CAST=EMULATE_CAST)
     return out, scales
 
 
 @triton.jit
 def _combine_rows_kernel(rows_ptr, row_of_pair_ptr, weight_ptr, out_ptr, hidden, stride_r, stride_o,
-                         TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t, h-block] = sum_j weight[t, j] * rows[row_of_pair[t, j], h-block], accumulated in fp32."""
+                         TOP_K: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr, WEIGHTED: tl.constexpr):
+    """out[t, h-block] = sum_j weight[t, j] * rows[row_of_pair[t, j], h-block], accumulated in fp32; a row index
+    of -1 adds nothing. Without GATHER pair (t, j) is row t * TOP_K + j; without WEIGHTED every weight is 1."""
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = h < hidden
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        r = tl.load(row_of_pair_ptr + t * TOP_K + j).to(tl.int64)
-        w = tl.load(weight_ptr + t * TOP_K + j)
-        acc += w * tl.load(rows_ptr + r * stride_r + h, mask=mask, other=0.0).to(tl.float32)
+        if GATHER:
+            r = tl.load(row_of_pair_ptr + t * TOP_K + j).to(tl.int64)
+            has_row = (h * 0 + r) >= 0  # as a block: Triton's interpreter rejects a scalar mask broadcast into one
+            v = tl.load(rows_ptr + r * stride_r + h, mask=mask & has_row, other=0.0).to(tl.float32)
+        else:
+            v = tl.load(rows_ptr + (t.to(tl.int64) * TOP_K + j) * stride_r + h, mask=mask, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            v = v * tl.load(weight_ptr + t * TOP_K + j)
+        acc += v
     tl.store(out_ptr + t.to(tl.int64) * stride_o + h, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def combine_rows(rows: torch.Tensor, row_of_pair: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Each token's top_k rows of `rows` [R, H], weighted by its routing weights [T, k] and summed in fp32 ->
-    [T, H] in rows' dtype; row_of_pair [T, k] says which row holds each (token, choice) pair. One read of the
-    rows, one write of the result (the expert outputs of a grouped GEMM laid out per expert, back per token)."""
-    num_tokens, top_k = row_of_pair.shape
+def combine_rows(rows: torch.Tensor, row_of_pair: torch.Tensor | None, weights: torch.Tensor | None,
+                 top_k: int | None = None) -> torch.Tensor:
+    """Each token's k rows of `rows` [R, H], weighted by its routing weights [T, k] and summed in fp32 -> [T, H]
+    in rows' dtype: one read of the rows, one write of the result (torch's `.sum(1, dtype=float32).to(dtype)`
+    also writes and reads a [T, H] fp32 intermediate). Reference: `reference.combine_rows`.
+
+    row_of_pair [T, k]: the row holding each (token, choice) pair, -1 for none (a pair computed on another rank);
+    None: pair (t, j) is row t * top_k + j. weights None: all 1 (the weights were applied before)."""
+    if row_of_pair is not None:
+        num_tokens, top_k = row_of_pair.shape
+    else:
+        num_tokens = rows.shape[0] // top_k
     hidden = rows.shape[1]
     out = torch.empty(num_tokens, hidden, dtype=rows.dtype, device=rows.device)
     if num_tokens == 0:
         return out
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    index = row_of_pair.to(torch.int32).contiguous() if row_of_pair is not None else out
+    w = weights.float().contiguous() if weights is not None else out
     block = 1024
     _combine_rows_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        rows, row_of_pair.to(torch.int32).contiguous(), weights.float().contiguous(), out, hidden,
-        rows.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block)
+        rows, index, w, out, hidden, rows.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
+        GATHER=row_of_pair is not None, WEIGHTED=weights is not None)
     return out
-
-
-def combine_rows_reference(rows: torch.Tensor, row_of_pair: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """`combine_rows` in torch (the test oracle)."""
-    picked = rows[row_of_pair.reshape(-1).long()].view(*row_of_pair.shape, rows.shape[1]).float()
-    return (picked * weights.float().unsqueeze(-1)).sum(1).to(rows.dtype)
 
 
 def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -473,8 +510,7 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                          f"step), got {cfg.block_k}")
     # Only the last dim must be dense; the kernels take row strides.
     x, gate_up_proj, down_proj = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, gate_up_proj, down_proj))
-    align = align_pairs_to_blocks_triton if topk_ids.numel() <= ALIGN_KERNEL_MAX_PAIRS else align_pairs_to_blocks
-    blocks = align(topk_ids, n_experts, cfg.block_m)
+    blocks = align_for(topk_ids.numel())(topk_ids, n_experts, cfg.block_m)
     num_m_blocks = blocks.block_expert.numel()
     route_w = topk_weights.reshape(-1).float().contiguous()
     mid = None if cfg.split_gate_up else torch.empty(blocks.num_pairs, inter, dtype=x.dtype, device=x.device)
@@ -522,4 +558,5 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         dn_se, dn_sn, dn_sk,
         GATED=False, APPLY_ROUTE_W=True, EVEN_K=inter % cfg.block_k == 0, **launch,
     )
-    return per_pair.view(num_tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
+    # each token's k rows (routing weights applied in the down GEMM) summed in fp32, in one pass
+    return combine_rows(per_pair, None, None, top_k)

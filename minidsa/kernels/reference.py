@@ -309,3 +309,79 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     normed = rms_norm(h if h is not None else x, weight, eps)
     q, scales = quant_act_per_token_group(normed)
     return h, normed, q, scales
+
+
+# --- Routed experts at prefill sizes: the per-expert row layout of grouped GEMMs and the passes around them
+# (kernels/moe_layout.py, kernels/fused_moe.py's silu_mul and combine_rows).
+
+
+def expert_rows(topk_ids: torch.Tensor, n_experts: int, alignment: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The (token, choice) pairs of topk_ids [T, k] in rows grouped by expert, experts in id order, one expert's pairs
+    in pair order, each expert's rows padded to a multiple of `alignment`; a pair with id -1 (SKIP) gets no row.
+
+    Returns (row_expert, row_pair, block_expert, row_of_pair, num_rows): per row of the static bound
+    `T*k + min(E, T*k) * (alignment - 1)` (rounded up to the alignment) its expert (-1 on padding) and pair id
+    (T*k on padding); per aligned block its expert (-1 past the end); per pair its row (-1: none)."""
+    flat = topk_ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    bound = num_pairs + min(n_experts, num_pairs) * (alignment - 1)
+    max_rows = -(-bound // alignment) * alignment
+    row_expert = torch.full((max_rows,), -1, dtype=torch.int32)
+    row_pair = torch.full((max_rows,), num_pairs, dtype=torch.int32)
+    block_expert = torch.full((max_rows // alignment,), -1, dtype=torch.int32)
+    row_of_pair = torch.full((num_pairs,), -1, dtype=torch.int32)
+    start = 0
+    for e in range(n_experts):
+        pairs = torch.nonzero(flat.cpu() == e).flatten()
+        if pairs.numel() == 0:
+            continue
+        rows = start + torch.arange(pairs.numel())
+        row_expert[rows], row_pair[rows], row_of_pair[pairs] = e, pairs.int(), rows.int()
+        padded = -(-pairs.numel() // alignment) * alignment
+        block_expert[start // alignment:(start + padded) // alignment] = e
+        start += padded
+    device = topk_ids.device
+    return (row_expert.to(device), row_pair.to(device), block_expert.to(device), row_of_pair.to(device), start)
+
+
+def quant_scatter(x: torch.Tensor, row_of_pair: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] quantised per token per 128 channels, token t's row copied to the rows of its k pairs (row_of_pair
+    [T*k], -1: none) -> (e4m3 [rows, H], fp32 scales [rows, ceil(H/128)]); rows no pair names are zero."""
+    from minidsa.kernels import fp8
+
+    num_tokens, hidden = x.shape
+    q, s = fp8.quant_act_per_token_group(x)
+    top_k = row_of_pair.numel() // max(num_tokens, 1)
+    token = torch.arange(row_of_pair.numel(), device=x.device) // max(top_k, 1)
+    has = row_of_pair >= 0
+    out_q = torch.zeros(rows, hidden, dtype=torch.uint8, device=x.device)  # e4m3 bytes (index_put on fp8: not on CPU)
+    out_s = torch.zeros(rows, s.shape[1], dtype=torch.float32, device=x.device)
+    out_q[row_of_pair[has].long()] = q.view(torch.uint8)[token[has]]
+    out_s[row_of_pair[has].long()] = s[token[has]]
+    return out_q.view(fp8.FP8_DTYPE), out_s
+
+
+def silu_mul(gate_up: torch.Tensor, quantise: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[R, 2I] (gate columns, then up) -> silu(gate) * up rounded to gate_up's dtype (as a GEMM epilogue stores it),
+    then with `quantise` e4m3 per row per 128 channels: (e4m3 [R, I], fp32 scales [R, ceil(I/128)])."""
+    from minidsa.kernels import fp8
+
+    inter = gate_up.shape[1] // 2
+    g = gate_up.float()
+    mid = (g[:, :inter] * torch.sigmoid(g[:, :inter]) * g[:, inter:]).to(gate_up.dtype)
+    return fp8.quant_act_per_token_group(mid) if quantise else (mid, None)
+
+
+def combine_rows(rows: torch.Tensor, row_of_pair: torch.Tensor | None, weights: torch.Tensor | None,
+                 top_k: int | None = None) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * rows[row_of_pair[t, j]] in fp32, in rows' dtype; a row of -1 adds nothing;
+    row_of_pair None: pair (t, j) is row t * top_k + j; weights None: 1."""
+    if row_of_pair is None:
+        row_of_pair = torch.arange(rows.shape[0], device=rows.device).view(-1, top_k)
+    idx = row_of_pair.long()
+    picked = rows[idx.clamp(min=0).reshape(-1)].view(*idx.shape, rows.shape[1]).float()
+    picked = torch.where((idx >= 0).unsqueeze(-1), picked, 0.0)  # not a multiply: padding rows may be NaN
+    if weights is not None:
+        picked = picked * weights.float().unsqueeze(-1)
+    return picked.sum(1).to(rows.dtype)
