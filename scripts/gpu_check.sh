@@ -365,6 +365,10 @@ section_redesign_ab() {   # issue 30: the code before the redesign (f6bdc44) aga
         AB_TITLE="Redesign" section_ab
 }
 
+section_run() {   # RUN_CMD (a shell command line) inside this script's environment: DeepGEMM / FlashMLA on PYTHONPATH
+    timeout "$TIMEOUT" bash -c "$RUN_CMD"
+}
+
 SECTIONS=${*:-$ALL_SECTIONS}
 : > "$OUT/summary.txt"
 status=0
