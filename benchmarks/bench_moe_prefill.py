@@ -50,7 +50,7 @@ from minidsa.models.deepseek_v32 import Router  # noqa: E402
 
 DEV = torch.device("cuda")
 E, H, I, K, N_GROUP, TOPK_GROUP = 256, 7168, 2048, 8, 8, 4
-SERVED_CHUNK = fm.MAX_CHUNK_TOKENS
+SERVED_CHUNK = fm.MAX_CHUNK_TOKENS  # the Triton path's chunk; DeepGEMM's until 2026-11-26
 
 
 def ms_of(fn, rep: int = 200) -> float:
@@ -193,10 +193,14 @@ def bench_whole(rec: Recorder, router: Router, params, dg, tokens: list[int], on
             f"chunks of {SERVED_CHUNK}")
         module = deepgemm.library()
         add("deepgemm", lambda: deepgemm.moe_contiguous(module, x, ids, w, *params),
-            f"chunks of {SERVED_CHUNK} (as served)")
-        if SERVED_CHUNK < t <= one_call_max:
+            f"chunks of {deepgemm.MOE_MAX_CHUNK_TOKENS} (as served)")
+        if SERVED_CHUNK < t:
+            add(f"deepgemm, chunks of {SERVED_CHUNK}",
+                lambda: deepgemm.moe_contiguous(module, x, ids, w, *params, max_chunk_tokens=SERVED_CHUNK),
+                "the chunk served until 2026-11-26")
+        if deepgemm.MOE_MAX_CHUNK_TOKENS < t <= one_call_max:
             add("deepgemm, one call", lambda: deepgemm.moe_contiguous(module, x, ids, w, *params, max_chunk_tokens=t),
-                f"chunk {t}: a proposal, not served")
+                f"chunk {t}: not served")
         add("GEMMs alone", gemms_alone(gemm, alignment, params, ids, SERVED_CHUNK),
             f"chunks of {SERVED_CHUNK}, padding -1", check=False)
         if t > SERVED_CHUNK:

@@ -408,6 +408,14 @@ def grouped_contiguous(module: object) -> tuple[object, int] | None:
     return fn, int(align())
 
 
+# Tokens per grouped-GEMM pass. Every pass streams all the experts' weights (11.3 GB for DeepSeek-V3.2), so at 8192
+# tokens (256 rows per expert) the GEMMs sit at the H100's compute / bandwidth ridge: the MoE as served measured
+# 52.8% of the FP8 ceiling at 16384 tokens in chunks of 8192, 64.7% in one pass (69.3% at 32768; H200, 2026-11-26,
+# benchmarks/PREFILL_MOE.md). The per-row buffers of one 32768-token pass take about 5 GiB; a step is only that
+# long when max_prefill_tokens says so, and start-up measures its peak before sizing the KV cache.
+MOE_MAX_CHUNK_TOKENS = 32768
+
+
 def moe_contiguous_wins(num_tokens: int, top_k: int, n_experts: int) -> bool:
     """Is the DeepGEMM grouped-GEMM MoE measured faster than the Triton fused MoE at this size? (Concrete ints.)"""
     return num_tokens * top_k >= MOE_CONTIGUOUS_MIN_PAIRS_PER_EXPERT * n_experts
@@ -420,7 +428,7 @@ def moe_contiguous(module: ModuleType, x: torch.Tensor, topk_ids: torch.Tensor, 
     does not take the call (the caller runs the Triton fused MoE), LibraryCallFailed when it fails. Same math as
     `fused_moe.fused_moe_reference`.
 
-    Per chunk of tokens (`max_chunk_tokens`, default fused_moe.MAX_CHUNK_TOKENS: it bounds the per-row buffers):
+    Per chunk of tokens (`max_chunk_tokens`, default MOE_MAX_CHUNK_TOKENS: it bounds the per-row buffers):
     1. `moe_layout.expert_rows`: pairs in rows grouped by expert, each expert's rows padded to DeepGEMM's alignment;
        padding rows marked -1 in `m_indices`, DeepGEMM's contract for them: on SM90 a 64-row half of a block that
        starts with padding is not multiplied (bench_moe's random router at 8192 tokens: 1.13 rows multiplied per
@@ -442,7 +450,7 @@ def moe_contiguous(module: ModuleType, x: torch.Tensor, topk_ids: torch.Tensor, 
     n_experts, two_i, hidden = gate_up_proj.shape
     if hidden % 128 or two_i % 256:
         return None  # whole 128-blocks in K for both GEMMs (I = two_i / 2)
-    chunk = max_chunk_tokens or fused_moe.MAX_CHUNK_TOKENS
+    chunk = max_chunk_tokens or MOE_MAX_CHUNK_TOKENS
     if num_tokens > chunk:
         parts = [moe_contiguous(module, x[s:s + chunk], topk_ids[s:s + chunk], topk_weights[s:s + chunk],
                                 gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv, chunk)
