@@ -411,7 +411,7 @@ def grouped_contiguous(module: object) -> tuple[object, int] | None:
 # Tokens per grouped-GEMM pass. Every pass streams all the experts' weights (11.3 GB for DeepSeek-V3.2), so at 8192
 # tokens (256 rows per expert) the GEMMs sit at the H100's compute / bandwidth ridge: the MoE as served measured
 # 52.8% of the FP8 ceiling at 16384 tokens in chunks of 8192, 64.7% in one pass (69.3% at 32768; H200, 2026-11-26,
-# benchmarks/PREFILL_MOE.md). The per-row buffers of one 32768-token pass take about 5 GiB; a step is only that
+# benchmarks/PREFILL_MOE.md). One 32768-token pass takes 7.8 GiB beside its inputs (measured); a step is only that
 # long when max_prefill_tokens says so, and start-up measures its peak before sizing the KV cache.
 MOE_MAX_CHUNK_TOKENS = 32768
 

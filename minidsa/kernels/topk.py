@@ -371,9 +371,10 @@ def triton_wins(num_tokens: int, width: int, device: torch.device) -> bool:
 # Which rows take the register select, from benchmarks/bench_topk_short.py (H200, 2026-11-26, k = 2048, us per call
 # in CUDA graphs; benchmarks/TAIL.md). Against the one-program-per-row kernel it wins at every batch (1-64) and
 # width measured: 12.5 vs 19.9 us at 4096, 20.0 vs 33.0 at 8192, 35 vs 61 at 16384. Against the split select (few
-# rows): 12.1 vs 32.9 at 4096, 19.8 vs 33.2 at 8192, but 34.6 vs 33.0 at 16384, so few rows split above 8192.
+# rows): 12.1 vs 32.9 at 4096, 19.8 vs 33.2 at 8192, but 34.6 vs 33.0 at 16384. With two tiles (8c4b33f, same
+# benchmark): 27.5 vs 35.8 at one row 8300 wide, 27.4 vs 32.9 at 10240, so few rows split above 10240.
 REGISTER_MAX_WIDTH = 16384
-REGISTER_FEW_ROWS_MAX_WIDTH = 8192
+REGISTER_FEW_ROWS_MAX_WIDTH = 10240
 REGISTER_MAX_BLOCK = 16384
 # RADIX_BITS of the register select (2: packed-count search, 8: tl.histogram passes): 2 won at every shape of the
 # same measurement (4096: 12.1 vs 16.0 us). Its num_warps follows the block (`register_warps`).
