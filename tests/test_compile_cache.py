@@ -147,3 +147,18 @@ def test_artifacts_round_trip_through_another_process(tmp_path):
     second = _run(root)
     assert second["loaded"].startswith("loaded") and second["hits"] >= 1 and second["misses"] == 0, second
     assert second["saved"] == "up to date"  # nothing new: the file is left as it is
+
+
+def test_compile_stats_count_the_graphs_dynamo_compiled():
+    """The start-up lines' "torch.compile N s for G graphs" come from CompileStats: a compilation in between shows
+    (torch 2.11+ no longer counts frames["ok"], which made every phase read "nothing compiled")."""
+    import torch
+
+    from minidsa.exec.compile_cache import CompileStats
+
+    before = CompileStats.now()
+    assert CompileStats.now().since(before).describe() == "nothing compiled"
+    fn = torch.compile(lambda x: x * 2 + 1, backend="aot_eager", fullgraph=True)
+    fn(torch.ones(3))
+    done = CompileStats.now().since(before)
+    assert done.frames == 1 and done.describe().startswith("torch.compile")
