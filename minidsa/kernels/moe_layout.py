@@ -54,7 +54,9 @@ class ExpertRows:
     alignment: int
 
 
-@triton.jit
+# The token counts below are not specialised on (Triton would compile a variant per divisibility by 16 / equality to
+# 1 of each): these small kernels lose nothing by it, and start-up compiles each once instead of per size class.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _count_kernel(ids_ptr, counts_ptr, num_pairs, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
     """counts[c, e] = pairs of chunk c routed to expert e (SKIP ids, -1, match none)."""
     c = tl.program_id(0)
@@ -66,7 +68,7 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, E_POW2: tl.constexpr, CHUNK: t
     tl.store(counts_ptr + c * E_POW2 + e, counts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _offsets_kernel(counts_ptr, offsets_ptr, start_ptr, num_rows_ptr, num_chunks, n_experts,
                     ALIGN: tl.constexpr, E_POW2: tl.constexpr, STEP: tl.constexpr):
     """One program. offsets[c, e] = pairs of expert e in chunks before c (in place of counts); start[e] = the
@@ -86,7 +88,7 @@ def _offsets_kernel(counts_ptr, offsets_ptr, start_ptr, num_rows_ptr, num_chunks
     tl.store(num_rows_ptr, tl.sum(padded, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _place_kernel(ids_ptr, offsets_ptr, start_ptr, row_of_pair_ptr, row_expert_ptr, row_pair_ptr, block_expert_ptr,
                   num_pairs, ALIGN: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
     """Each pair of chunk c to its row: its expert's start + pairs of that expert in earlier chunks + earlier pairs
@@ -134,7 +136,7 @@ def expert_rows(topk_ids: torch.Tensor, n_experts: int, alignment: int) -> Exper
     return ExpertRows(row_expert, row_pair, block_expert, row_of_pair, num_rows, num_pairs, alignment)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _quant_scatter_kernel(x_ptr, row_of_pair_ptr, q_ptr, s_ptr, num_tokens, hidden, stride_x, stride_q,
                           stride_s_row, stride_s_group, TOP_K: tl.constexpr, ROWS: tl.constexpr,
                           GROUP: tl.constexpr, EMULATE_CAST: tl.constexpr):
