@@ -34,13 +34,13 @@ import subprocess
 import sys
 import time
 import traceback
-from types import SimpleNamespace
 
 import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_moe import DEV, E, H, I, K, make_router, routed  # noqa: E402 (the same expert shapes and router)
 from moe_before import fused_moe_triton_before, moe_contiguous_before  # noqa: E402
 
 from minidsa.kernels import deepgemm, fp8, moe_layout  # noqa: E402
@@ -48,8 +48,6 @@ from minidsa.kernels import fused_moe as fm  # noqa: E402
 from minidsa.kernels.fp8_gemm import quant_act  # noqa: E402
 from minidsa.models.deepseek_v32 import Router  # noqa: E402
 
-DEV = torch.device("cuda")
-E, H, I, K, N_GROUP, TOPK_GROUP = 256, 7168, 2048, 8, 8, 4
 SERVED_CHUNK = fm.MAX_CHUNK_TOKENS  # the Triton path's chunk; DeepGEMM's until 2026-11-26
 
 
@@ -93,16 +91,6 @@ def ceilings(rec: Recorder) -> None:
     print(f"# ceilings: copy {rec.meta['copy_GBps']:.0f} GB/s, fp8 mm {rec.meta['fp8_TFLOPs']:.0f} TFLOP/s", flush=True)
 
 
-def make_router() -> Router:
-    r = Router(SimpleNamespace(num_experts_per_tok=K, n_routed_experts=E, n_group=N_GROUP, topk_group=TOPK_GROUP,
-                               norm_topk_prob=True, routed_scaling_factor=2.5, hidden_size=H)).to(DEV)
-    g = torch.Generator(device=DEV).manual_seed(0)
-    with torch.no_grad():
-        r.weight.normal_(0.0, H**-0.5, generator=g)
-        r.e_score_correction_bias.uniform_(0.0, 0.1, generator=g)
-    return r
-
-
 def make_fp8_weights():
     """(gate_up e4m3 [E, 2I, H], down e4m3 [E, H, I], their block scales), quantised one expert at a time."""
     g = torch.Generator(device=DEV).manual_seed(1)
@@ -116,14 +104,6 @@ def make_fp8_weights():
         out.append((q, s))
     (gu, gus), (dn, dns) = out
     return gu, dn, gus, dns
-
-
-def routed(router: Router, num_tokens: int, seed: int):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    x = torch.randn(num_tokens, H, device=DEV, generator=g).bfloat16()
-    with torch.no_grad():
-        ids, weights = router(x)
-    return x, ids, weights
 
 
 def peak_extra_gib(fn) -> tuple[torch.Tensor, float]:

@@ -30,6 +30,7 @@ from minidsa.config import ConfigError, ResolvedConfig
 from minidsa.exec.graphs import DEFAULT_BUCKETS, EXTEND_TOKEN_BUCKETS, GraphShape, StepGraphs
 from minidsa.attention.select import load_libraries
 from minidsa.exec.kv_cache import CacheLayouts, KVCache, ReqToTokenTable
+from minidsa.kernels.deepgemm import LOGITS_ALIGN
 from minidsa.models.deepseek_v32 import ModelOutput, call_layer
 from minidsa.exec.memory import GiB, MIN_KV_TOKENS, DoesNotFit, graph_buffer_bytes, margin_bytes
 from minidsa.models.loader import build_model
@@ -92,10 +93,10 @@ def _weights_detail(model: torch.nn.Module, path: str | None) -> str:
 
 
 # The indexer-logits width (max_kv_len) of batches through the compiled layer is a multiple of this, as the
-# decode graphs' context buckets are: DeepGEMM's paged logits rows are 256-aligned, so an unaligned width makes the
-# layer guard on alignment (a second graph per layer kind), and a one-page width (short prompts) on a block table
-# one wide (a third). Wider rows only add key columns that kv_lens masks.
-KEY_ALIGN = 256
+# decode graphs' context buckets are: DeepGEMM's paged logits rows are LOGITS_ALIGN-aligned, so an unaligned width
+# makes the layer guard on alignment (a second graph per layer kind), and a one-page width (short prompts) on a
+# block table one wide (a third). Wider rows only add key columns that kv_lens masks.
+KEY_ALIGN = LOGITS_ALIGN
 
 
 def _aligned_keys(batch: ForwardBatch, table_width: int) -> ForwardBatch:
@@ -407,22 +408,21 @@ class ModelRunner:
         # Inductor's runtime autotuning of pointwise kernels (up to 6 configs each, timed at first launch) was
         # 90 of a cold start's 240 s on an H200 (benchmarks/STARTUP.md); reductions keep theirs.
         options = {"triton.autotune_pointwise": False} if compile_backend == "inductor" else None
-        compiled = torch.compile(call_layer, dynamic=True, fullgraph=True, backend=compile_backend, options=options)
-
-        def layer(*args):
-            # Duck sizing would tie sizes that are merely equal at the first trace (the batch and DeepGEMM's
-            # block-table width, both 64 at the largest bucket) into one symbol: a guard every other batch fails.
-            with torch.fx.experimental._config.patch(use_duck_shape=False):
-                return compiled(*args)
-
+        layer = torch.compile(call_layer, dynamic=True, fullgraph=True, backend=compile_backend, options=options)
         self.compiled = True
         logger.info("torch.compile (%s): one decoder layer per layer kind, reused by every layer", compile_backend)
+        # Duck sizing would tie sizes that are merely equal at the first trace (the batch and DeepGEMM's
+        # block-table width, both 64 at the largest bucket) into one symbol: a guard every other batch fails.
+        # Dynamo reads the setting when it traces, inside a step; set once per step, not per layer (~15 us each).
+        no_duck_sizing = torch.fx.experimental._config.patch(use_duck_shape=False)
 
         @torch.no_grad()
+        @no_duck_sizing
         def run_main(batch: ForwardBatch) -> ModelOutput:
             return self.model(batch, self.attn, layer)
 
         @torch.no_grad()
+        @no_duck_sizing
         def run_mtp(batch: ForwardBatch, hidden_prev: torch.Tensor, prev_topk: torch.Tensor | None = None
                     ) -> ModelOutput:
             return self.model.forward_mtp(batch, self.attn, hidden_prev, prev_topk, layer)

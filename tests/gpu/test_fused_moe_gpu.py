@@ -78,6 +78,19 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
+def captured(fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """fn run once on a side stream (its lazy initialisation out of the capture), then captured: (graph, output)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 @pytest.mark.parametrize("num_tokens", [1, 8, 32, 256, 2048])
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
 def test_matches_reference_and_is_deterministic(router, bf16_weights, fp8_weights, kind, num_tokens):
@@ -148,14 +161,7 @@ def test_no_host_sync_cuda_graph_and_compile(router, fp8_weights):
         op(x, ids, weights, *fp8_weights)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        op(x, ids, weights, *fp8_weights)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = op(x, ids, weights, *fp8_weights)
+    graph, out = captured(lambda: op(x, ids, weights, *fp8_weights))
     graph.replay()
     assert torch.equal(out, expect)
     for seed in (6, 7):  # new routing in the same buffers

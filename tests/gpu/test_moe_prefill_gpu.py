@@ -11,8 +11,6 @@ op (Triton path, and DeepGEMM's grouped GEMMs where built, both the served chunk
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -23,25 +21,11 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 from minidsa.kernels import custom_ops, deepgemm, fp8, moe_layout, reference  # noqa: E402,F401 (custom_ops: torch.ops.minidsa)
 from minidsa.kernels import fused_moe as fm  # noqa: E402
-from minidsa.models.deepseek_v32 import Router  # noqa: E402
+# The expert shapes, the router fixture and the helpers of the decode-size tests beside this file.
+from test_fused_moe_gpu import DEV, E, H, I, K, captured, inputs, rel_err, router  # noqa: E402,F401 (router: a fixture)
 
 if not isinstance(moe_layout._place_kernel, JITFunction):
     pytest.skip("Triton kernels were imported as interpreted functions in this process", allow_module_level=True)
-
-DEV = torch.device("cuda")
-E, H, I, K = 256, 7168, 2048, 8
-CONFIG = SimpleNamespace(n_routed_experts=E, hidden_size=H, moe_intermediate_size=I, num_experts_per_tok=K,
-                         n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5)
-
-
-@pytest.fixture(scope="module")
-def router() -> Router:
-    r = Router(CONFIG).to(DEV)
-    g = torch.Generator(device=DEV).manual_seed(0)
-    with torch.no_grad():
-        r.weight.normal_(0.0, H**-0.5, generator=g)
-        r.e_score_correction_bias.uniform_(0.0, 0.1, generator=g)
-    return r
 
 
 @pytest.fixture(scope="module")
@@ -57,18 +41,6 @@ def fp8_weights():
         out.append((q, s))
     (gu, gus), (dn, dns) = out
     return gu, dn, gus, dns
-
-
-def inputs(router: Router, num_tokens: int, seed: int):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    x = torch.randn(num_tokens, H, device=DEV, generator=g).bfloat16()
-    with torch.no_grad():
-        ids, weights = router(x)
-    return x, ids, weights
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
 def skip_some(ids: torch.Tensor, seed: int) -> torch.Tensor:
@@ -182,14 +154,7 @@ def test_layout_no_sync_graph_and_compile(router, fp8_weights):
         fm.fused_moe_triton(x, ids, weights, *fp8_weights)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        op(x, ids, weights, *fp8_weights)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = op(x, ids, weights, *fp8_weights)
+    graph, out = captured(lambda: op(x, ids, weights, *fp8_weights))
     graph.replay()
     assert torch.equal(out, expect)
     nx, nids, nw = inputs(router, 256, seed=6)
