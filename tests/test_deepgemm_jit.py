@@ -167,3 +167,30 @@ def test_workers_that_cannot_start_leave_everything_to_the_warm_up(stand_in, mon
     jit.load()
     here = stand_in.events()
     assert _tasks(here) == sorted(jit.tasks) and "compiled" in {e["event"] for e in here}
+
+
+def test_the_engine_waits_only_for_its_own_classes_dealt_out_first(stand_in):
+    """The activation profile runs beside the pool: the classes of its steps go out first, `wait_for_rows`
+    returns once they ran, and the pool still runs every class exactly once."""
+    jit = GemmWarmUp(_weights(), MAX_ROWS, CPU, stand_in.library, workers=2)
+    jit.start_pool(first_rows=[100], progress=False)  # a 100-token step: the 112-row class of each shape
+    first = sorted(t for t in jit.tasks if t[0] == deepgemm.gemm_rows(100))
+    assert len(first) == 2
+    jit.wait_for_rows([100])
+    assert set(first) <= set(_tasks(stand_in.events()))  # both ran by the time the wait returned
+    detail = jit.finish_pool()
+    assert f"{len(jit.tasks)} GEMM classes on 2 processes" in detail and not jit.pool_failures
+    with open(os.environ["STAND_IN_DG_LOG"]) as f:
+        order = [tuple(json.loads(line)["task"]) for line in f]
+    assert sorted(order) == sorted(jit.tasks)  # every class once
+    assert set(first) <= set(order[:3])  # dealt out first (a worker may log its second before the other its first)
+
+
+def test_a_failed_start_up_stops_the_pool(stand_in):
+    jit = GemmWarmUp(_weights(), MAX_ROWS, CPU, stand_in.library, workers=2)
+    jit.start_pool(progress=False)
+    procs = [w.proc for w in jit.pool._workers]
+    jit.abort_pool()
+    assert all(p.poll() is not None for p in procs)  # the compile processes are gone
+    ran = _tasks(stand_in.events())
+    assert len(ran) < len(jit.tasks) and len(ran) == len(set(ran))

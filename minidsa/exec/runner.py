@@ -136,8 +136,14 @@ class ModelRunner:
             phase.detail = _weights_detail(self.model, resolved.model_path)
         if root is not None:
             self.compile_cache = CompileCache.for_engine(config, model_config, self.device, root)
-        # DeepGEMM's GEMM kernels compile in a pool of processes now, before the KV cache takes the free memory
-        # their CUDA contexts use; the warm-up in `prepare_fast_paths` loads them.
+        num_layers = model_config.num_layers_with_mtp
+        indexer_layers = list(layouts.indexer_layers)
+        self._indexer_layers = indexer_layers
+        self.kv_bytes_per_token = layouts.bytes_per_token
+        # DeepGEMM's GEMM kernels compile in a pool of processes (tens of seconds of nvcc on a fresh machine),
+        # beside the activation profile that sizes the KV cache: the profile waits only for its own classes, dealt
+        # out first. The pool stops before the KV cache is sized, as its CUDA contexts hold free memory; the
+        # warm-up in `prepare_fast_paths` loads the kernels.
         self._gemm_jit = None
         if self.device.type == "cuda":
             from minidsa.kernels.deepgemm_jit import GemmWarmUp
@@ -145,16 +151,14 @@ class ModelRunner:
             self._gemm_jit = GemmWarmUp.for_model(self.model, self.step_tokens, self.device, self.libraries.deepgemm,
                                                   share=config.tensor_parallel_size,
                                                   workers=resolved.deepgemm_jit_workers)
+        reserve = None
+        if self.device.type == "cuda" and not config.max_total_tokens:
+            reserve = self._profile_beside_pool(progress)
         if self._gemm_jit is not None:
             with self.startup.phase("DeepGEMM JIT") as phase:
-                phase.detail = self._gemm_jit.compile_in_pool(progress)
-
-        num_layers = model_config.num_layers_with_mtp
-        indexer_layers = list(layouts.indexer_layers)
-        self._indexer_layers = indexer_layers
-        self.kv_bytes_per_token = layouts.bytes_per_token
+                phase.detail = self._gemm_jit.compile_in_pool(progress)  # the rest of the pool, or all of it
         kv_start = time.perf_counter()
-        total_tokens = config.max_total_tokens or self._auto_kv_tokens()
+        total_tokens = config.max_total_tokens or self._auto_kv_tokens(reserve)
         num_pages = pages_needed(total_tokens, self.page_size) + 1  # + the reserved dummy page
         self.num_pages = num_pages
         capacity = (num_pages - 1) * self.page_size
@@ -213,12 +217,12 @@ class ModelRunner:
         """Copy the KV of slots `src` to slots `dst`: the MLA and indexer caches of every layer."""
         self.attn.kv_move(src, dst)
 
-    def _auto_kv_tokens(self) -> int:
+    def _auto_kv_tokens(self, reserve: int | None) -> int:
+        """KV tokens from the free memory, less `reserve` (`_activation_reserve`'s bytes; None off CUDA)."""
         if self.device.type != "cuda":
             return CPU_DEFAULT_MAX_TOTAL_TOKENS
         per_token = self.kv_bytes_per_token  # from the layouts (fp8 MLA: 1.6-1.8x the tokens of bf16)
         decode_reserve = self.resolved.decode_reserve
-        reserve = self._activation_reserve()
         free, _ = torch.cuda.mem_get_info(self.device)
         # The KV cache takes a share of what the weights and the activation reserve leave, so other tenants of
         # the GPU and the allocator's fragmentation keep some room.
@@ -243,15 +247,51 @@ class ModelRunner:
                     100 * self.config.kv_cache_mem_fraction)
         return tokens
 
+    def _profile_beside_pool(self, progress: bool) -> int:
+        """`_activation_reserve` while DeepGEMM's pool (if any) compiles. The workers' CUDA contexts hold GPU
+        memory meanwhile: a profile that runs out of it runs again once the pool has ended."""
+        jit = self._gemm_jit
+        free, _ = torch.cuda.mem_get_info(self.device)  # what the KV cache can have, before the workers start
+        try:
+            if jit is not None:
+                jit.start_pool(self._profile_rows(), progress)
+            try:
+                with self.startup.phase("activation profile") as phase:
+                    reserve, phase.detail = self._activation_reserve(free)
+                return reserve
+            except torch.cuda.OutOfMemoryError:
+                if jit is None or jit.pool is None:
+                    raise
+            torch.cuda.empty_cache()
+            logger.warning("the activation profile ran out of GPU memory beside DeepGEMM's compile processes; it "
+                           "runs again after them")
+            with self.startup.phase("DeepGEMM JIT") as phase:
+                phase.detail = jit.finish_pool()
+            with self.startup.phase("activation profile") as phase:
+                reserve, phase.detail = self._activation_reserve(free)
+            return reserve
+        except BaseException:
+            if jit is not None:
+                jit.abort_pool()
+            raise
+
+    def _profile_rows(self) -> list[int]:
+        """Token counts of `_activation_reserve`'s steps: the largest prefill, the largest decode-like step."""
+        return [self.step_tokens, self.resolved.decode_reserve * self.config.max_running_requests]
+
     @torch.no_grad()
-    def _activation_reserve(self) -> int:
-        """Bytes the steps need beside the weights and the KV cache, measured: the largest prefill step (and the MTP
-        layer's catch-up over it), and the largest decode-like step (a speculative verify: every request's draft
-        tokens, logits for each) are run once, eagerly, on a one-page scratch cache at the longest context the KV
-        cache could give them; their peaks (graphs have their own pool, uncaptured steps the allocator's cache:
-        both are counted), the CUDA graphs' per-kind buffers and a margin are reserved."""
+    def _activation_reserve(self, free: int) -> tuple[int, str]:
+        """Bytes the steps need beside the weights and the KV cache, measured, and the start-up log's detail: the
+        largest prefill step (and the MTP layer's catch-up over it), and the largest decode-like step (a
+        speculative verify: every request's draft tokens, logits for each) are run once, eagerly, on a one-page
+        scratch cache at the longest context the KV cache could give them (`free`: bytes free after the weights);
+        their peaks (graphs have their own pool, uncaptured steps the allocator's cache: both are counted), the
+        CUDA graphs' per-kind buffers and a margin are reserved. Each step first waits for DeepGEMM's pool to
+        build its GEMM classes."""
         cfg, mc, dev, decode_reserve = self.config, self.model_config, self.device, self.resolved.decode_reserve
-        free, total = torch.cuda.mem_get_info(dev)
+        _, total = torch.cuda.mem_get_info(dev)
+        jit = self._gemm_jit
+        waited = 0.0
         context = min(mc.max_position_embeddings, cfg.max_model_len or mc.max_position_embeddings,
                       max(free // self.kv_bytes_per_token, 2))
         context = pages_needed(context + decode_reserve, self.page_size) * self.page_size
@@ -280,12 +320,16 @@ class ModelRunner:
         with_mtp = decode_reserve > 1 and self.model.mtp_layer is not None  # speculation is on
 
         def prefill() -> None:
+            nonlocal waited
+            waited += jit.wait_for_rows([step_tokens]) if jit is not None else 0.0
             batch = scratch_batch([step_tokens], "last")
             out = self.model(batch, attn)
             if with_mtp:
                 self.model.forward_mtp(batch, attn, out.hidden, out.topk)
 
         def decode_like() -> None:
+            nonlocal waited
+            waited += jit.wait_for_rows([decode_reserve * decode_rows]) if jit is not None else 0.0
             self.model(scratch_batch([decode_reserve] * decode_rows, "all"), attn)
 
         peaks = {"prefill": peak(prefill), "decode": peak(decode_like)}
@@ -302,7 +346,10 @@ class ModelRunner:
                     "step of %d x %d tokens %.2f GiB, CUDA graph buffers %.2f GiB, margin %.2f GiB", reserve / GiB,
                     step_tokens, context, peaks["prefill"] / GiB, " (with the MTP catch-up)" if with_mtp else "",
                     decode_rows, decode_reserve, peaks["decode"] / GiB, buffers / GiB, margin_bytes(total) / GiB)
-        return reserve
+        detail = f"{reserve / GiB:.2f} GiB reserved"
+        if jit is not None and jit.pool is not None:
+            detail += f", {waited:.1f} s of it waiting for DeepGEMM's pool"
+        return reserve, detail
 
     # -- compile and graphs -------------------------------------------------------
     def prepare_fast_paths(self, spec_layout: SpecLayout | None) -> None:

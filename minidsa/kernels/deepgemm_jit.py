@@ -29,11 +29,11 @@ start with the same tasks, GPU and DeepGEMM build skips the pool while the kerne
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
 import os
-import queue
 import select
 import subprocess
 import sys
@@ -41,12 +41,10 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from minidsa.kernels.deepgemm import DeepGEMM
+from minidsa.kernels import deepgemm
 
 logger = logging.getLogger(__name__)
 
@@ -181,18 +179,15 @@ class _Worker:
         except ValueError:
             return None
 
-    def serve(self, tasks: queue.Queue, done: list[Task], failures: list[str], on_done) -> None:
-        """Hand this process tasks until the queue is empty or the process fails; records every outcome."""
+    def serve(self, next_task, on_done, failures: list[str]) -> None:
+        """Hand this process tasks (`next_task()`, None when there are none left) until there are none or the
+        process fails; `on_done(task)` after each that ran or failed, failures recorded in `failures`."""
         hello = self._read(TASK_TIMEOUT_S)
         if hello is None or not hello.get("ready"):
             failures.append(f"worker {self.index} failed to start ({self._exit()}): "
                             f"{(hello or {}).get('error') or self.stderr_tail()}")
             return
-        while True:
-            try:
-                task = tasks.get_nowait()
-            except queue.Empty:
-                break
+        while (task := next_task()) is not None:
             rows, n, k = task
             try:
                 self.proc.stdin.write(json.dumps([rows, n, k]).encode() + b"\n")
@@ -200,16 +195,16 @@ class _Worker:
             except OSError:
                 failures.append(f"worker {self.index} died before {rows}x{n}x{k} ({self._exit()}): "
                                 f"{self.stderr_tail()}")
+                on_done(task)
                 return
             reply = self._read(TASK_TIMEOUT_S)
             if reply is None:
                 failures.append(f"worker {self.index} died on {rows}x{n}x{k} ({self._exit()}): {self.stderr_tail()}")
+                on_done(task)
                 return
-            if reply.get("ok"):
-                done.append(task)
-            else:
+            if not reply.get("ok"):
                 failures.append(f"worker {self.index}: {rows}x{n}x{k} failed: {reply.get('error')}")
-            on_done()
+            on_done(task)
 
     def _exit(self) -> str:
         try:
@@ -230,80 +225,146 @@ class _Worker:
         self.stderr.close()
 
 
-def precompile(tasks: list[Task], device: torch.device, workers: int, progress: bool = True) -> JitReport:
-    """Run every task once across `workers` processes on `device` (DeepGEMM's cache: `cache_dir()`, inherited
-    through the environment), so the kernels they need are on disk. Never raises for a failing worker or
-    class: the report lists them, and the caller's warm-up compiles what is missing."""
-    report = JitReport(tasks=len(tasks), workers=min(workers, len(tasks)))
-    if not tasks:
-        report.skipped = "no GEMM classes"
-        return report
-    before = cached_kernels()
-    report.cached_before = len(before)
-    if report.workers < 1:
-        report.skipped = "no worker processes (MINIDSA_DEEPGEMM_WORKERS=0, or no GPU memory free for one)"
-        return report
-    start = time.perf_counter()
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    pending: queue.Queue = queue.Queue()
-    for t in spread(tasks):
-        pending.put(t)
-    done: list[Task] = []
-    from tqdm.auto import tqdm
+class JitPool:
+    """`workers` processes running `tasks` on `device` (DeepGEMM's cache: `cache_dir()`, inherited through the
+    environment), so the kernels they need are on disk, while this process goes on: `start`, then `wait_for` the
+    classes a step is about to run, then `join`. `first`: classes dealt out before the others (those the engine
+    runs while the pool works). Never raises for a failing worker or class: the report lists them, and the
+    caller's warm-up compiles what is missing."""
 
-    bar = tqdm(total=len(tasks), desc="DeepGEMM JIT", unit="class", disable=None if progress else True, leave=False)
-    lock = threading.Lock()
+    def __init__(self, tasks: list[Task], device: torch.device, workers: int, progress: bool = True,
+                 first: list[Task] | tuple = ()):
+        self.tasks = tasks
+        self.report = JitReport(tasks=len(tasks), workers=min(workers, len(tasks)))
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device, self.progress = device, progress
+        head = set(first) & set(tasks)
+        self._pending = collections.deque([*spread([t for t in tasks if t in head]),
+                                           *spread([t for t in tasks if t not in head])])
+        self._finished: set[Task] = set()  # run, or failed
+        self._cond = threading.Condition()
+        self._threads: list[threading.Thread] = []
+        self._workers: list[_Worker] = []
+        self._start = 0.0
+        self._bar = None
+        self._joined = False
 
-    def tick() -> None:
-        with lock:
-            bar.update(1)
+    def start(self) -> "JitPool":
+        report = self.report
+        if not self.tasks:
+            report.skipped = "no GEMM classes"
+            return self
+        report.cached_before = len(cached_kernels())
+        self._before = cached_kernels()
+        if report.workers < 1:
+            report.skipped = "no worker processes (MINIDSA_DEEPGEMM_WORKERS=0, or no GPU memory free for one)"
+            return self
+        self._start = time.perf_counter()
+        from tqdm.auto import tqdm
 
-    env = dict(os.environ)
-    # The workers import what this process imported (deep_gemm, minidsa), from where this process found them.
-    paths = [*env.get("PYTHONPATH", "").split(os.pathsep), *(os.path.abspath(p) for p in sys.path if p)]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
-    pool = [_Worker(i, str(device), env) for i in range(report.workers)]
-    try:
-        threads = [threading.Thread(target=w.serve, args=(pending, done, report.failures, tick), daemon=True)
-                   for w in pool]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    except BaseException:  # interrupted: do not wait for the compilers
-        for w in pool:
+        self._bar = tqdm(total=len(self.tasks), desc="DeepGEMM JIT", unit="class",
+                         disable=None if self.progress else True, leave=False)
+        env = dict(os.environ)
+        # The workers import what this process imported (deep_gemm, minidsa), from where this process found them.
+        paths = [*env.get("PYTHONPATH", "").split(os.pathsep), *(os.path.abspath(p) for p in sys.path if p)]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+        try:
+            for i in range(report.workers):
+                self._workers.append(_Worker(i, str(self.device), env))
+            self._threads = [threading.Thread(target=self._serve, args=(w,), daemon=True) for w in self._workers]
+            for t in self._threads:
+                t.start()
+        except BaseException:
+            self._stop()
+            raise
+        return self
+
+    def _next(self) -> Task | None:
+        with self._cond:
+            return self._pending.popleft() if self._pending else None
+
+    def _finish(self, task: Task) -> None:
+        with self._cond:
+            self._finished.add(task)
+            self._cond.notify_all()
+        self._bar.update(1)
+
+    def _serve(self, worker: "_Worker") -> None:
+        try:
+            worker.serve(self._next, self._finish, self.report.failures)
+        finally:
+            with self._cond:
+                self._cond.notify_all()
+
+    def _alive(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
+
+    def wait_for(self, tasks: list[Task]) -> float:
+        """Block until every one of `tasks` the pool holds has run (or failed, or no worker is left): seconds
+        waited. A class the pool does not hold is not waited for (the caller compiles it, if it runs it)."""
+        start = time.perf_counter()
+        wanted = set(tasks) & set(self.tasks)
+        with self._cond:
+            while not wanted <= self._finished and self._alive():
+                self._cond.wait(timeout=1.0)
+        return time.perf_counter() - start
+
+    def join(self) -> JitReport:
+        """Wait for every class, stop the processes (their GPU memory comes back), and report."""
+        if self._joined or not self._workers:
+            return self.report
+        self._joined = True
+        try:
+            for t in self._threads:
+                t.join()
+        finally:
+            self._stop()
+        if self._pending:
+            self.report.failures.append(f"{len(self._pending)} classes were not run (no worker left)")
+        self.report.compiled = len(cached_kernels() - self._before)
+        self.report.seconds = time.perf_counter() - self._start
+        return self.report
+
+    def abort(self) -> None:
+        """Stop now: no more classes dealt out, the processes killed (the engine's start-up failed)."""
+        with self._cond:
+            self._pending.clear()
+        for w in self._workers:
             w.proc.kill()
-        raise
-    finally:
-        for w in pool:
+        self.join()
+
+    def _stop(self) -> None:
+        for w in self._workers:
+            if any(t.is_alive() for t in self._threads):  # interrupted: do not wait for the compilers
+                w.proc.kill()
             w.close()
-        bar.close()
-    if not pending.empty():
-        report.failures.append(f"{pending.qsize()} classes were not run (no worker left)")
-    report.compiled = len(cached_kernels() - before)
-    report.seconds = time.perf_counter() - start
-    return report
+        if self._bar is not None:
+            self._bar.close()
+
+
+def precompile(tasks: list[Task], device: torch.device, workers: int, progress: bool = True) -> JitReport:
+    """Run every task once across `workers` processes on `device`, waiting for them all (`JitPool`)."""
+    return JitPool(tasks, device, workers, progress).start().join()
 
 
 class GemmWarmUp:
-    """DeepGEMM's GEMM kernels for one model at start-up: `compile_in_pool` (before the KV cache is allocated)
-    builds what the disk cache lacks in worker processes, `load` (the engine's warm-up) runs every class in this
+    """DeepGEMM's GEMM kernels for one model at start-up: `start_pool` / `finish_pool` (before the KV cache is
+    allocated) build what the disk cache lacks in worker processes, `load` (the engine's warm-up) runs every class in this
     process through the engine's DeepGEMM handle, compiling only what the pool left; each returns its start-up
     log detail."""
 
     def __init__(self, weights: list[tuple[torch.Tensor, torch.Tensor]], max_rows: int, device: torch.device,
-                 library: "DeepGEMM", share: int = 1, workers: int | None = None):
-        from minidsa.kernels import deepgemm
-
+                 library: "deepgemm.DeepGEMM", share: int = 1, workers: int | None = None):
         self.weights, self.max_rows, self.device, self.share, self.workers = weights, max_rows, device, share, workers
         self.library = library
         self.tasks = deepgemm.gemm_tasks([tuple(w.shape) for w, _ in weights], max_rows)
         self.manifest = manifest_path(self.tasks, device)
+        self.pool: JitPool | None = None
         self.pool_failures: list[str] = []
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, max_rows: int, device: torch.device, library: "DeepGEMM | None",
+    def for_model(cls, model: torch.nn.Module, max_rows: int, device: torch.device, library: "deepgemm.DeepGEMM | None",
                   share: int = 1, workers: int | None = None) -> "GemmWarmUp | None":
         """None when no projection of `model` runs through DeepGEMM (`library`: the engine's handle, if any)."""
         from minidsa.models.layers.linear import deepgemm_weights
@@ -315,15 +376,43 @@ class GemmWarmUp:
             raise ValueError("FP8 projections are given to DeepGEMM, but the engine loaded no DeepGEMM handle")
         return cls(weights, max_rows, device, library, share, workers)
 
-    def compile_in_pool(self, progress: bool = True) -> str:
-        if manifest_complete(self.manifest):
+    def start_pool(self, first_rows: list[int] | tuple = (), progress: bool = True) -> None:
+        """Start compiling what the disk cache lacks in worker processes, and return: the engine goes on beside
+        them (`wait_for_rows` before running a step through DeepGEMM, `finish_pool` before sizing the KV cache,
+        as the workers' CUDA contexts hold GPU memory). `first_rows`: the token counts of the steps the engine
+        runs meanwhile; their classes are dealt out first."""
+        if self.pool is not None or manifest_complete(self.manifest):
+            return
+        first = {deepgemm.gemm_rows(r) for r in first_rows if r > 0}
+        self.pool = JitPool(self.tasks, self.device, worker_count(self.tasks, self.device, self.share, self.workers),
+                            progress, first=[t for t in self.tasks if t[0] in first]).start()
+
+    def wait_for_rows(self, rows: list[int]) -> float:
+        """Wait until the pool ran every class of steps of `rows` tokens: seconds waited (0 without a pool)."""
+        if self.pool is None:
+            return 0.0
+        classes = {deepgemm.gemm_rows(r) for r in rows if r > 0}
+        return self.pool.wait_for([t for t in self.tasks if t[0] in classes])
+
+    def finish_pool(self) -> str:
+        """Wait for the pool and stop it; its start-up log detail."""
+        if self.pool is None:
             return f"all {len(self.tasks)} GEMM classes were built before ({os.path.basename(self.manifest)})"
-        report = precompile(self.tasks, self.device, worker_count(self.tasks, self.device, self.share, self.workers), progress)
+        report = self.pool.join()
         self.pool_failures = report.failures
         if report.failures:
             logger.warning("DeepGEMM JIT: %d failure(s) in the worker processes, the first: %s; the start-up warm-up "
                            "compiles what they left, in this process", len(report.failures), report.failures[0])
         return report.describe()
+
+    def abort_pool(self) -> None:
+        if self.pool is not None:
+            self.pool.abort()
+
+    def compile_in_pool(self, progress: bool = True) -> str:
+        """`start_pool` and `finish_pool`, with nothing beside them."""
+        self.start_pool(progress=progress)
+        return self.finish_pool()
 
     def load(self) -> str:
         before = cached_kernels()
@@ -355,7 +444,6 @@ def _run_worker(device_name: str) -> int:
     try:
         import deep_gemm
 
-        from minidsa.kernels import deepgemm
         from minidsa.kernels.fp8 import FP8_DTYPE
 
         device = torch.device(device_name)

@@ -63,7 +63,8 @@ def _quant_tile(a, EMULATE_CAST: tl.constexpr):
     return q, scale
 
 
-@triton.jit
+# Row / pair counts are not specialised on: each divisibility class would be a variant compiled at start-up.
+@triton.jit(do_not_specialize=["M"])
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, num_kb,
                       ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE_CAST: tl.constexpr):
     rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -76,7 +77,8 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, num_kb,
     tl.store(s_ptr + rm * num_kb + kb, scale, mask=rm < M)
 
 
-@triton.jit
+# Row / pair counts are not specialised on: each divisibility class would be a variant compiled at start-up.
+@triton.jit(do_not_specialize=["M"])
 def _w8a8_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr,
     M, N, K, stride_am, stride_wn, stride_wsn, stride_os, stride_om, num_kb, kb_per_split,

@@ -145,7 +145,8 @@ def align_pairs_to_blocks(topk_ids: torch.Tensor, n_experts: int, block_m: int) 
 ALIGN_KERNEL_MAX_PAIRS = 1024  # up to here one Triton program aligns the pairs (decode); torch ops above
 
 
-@triton.jit
+# Row / pair counts are not specialised on: each divisibility class would be a variant compiled at start-up.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _align_kernel(
     ids_ptr, sorted_pair_ptr, block_expert_ptr, num_padded_ptr, num_pairs, n_experts, max_rows,
     BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, TAIL: tl.constexpr,
@@ -220,7 +221,8 @@ def align_for(num_pairs: int):
     return align_pairs_to_blocks_triton if num_pairs <= ALIGN_KERNEL_MAX_PAIRS else align_pairs_to_blocks_chunked
 
 
-@triton.jit
+# Row / pair counts are not specialised on: each divisibility class would be a variant compiled at start-up.
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _expert_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, route_w_ptr,
     sorted_pair_ptr, block_expert_ptr, num_padded_ptr,

@@ -54,7 +54,8 @@ def _round_to_e4m3(y):
 # ---------------------------------------------------------------------------
 # store_index_k
 # ---------------------------------------------------------------------------
-@triton.jit
+# Row / pair counts are not specialised on: each divisibility class would be a variant compiled at start-up.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _store_index_k_fp8_kernel(
     k_ptr, loc_ptr, had_ptr, cache_ptr, scale_ptr,
     num_tokens, stride_k, page_bytes, page_words,

@@ -66,8 +66,8 @@ class RankModelRunner(ModelRunner):
         with ranks.guard(), building_with(ranks.tp):
             super().__init__(resolved, progress)
 
-    def _auto_kv_tokens(self) -> int:
-        tokens = torch.tensor([super()._auto_kv_tokens()], dtype=torch.int64)
+    def _auto_kv_tokens(self, reserve: int | None) -> int:
+        tokens = torch.tensor([super()._auto_kv_tokens(reserve)], dtype=torch.int64)
         if self.ranks.world_size > 1:
             torch.distributed.all_reduce(tokens, op=torch.distributed.ReduceOp.MIN, group=self.ranks.control_group)
         return int(tokens.item())
