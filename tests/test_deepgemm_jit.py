@@ -194,3 +194,18 @@ def test_a_failed_start_up_stops_the_pool(stand_in):
     assert all(p.poll() is not None for p in procs)  # the compile processes are gone
     ran = _tasks(stand_in.events())
     assert len(ran) < len(jit.tasks) and len(ran) == len(set(ran))
+
+
+def test_the_manifest_is_per_jit_compiler(monkeypatch):
+    """Kernels built by NVRTC are not those nvcc builds (DeepGEMM names them by compiler and flags): a start with
+    another compiler setting must not take the other one's manifest as its own."""
+    from minidsa.kernels.deepgemm_jit import manifest_path
+
+    tasks = deepgemm.gemm_tasks([(192, 256)], MAX_ROWS)
+    monkeypatch.delenv("DG_JIT_USE_NVRTC", raising=False)
+    nvcc = manifest_path(tasks, CPU)
+    monkeypatch.setenv("DG_JIT_USE_NVRTC", "1")
+    assert manifest_path(tasks, CPU) != nvcc
+    here = os.path.basename(manifest_path(tasks, CPU))
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", "/elsewhere")  # where the cache lives is not what it holds
+    assert os.path.basename(manifest_path(tasks, CPU)) == here

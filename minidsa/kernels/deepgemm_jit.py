@@ -109,7 +109,9 @@ def manifest_path(tasks: list[Task], device: torch.device, root: str | None = No
     mod = sys.modules.get("deep_gemm")
     gpu = (torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device),
            torch.cuda.get_device_properties(device).multi_processor_count) if device.type == "cuda" else device.type
-    ident = json.dumps([sorted(tasks), gpu, getattr(mod, "__version__", None), getattr(mod, "__file__", None)])
+    # DeepGEMM's JIT settings that change the kernels it builds (compiler, its flags): another set needs others.
+    jit_env = sorted((k, v) for k, v in os.environ.items() if k.startswith("DG_JIT_") and k != "DG_JIT_CACHE_DIR")
+    ident = json.dumps([sorted(tasks), gpu, getattr(mod, "__version__", None), getattr(mod, "__file__", None), jit_env])
     return os.path.join(root or cache_dir(), f"minidsa-gemms-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json")
 
 
