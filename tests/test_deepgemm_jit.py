@@ -169,19 +169,21 @@ def test_workers_that_cannot_start_leave_everything_to_the_warm_up(stand_in, mon
     assert _tasks(here) == sorted(jit.tasks) and "compiled" in {e["event"] for e in here}
 
 
-def test_the_engine_waits_only_for_the_classes_of_its_step(stand_in):
-    """The activation profile runs beside the pool: `wait_for_rows` returns once the classes of its step ran, and
-    the pool still runs every class exactly once."""
+def test_the_engine_waits_only_for_its_own_classes_dealt_out_first(stand_in):
+    """The activation profile runs beside the pool: the classes of its steps go out first, `wait_for_rows`
+    returns once they ran, and the pool still runs every class exactly once."""
     jit = GemmWarmUp(_weights(), MAX_ROWS, CPU, stand_in.library, workers=2)
-    jit.start_pool(progress=False)
-    wanted = sorted(t for t in jit.tasks if t[0] == deepgemm.gemm_rows(100))  # a 100-token step: 112 rows
-    assert len(wanted) == 2
+    jit.start_pool(first_rows=[100], progress=False)  # a 100-token step: the 112-row class of each shape
+    first = sorted(t for t in jit.tasks if t[0] == deepgemm.gemm_rows(100))
+    assert len(first) == 2
     jit.wait_for_rows([100])
-    assert set(wanted) <= set(_tasks(stand_in.events()))  # both ran by the time the wait returned
+    assert set(first) <= set(_tasks(stand_in.events()))  # both ran by the time the wait returned
     detail = jit.finish_pool()
     assert f"{len(jit.tasks)} GEMM classes on 2 processes" in detail and not jit.pool_failures
     with open(os.environ["STAND_IN_DG_LOG"]) as f:
-        assert sorted(tuple(json.loads(line)["task"]) for line in f) == sorted(jit.tasks)  # every class once
+        order = [tuple(json.loads(line)["task"]) for line in f]
+    assert sorted(order) == sorted(jit.tasks)  # every class once
+    assert set(first) <= set(order[:3])  # dealt out first (a worker may log its second before the other its first)
 
 
 def test_a_failed_start_up_stops_the_pool(stand_in):
@@ -207,16 +209,3 @@ def test_the_manifest_is_per_jit_compiler(monkeypatch):
     here = os.path.basename(manifest_path(tasks, CPU))
     monkeypatch.setenv("DG_JIT_CACHE_DIR", "/elsewhere")  # where the cache lives is not what it holds
     assert os.path.basename(manifest_path(tasks, CPU)) == here
-
-
-def test_waiting_until_every_class_is_dealt_out(stand_in):
-    """The engine starts its own work when the pool's last classes have gone to workers: nothing is left to deal
-    then, and the pool still ends with every class run once."""
-    jit = GemmWarmUp(_weights(), MAX_ROWS, CPU, stand_in.library, workers=2)
-    jit.start_pool(progress=False)
-    jit.wait_until_dealt()
-    assert not jit.pool._pending
-    ran = _tasks(stand_in.events())
-    assert len(ran) >= len(jit.tasks) - 2  # at most one class per worker still running
-    jit.finish_pool()
-    assert sorted(ran + _tasks(stand_in.events())) == sorted(jit.tasks)

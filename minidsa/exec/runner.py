@@ -248,20 +248,13 @@ class ModelRunner:
         return tokens
 
     def _profile_beside_pool(self, progress: bool) -> int:
-        """`_activation_reserve` beside the end of DeepGEMM's pool (if any). The pool keeps every CPU busy until
-        its last classes are dealt out; from then on its workers fall idle one by one, and the profile (Triton
-        compilations, DeepGEMM's grouped GEMMs) takes their CPUs instead of slowing them. Started earlier, it
-        made the pool 1.75x slower on an H100 (benchmarks/STARTUP.md). The workers' CUDA contexts hold GPU memory
-        meanwhile: a profile that runs out of it runs again once the pool has ended."""
+        """`_activation_reserve` while DeepGEMM's pool (if any) compiles. The workers' CUDA contexts hold GPU
+        memory meanwhile: a profile that runs out of it runs again once the pool has ended."""
         jit = self._gemm_jit
         free, _ = torch.cuda.mem_get_info(self.device)  # what the KV cache can have, before the workers start
         try:
             if jit is not None:
-                jit.start_pool(progress=progress)
-            if jit is not None and jit.pool is not None:
-                with self.startup.phase("DeepGEMM JIT") as phase:
-                    jit.wait_until_dealt()
-                    phase.detail = "until its last classes were dealt out; the activation profile runs beside the rest"
+                jit.start_pool(self._profile_rows(), progress)
             try:
                 with self.startup.phase("activation profile") as phase:
                     reserve, phase.detail = self._activation_reserve(free)
@@ -281,6 +274,10 @@ class ModelRunner:
             if jit is not None:
                 jit.abort_pool()
             raise
+
+    def _profile_rows(self) -> list[int]:
+        """Token counts of `_activation_reserve`'s steps: the largest prefill, the largest decode-like step."""
+        return [self.step_tokens, self.resolved.decode_reserve * self.config.max_running_requests]
 
     @torch.no_grad()
     def _activation_reserve(self, free: int) -> tuple[int, str]:

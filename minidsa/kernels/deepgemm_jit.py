@@ -21,8 +21,7 @@ from one queue, each class to exactly one process, and each runs it on zero inpu
 `deepgemm.run_fp8_gemm`, the call serving makes. The queue interleaves the shapes and spreads each shape's row
 classes (`spread`): neighbouring classes mostly share a kernel, and a kernel two processes compile at once is
 compiled twice. A worker that fails or dies is reported (one warning) and its classes are left to the
-engine's warm-up, which compiles what is missing itself. The engine does not wait idle meanwhile: once the last
-classes are dealt out (`JitPool.wait_until_dealt`), its activation profile runs beside the workers still compiling.
+engine's warm-up, which compiles what is missing itself.
 
 A manifest in the cache dir (`manifest_path`) records that every class of a task list was built there; the next
 start with the same tasks, GPU and DeepGEMM build skips the pool while the kernels it lists are still there.
@@ -230,17 +229,21 @@ class _Worker:
 
 class JitPool:
     """`workers` processes running `tasks` on `device` (DeepGEMM's cache: `cache_dir()`, inherited through the
-    environment), so the kernels they need are on disk, while this process goes on: `start`, `wait_until_dealt`, `wait_for`
-    the classes a step is about to run, then `join`. Never raises for a failing worker or class: the report lists them, and the
+    environment), so the kernels they need are on disk, while this process goes on: `start`, then `wait_for` the
+    classes a step is about to run, then `join`. `first`: classes dealt out before the others (those the engine
+    runs while the pool works). Never raises for a failing worker or class: the report lists them, and the
     caller's warm-up compiles what is missing."""
 
-    def __init__(self, tasks: list[Task], device: torch.device, workers: int, progress: bool = True):
+    def __init__(self, tasks: list[Task], device: torch.device, workers: int, progress: bool = True,
+                 first: list[Task] | tuple = ()):
         self.tasks = tasks
         self.report = JitReport(tasks=len(tasks), workers=min(workers, len(tasks)))
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device, self.progress = device, progress
-        self._pending = collections.deque(spread(tasks))
+        head = set(first) & set(tasks)
+        self._pending = collections.deque([*spread([t for t in tasks if t in head]),
+                                           *spread([t for t in tasks if t not in head])])
         self._finished: set[Task] = set()  # run, or failed
         self._cond = threading.Condition()
         self._threads: list[threading.Thread] = []
@@ -281,10 +284,7 @@ class JitPool:
 
     def _next(self) -> Task | None:
         with self._cond:
-            task = self._pending.popleft() if self._pending else None
-            if not self._pending:
-                self._cond.notify_all()
-            return task
+            return self._pending.popleft() if self._pending else None
 
     def _finish(self, task: Task) -> None:
         with self._cond:
@@ -309,16 +309,6 @@ class JitPool:
         wanted = set(tasks) & set(self.tasks)
         with self._cond:
             while not wanted <= self._finished and self._alive():
-                self._cond.wait(timeout=1.0)
-        return time.perf_counter() - start
-
-    def wait_until_dealt(self) -> float:
-        """Block until every class has gone to a worker (the last ones still compiling), or no worker is left:
-        seconds waited. From then on workers fall idle one by one, and this process's own work takes their CPUs
-        rather than slowing the compilers."""
-        start = time.perf_counter()
-        with self._cond:
-            while self._pending and self._alive():
                 self._cond.wait(timeout=1.0)
         return time.perf_counter() - start
 
@@ -388,18 +378,16 @@ class GemmWarmUp:
             raise ValueError("FP8 projections are given to DeepGEMM, but the engine loaded no DeepGEMM handle")
         return cls(weights, max_rows, device, library, share, workers)
 
-    def start_pool(self, progress: bool = True) -> None:
+    def start_pool(self, first_rows: list[int] | tuple = (), progress: bool = True) -> None:
         """Start compiling what the disk cache lacks in worker processes, and return: the engine goes on beside
-        them (`wait_until_dealt`, `wait_for_rows` before running a step through DeepGEMM, `finish_pool` before
-        sizing the KV cache, as the workers' CUDA contexts hold GPU memory)."""
+        them (`wait_for_rows` before running a step through DeepGEMM, `finish_pool` before sizing the KV cache,
+        as the workers' CUDA contexts hold GPU memory). `first_rows`: the token counts of the steps the engine
+        runs meanwhile; their classes are dealt out first."""
         if self.pool is not None or manifest_complete(self.manifest):
             return
+        first = {deepgemm.gemm_rows(r) for r in first_rows if r > 0}
         self.pool = JitPool(self.tasks, self.device, worker_count(self.tasks, self.device, self.share, self.workers),
-                            progress).start()
-
-    def wait_until_dealt(self) -> float:
-        """Wait until the pool has dealt out its last class (`JitPool.wait_until_dealt`): seconds waited."""
-        return self.pool.wait_until_dealt() if self.pool is not None else 0.0
+                            progress, first=[t for t in self.tasks if t[0] in first]).start()
 
     def wait_for_rows(self, rows: list[int]) -> float:
         """Wait until the pool ran every class of steps of `rows` tokens: seconds waited (0 without a pool)."""
