@@ -45,7 +45,7 @@ POOL = """
     g = torch.Generator(device=dev).manual_seed(0)
     # DeepSeek-V3.2's shared expert gate|up and down projections
     weights = [fp8.quant_block(torch.randn(n, k, device=dev, generator=g) * 0.02) for n, k in ((4096, 7168), (7168, 2048))]
-    jit = GemmWarmUp(weights, 512, dev, library)
+    jit = GemmWarmUp(weights, 512, dev, library, workers=4)  # (MINIDSA_DEEPGEMM_WORKERS is read by config.resolve)
     pool = jit.compile_in_pool(progress=False)
     after_pool = len(cached_kernels())
     load = jit.load()
@@ -63,7 +63,7 @@ POOL = """
 
 
 def test_deepgemm_pool_compiles_every_kernel_and_the_engine_process_only_loads(tmp_path):
-    got, err = _child(POOL, {"DG_JIT_CACHE_DIR": str(tmp_path / "dg"), "MINIDSA_DEEPGEMM_WORKERS": "4"})
+    got, err = _child(POOL, {"DG_JIT_CACHE_DIR": str(tmp_path / "dg")})
     if "skip" in got:
         pytest.skip(f"DeepGEMM's GEMM not usable here: {got['skip']}")
     assert not got["failures"], got
