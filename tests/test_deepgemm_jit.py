@@ -29,7 +29,7 @@ if not import_kernels_interpreted():
 
 from minidsa.kernels import deepgemm, fp8, optional_lib  # noqa: E402
 from minidsa.config import DEEPGEMM_WORKERS_ENV, ConfigError, EngineConfig, resolve  # noqa: E402
-from minidsa.kernels.deepgemm_jit import GemmWarmUp, spread, worker_count  # noqa: E402
+from minidsa.kernels.deepgemm_jit import GemmWarmUp, JitPool, spread, worker_count  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAND_IN_DIR = os.path.join(ROOT, "tests", "deep_gemm_stand_in")
@@ -181,9 +181,10 @@ def test_the_engine_waits_only_for_its_own_classes_dealt_out_first(stand_in):
     detail = jit.finish_pool()
     assert f"{len(jit.tasks)} GEMM classes on 2 processes" in detail and not jit.pool_failures
     with open(os.environ["STAND_IN_DG_LOG"]) as f:
-        order = [tuple(json.loads(line)["task"]) for line in f]
-    assert sorted(order) == sorted(jit.tasks)  # every class once
-    assert set(first) <= set(order[:3])  # dealt out first (a worker may log its second before the other its first)
+        assert sorted(tuple(json.loads(line)["task"]) for line in f) == sorted(jit.tasks)  # every class once
+    # dealt out first (the log's order is the workers', which start at different times: the queue's is checked)
+    queue = list(JitPool(jit.tasks, CPU, 2, progress=False, first=first)._pending)
+    assert set(queue[:2]) == set(first) and sorted(queue) == sorted(jit.tasks)
 
 
 def test_a_failed_start_up_stops_the_pool(stand_in):
@@ -209,3 +210,67 @@ def test_the_manifest_is_per_jit_compiler(monkeypatch):
     here = os.path.basename(manifest_path(tasks, CPU))
     monkeypatch.setenv("DG_JIT_CACHE_DIR", "/elsewhere")  # where the cache lives is not what it holds
     assert os.path.basename(manifest_path(tasks, CPU)) == here
+
+
+class _Pool:
+    """GemmWarmUp's side of `ModelRunner._profile_beside_pool`, recording what the runner asked of it."""
+
+    def __init__(self):
+        self.pool, self.calls = None, []
+
+    def start_pool(self, first_rows, progress):
+        self.pool = object()
+        self.calls.append(("start", tuple(first_rows)))
+
+    def finish_pool(self):
+        self.calls.append("finish")
+        return "the rest of the pool"
+
+    def abort_pool(self):
+        self.calls.append("abort")
+
+
+def _profiling_runner(reserve_results):
+    """A stand-in with the runner's pieces `_profile_beside_pool` uses; `reserve_results`: what each call of
+    `_activation_reserve` raises or returns."""
+    from minidsa.exec.startup import StartupPhases
+
+    class Runner:
+        device = CPU
+        _gemm_jit = _Pool()
+        startup = StartupPhases()
+        frees: list[int] = []
+
+        def _profile_rows(self):
+            return [8192, 64]
+
+        def _activation_reserve(self, free):
+            self.frees.append(free)
+            result = reserve_results.pop(0)
+            if isinstance(result, BaseException):
+                raise result
+            return result
+
+    return Runner()
+
+
+def test_a_profile_out_of_memory_beside_the_pool_runs_again_after_it(monkeypatch):
+    from minidsa.exec.runner import ModelRunner
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 96 << 30))
+    runner = _profiling_runner([torch.cuda.OutOfMemoryError("beside 16 CUDA contexts"), (7 << 30, "7.00 GiB")])
+    assert ModelRunner._profile_beside_pool(runner, progress=False) == 7 << 30
+    assert runner._gemm_jit.calls == [("start", (8192, 64)), "finish"]  # the profile's steps first, then waited out
+    assert runner.frees == [80 << 30, 80 << 30]  # both sized against the memory free before the workers started
+    assert [(p.name, p.detail) for p in runner.startup.phases] == [
+        ("activation profile", ""), ("DeepGEMM JIT", "the rest of the pool"), ("activation profile", "7.00 GiB")]
+
+
+def test_a_start_up_that_fails_in_the_profile_stops_the_pool(monkeypatch):
+    from minidsa.exec.runner import ModelRunner
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 96 << 30))
+    runner = _profiling_runner([ValueError("a bad shape")])
+    with pytest.raises(ValueError, match="a bad shape"):
+        ModelRunner._profile_beside_pool(runner, progress=False)
+    assert runner._gemm_jit.calls == [("start", (8192, 64)), "abort"]
