@@ -252,13 +252,17 @@ class ModelRunner:
         memory meanwhile: a profile that runs out of it runs again once the pool has ended."""
         jit = self._gemm_jit
         free, _ = torch.cuda.mem_get_info(self.device)  # what the KV cache can have, before the workers start
+
+        def profile() -> int:
+            with self.startup.phase("activation profile") as phase:
+                reserve, phase.detail = self._activation_reserve(free)
+            return reserve
+
         try:
             if jit is not None:
                 jit.start_pool(self._profile_rows(), progress)
             try:
-                with self.startup.phase("activation profile") as phase:
-                    reserve, phase.detail = self._activation_reserve(free)
-                return reserve
+                return profile()
             except torch.cuda.OutOfMemoryError:
                 if jit is None or jit.pool is None:
                     raise
@@ -267,9 +271,7 @@ class ModelRunner:
                            "runs again after them")
             with self.startup.phase("DeepGEMM JIT") as phase:
                 phase.detail = jit.finish_pool()
-            with self.startup.phase("activation profile") as phase:
-                reserve, phase.detail = self._activation_reserve(free)
-            return reserve
+            return profile()
         except BaseException:
             if jit is not None:
                 jit.abort_pool()
@@ -291,6 +293,7 @@ class ModelRunner:
         cfg, mc, dev, decode_reserve = self.config, self.model_config, self.device, self.resolved.decode_reserve
         _, total = torch.cuda.mem_get_info(dev)
         jit = self._gemm_jit
+        prefill_rows, decode_like_rows = self._profile_rows()
         waited = 0.0
         context = min(mc.max_position_embeddings, cfg.max_model_len or mc.max_position_embeddings,
                       max(free // self.kv_bytes_per_token, 2))
@@ -321,7 +324,7 @@ class ModelRunner:
 
         def prefill() -> None:
             nonlocal waited
-            waited += jit.wait_for_rows([step_tokens]) if jit is not None else 0.0
+            waited += jit.wait_for_rows([prefill_rows]) if jit is not None else 0.0
             batch = scratch_batch([step_tokens], "last")
             out = self.model(batch, attn)
             if with_mtp:
@@ -329,7 +332,7 @@ class ModelRunner:
 
         def decode_like() -> None:
             nonlocal waited
-            waited += jit.wait_for_rows([decode_reserve * decode_rows]) if jit is not None else 0.0
+            waited += jit.wait_for_rows([decode_like_rows]) if jit is not None else 0.0
             self.model(scratch_batch([decode_reserve] * decode_rows, "all"), attn)
 
         peaks = {"prefill": peak(prefill), "decode": peak(decode_like)}

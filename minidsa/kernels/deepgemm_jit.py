@@ -15,7 +15,7 @@ bench-dsv32, and on a fresh H100 that took ~200 s, one nvcc after another. What 
   scale-transpose kernel per K;
 - nvcc runs in a child process (popen) behind a process-wide kernel map that is not thread-safe, and there is
   no compile-only call: a kernel is compiled by running the GEMM.
-Hence processes: `precompile` starts `workers` processes (`python -m minidsa.kernels.deepgemm_jit`, one CUDA
+Hence processes: `JitPool` starts `workers` processes (`python -m minidsa.kernels.deepgemm_jit`, one CUDA
 context each; before the KV cache is sized, so their memory comes back), deals them the (rows, N, K) classes
 from one queue, each class to exactly one process, and each runs it on zero inputs of that shape through
 `deepgemm.run_fp8_gemm`, the call serving makes. The queue interleaves the shapes and spreads each shape's row
@@ -139,7 +139,7 @@ def write_manifest(path: str) -> None:
 
 @dataclass
 class JitReport:
-    """What `precompile` did."""
+    """What a `JitPool` did."""
 
     tasks: int = 0
     workers: int = 0
@@ -249,6 +249,7 @@ class JitPool:
         self._threads: list[threading.Thread] = []
         self._workers: list[_Worker] = []
         self._start = 0.0
+        self._before: set[str] = set()  # the cache's kernels when the pool started
         self._bar = None
         self._joined = False
 
@@ -257,8 +258,8 @@ class JitPool:
         if not self.tasks:
             report.skipped = "no GEMM classes"
             return self
-        report.cached_before = len(cached_kernels())
         self._before = cached_kernels()
+        report.cached_before = len(self._before)
         if report.workers < 1:
             report.skipped = "no worker processes (MINIDSA_DEEPGEMM_WORKERS=0, or no GPU memory free for one)"
             return self
@@ -337,17 +338,13 @@ class JitPool:
         self.join()
 
     def _stop(self) -> None:
+        interrupted = self._alive()  # do not wait for the compilers
         for w in self._workers:
-            if any(t.is_alive() for t in self._threads):  # interrupted: do not wait for the compilers
+            if interrupted:
                 w.proc.kill()
             w.close()
         if self._bar is not None:
             self._bar.close()
-
-
-def precompile(tasks: list[Task], device: torch.device, workers: int, progress: bool = True) -> JitReport:
-    """Run every task once across `workers` processes on `device`, waiting for them all (`JitPool`)."""
-    return JitPool(tasks, device, workers, progress).start().join()
 
 
 class GemmWarmUp:
