@@ -436,8 +436,8 @@ class ModelRunner:
         forward; every layer of a kind (dense / MoE, own / shared top-k, MTP) reuses that graph, so start-up
         does not grow with depth. The embedding, the layer loop and the head run eagerly around them, inside
         the same CUDA graph capture.
-        dynamic=True: one graph per layer kind serves every batch and context bucket, captured or not (Dynamo
-        specialises one-token batches once more). What varies per batch reaches the layer as symbolic sizes
+        dynamic=True, with size-oblivious sizes: one graph per layer kind serves every batch and context bucket,
+        captured or not, one-token batches included (Dynamo's 0/1 specialisation would trace each kind twice). What varies per batch reaches the layer as symbolic sizes
         and ints: request-sized tensors stay outside it (`DSABackend.index_metadata`), and shape-dependent
         kernel choices are made inside the opaque custom ops, so they add no guards. fullgraph=True: a graph
         break is an error here, not a silent slowdown.
@@ -464,7 +464,9 @@ class ModelRunner:
         # Duck sizing would tie sizes that are merely equal at the first trace (the batch and DeepGEMM's
         # block-table width, both 64 at the largest bucket) into one symbol: a guard every other batch fails.
         # Dynamo reads the setting when it traces, inside a step; set once per step, not per layer (~15 us each).
-        no_duck_sizing = torch.fx.experimental._config.patch(use_duck_shape=False)
+        # Size-oblivious: a size that is 1 at the first trace stays a symbol, so one-token batches share the graph
+        # (the layer avoids ops that treat one row apart: einsum, `x[idx] = v`, reshape of a transposed product).
+        no_duck_sizing = torch.fx.experimental._config.patch(use_duck_shape=False, backed_size_oblivious=True)
 
         @torch.no_grad()
         @no_duck_sizing
@@ -492,7 +494,7 @@ class ModelRunner:
     def _warm_up_uncaptured(self, with_mtp: bool, tokens: int) -> list[tuple[list[int], int]]:
         """Run the uncaptured compiled path once per shape class it will meet, so that Dynamo / inductor (and the
         kernels' JIT) are paid at start-up, not by the first prefill: a mixed step (a long run beside two short
-        rows), a single request, a one-token extend (Dynamo specialises size 1); with speculation, the MTP layer
+        rows), a single request, a one-token extend (its kernels meet other size classes); with speculation, the MTP layer
         over the same shapes, handed the main model's top-k as after a prefill.
 
         `tokens`: the most tokens a step can hold. Inductor picks 32-bit indexing for a kernel when the sizes of

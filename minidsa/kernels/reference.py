@@ -97,14 +97,15 @@ def quant_mla_latent(latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def store_mla(cache: torch.Tensor, loc: torch.Tensor, kv: torch.Tensor, latent_dim: int) -> None:
     """Write MLA rows `kv [T, L + R]` at slots `loc`: as is, or quantised into the FP8 layout (uint8 cache)."""
+    # index_copy_, not `cache[loc] = ...`: compiled with size-oblivious sizes, index_put_ guards on one row apart.
     if cache.dtype != torch.uint8:
-        cache[loc] = kv.to(cache.dtype)
+        cache.index_copy_(0, loc, kv.to(cache.dtype))
         return
-    latent, scales, rope = mla_fp8_views(cache, latent_dim)
+    # Written as bytes: index_copy_ has no fp8 kernel on CPU, and no view of the cache as fp32 / bf16 is needed.
     x8, s = quant_mla_latent(kv[:, :latent_dim])
-    latent[loc] = x8
-    scales[loc] = s
-    rope[loc] = kv[:, latent_dim:].to(torch.bfloat16)
+    row = torch.cat([x8.view(torch.uint8), s.view(torch.uint8), kv[:, latent_dim:].to(torch.bfloat16).view(torch.uint8)],
+                    dim=-1)
+    cache.index_copy_(0, loc, row)
 
 
 def load_mla(cache: torch.Tensor, slots: torch.Tensor, latent_dim: int) -> torch.Tensor:
@@ -122,7 +123,7 @@ def load_mla(cache: torch.Tensor, slots: torch.Tensor, latent_dim: int) -> torch
 def store_index_k(index_k: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
     """Write indexer keys `k [T, D]` at slots `loc`: as is, or Hadamard + fp8 into the paged layout."""
     if index_k.dtype != torch.uint8:
-        index_k[loc] = k.to(index_k.dtype)
+        index_k.index_copy_(0, loc, k.to(index_k.dtype))  # as store_mla: no guard on one row
         return
     keys, scales = fp8_views(index_k, page_size, k.shape[-1])
     k8, s = quant_fp8_ue8m0(hadamard_rotate(k))

@@ -226,10 +226,15 @@ class MLAttention(nn.Module):
             topk = prev_topk
 
         w_uk, w_uv = self._kv_b_halves()
-        q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)
+        # Per-head bmm on transposed operands, not einsum: einsum treats a one-token batch apart (it drops
+        # size-1 dims), which would cost every layer kind a second compiled graph.
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
         q_full = torch.cat([q_latent, q_rope], dim=-1)
         o_latent = ctx.attn.sparse_mla(caches, q_full, topk, self.softmax_scale, self.kv_lora_rank)
-        o = torch.einsum("thl,hvl->thv", o_latent, w_uv).reshape(num_tokens, self.num_heads * self.v_dim)
+        o_heads = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [h, t, v]
+        # A copy into a fresh [t, h, v] buffer: reshaping the transposed product guards on one token.
+        o = o_heads.new_empty(num_tokens, self.num_heads, self.v_dim).copy_(o_heads.transpose(0, 1))
+        o = o.view(num_tokens, self.num_heads * self.v_dim)
         return self.o_proj(o), topk
 
 
