@@ -251,8 +251,9 @@ class StepGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):  # warm up: allocator, autotuning, lazy init stay out of the graph
-                self._run(shape, g)
+            # One run first, so compilation, autotuning, the allocator's growth and lazy init stay out of the graph
+            # (a second one was one more pass through every layer per graph; the GPU tests compare replays with eager).
+            self._run(shape, g)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
