@@ -463,10 +463,9 @@ def _run_worker(device_name: str) -> int:
                 shape = (n, k)
             if x is None or x.shape[0] < rows:
                 x = torch.zeros(rows, k, dtype=torch.bfloat16, device=device)
-            # No synchronize: the kernel is on disk once the call returns (DeepGEMM compiles before it launches).
-            # Waiting for the GEMM itself made each class wait for a time slice of a GPU busy with the engine's
-            # activation profile; an error of a launch surfaces at a later call of this process instead.
             deepgemm.run_fp8_gemm(deep_gemm, x[:rows], weight, scale)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             replies.write(json.dumps({"ok": True}) + "\n")
         except Exception as e:  # noqa: BLE001 - one class failed; the engine's warm-up meets it again
             replies.write(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}) + "\n")
