@@ -120,8 +120,8 @@ def test_compiled_steps_equal_eager_with_one_graph_per_kind(monkeypatch):
 
 @pytest.mark.skipif(not triton_usable(torch.device("cpu"))[0], reason="needs Triton's interpreter on CPU")
 def test_capture_order_compiles_one_graph_for_every_bucket(monkeypatch):
-    """The GPU start-up sequence (buckets largest first, one warm-up call each, then the capture's) compiles the decode step
-    once for buckets 8, 4, 2 and 1, in a fresh process: no guard on a host-side cache
+    """The GPU start-up sequence (buckets largest first, one warm-up call each, then the capture's) compiles the
+    decode step once for buckets 8, 4, 2 and 1, in a fresh process: no guard on a host-side cache
     filled during the first trace (the SM count behind the top-k choice), and no duck-sizing equality
     between the batch and a persistent buffer of the same size (req_to_token has 8 rows here)."""
     import minidsa.kernels

@@ -437,10 +437,10 @@ class ModelRunner:
         does not grow with depth. The embedding, the layer loop and the head run eagerly around them, inside
         the same CUDA graph capture.
         dynamic=True, with size-oblivious sizes: one graph per layer kind serves every batch and context bucket,
-        captured or not, one-token batches included (Dynamo's 0/1 specialisation would trace each kind twice). What varies per batch reaches the layer as symbolic sizes
-        and ints: request-sized tensors stay outside it (`DSABackend.index_metadata`), and shape-dependent
-        kernel choices are made inside the opaque custom ops, so they add no guards. fullgraph=True: a graph
-        break is an error here, not a silent slowdown.
+        captured or not, one-token batches included (Dynamo's 0/1 specialisation would trace each kind twice).
+        What varies per batch reaches the layer as symbolic sizes and ints: request-sized tensors stay outside
+        it (`DSABackend.index_metadata`), and shape-dependent kernel choices are made inside the opaque custom
+        ops, so they add no guards. fullgraph=True: a graph break is an error here, not a silent slowdown.
         """
         if compile_backend is None:
             return self.forward_eager, self.forward_mtp_eager
@@ -494,8 +494,8 @@ class ModelRunner:
     def _warm_up_uncaptured(self, with_mtp: bool, tokens: int) -> list[tuple[list[int], int]]:
         """Run the uncaptured compiled path once per shape class it will meet, so that Dynamo / inductor (and the
         kernels' JIT) are paid at start-up, not by the first prefill: a mixed step (a long run beside two short
-        rows), a single request, a one-token extend (its kernels meet other size classes); with speculation, the MTP layer
-        over the same shapes, handed the main model's top-k as after a prefill.
+        rows), a single request, a one-token extend (its kernels meet other size classes); with speculation, the
+        MTP layer over the same shapes, handed the main model's top-k as after a prefill.
 
         `tokens`: the most tokens a step can hold. Inductor picks 32-bit indexing for a kernel when the sizes of
         the first trace allow it and guards on that (a [tokens, heads, 576] query of the real models passes 2^31

@@ -103,8 +103,8 @@ def store_mla(cache: torch.Tensor, loc: torch.Tensor, kv: torch.Tensor, latent_d
         return
     # Written as bytes: index_copy_ has no fp8 kernel on CPU, and no view of the cache as fp32 / bf16 is needed.
     x8, s = quant_mla_latent(kv[:, :latent_dim])
-    row = torch.cat([x8.view(torch.uint8), s.view(torch.uint8), kv[:, latent_dim:].to(torch.bfloat16).view(torch.uint8)],
-                    dim=-1)
+    rope = kv[:, latent_dim:].to(torch.bfloat16)
+    row = torch.cat([x8.view(torch.uint8), s.view(torch.uint8), rope.view(torch.uint8)], dim=-1)
     cache.index_copy_(0, loc, row)
 
 
