@@ -294,7 +294,12 @@ class ModelRunner:
         _, total = torch.cuda.mem_get_info(dev)
         jit = self._gemm_jit
         prefill_rows, decode_like_rows = self._profile_rows()
-        waited = 0.0
+        waits: list[float] = []  # seconds each step waited for DeepGEMM's pool to build its classes
+
+        def wait_for_pool(rows: int) -> None:
+            if jit is not None:
+                waits.append(jit.wait_for_rows([rows]))
+
         context = min(mc.max_position_embeddings, cfg.max_model_len or mc.max_position_embeddings,
                       max(free // self.kv_bytes_per_token, 2))
         context = pages_needed(context + decode_reserve, self.page_size) * self.page_size
@@ -323,16 +328,14 @@ class ModelRunner:
         with_mtp = decode_reserve > 1 and self.model.mtp_layer is not None  # speculation is on
 
         def prefill() -> None:
-            nonlocal waited
-            waited += jit.wait_for_rows([prefill_rows]) if jit is not None else 0.0
+            wait_for_pool(prefill_rows)
             batch = scratch_batch([step_tokens], "last")
             out = self.model(batch, attn)
             if with_mtp:
                 self.model.forward_mtp(batch, attn, out.hidden, out.topk)
 
         def decode_like() -> None:
-            nonlocal waited
-            waited += jit.wait_for_rows([decode_like_rows]) if jit is not None else 0.0
+            wait_for_pool(decode_like_rows)
             self.model(scratch_batch([decode_reserve] * decode_rows, "all"), attn)
 
         peaks = {"prefill": peak(prefill), "decode": peak(decode_like)}
@@ -351,7 +354,7 @@ class ModelRunner:
                     decode_rows, decode_reserve, peaks["decode"] / GiB, buffers / GiB, margin_bytes(total) / GiB)
         detail = f"{reserve / GiB:.2f} GiB reserved"
         if jit is not None and jit.pool is not None:
-            detail += f", {waited:.1f} s of it waiting for DeepGEMM's pool"
+            detail += f", {sum(waits):.1f} s of it waiting for DeepGEMM's pool"
         return reserve, detail
 
     # -- compile and graphs -------------------------------------------------------

@@ -279,26 +279,28 @@ def rmsnorm_quant(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor
     return normed, q, scales
 
 
-@rmsnorm_quant.register_fake
-def _(x, weight, eps):
+def _norm_quant_fakes(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(normed, e4m3, fp32 scales) as `norm_quant.rmsnorm_quant` makes them, for the fake kernels below."""
     m, k = x.shape
     return (x.new_empty(m, k, dtype=torch.promote_types(weight.dtype, x.dtype)),
             x.new_empty(m, k, dtype=torch.float8_e4m3fn), x.new_empty(m, -(-k // 128), dtype=torch.float32))
+
+
+@rmsnorm_quant.register_fake
+def _(x, weight, eps):
+    return _norm_quant_fakes(x, weight)
 
 
 @torch.library.custom_op("minidsa::add_rmsnorm_quant", mutates_args=())
 def add_rmsnorm_quant(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """h = x + residual, RMSNorm of h and its FP8 per-token-group quantisation in one Triton launch:
     (h, normed, e4m3, fp32 scales), `reference.rmsnorm_quant` with a residual."""
-    h, normed, q, scales = norm_quant_mod.rmsnorm_quant(x, weight, eps, residual)
-    return h, normed, q, scales
+    return norm_quant_mod.rmsnorm_quant(x, weight, eps, residual)
 
 
 @add_rmsnorm_quant.register_fake
 def _(x, residual, weight, eps):
-    m, k = x.shape
-    return (x.new_empty(m, k), x.new_empty(m, k, dtype=torch.promote_types(weight.dtype, x.dtype)),
-            x.new_empty(m, k, dtype=torch.float8_e4m3fn), x.new_empty(m, -(-k // 128), dtype=torch.float32))
+    return (x.new_empty(x.shape), *_norm_quant_fakes(x, weight))
 
 
 @torch.library.custom_op("minidsa::route", mutates_args=())

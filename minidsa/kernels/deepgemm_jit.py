@@ -349,9 +349,9 @@ class JitPool:
 
 class GemmWarmUp:
     """DeepGEMM's GEMM kernels for one model at start-up: `start_pool` / `finish_pool` (before the KV cache is
-    allocated) build what the disk cache lacks in worker processes, `load` (the engine's warm-up) runs every class in this
-    process through the engine's DeepGEMM handle, compiling only what the pool left; each returns its start-up
-    log detail."""
+    allocated) build what the disk cache lacks in worker processes, `load` (the engine's warm-up) runs every class
+    in this process through the engine's DeepGEMM handle, compiling only what the pool left; each returns its
+    start-up log detail."""
 
     def __init__(self, weights: list[tuple[torch.Tensor, torch.Tensor]], max_rows: int, device: torch.device,
                  library: "deepgemm.DeepGEMM", share: int = 1, workers: int | None = None):
@@ -363,8 +363,9 @@ class GemmWarmUp:
         self.pool_failures: list[str] = []
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, max_rows: int, device: torch.device, library: "deepgemm.DeepGEMM | None",
-                  share: int = 1, workers: int | None = None) -> "GemmWarmUp | None":
+    def for_model(cls, model: torch.nn.Module, max_rows: int, device: torch.device,
+                  library: "deepgemm.DeepGEMM | None", share: int = 1, workers: int | None = None
+                  ) -> "GemmWarmUp | None":
         """None when no projection of `model` runs through DeepGEMM (`library`: the engine's handle, if any)."""
         from minidsa.models.layers.linear import deepgemm_weights
 
@@ -382,16 +383,19 @@ class GemmWarmUp:
         runs meanwhile; their classes are dealt out first."""
         if self.pool is not None or manifest_complete(self.manifest):
             return
-        first = {deepgemm.gemm_rows(r) for r in first_rows if r > 0}
         self.pool = JitPool(self.tasks, self.device, worker_count(self.tasks, self.device, self.share, self.workers),
-                            progress, first=[t for t in self.tasks if t[0] in first]).start()
+                            progress, first=self._tasks_for_rows(first_rows)).start()
 
     def wait_for_rows(self, rows: list[int]) -> float:
         """Wait until the pool ran every class of steps of `rows` tokens: seconds waited (0 without a pool)."""
         if self.pool is None:
             return 0.0
+        return self.pool.wait_for(self._tasks_for_rows(rows))
+
+    def _tasks_for_rows(self, rows: list[int] | tuple) -> list[Task]:
+        """The classes (every weight shape) that steps of `rows` tokens run."""
         classes = {deepgemm.gemm_rows(r) for r in rows if r > 0}
-        return self.pool.wait_for([t for t in self.tasks if t[0] in classes])
+        return [t for t in self.tasks if t[0] in classes]
 
     def finish_pool(self) -> str:
         """Wait for the pool and stop it; its start-up log detail."""
