@@ -104,7 +104,8 @@ def static_fast_paths(runner, spec_layout=None, compile_backend=None) -> None:
     enable_compile the step functions are compiled with `compile_backend` (e.g. "aot_eager", a recording
     backend; None: not compiled) and the uncaptured compiled path is warmed up, as on a GPU."""
     assert runner.config.enable_cuda_graph, "the engine serves without graphs"
-    run_main, run_mtp = runner.step_functions(compile_backend if runner.config.enable_compile else None)
+    compiles = runner.config.enable_compile and compile_backend is not None
+    run_main, run_mtp = runner.step_functions(runner.compile_layer(compile_backend) if compiles else None)
     runner.use_graphs(runner.build_graphs(spec_layout, run_main, run_mtp), warm_up_tokens=CPU_WARMUP_TOKENS)
 
 

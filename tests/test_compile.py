@@ -1,7 +1,7 @@
 """torch.compile of the decoder layers: no graph breaks, DSA kernels opaque, one graph per layer kind.
 
 On a GPU the runner compiles the captured steps with inductor (tests/gpu/test_graphs_gpu.py checks
-compiled graphs against eager, token for token). Here the same `ModelRunner.step_functions` run
+compiled graphs against eager, token for token). Here the same `ModelRunner.compile_layer` / `step_functions` run
 with a recording backend on top of `aot_eager` (Dynamo + fake tensors + functionalisation, no
 code generation), with the Triton kernels under Triton's interpreter, so the custom ops' fake
 implementations and the symbolic batch / context sizes are exercised as they are on the GPU.
@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch._dynamo.backends.debugging import aot_eager
 
-from harness import PagedDriver, count_replays, static_fast_paths
+from harness import CPU_WARMUP_TOKENS, PagedDriver, count_replays, static_fast_paths
 from minidsa import LLM, SamplingParams
 from minidsa.exec.batch import ForwardBatch
 from minidsa.config import ModelConfig
@@ -116,6 +116,36 @@ def test_compiled_steps_equal_eager_with_one_graph_per_kind(monkeypatch):
         assert any("sparse_mla" in o for o in ops), ops
         own_topk += any("index_logits" in o for o in ops)
     assert own_topk == len(graphs) - 1  # all but the MTP layer's handed-top-k graph run the indexer
+
+
+@pytest.mark.skipif(not triton_usable(torch.device("cpu"))[0], reason="needs Triton's interpreter on CPU")
+def test_activation_profile_traces_the_layer_the_engine_serves_with():
+    """The GPU start-up order: the activation profile runs the compiled layer first, on its one-page scratch cache
+    and one-row req_to_token (beside DeepGEMM's pool); the capture, the warm-up and serving then run it on the
+    engine's cache and table (other page count, rows and width) and compile only the draft extend's graph (the
+    MTP layer computing its own top-k), which the profile never runs. Tokens equal eager."""
+    kw = dict(kernel_backend="triton", speculative_num_steps=1, max_prefill_tokens=48, chunked_prefill_size=48)
+    reference_llm = _llm(**kw)
+    prompts = _prompts(reference_llm.engine.model_config.vocab_size, 3)
+    reference = [o.token_ids for o in reference_llm.generate(prompts, GREEDY)]
+
+    llm = _llm(**kw)
+    runner = llm.engine.runner
+    backend = RecordingBackend()
+    layer = runner.compile_layer(backend)
+    context, steps = runner.profile_steps(300 * runner.kv_bytes_per_token, layer)
+    assert context != runner.table_width and runner.attn.req_to_token.shape[0] > 1
+    for run in steps.values():
+        run()
+    traced = [g for g in backend.graphs if len(g.graph.nodes) > 0]
+    assert len(traced) == 3  # dense, MoE, the MTP layer handed the top-k (its catch-up after a prefill)
+    run_main, run_mtp = runner.step_functions(layer)
+    runner.use_graphs(runner.build_graphs(llm.engine.speculator.layout, run_main, run_mtp),
+                      warm_up_tokens=CPU_WARMUP_TOKENS)
+    outs = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert outs == reference
+    traced = [g for g in backend.graphs if len(g.graph.nodes) > 0]
+    assert len(traced) == 4, [len(g.graph.nodes) for g in traced]
 
 
 @pytest.mark.skipif(not triton_usable(torch.device("cpu"))[0], reason="needs Triton's interpreter on CPU")

@@ -244,6 +244,9 @@ def _profiling_runner(reserve_results):
         def _profile_rows(self):
             return [8192, 64]
 
+        def _compiling_phase(self, name):
+            return self.startup.phase(name)
+
         def _activation_reserve(self, free):
             self.frees.append(free)
             result = reserve_results.pop(0)

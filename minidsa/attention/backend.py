@@ -180,10 +180,11 @@ class DSABackend:
                             kv_cache.indexer_fp8)
         self.latent_dim = kv_cache.mla_layout.latent_dim
 
-    def persistent_tensors(self) -> list[torch.Tensor]:
-        """The tensors that live as long as the engine (caches, req_to_token, Hadamard matrix): fixed shapes."""
-        extra = [] if self.hadamard is None else [self.hadamard]
-        return [self.req_to_token, *self.kv_cache.persistent_tensors(), *extra]
+    def persistent_tensors(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        """The tensors that live as long as the engine (caches, req_to_token, Hadamard matrix), each with the dims
+        the engine's sizing sets (slots or pages, request rows, table width); the model fixes the others."""
+        extra = [] if self.hadamard is None else [(self.hadamard, ())]
+        return [(self.req_to_token, (0, 1)), *self.kv_cache.persistent_tensors(), *extra]
 
     @property
     def page_size(self) -> int:

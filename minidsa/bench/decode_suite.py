@@ -183,7 +183,8 @@ class Bench:
         # The engine's own step functions: the whole forward through torch.compile (one dynamic graph
         # per step kind, shared by every graph below), or plain eager modules.
         self.compile = compile
-        self.run_main, self.run_mtp = self.runner.step_functions("inductor" if compile else None)
+        layer = (self.runner.layer or self.runner.compile_layer("inductor")) if compile else None
+        self.run_main, self.run_mtp = self.runner.step_functions(layer)
         self._fill_cache()
 
     def _fill_cache(self):

@@ -234,6 +234,8 @@ class KVCache:
     def bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.mla_layout, self.index_layout, self.num_layers, len(self.index_layer_ids))
 
-    def persistent_tensors(self) -> list[torch.Tensor]:
-        """Every tensor the forward reads from this cache: the buffers and their per-layer views."""
-        return [self.mla_buffer, *self.mla, self.index_buffer, *(k for k in self.index_k if k is not None)]
+    def persistent_tensors(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        """Every tensor the forward reads from this cache, the buffers and their per-layer views, each with its
+        dim that grows with the page count."""
+        return [(self.mla_buffer, (1,)), *((v, (0,)) for v in self.mla), (self.index_buffer, (1,)),
+                *((k, (0,)) for k in self.index_k if k is not None)]

@@ -31,7 +31,7 @@ from minidsa.exec.graphs import DEFAULT_BUCKETS, EXTEND_TOKEN_BUCKETS, GraphShap
 from minidsa.attention.select import load_libraries
 from minidsa.exec.kv_cache import CacheLayouts, KVCache, ReqToTokenTable
 from minidsa.kernels.deepgemm import LOGITS_ALIGN
-from minidsa.models.deepseek_v32 import ModelOutput, call_layer
+from minidsa.models.deepseek_v32 import ModelOutput, RunLayer, call_layer
 from minidsa.exec.memory import GiB, MIN_KV_TOKENS, DoesNotFit, graph_buffer_bytes, margin_bytes
 from minidsa.models.loader import build_model
 from minidsa.sched.pages import KVCapacity, pages_needed
@@ -105,6 +105,28 @@ def _aligned_keys(batch: ForwardBatch, table_width: int) -> ForwardBatch:
     return batch if batch.max_kv_len == width else dataclasses.replace(batch, max_kv_len=width)
 
 
+def layer_tracing():
+    """The symbolic-size settings every call of a compiled layer runs under (Dynamo reads them when it traces,
+    inside a step: set once per step, not per layer, ~15 us each).
+    - No duck sizing: sizes merely equal at the first trace (the batch and DeepGEMM's block-table width, both 64
+      at the largest bucket; req_to_token's rows and a batch) would share one symbol, a guard every other batch
+      fails.
+    - Size-oblivious: a size that is 1 at the first trace stays a symbol, so one-token batches and one-page
+      caches share the graph (the layer avoids ops that treat one row apart: einsum, `x[idx] = v`, reshape of a
+      transposed product)."""
+    return torch.fx.experimental._config.patch(use_duck_shape=False, backed_size_oblivious=True)
+
+
+def mark_fixed_dims(attn: DSABackend) -> None:
+    """The dims of `attn`'s persistent tensors that the model fixes are static for the compiled layer (no symbol
+    to trace or guard); those the engine's sizing sets stay symbolic, so the activation profile's one-page
+    scratch cache and the engine's cache share one graph."""
+    for t, sized in attn.persistent_tensors():
+        for dim in range(t.dim()):
+            if dim not in sized:
+                torch._dynamo.mark_static(t, dim)
+
+
 class ModelRunner:
     def __init__(self, resolved: ResolvedConfig, progress: bool = True):
         """Builds the model (weights in their serving formats), sizes and allocates the KV cache. What it decides
@@ -136,6 +158,15 @@ class ModelRunner:
             phase.detail = _weights_detail(self.model, resolved.model_path)
         if root is not None:
             self.compile_cache = CompileCache.for_engine(config, model_config, self.device, root)
+        # The engine's compiled decoder layer (a GPU, compile and graphs on). The activation profile below runs
+        # it first, so torch.compile traces beside DeepGEMM's pool instead of after it, in the capture.
+        self.layer: RunLayer | None = None
+        self.compiled = False
+        if self.device.type == "cuda" and config.enable_compile and config.enable_cuda_graph:
+            if self.compile_cache is not None:
+                with self.startup.phase("compile cache") as phase:
+                    phase.detail = self.compile_cache.load()
+            self.layer = self.compile_layer("inductor")
         num_layers = model_config.num_layers_with_mtp
         indexer_layers = list(layouts.indexer_layers)
         self._indexer_layers = indexer_layers
@@ -182,8 +213,8 @@ class ModelRunner:
         self.attn = DSABackend(self.kv_cache, self.req_to_token_table.req_to_token, model_config.index_topk,
                                self.kernels, self.libraries)
         self.table_width = table_width
+        mark_fixed_dims(self.attn)
         self.graphs: StepGraphs | None = None
-        self.compiled = False
         # How a batch without a captured graph runs (prefill chunks, mixed steps, oversized decode batches):
         # the plain modules, or the compiled layer once `prepare_fast_paths` compiled it. Chosen there, once.
         self._run_uncaptured: Callable[[ForwardBatch], ModelOutput] = self.forward_eager
@@ -254,7 +285,7 @@ class ModelRunner:
         free, _ = torch.cuda.mem_get_info(self.device)  # what the KV cache can have, before the workers start
 
         def profile() -> int:
-            with self.startup.phase("activation profile") as phase:
+            with self._compiling_phase("activation profile") as phase:
                 reserve, phase.detail = self._activation_reserve(free)
             return reserve
 
@@ -281,33 +312,25 @@ class ModelRunner:
         """Token counts of `_activation_reserve`'s steps: the largest prefill, the largest decode-like step."""
         return [self.step_tokens, self.resolved.decode_reserve * self.config.max_running_requests]
 
-    @torch.no_grad()
-    def _activation_reserve(self, free: int) -> tuple[int, str]:
-        """Bytes the steps need beside the weights and the KV cache, measured, and the start-up log's detail: the
-        largest prefill step (and the MTP layer's catch-up over it), and the largest decode-like step (a
-        speculative verify: every request's draft tokens, logits for each) are run once, eagerly, on a one-page
-        scratch cache at the longest context the KV cache could give them (`free`: bytes free after the weights);
-        their peaks (graphs have their own pool, uncaptured steps the allocator's cache: both are counted), the
-        CUDA graphs' per-kind buffers and a margin are reserved. Each step first waits for DeepGEMM's pool to
-        build its GEMM classes."""
+    def profile_steps(self, free: int, layer: RunLayer | None,
+                      wait_for_rows: Callable[[int], None] = lambda rows: None
+                      ) -> tuple[int, dict[str, Callable[[], None]]]:
+        """The activation profile's steps, on a one-page scratch cache at the longest context the KV cache could
+        give them (`free`: bytes free after the weights), and that context: "prefill", the largest prefill step
+        (and the MTP layer's catch-up over it when speculation is on), then "decode", the largest decode-like step
+        (a speculative verify: every request's draft tokens, logits for each). Every position maps to the dummy
+        slot 0. Each step calls `wait_for_rows(its token count)` first."""
         cfg, mc, dev, decode_reserve = self.config, self.model_config, self.device, self.resolved.decode_reserve
-        _, total = torch.cuda.mem_get_info(dev)
-        jit = self._gemm_jit
         prefill_rows, decode_like_rows = self._profile_rows()
-        waits: list[float] = []  # seconds each step waited for DeepGEMM's pool to build its classes
-
-        def wait_for_pool(rows: int) -> None:
-            if jit is not None:
-                waits.append(jit.wait_for_rows([rows]))
-
         context = min(mc.max_position_embeddings, cfg.max_model_len or mc.max_position_embeddings,
                       max(free // self.kv_bytes_per_token, 2))
-        context = pages_needed(context + decode_reserve, self.page_size) * self.page_size
-        scratch_rows = ReqToTokenTable(1, context, dev)  # every position maps to the dummy slot 0
+        row_align = math.lcm(self.page_size, KEY_ALIGN)  # a key width the compiled layer takes (`_aligned_keys`)
+        context = -(-(context + decode_reserve) // row_align) * row_align
+        scratch_rows = ReqToTokenTable(1, context, dev)
         scratch = KVCache(mc.num_layers_with_mtp, 1, self.mla_layout, self.index_layout, dev, self._indexer_layers)
         attn = DSABackend(scratch, scratch_rows.req_to_token, mc.index_topk, self.kernels, self.libraries)
-        step_tokens = self.step_tokens
-        decode_rows = cfg.max_running_requests
+        mark_fixed_dims(attn)
+        with_mtp = decode_reserve > 1 and self.model.mtp_layer is not None  # speculation is on
 
         def scratch_batch(lens: list[int], logits: str) -> ForwardBatch:
             n = sum(lens)
@@ -315,6 +338,39 @@ class ModelRunner:
                                       [0] * len(lens), lens, torch.zeros(n, dtype=torch.int64, device=dev), dev,
                                       logits=logits, kv_lens=torch.ones(n, dtype=torch.int64, device=dev),
                                       max_kv_len=context)
+
+        @torch.no_grad()
+        def prefill() -> None:
+            wait_for_rows(prefill_rows)
+            batch = scratch_batch([prefill_rows], "last")
+            with layer_tracing():
+                out = self.model(batch, attn, layer)
+                if with_mtp:
+                    self.model.forward_mtp(batch, attn, out.hidden, out.topk, layer)
+
+        @torch.no_grad()
+        def decode_like() -> None:
+            wait_for_rows(decode_like_rows)
+            with layer_tracing():
+                self.model(scratch_batch([decode_reserve] * cfg.max_running_requests, "all"), attn, layer)
+
+        return context, {"prefill": prefill, "decode": decode_like}
+
+    @torch.no_grad()
+    def _activation_reserve(self, free: int) -> tuple[int, str]:
+        """Bytes the steps need beside the weights and the KV cache, measured, and the start-up log's detail:
+        `profile_steps` run once each, through the layer uncaptured steps run (`self.layer`: torch.compile traces
+        it here, largest step first, as `_warm_up_uncaptured` needs); their peaks (graphs have their own pool,
+        uncaptured steps the allocator's cache: both are counted), the CUDA graphs' per-kind buffers and a margin
+        are reserved. Each step first waits for DeepGEMM's pool to build its GEMM classes."""
+        cfg, mc, dev, decode_reserve = self.config, self.model_config, self.device, self.resolved.decode_reserve
+        _, total = torch.cuda.mem_get_info(dev)
+        jit = self._gemm_jit
+        waits: list[float] = []  # seconds each step waited for DeepGEMM's pool to build its classes
+
+        def wait_for_pool(rows: int) -> None:
+            if jit is not None:
+                waits.append(jit.wait_for_rows([rows]))
 
         def peak(run) -> int:
             torch.cuda.synchronize(dev)
@@ -325,21 +381,11 @@ class ModelRunner:
             torch.cuda.synchronize(dev)
             return torch.cuda.max_memory_allocated(dev) - base
 
-        with_mtp = decode_reserve > 1 and self.model.mtp_layer is not None  # speculation is on
-
-        def prefill() -> None:
-            wait_for_pool(prefill_rows)
-            batch = scratch_batch([step_tokens], "last")
-            out = self.model(batch, attn)
-            if with_mtp:
-                self.model.forward_mtp(batch, attn, out.hidden, out.topk)
-
-        def decode_like() -> None:
-            wait_for_pool(decode_like_rows)
-            self.model(scratch_batch([decode_reserve] * decode_rows, "all"), attn)
-
-        peaks = {"prefill": peak(prefill), "decode": peak(decode_like)}
-        del scratch, attn, scratch_rows
+        context, steps = self.profile_steps(free, self.layer, wait_for_pool)
+        peaks = {name: peak(run) for name, run in steps.items()}
+        del steps
+        step_tokens, decode_rows = self.step_tokens, cfg.max_running_requests
+        with_mtp = decode_reserve > 1 and self.model.mtp_layer is not None
         torch.cuda.empty_cache()
         nd, logit_rows = decode_reserve, (decode_reserve if decode_reserve > 1 else 1)
         kinds_tokens, kinds_rows = ([nd, nd, 1], [logit_rows, 1, 1]) if with_mtp else ([1], [1])
@@ -374,11 +420,9 @@ class ModelRunner:
             logger.info("CUDA graphs disabled (enable_cuda_graph=False): decode runs eagerly, uncompiled "
                         "(torch.compile serves the captured steps)")
             return
-        if self.compile_cache is not None and cfg.enable_compile:
-            with self.startup.phase("compile cache") as phase:
-                phase.detail = self.compile_cache.load()
-        run_main, run_mtp = self.step_functions("inductor" if cfg.enable_compile else None)
-        # torch.compile runs inside the first calls of the capture and of the warm-up: their lines say how long.
+        run_main, run_mtp = self.step_functions(self.layer)
+        # torch.compile traced the layer in the activation profile; what the capture and the warm-up still
+        # compile (new guards, other kernels) their lines say.
         with self._compiling_phase("capture") as phase:
             graphs = self.build_graphs(spec_layout, run_main, run_mtp)
             phase.detail = f"{len(graphs.static)} CUDA graphs"
@@ -432,55 +476,49 @@ class ModelRunner:
                 done += f", {count_entries(triton_dir) - kernels} Triton kernels compiled"
             phase.detail = f"{phase.detail}; {done}" if phase.detail else done
 
-    def step_functions(self, compile_backend: str | Callable | None = None):
-        """(run_main(batch), run_mtp(batch, hidden_prev, prev_topk=None)); compiled when a backend is named.
+    def compile_layer(self, backend: str | Callable) -> RunLayer:
+        """`call_layer` through torch.compile with `backend` ("inductor" on a GPU; tests hand in recording ones).
 
-        Regional compilation: torch.compile compiles one decoder layer (`call_layer`), not the unrolled
-        forward; every layer of a kind (dense / MoE, own / shared top-k, MTP) reuses that graph, so start-up
-        does not grow with depth. The embedding, the layer loop and the head run eagerly around them, inside
-        the same CUDA graph capture.
-        dynamic=True, with size-oblivious sizes: one graph per layer kind serves every batch and context bucket,
-        captured or not, one-token batches included (Dynamo's 0/1 specialisation would trace each kind twice).
-        What varies per batch reaches the layer as symbolic sizes and ints: request-sized tensors stay outside
-        it (`DSABackend.index_metadata`), and shape-dependent kernel choices are made inside the opaque custom
-        ops, so they add no guards. fullgraph=True: a graph break is an error here, not a silent slowdown.
+        Regional compilation: torch.compile compiles one decoder layer, not the unrolled forward; every layer of
+        a kind (dense / MoE, own / shared top-k, MTP) reuses that graph, so start-up does not grow with depth.
+        The embedding, the layer loop and the head run eagerly around them, inside the same CUDA graph capture.
+        dynamic=True, with size-oblivious sizes (`layer_tracing`): one graph per layer kind serves every batch
+        and context bucket, captured or not, one-token batches included (Dynamo's 0/1 specialisation would trace
+        each kind twice), and every cache of the same layouts (the activation profile's scratch cache, then the
+        engine's: `mark_fixed_dims`). What varies per batch reaches the layer as symbolic sizes and ints:
+        request-sized tensors stay outside it (`DSABackend.index_metadata`), and shape-dependent kernel choices
+        are made inside the opaque custom ops, so they add no guards. fullgraph=True: a graph break is an error
+        here, not a silent slowdown.
         """
-        if compile_backend is None:
-            return self.forward_eager, self.forward_mtp_eager
         # Dynamo keys its cache on the code object and guards on the layer's type and attributes: several
         # engines in one process (tests, notebooks, the benchmark suite) outgrow the default limit of 8, a hard
         # error with fullgraph.
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
         dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
-        # The caches and req_to_token never change shape. Left dynamic, Dynamo "duck-sizes" equal sizes
-        # into one symbol: req_to_token's max_running_requests rows would tie the batch size of the
-        # first bucket traced to it, and every other bucket would compile again.
-        for t in self.attn.persistent_tensors():
-            torch._dynamo.mark_static(t)
         # Inductor's runtime autotuning of pointwise kernels (up to 6 configs each, timed at first launch) was
         # 90 of a cold start's 240 s on an H200 (benchmarks/STARTUP.md); reductions keep theirs.
-        options = {"triton.autotune_pointwise": False} if compile_backend == "inductor" else None
-        layer = torch.compile(call_layer, dynamic=True, fullgraph=True, backend=compile_backend, options=options)
+        options = {"triton.autotune_pointwise": False} if backend == "inductor" else None
+        logger.info("torch.compile (%s): one decoder layer per layer kind, reused by every layer", backend)
+        return torch.compile(call_layer, dynamic=True, fullgraph=True, backend=backend, options=options)
+
+    def step_functions(self, layer: RunLayer | None = None):
+        """(run_main(batch), run_mtp(batch, hidden_prev, prev_topk=None)) through `layer` (a `compile_layer`),
+        or the plain modules (None)."""
+        if layer is None:
+            return self.forward_eager, self.forward_mtp_eager
         self.compiled = True
-        logger.info("torch.compile (%s): one decoder layer per layer kind, reused by every layer", compile_backend)
-        # Duck sizing would tie sizes that are merely equal at the first trace (the batch and DeepGEMM's
-        # block-table width, both 64 at the largest bucket) into one symbol: a guard every other batch fails.
-        # Dynamo reads the setting when it traces, inside a step; set once per step, not per layer (~15 us each).
-        # Size-oblivious: a size that is 1 at the first trace stays a symbol, so one-token batches share the graph
-        # (the layer avoids ops that treat one row apart: einsum, `x[idx] = v`, reshape of a transposed product).
-        no_duck_sizing = torch.fx.experimental._config.patch(use_duck_shape=False, backed_size_oblivious=True)
 
         @torch.no_grad()
-        @no_duck_sizing
         def run_main(batch: ForwardBatch) -> ModelOutput:
-            return self.model(batch, self.attn, layer)
+            with layer_tracing():
+                return self.model(batch, self.attn, layer)
 
         @torch.no_grad()
-        @no_duck_sizing
         def run_mtp(batch: ForwardBatch, hidden_prev: torch.Tensor, prev_topk: torch.Tensor | None = None
                     ) -> ModelOutput:
-            return self.model.forward_mtp(batch, self.attn, hidden_prev, prev_topk, layer)
+            with layer_tracing():
+                return self.model.forward_mtp(batch, self.attn, hidden_prev, prev_topk, layer)
 
         return run_main, run_mtp
 
