@@ -169,19 +169,32 @@ def test_workers_that_cannot_start_leave_everything_to_the_warm_up(stand_in, mon
     assert _tasks(here) == sorted(jit.tasks) and "compiled" in {e["event"] for e in here}
 
 
-def test_the_engine_waits_only_for_its_own_classes_dealt_out_first(stand_in):
-    """The activation profile runs beside the pool: the classes of its steps go out first, `wait_for_rows`
-    returns once they ran, and the pool still runs every class exactly once."""
+class _NotToBeCalled:
+    """A DeepGEMM module that fails any use: the class asked for is one the pool is still building."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"deep_gemm.{name} used for a class the pool is building")
+
+
+def test_classes_the_pool_is_building_go_to_triton_in_this_process(stand_in):
+    """The activation profile runs beside the pool without waiting for it: until the pool has built a class,
+    DeepGEMM declines it in this process (fp8_gemm_nt returns None: the Triton GEMM serves the call, nothing is
+    compiled here). The profile's classes are dealt out first, and the pool runs every class exactly once."""
     jit = GemmWarmUp(_weights(), MAX_ROWS, CPU, stand_in.library, workers=2)
+    w, s = _weights()[0]
+    x = torch.randn(100, 256).to(torch.bfloat16)
+    assert deepgemm.fp8_gemm_nt(stand_in.library.module, x, w, s) is not None  # no pool: DeepGEMM serves it
+    stand_in.events()  # (that call, logged)
     jit.start_pool(first_rows=[100], progress=False)  # a 100-token step: the 112-row class of each shape
     first = sorted(t for t in jit.tasks if t[0] == deepgemm.gemm_rows(100))
-    assert len(first) == 2
-    jit.wait_for_rows([100])
-    assert set(first) <= set(_tasks(stand_in.events()))  # both ran by the time the wait returned
+    assert len(first) == 2 and (112, 192, 256) in first
+    assert deepgemm.BUILDING == set(jit.tasks)  # the workers are still starting: nothing is built yet
+    assert deepgemm.fp8_gemm_nt(_NotToBeCalled(), x, w, s) is None
     detail = jit.finish_pool()
+    assert not deepgemm.BUILDING
     assert f"{len(jit.tasks)} GEMM classes on 2 processes" in detail and not jit.pool_failures
-    with open(os.environ["STAND_IN_DG_LOG"]) as f:
-        assert sorted(tuple(json.loads(line)["task"]) for line in f) == sorted(jit.tasks)  # every class once
+    assert sorted(_tasks(stand_in.events())) == sorted(jit.tasks)  # every class once, all in the workers
+    assert deepgemm.fp8_gemm_nt(stand_in.library.module, x, w, s) is not None
     # dealt out first (the log's order is the workers', which start at different times: the queue's is checked)
     queue = list(JitPool(jit.tasks, CPU, 2, progress=False, first=first)._pending)
     assert set(queue[:2]) == set(first) and sorted(queue) == sorted(jit.tasks)
@@ -193,6 +206,7 @@ def test_a_failed_start_up_stops_the_pool(stand_in):
     procs = [w.proc for w in jit.pool._workers]
     jit.abort_pool()
     assert all(p.poll() is not None for p in procs)  # the compile processes are gone
+    assert not deepgemm.BUILDING  # the classes it left are DeepGEMM's again (compiled where they run)
     ran = _tasks(stand_in.events())
     assert len(ran) < len(jit.tasks) and len(ran) == len(set(ran))
 

@@ -74,11 +74,10 @@ class DSAOps:
     kv_move: Callable[..., None]
 
 
-def bind_ops(choice: KernelChoice, libraries: Libraries | None = None, page_size: int = 64, mla_fp8: bool = True,
-             index_fp8: bool = True) -> DSAOps:
+def bind_ops(choice: KernelChoice, libraries: Libraries | None = None, page_size: int = 64) -> DSAOps:
     """Each DSA op bound once to what `choice` says serves it. `libraries`: `select.load_libraries(choice)`;
-    `page_size`: the engine's (DeepGEMM's schedule was checked per page size); `mla_fp8` / `index_fp8`: whether
-    the caches use the FP8 layouts (the Triton stores write only those; model-dtype caches are plain stores)."""
+    `page_size`: the engine's (DeepGEMM's schedule was checked per page size). The stores' ops take both cache
+    layouts (FP8 through their kernels, model-dtype rows as they are)."""
     if choice.uses_dsa_kernels:
         importlib.import_module("minidsa.kernels.custom_ops")  # registers torch.ops.minidsa.* (imports Triton)
     ops = torch.ops.minidsa
@@ -124,8 +123,8 @@ def bind_ops(choice: KernelChoice, libraries: Libraries | None = None, page_size
     else:
         topk = ref.topk_slots
     return DSAOps(
-        store_index_k=ops.store_index_k if choice.store_index_k == "triton" and index_fp8 else ref.store_index_k,
-        store_mla=ops.store_mla if choice.store_mla == "triton" and mla_fp8 else ref.store_mla,
+        store_index_k=ops.store_index_k if choice.store_index_k == "triton" else ref.store_index_k,
+        store_mla=ops.store_mla if choice.store_mla == "triton" else ref.store_mla,
         index_logits=index_logits,
         index_metadata=index_metadata,
         topk=topk,
@@ -176,8 +175,7 @@ class DSABackend:
         # A host constant for DeepGEMM's schedule, read once here (never from a traced step).
         self._num_sms = num_sms(kv_cache.device)
         # Each op's implementation, bound once from the start-up choice: no per-call re-check.
-        self.ops = bind_ops(self.kernels, libraries, kv_cache.page_size, kv_cache.mla_fp8,
-                            kv_cache.indexer_fp8)
+        self.ops = bind_ops(self.kernels, libraries, kv_cache.page_size)
         self.latent_dim = kv_cache.mla_layout.latent_dim
 
     def persistent_tensors(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:

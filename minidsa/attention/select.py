@@ -78,7 +78,7 @@ LABELS = MappingProxyType({
     "topk": "DSA top-k",
     "sparse_mla": "DSA sparse MLA",
     "kv_move": "DSA KV move",
-    "store_mla": "DSA FP8 MLA store",
+    "store_mla": "DSA MLA store",
     "sample": "Sampler race",
     "fp8_gemm": "FP8 linear",
     "moe_gemm": "MoE experts",
@@ -106,7 +106,7 @@ class KernelChoice:
     topk: str = "torch"
     sparse_mla: str = "torch"
     kv_move: str = "torch"
-    store_mla: str = "torch"  # the FP8 MLA layout's quantising store (a model-dtype cache is a plain index_put)
+    store_mla: str = "torch"  # the MLA store: quantising into the FP8 layout, or the rows as they are (opaque op)
     sample: str = "torch"  # the sampler's exponential race (sampling.race_for)
     fp8_gemm: str = "torch"  # the FP8 linears (layers.linear.GEMMS)
     moe_gemm: str = "torch"  # the routed experts' fused MoE op ("deepgemm": its grouped GEMMs where faster)

@@ -172,9 +172,9 @@ class ModelRunner:
         self._indexer_layers = indexer_layers
         self.kv_bytes_per_token = layouts.bytes_per_token
         # DeepGEMM's GEMM kernels compile in a pool of processes (tens of seconds of nvcc on a fresh machine),
-        # beside the activation profile that sizes the KV cache: the profile waits only for its own classes, dealt
-        # out first. The pool stops before the KV cache is sized, as its CUDA contexts hold free memory; the
-        # warm-up in `prepare_fast_paths` loads the kernels.
+        # beside the activation profile that sizes the KV cache (the classes of its steps dealt out first; until
+        # one is built, the Triton GEMM serves it). The pool stops before the KV cache is sized, as its CUDA
+        # contexts hold free memory; the warm-up in `prepare_fast_paths` loads the kernels.
         self._gemm_jit = None
         if self.device.type == "cuda":
             from minidsa.kernels.deepgemm_jit import GemmWarmUp
@@ -312,16 +312,14 @@ class ModelRunner:
         """Token counts of `_activation_reserve`'s steps: the largest prefill, the largest decode-like step."""
         return [self.step_tokens, self.resolved.decode_reserve * self.config.max_running_requests]
 
-    def profile_steps(self, free: int, layer: RunLayer | None,
-                      wait_for_rows: Callable[[int], None] = lambda rows: None
-                      ) -> tuple[int, dict[str, Callable[[], None]]]:
+    def profile_steps(self, free: int, layer: RunLayer | None) -> tuple[int, dict[str, Callable[[], None]]]:
         """The activation profile's steps, on a one-page scratch cache at the longest context the KV cache could
         give them (`free`: bytes free after the weights), and that context: "prefill", the largest prefill step
         (and the MTP layer's catch-up over it when speculation is on), then "decode", the largest decode-like step
         (a speculative verify: every request's draft tokens, logits for each). Every position maps to the dummy
-        slot 0. Each step calls `wait_for_rows(its token count)` first."""
+        slot 0."""
         cfg, mc, dev, decode_reserve = self.config, self.model_config, self.device, self.resolved.decode_reserve
-        prefill_rows, decode_like_rows = self._profile_rows()
+        prefill_rows = self._profile_rows()[0]
         context = min(mc.max_position_embeddings, cfg.max_model_len or mc.max_position_embeddings,
                       max(free // self.kv_bytes_per_token, 2))
         row_align = math.lcm(self.page_size, KEY_ALIGN)  # a key width the compiled layer takes (`_aligned_keys`)
@@ -341,7 +339,6 @@ class ModelRunner:
 
         @torch.no_grad()
         def prefill() -> None:
-            wait_for_rows(prefill_rows)
             batch = scratch_batch([prefill_rows], "last")
             with layer_tracing():
                 out = self.model(batch, attn, layer)
@@ -350,7 +347,6 @@ class ModelRunner:
 
         @torch.no_grad()
         def decode_like() -> None:
-            wait_for_rows(decode_like_rows)
             with layer_tracing():
                 self.model(scratch_batch([decode_reserve] * cfg.max_running_requests, "all"), attn, layer)
 
@@ -362,15 +358,10 @@ class ModelRunner:
         `profile_steps` run once each, through the layer uncaptured steps run (`self.layer`: torch.compile traces
         it here, largest step first, as `_warm_up_uncaptured` needs); their peaks (graphs have their own pool,
         uncaptured steps the allocator's cache: both are counted), the CUDA graphs' per-kind buffers and a margin
-        are reserved. Each step first waits for DeepGEMM's pool to build its GEMM classes."""
+        are reserved. The steps do not wait for DeepGEMM's pool: a GEMM class it has not built yet runs on the
+        Triton GEMM (`deepgemm.BUILDING`; the same output buffer, no workspace: the same peak)."""
         cfg, mc, dev, decode_reserve = self.config, self.model_config, self.device, self.resolved.decode_reserve
         _, total = torch.cuda.mem_get_info(dev)
-        jit = self._gemm_jit
-        waits: list[float] = []  # seconds each step waited for DeepGEMM's pool to build its classes
-
-        def wait_for_pool(rows: int) -> None:
-            if jit is not None:
-                waits.append(jit.wait_for_rows([rows]))
 
         def peak(run) -> int:
             torch.cuda.synchronize(dev)
@@ -381,7 +372,7 @@ class ModelRunner:
             torch.cuda.synchronize(dev)
             return torch.cuda.max_memory_allocated(dev) - base
 
-        context, steps = self.profile_steps(free, self.layer, wait_for_pool)
+        context, steps = self.profile_steps(free, self.layer)
         peaks = {name: peak(run) for name, run in steps.items()}
         del steps
         step_tokens, decode_rows = self.step_tokens, cfg.max_running_requests
@@ -398,10 +389,7 @@ class ModelRunner:
                     "step of %d x %d tokens %.2f GiB, CUDA graph buffers %.2f GiB, margin %.2f GiB", reserve / GiB,
                     step_tokens, context, peaks["prefill"] / GiB, " (with the MTP catch-up)" if with_mtp else "",
                     decode_rows, decode_reserve, peaks["decode"] / GiB, buffers / GiB, margin_bytes(total) / GiB)
-        detail = f"{reserve / GiB:.2f} GiB reserved"
-        if jit is not None and jit.pool is not None:
-            detail += f", {sum(waits):.1f} s of it waiting for DeepGEMM's pool"
-        return reserve, detail
+        return reserve, f"{reserve / GiB:.2f} GiB reserved"
 
     # -- compile and graphs -------------------------------------------------------
     def prepare_fast_paths(self, spec_layout: SpecLayout | None) -> None:

@@ -38,6 +38,9 @@ def _error_once(msg: str) -> None:
 
 @torch.library.custom_op("minidsa::store_index_k", mutates_args=("index_k",))
 def store_index_k(index_k: Tensor, loc: Tensor, k: Tensor, page_size: int) -> None:
+    """FP8 keys through the store kernel; a model-dtype cache takes the rows as they are. Opaque either way, so
+    inductor never indexes the cache itself: it would pick 32-bit indexing on a small cache (the activation
+    profile's scratch one) and guard on that size, compiling the layer again for the engine's cache."""
     indexer.store_index_k(index_k, loc, k, page_size)
 
 
@@ -139,7 +142,11 @@ def _(logits, topk, req_to_token, token_rows):
 
 @torch.library.custom_op("minidsa::store_mla", mutates_args=("cache",))
 def store_mla(cache: Tensor, loc: Tensor, kv: Tensor, latent_dim: int) -> None:
-    """MLA rows quantised into the FP8 layout inside the store kernel (minidsa.kernels.mla_store)."""
+    """MLA rows quantised into the FP8 layout inside the store kernel (minidsa.kernels.mla_store); a model-dtype
+    cache takes them as they are. Opaque either way, for the reason `store_index_k` gives."""
+    if cache.dtype != torch.uint8:
+        cache.index_copy_(0, loc, kv.to(cache.dtype))
+        return
     mla_store.store_mla(cache, loc, kv, latent_dim)
 
 

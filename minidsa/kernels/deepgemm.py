@@ -310,6 +310,11 @@ def extend_index_logits(
 #   49 vs 58 at M = 1), slower on the small ones (fused q_a|wk|kv_a 17.1 vs 15.4 us, q_b 22.4 vs 21.9).
 FP8_GEMM_DEEPGEMM_MIN_ROWS = 17
 FP8_GEMM_DEEPGEMM_MIN_WEIGHT = 96 << 20  # N x K (bytes of the e4m3 weight)
+# The classes (rows, N, K) DeepGEMM's start-up pool (`deepgemm_jit.JitPool`) is still building. `fp8_gemm_nt`
+# declines them and the Triton GEMM serves those calls: the activation profile runs beside the pool without waiting
+# for it and without compiling in this process a kernel a worker is compiling (~17 s of nvcc each). Empty once the
+# pool has ended, so never consulted while serving.
+BUILDING: set[tuple[int, int, int]] = set()
 
 
 def fp8_gemm_wins(m: int, n: int, k: int) -> bool:
@@ -362,12 +367,15 @@ def run_fp8_gemm(module: ModuleType, x: torch.Tensor, weight: torch.Tensor, scal
 
 def fp8_gemm_nt(module: ModuleType, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                 act: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
-    """x [M, K] bf16 @ weight^T through DeepGEMM; None when it does not take this call (the caller runs Triton),
-    LibraryCallFailed when it fails. Runs `gemm_rows(M)` rows (`run_fp8_gemm`)."""
+    """x [M, K] bf16 @ weight^T through DeepGEMM; None when it does not take this call (the caller runs Triton:
+    shapes its tiles cannot take, classes its start-up pool is still building), LibraryCallFailed when it fails.
+    Runs `gemm_rows(M)` rows (`run_fp8_gemm`)."""
     if x.dtype != torch.bfloat16 or x.shape[0] == 0:
         return None
     if x.shape[1] % 128 or weight.shape[0] % 64:
         return None  # DeepGEMM's TMA tiles want K in whole 128-blocks and N in 64s
+    if BUILDING and (gemm_rows(x.shape[0]), *weight.shape) in BUILDING:
+        return None
     try:
         return run_fp8_gemm(module, x, weight, scale_inv, act)
     except Exception as e:  # a build whose contract differs: never fail the step for it

@@ -229,10 +229,10 @@ class _Worker:
 
 class JitPool:
     """`workers` processes running `tasks` on `device` (DeepGEMM's cache: `cache_dir()`, inherited through the
-    environment), so the kernels they need are on disk, while this process goes on: `start`, then `wait_for` the
-    classes a step is about to run, then `join`. `first`: classes dealt out before the others (those the engine
-    runs while the pool works). Never raises for a failing worker or class: the report lists them, and the
-    caller's warm-up compiles what is missing."""
+    environment), so the kernels they need are on disk, while this process goes on: `start`, then `join`. Until a
+    class has run, `deepgemm.BUILDING` holds it (this process's calls of it go to the Triton GEMM). `first`: classes
+    dealt out before the others (those the engine runs while the pool works). Never raises for a failing worker or
+    class: the report lists them, and the caller's warm-up compiles what is missing."""
 
     def __init__(self, tasks: list[Task], device: torch.device, workers: int, progress: bool = True,
                  first: list[Task] | tuple = ()):
@@ -244,8 +244,7 @@ class JitPool:
         head = set(first) & set(tasks)
         self._pending = collections.deque([*spread([t for t in tasks if t in head]),
                                            *spread([t for t in tasks if t not in head])])
-        self._finished: set[Task] = set()  # run, or failed
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._workers: list[_Worker] = []
         self._start = 0.0
@@ -264,6 +263,7 @@ class JitPool:
             report.skipped = "no worker processes (MINIDSA_DEEPGEMM_WORKERS=0, or no GPU memory free for one)"
             return self
         self._start = time.perf_counter()
+        deepgemm.BUILDING.update(self.tasks)
         from tqdm.auto import tqdm
 
         self._bar = tqdm(total=len(self.tasks), desc="DeepGEMM JIT", unit="class",
@@ -284,34 +284,18 @@ class JitPool:
         return self
 
     def _next(self) -> Task | None:
-        with self._cond:
+        with self._lock:
             return self._pending.popleft() if self._pending else None
 
     def _finish(self, task: Task) -> None:
-        with self._cond:
-            self._finished.add(task)
-            self._cond.notify_all()
+        deepgemm.BUILDING.discard(task)  # built (or failed: the engine's process compiles it when it runs it)
         self._bar.update(1)
 
     def _serve(self, worker: "_Worker") -> None:
-        try:
-            worker.serve(self._next, self._finish, self.report.failures)
-        finally:
-            with self._cond:
-                self._cond.notify_all()
+        worker.serve(self._next, self._finish, self.report.failures)
 
     def _alive(self) -> bool:
         return any(t.is_alive() for t in self._threads)
-
-    def wait_for(self, tasks: list[Task]) -> float:
-        """Block until every one of `tasks` the pool holds has run (or failed, or no worker is left): seconds
-        waited. A class the pool does not hold is not waited for (the caller compiles it, if it runs it)."""
-        start = time.perf_counter()
-        wanted = set(tasks) & set(self.tasks)
-        with self._cond:
-            while not wanted <= self._finished and self._alive():
-                self._cond.wait(timeout=1.0)
-        return time.perf_counter() - start
 
     def join(self) -> JitReport:
         """Wait for every class, stop the processes (their GPU memory comes back), and report."""
@@ -331,13 +315,14 @@ class JitPool:
 
     def abort(self) -> None:
         """Stop now: no more classes dealt out, the processes killed (the engine's start-up failed)."""
-        with self._cond:
+        with self._lock:
             self._pending.clear()
         for w in self._workers:
             w.proc.kill()
         self.join()
 
     def _stop(self) -> None:
+        deepgemm.BUILDING.difference_update(self.tasks)
         interrupted = self._alive()  # do not wait for the compilers
         for w in self._workers:
             if interrupted:
@@ -378,19 +363,13 @@ class GemmWarmUp:
 
     def start_pool(self, first_rows: list[int] | tuple = (), progress: bool = True) -> None:
         """Start compiling what the disk cache lacks in worker processes, and return: the engine goes on beside
-        them (`wait_for_rows` before running a step through DeepGEMM, `finish_pool` before sizing the KV cache,
-        as the workers' CUDA contexts hold GPU memory). `first_rows`: the token counts of the steps the engine
-        runs meanwhile; their classes are dealt out first."""
+        them, its calls of classes not built yet served by the Triton GEMM (`deepgemm.BUILDING`), and calls
+        `finish_pool` before sizing the KV cache, as the workers' CUDA contexts hold GPU memory. `first_rows`: the
+        token counts of the steps the engine runs meanwhile; their classes are dealt out first."""
         if self.pool is not None or manifest_complete(self.manifest):
             return
         self.pool = JitPool(self.tasks, self.device, worker_count(self.tasks, self.device, self.share, self.workers),
                             progress, first=self._tasks_for_rows(first_rows)).start()
-
-    def wait_for_rows(self, rows: list[int]) -> float:
-        """Wait until the pool ran every class of steps of `rows` tokens: seconds waited (0 without a pool)."""
-        if self.pool is None:
-            return 0.0
-        return self.pool.wait_for(self._tasks_for_rows(rows))
 
     def _tasks_for_rows(self, rows: list[int] | tuple) -> list[Task]:
         """The classes (every weight shape) that steps of `rows` tokens run."""

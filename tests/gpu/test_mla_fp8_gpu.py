@@ -126,7 +126,7 @@ def test_kv_move_moves_fp8_rows_exactly():
 
 
 def test_fp8_store_and_attention_compile_and_cuda_graph():
-    ops = bind_ops(KernelChoice(store_mla="triton", sparse_mla="triton"), mla_fp8=True)
+    ops = bind_ops(KernelChoice(store_mla="triton", sparse_mla="triton"))
     num_slots = 16384
     cache = _fp8_cache(num_slots, seed=3)
     g = _gen(4)
