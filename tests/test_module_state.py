@@ -18,6 +18,8 @@ CACHES = {
     ("kernels/__init__.py", "_LOGGED_MESSAGES"): "the message (log_once)",
     ("kernels/flashmla.py", "_SCHED_META"): "the library module and the decode shape",
     ("kernels/fp8_gemm.py", "_num_sms"): "the device index",
+    # process-wide like DeepGEMM's own JIT cache, which it describes: the classes a start-up pool is still adding
+    ("kernels/deepgemm.py", "BUILDING"): "the GEMM class (rows, N, K)",
 }
 MUTABLE_CALLS = {"dict", "set", "list", "defaultdict", "OrderedDict", "Counter", "deque", "bytearray"}
 
