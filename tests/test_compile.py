@@ -285,8 +285,9 @@ def test_serving_after_start_up_compiles_nothing_and_matches_eager(compiled_llm,
     compiled_at_start_up = counter.frame_count
     model_forward = runner.model.forward
 
-    def compiled_only(batch, attn, run_layer=None):
+    def compiled_only(batch, attn, run_layer=None, layers=None):
         assert run_layer is not None, "a batch ran the plain modules"
+        assert layers is None, "a served batch ran only some layers"
         return model_forward(batch, attn, run_layer)
 
     monkeypatch.setattr(runner.model, "forward", compiled_only)
@@ -377,3 +378,40 @@ def test_compiled_batches_get_key_widths_aligned_like_the_context_buckets():
     assert _aligned_keys(wide, width).max_kv_len == 2 * KEY_ALIGN
     assert _aligned_keys(dataclasses.replace(batch, max_kv_len=width - 1), width).max_kv_len == width
     assert _aligned_keys(dataclasses.replace(batch, max_kv_len=2 * KEY_ALIGN), width).max_kv_len == 2 * KEY_ALIGN
+
+
+def test_one_layer_per_kind_meets_every_layer_graph():
+    """The start-up warm-up runs `one_layer_per_kind` (the first layer of each dense / MoE, own / shared top-k
+    kind, in order): on a 7-layer model with a dense layer and a shared top-k schedule those layers trace every
+    graph the whole forward traces, so serving after such a warm-up compiles nothing new."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from minidsa.models.deepseek_v32 import call_layer
+
+    raw = preset_config("tiny")
+    raw.pop("initializer_range")
+    raw.update(vocab_size=256, num_hidden_layers=7, first_k_dense_replace=1, index_topk_pattern="FFSFSSF")
+    cfg = ModelConfig.from_dict(raw)
+    model = build_model(cfg, None, torch.float32, torch.device("cpu"), seed=0, init_std=0.1)
+    assert model.one_layer_per_kind() == [0, 1, 2]  # dense + own top-k, MoE + own, MoE + shared
+    torch._dynamo.reset()
+    d = PagedDriver(model, cfg, page_size=1, max_len=64)
+    d.add(list(range(3, 43)), reserve=2)
+    counter = CompileCounterWithBackend("aot_eager")
+    layer = torch.compile(call_layer, dynamic=True, fullgraph=True, backend=counter)
+    row = d.reqs[0]["row"]
+    prefill = ForwardBatch.build(StepKind.EXTEND, list(range(3, 43)), [row], [0], [40],
+                                 d.table.req_to_token[row, :40].long(), "cpu")
+    calls = []
+
+    def counted(lay, *args):
+        calls.append(lay)
+        return layer(lay, *args)
+
+    with torch.no_grad():
+        model(prefill, d.attn, counted, model.one_layer_per_kind())
+        assert calls == [model.main_layers[i] for i in (0, 1, 2)]
+        warmed = counter.frame_count
+        model(prefill, d.attn, layer)  # every layer
+    assert warmed > 0 and counter.frame_count == warmed  # the whole forward compiled nothing more
+    d.release_all()

@@ -498,9 +498,9 @@ class ModelRunner:
         self.compiled = True
 
         @torch.no_grad()
-        def run_main(batch: ForwardBatch) -> ModelOutput:
+        def run_main(batch: ForwardBatch, layers: list[int] | None = None) -> ModelOutput:
             with layer_tracing():
-                return self.model(batch, self.attn, layer)
+                return self.model(batch, self.attn, layer, layers)
 
         @torch.no_grad()
         def run_mtp(batch: ForwardBatch, hidden_prev: torch.Tensor, prev_topk: torch.Tensor | None = None
@@ -535,11 +535,12 @@ class ModelRunner:
         and contexts (the model's widths are even), three requests, and the general shape first. The batches
         only touch the reserved dummy slot (`_scratch_extend_batch`)."""
         shapes = warm_up_shapes(tokens, self.page_size, self.max_model_len, self.table_width)
+        layers = self.model.one_layer_per_kind()  # what compiles is the same for every layer of a kind
         start = time.perf_counter()
         for lens, ctx in tqdm(shapes, desc="Warm-up", unit="shape", disable=None if self.progress else True,
                               leave=False):
             batch = self._scratch_extend_batch(lens, ctx)
-            self._run_uncaptured(batch)
+            self.graphs.run_main(_aligned_keys(batch, self.table_width), layers)
             if with_mtp and self.model.mtp_layer is not None:
                 hidden = torch.zeros(batch.num_tokens, self.model_config.hidden_size, dtype=self.dtype,
                                      device=self.device)

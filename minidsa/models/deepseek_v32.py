@@ -573,6 +573,15 @@ class DeepseekV32ForCausalLM(nn.Module):
     def main_layers(self) -> list[DecoderLayer]:
         return list(self.model.layers[: self.config.num_hidden_layers])
 
+    def one_layer_per_kind(self) -> list[int]:
+        """The first decoder layer of each kind (dense / MoE, own / shared top-k), in model order: a compiled layer
+        graph and its kernels are the same for every layer of a kind, so these meet all of them (the start-up
+        warm-up runs only these, and does not grow with depth)."""
+        first: dict[tuple[bool, bool], int] = {}
+        for i in range(self.config.num_hidden_layers):
+            first.setdefault((bool(self.config.dense_layers[i]), bool(self.config.indexer_full[i])), i)
+        return sorted(first.values())
+
     @property
     def mtp_layer(self) -> MTPLayer | None:
         n = self.config.num_hidden_layers
@@ -585,14 +594,17 @@ class DeepseekV32ForCausalLM(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.tp.all_gather_last_dim(self.lm_head(h)).float()
 
-    def forward(self, batch: ForwardBatch, attn: DSABackend, run_layer: "RunLayer | None" = None) -> ModelOutput:
-        """`run_layer`: how each decoder layer is called (the runner hands in a compiled `call_layer`)."""
+    def forward(self, batch: ForwardBatch, attn: DSABackend, run_layer: "RunLayer | None" = None,
+                layers: list[int] | None = None) -> ModelOutput:
+        """`run_layer`: how each decoder layer is called (the runner hands in a compiled `call_layer`). `layers`:
+        only these decoder layers, in order (the start-up warm-up's `one_layer_per_kind`; not the model's output)."""
         run_layer = run_layer or call_layer
         ctx = self._context(batch, attn)
         h = self.model.embed_tokens(batch.input_ids)
         topk = None
-        for layer, caches in zip(self.main_layers, attn.layer_caches):
-            h, topk = run_layer(layer, h, ctx, topk, caches)
+        main = self.main_layers
+        for i in range(len(main)) if layers is None else layers:
+            h, topk = run_layer(main[i], h, ctx, topk, attn.layer_caches[i])
         normed = self.model.norm(h[batch.logits_indices])
         return ModelOutput(hidden=h, logits=self.logits(normed), topk=topk)
 
