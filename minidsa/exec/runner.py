@@ -308,6 +308,11 @@ class ModelRunner:
                 jit.abort_pool()
             raise
 
+    @property
+    def _mtp_catches_up(self) -> bool:
+        """Speculation is on: the MTP layer runs over every prefill after the main model."""
+        return self.resolved.decode_reserve > 1 and self.model.mtp_layer is not None
+
     def _profile_rows(self) -> list[int]:
         """Token counts of `_activation_reserve`'s steps: the largest prefill, the largest decode-like step."""
         return [self.step_tokens, self.resolved.decode_reserve * self.config.max_running_requests]
@@ -319,7 +324,6 @@ class ModelRunner:
         (a speculative verify: every request's draft tokens, logits for each). Every position maps to the dummy
         slot 0."""
         cfg, mc, dev, decode_reserve = self.config, self.model_config, self.device, self.resolved.decode_reserve
-        prefill_rows = self._profile_rows()[0]
         context = min(mc.max_position_embeddings, cfg.max_model_len or mc.max_position_embeddings,
                       max(free // self.kv_bytes_per_token, 2))
         row_align = math.lcm(self.page_size, KEY_ALIGN)  # a key width the compiled layer takes (`_aligned_keys`)
@@ -328,7 +332,7 @@ class ModelRunner:
         scratch = KVCache(mc.num_layers_with_mtp, 1, self.mla_layout, self.index_layout, dev, self._indexer_layers)
         attn = DSABackend(scratch, scratch_rows.req_to_token, mc.index_topk, self.kernels, self.libraries)
         mark_fixed_dims(attn)
-        with_mtp = decode_reserve > 1 and self.model.mtp_layer is not None  # speculation is on
+        with_mtp = self._mtp_catches_up
 
         def scratch_batch(lens: list[int], logits: str) -> ForwardBatch:
             n = sum(lens)
@@ -339,7 +343,7 @@ class ModelRunner:
 
         @torch.no_grad()
         def prefill() -> None:
-            batch = scratch_batch([prefill_rows], "last")
+            batch = scratch_batch([self.step_tokens], "last")
             with layer_tracing():
                 out = self.model(batch, attn, layer)
                 if with_mtp:
@@ -375,8 +379,7 @@ class ModelRunner:
         context, steps = self.profile_steps(free, self.layer)
         peaks = {name: peak(run) for name, run in steps.items()}
         del steps
-        step_tokens, decode_rows = self.step_tokens, cfg.max_running_requests
-        with_mtp = decode_reserve > 1 and self.model.mtp_layer is not None
+        step_tokens, decode_rows, with_mtp = self.step_tokens, cfg.max_running_requests, self._mtp_catches_up
         torch.cuda.empty_cache()
         nd, logit_rows = decode_reserve, (decode_reserve if decode_reserve > 1 else 1)
         kinds_tokens, kinds_rows = ([nd, nd, 1], [logit_rows, 1, 1]) if with_mtp else ([1], [1])
@@ -528,12 +531,11 @@ class ModelRunner:
 
         `tokens`: the most tokens a step can hold. Inductor picks 32-bit indexing for a kernel when the sizes of
         the first trace allow it and guards on that (a [tokens, heads, 576] query of the real models passes 2^31
-        elements near 29k tokens): tracing or running the largest step here makes a later one compile nothing.
-        The first trace also fixes which sizes share a symbol: Dynamo "duck-sizes" equal sizes into one, so a
-        trace where the token count equals the context, the number of requests, the hidden size or the top-k
-        width would guard on that equality and the next real batch would compile again. Hence odd token counts
-        and contexts (the model's widths are even), three requests, and the general shape first. The batches
-        only touch the reserved dummy slot (`_scratch_extend_batch`)."""
+        elements near 29k tokens): when the activation profile did not trace the layer (a fixed KV size skips
+        it), running the largest step here makes a later one compile nothing. Duck sizing is off while the layer
+        traces (`layer_tracing`), but odd token counts and contexts (the model's widths are even) and three
+        requests still keep a trace from meeting an equality no real batch has. The batches only touch the
+        reserved dummy slot (`_scratch_extend_batch`), through one layer of each kind (`one_layer_per_kind`)."""
         shapes = warm_up_shapes(tokens, self.page_size, self.max_model_len, self.table_width)
         layers = self.model.one_layer_per_kind()  # what compiles is the same for every layer of a kind
         start = time.perf_counter()
