@@ -145,7 +145,7 @@ def store_mla(cache: Tensor, loc: Tensor, kv: Tensor, latent_dim: int) -> None:
     """MLA rows quantised into the FP8 layout inside the store kernel (minidsa.kernels.mla_store); a model-dtype
     cache takes them as they are. Opaque either way, for the reason `store_index_k` gives."""
     if cache.dtype != torch.uint8:
-        cache.index_copy_(0, loc, kv.to(cache.dtype))
+        reference.store_mla(cache, loc, kv, latent_dim)
         return
     mla_store.store_mla(cache, loc, kv, latent_dim)
 

@@ -282,7 +282,8 @@ class JitPool:
         try:
             for i in range(report.workers):
                 self._workers.append(_Worker(i, str(self.device), env))
-            self._threads = [threading.Thread(target=self._serve, args=(w,), daemon=True) for w in self._workers]
+            self._threads = [threading.Thread(target=w.serve, args=(self._next, self._finish, self.report.failures),
+                                              daemon=True) for w in self._workers]
             for t in self._threads:
                 t.start()
         except BaseException:
@@ -297,9 +298,6 @@ class JitPool:
     def _finish(self, task: Task) -> None:
         deepgemm.BUILDING.discard(task)  # built (or failed: the engine's process compiles it when it runs it)
         self._bar.update(1)
-
-    def _serve(self, worker: "_Worker") -> None:
-        worker.serve(self._next, self._finish, self.report.failures)
 
     def _alive(self) -> bool:
         return any(t.is_alive() for t in self._threads)
@@ -378,13 +376,9 @@ class GemmWarmUp:
         token counts of the steps the engine runs meanwhile; their classes are dealt out first."""
         if self.pool is not None or manifest_complete(self.manifest):
             return
+        first = {deepgemm.gemm_rows(r) for r in first_rows if r > 0}
         self.pool = JitPool(self.tasks, self.device, worker_count(self.tasks, self.device, self.share, self.workers),
-                            progress, first=self._tasks_for_rows(first_rows)).start()
-
-    def _tasks_for_rows(self, rows: list[int] | tuple) -> list[Task]:
-        """The classes (every weight shape) that steps of `rows` tokens run."""
-        classes = {deepgemm.gemm_rows(r) for r in rows if r > 0}
-        return [t for t in self.tasks if t[0] in classes]
+                            progress, first=[t for t in self.tasks if t[0] in first]).start()
 
     def finish_pool(self) -> str:
         """Wait for the pool and stop it; its start-up log detail."""
