@@ -188,7 +188,7 @@ def test_classes_the_pool_is_building_go_to_triton_in_this_process(stand_in):
     jit.start_pool(first_rows=[100], progress=False)  # a 100-token step: the 112-row class of each shape
     first = sorted(t for t in jit.tasks if t[0] == deepgemm.gemm_rows(100))
     assert len(first) == 2 and (112, 192, 256) in first
-    assert deepgemm.BUILDING == set(jit.tasks)  # the workers are still starting: nothing is built yet
+    assert deepgemm.BUILDING.snapshot() == set(jit.tasks)  # the workers are still starting: nothing is built
     assert deepgemm.fp8_gemm_nt(_NotToBeCalled(), x, w, s) is None
     detail = jit.finish_pool()
     assert not deepgemm.BUILDING
@@ -224,6 +224,113 @@ def test_the_manifest_is_per_jit_compiler(monkeypatch):
     here = os.path.basename(manifest_path(tasks, CPU))
     monkeypatch.setenv("DG_JIT_CACHE_DIR", "/elsewhere")  # where the cache lives is not what it holds
     assert os.path.basename(manifest_path(tasks, CPU)) == here
+
+
+# ---------------------------------------------------------------- the routed experts' grouped GEMM
+EXPERTS, TOP_K, HIDDEN, INTER = 4, 2, 128, 128
+GROUPED_MAX_TOKENS = 288  # the grouped GEMM serves from 256 tokens (128 pairs per expert): 256-288 tokens
+
+
+def _experts():
+    g = torch.Generator().manual_seed(1)
+    gate_up = fp8.quant_block(torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) * HIDDEN**-0.5)
+    down = fp8.quant_block(torch.randn(EXPERTS, HIDDEN, INTER, generator=g) * INTER**-0.5)
+    return [(gate_up, down, TOP_K, True)]
+
+
+def _routed(num_tokens: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, HIDDEN, generator=g).bfloat16()
+    ids = torch.rand(num_tokens, EXPERTS, generator=g).topk(TOP_K, dim=1).indices.to(torch.int32)
+    weights = torch.rand(num_tokens, TOP_K, generator=g)
+    return x, ids, weights / weights.sum(1, keepdim=True)
+
+
+def _moe(module, x, ids, weights):
+    (gu, gu_s), (dn, dn_s), _, _ = _experts()[0]
+    got = deepgemm.moe_contiguous(module, x, ids, weights, gu, dn, gu_s, dn_s)
+    from minidsa.kernels.fused_moe import fused_moe_reference
+
+    want = fused_moe_reference(x.float(), ids.long(), weights, gu, dn, gu_s, dn_s)
+    return got, want
+
+
+def _grouped(events: list[dict]) -> list[tuple[int, ...]]:
+    return sorted(tuple(e["task"]) for e in events if len(e["task"]) == 4)
+
+
+def test_grouped_rows_are_every_row_count_a_step_can_bring():
+    """The pool runs the grouped GEMM at every row count `moe_contiguous` can hand it: each expert's pairs padded to
+    the alignment, for any routing of any step it serves; below that size the Triton fused MoE serves."""
+    from minidsa.kernels.moe_layout import max_padded_rows
+
+    shape = (EXPERTS, 2 * INTER, HIDDEN)
+    [gate_up, down] = deepgemm.grouped_tasks([(shape, TOP_K, True)], 16, GROUPED_MAX_TOKENS)
+    assert (gate_up.n, gate_up.k, down.n, down.k) == (2 * INTER, HIDDEN, HIDDEN, INTER)
+    assert (gate_up.first, gate_up.last, gate_up.step) == (512, max_padded_rows(576, EXPERTS, 16), 16)
+    g = torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(300):
+        tokens = int(torch.randint(256, GROUPED_MAX_TOKENS + 1, (1,), generator=g))
+        skewed = torch.rand(EXPERTS, generator=g) ** 4  # routings from even to all-on-a-few
+        counts = torch.bincount(torch.multinomial(skewed.expand(tokens, -1), TOP_K, generator=g).flatten(),
+                                minlength=EXPERTS)
+        rows = int((-(-counts // 16) * 16).sum())
+        seen.add(rows)
+        assert (rows, 2 * INTER, HIDDEN, EXPERTS) in gate_up.classes() and (rows, HIDDEN, INTER, EXPERTS) in down.classes()
+    assert len(seen) > 3
+    # under expert parallelism a rank's share of the pairs can be any size; a step cut into chunks can end short
+    assert deepgemm.grouped_tasks([(shape, TOP_K, False)], 16, GROUPED_MAX_TOKENS)[0].first == 16
+    assert deepgemm.grouped_tasks([(shape, TOP_K, True)], 16, deepgemm.MOE_MAX_CHUNK_TOKENS + 1)[0].first == 16
+    assert deepgemm.grouped_tasks([(shape, TOP_K, True)], 16, 255) == []  # no step the grouped GEMM takes
+
+
+def test_the_pool_builds_every_grouped_row_count_once_and_serving_compiles_none(stand_in):
+    jit = GemmWarmUp([], GROUPED_MAX_TOKENS, CPU, stand_in.library, workers=2, experts=_experts())
+    classes = sorted(c for t in jit.grouped for c in t.classes())
+    assert len(jit.grouped) == 2 and len(classes) == 18
+    detail = jit.compile_in_pool(progress=False)
+    pool = stand_in.events()
+    assert all(e["worker"] for e in pool) and _grouped(pool) == classes  # each row count once, in the workers
+    compiled = [e["kernel"] for e in pool if e["event"] == "compiled"]
+    assert len(compiled) == len(set(compiled)) == 2  # a range's row counts share its kernel: compiled once
+    assert "18 grouped-GEMM row counts on 2 processes" in detail and not jit.pool_failures
+    assert "0 kernels compiled in this process" in jit.load() and stand_in.events() == []  # nothing left to run
+    x, ids, weights = _routed(270, seed=3)
+    got, want = _moe(stand_in.library.module, x, ids, weights)
+    served = stand_in.events()
+    assert {e["event"] for e in served} == {"loaded"} and set(_grouped(served)) <= set(classes)
+    assert ((got.float() - want).norm() / want.norm()).item() < 3e-2
+
+
+def test_the_profile_waits_for_its_grouped_row_count_and_compiles_nothing(stand_in):
+    """The activation profile runs beside the pool. Its MoE waits for the worker building its row count (the
+    Triton fused MoE would not have the grouped GEMM's peak), then loads the kernel that worker compiled."""
+    jit = GemmWarmUp([], GROUPED_MAX_TOKENS, CPU, stand_in.library, workers=2, experts=_experts())
+    jit.start_pool(progress=False)
+    assert {c for t in jit.grouped for c in t.classes()} <= deepgemm.BUILDING.snapshot()
+    x, ids, weights = _routed(GROUPED_MAX_TOKENS, seed=4)
+    got, want = _moe(stand_in.library.module, x, ids, weights)  # waits in here
+    jit.finish_pool()
+    events = stand_in.events()
+    here = [e for e in events if not e["worker"]]
+    assert len(here) == 2 and {e["event"] for e in here} == {"loaded"}
+    for e in here:  # the worker ran the same class before this process did
+        assert any(w["worker"] and w["task"] == e["task"] for w in events[:events.index(e)])
+    assert ((got.float() - want).norm() / want.norm()).item() < 3e-2
+
+
+def test_grouped_rows_a_worker_left_are_run_by_the_warm_up(stand_in, monkeypatch, caplog):
+    monkeypatch.setenv("STAND_IN_DG_CRASH_WORKER", "640")  # the largest row count: each worker dies at once
+    jit = GemmWarmUp([], GROUPED_MAX_TOKENS, CPU, stand_in.library, workers=2, experts=_experts())
+    with caplog.at_level(logging.WARNING, logger="minidsa.kernels.deepgemm_jit"):
+        jit.compile_in_pool(progress=False)
+    assert "died on the grouped GEMM" in " ".join(jit.pool_failures) and not deepgemm.BUILDING
+    assert stand_in.events() == [] and len(jit.pool.unbuilt) == 2
+    detail = jit.load()
+    here = stand_in.events()
+    assert _grouped(here) == sorted(c for t in jit.grouped for c in t.classes()) and not any(e["worker"] for e in here)
+    assert "18 grouped-GEMM row counts run" in detail and "2 kernels compiled in this process" in detail
 
 
 class _Pool:

@@ -19,9 +19,10 @@ CACHES = {
     ("kernels/flashmla.py", "_SCHED_META"): "the library module and the decode shape",
     ("kernels/fp8_gemm.py", "_num_sms"): "the device index",
     # process-wide like DeepGEMM's own JIT cache, which it describes: the classes a start-up pool is still adding
-    ("kernels/deepgemm.py", "BUILDING"): "the GEMM class (rows, N, K)",
+    ("kernels/deepgemm.py", "BUILDING"): "the GEMM class: dense (rows, N, K), grouped (rows, N, K, groups)",
 }
-MUTABLE_CALLS = {"dict", "set", "list", "defaultdict", "OrderedDict", "Counter", "deque", "bytearray"}
+# (deepgemm.Building: a set of classes behind a condition variable)
+MUTABLE_CALLS = {"dict", "set", "list", "defaultdict", "OrderedDict", "Counter", "deque", "bytearray", "Building"}
 
 
 def _modules() -> list[pathlib.Path]:

@@ -362,8 +362,9 @@ class ModelRunner:
         `profile_steps` run once each, through the layer uncaptured steps run (`self.layer`: torch.compile traces
         it here, largest step first, as `_warm_up_uncaptured` needs); their peaks (graphs have their own pool,
         uncaptured steps the allocator's cache: both are counted), the CUDA graphs' per-kind buffers and a margin
-        are reserved. The steps do not wait for DeepGEMM's pool: a GEMM class it has not built yet runs on the
-        Triton GEMM (`deepgemm.BUILDING`; the same output buffer, no workspace: the same peak)."""
+        are reserved. The steps do not wait for DeepGEMM's pool: a dense GEMM class it has not built yet runs on the
+        Triton GEMM (`deepgemm.BUILDING`; the same output buffer, no workspace: the same peak); only the MoE of the
+        largest step waits for its grouped-GEMM row count, which the pool builds first."""
         cfg, mc, dev, decode_reserve = self.config, self.model_config, self.device, self.resolved.decode_reserve
         _, total = torch.cuda.mem_get_info(dev)
 

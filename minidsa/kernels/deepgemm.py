@@ -28,7 +28,9 @@ here keeps state between calls, so engines in one process never see each other's
 from __future__ import annotations
 
 import logging
+import threading
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
@@ -310,11 +312,44 @@ def extend_index_logits(
 #   49 vs 58 at M = 1), slower on the small ones (fused q_a|wk|kv_a 17.1 vs 15.4 us, q_b 22.4 vs 21.9).
 FP8_GEMM_DEEPGEMM_MIN_ROWS = 17
 FP8_GEMM_DEEPGEMM_MIN_WEIGHT = 96 << 20  # N x K (bytes of the e4m3 weight)
-# The classes (rows, N, K) DeepGEMM's start-up pool (`deepgemm_jit.JitPool`) is still building. `fp8_gemm_nt`
-# declines them and the Triton GEMM serves those calls: the activation profile runs beside the pool without waiting
-# for it and without compiling in this process a kernel a worker is compiling (~17 s of nvcc each). Empty once the
-# pool has ended, so never consulted while serving.
-BUILDING: set[tuple[int, int, int]] = set()
+class Building:
+    """The GEMM classes DeepGEMM's start-up pool (`deepgemm_jit.JitPool`) is still building: dense (rows, N, K)
+    and grouped (rows, N, K, groups). The activation profile runs beside the pool, and must neither wait for a
+    whole pool nor compile in this process a kernel a worker is compiling (~15 s of nvcc each, the GIL held):
+    `fp8_gemm_nt` declines a dense class still building (the Triton GEMM serves it: the same output buffer, the
+    same peak), `moe_contiguous` waits for its grouped classes (the Triton fused MoE's peak is not the one it
+    measures). Empty once the pool has ended, so never consulted while serving."""
+
+    def __init__(self):
+        self._classes: set[tuple[int, ...]] = set()
+        self._changed = threading.Condition()
+
+    def add(self, classes) -> None:
+        with self._changed:
+            self._classes.update(classes)
+
+    def finish(self, classes) -> None:
+        """Built, failed or given up: this process runs (or compiles) them itself from now on."""
+        with self._changed:
+            self._classes.difference_update(classes)
+            self._changed.notify_all()
+
+    def wait_for(self, classes) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._classes.isdisjoint(classes))
+
+    def __contains__(self, cls) -> bool:
+        return cls in self._classes
+
+    def __bool__(self) -> bool:
+        return bool(self._classes)
+
+    def snapshot(self) -> set[tuple[int, ...]]:
+        with self._changed:
+            return set(self._classes)
+
+
+BUILDING = Building()
 
 
 def fp8_gemm_wins(m: int, n: int, k: int) -> bool:
@@ -416,6 +451,54 @@ def grouped_contiguous(module: object) -> tuple[object, int] | None:
     return fn, int(align())
 
 
+class GroupedRows(NamedTuple):
+    """Every row count `moe_contiguous` can hand the contiguous grouped GEMM for one expert weight [groups, N, K]:
+    the multiples of `step` (DeepGEMM's alignment) from `first` to `last`. DeepGEMM picks the kernel (block N,
+    stages, multicast; N, K and the groups compiled in) from the rows, and the routing decides the rows: the
+    start-up pool (`deepgemm_jit`) runs each row count once, so no step compiles one (~15 s of nvcc)."""
+
+    groups: int
+    n: int
+    k: int
+    first: int
+    last: int
+    step: int
+
+    def classes(self) -> list[tuple[int, int, int, int]]:
+        """(rows, N, K, groups) of each row count, largest first (the activation profile's largest step)."""
+        return [(m, self.n, self.k, self.groups) for m in range(self.last, self.first - 1, -self.step)]
+
+
+def grouped_tasks(experts: list[tuple[tuple[int, int, int], int, bool]], alignment: int,
+                  max_tokens: int) -> list[GroupedRows]:
+    """The grouped GEMMs' row ranges of steps of up to `max_tokens` tokens, per distinct expert shape. `experts`:
+    (gate_up_proj's shape [E, 2I, H], top_k, whether every expert is on this rank) of each expert layer DeepGEMM
+    serves."""
+    from minidsa.kernels import moe_layout
+
+    chunk = min(max_tokens, MOE_MAX_CHUNK_TOKENS)
+    tasks: list[GroupedRows] = []
+    for (groups, two_i, hidden), top_k, all_local in experts:
+        fewest = -(-MOE_CONTIGUOUS_MIN_PAIRS_PER_EXPERT * groups // top_k)  # tokens of the smallest call it takes
+        if hidden % 128 or two_i % 256 or fewest > chunk:
+            continue  # `moe_contiguous` never takes one
+        last = moe_layout.max_padded_rows(chunk * top_k, groups, alignment)
+        # Each pair has a row unless its expert is on another rank; a step cut into chunks can end in a short one.
+        first = -(-fewest * top_k // alignment) * alignment if all_local and max_tokens <= chunk else alignment
+        for n, k in ((two_i, hidden), (hidden, two_i // 2)):
+            task = GroupedRows(groups, n, k, first, last, alignment)
+            if task not in tasks:
+                tasks.append(task)
+    return tasks
+
+
+def run_grouped_gemm(gemm, a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                     out: torch.Tensor, m_indices: torch.Tensor) -> None:
+    """One contiguous grouped GEMM as minidsa calls it (activation scales MN-major, `moe_layout.mn_major_scales`):
+    `moe_contiguous` and the start-up pool both call it, so the pool compiles what serving asks for."""
+    gemm((a, a_scale), (weight, scale_inv.float()), out, m_indices)
+
+
 # Tokens per grouped-GEMM pass. Every pass streams all the experts' weights (11.3 GB for DeepSeek-V3.2), so at 8192
 # tokens (256 rows per expert) the GEMMs sit at the H100's compute / bandwidth ridge: the MoE as served measured
 # 52.8% of the FP8 ceiling at 16384 tokens in chunks of 8192, 64.7% in one pass (69.3% at 32768; H200, 2026-11-26,
@@ -468,16 +551,18 @@ def moe_contiguous(module: ModuleType, x: torch.Tensor, topk_ids: torch.Tensor, 
     rows = int(layout.num_rows.item())
     if rows == 0:  # every pair skipped (its experts live on other ranks)
         return torch.zeros_like(x)
+    if BUILDING:  # the activation profile, beside the pool: its row counts are the pool's first tasks
+        BUILDING.wait_for([(rows, two_i, hidden, n_experts), (rows, hidden, two_i // 2, n_experts)])
     m_indices = layout.row_expert[:rows]
     a1, s1 = moe_layout.quant_scatter(x, layout.row_of_pair, rows)
     gate_up = torch.empty(rows, two_i, dtype=torch.bfloat16, device=x.device)
     down = torch.empty(rows, hidden, dtype=torch.bfloat16, device=x.device)
     try:
-        gemm((a1, s1), (gate_up_proj, gate_up_scale_inv.float()), gate_up, m_indices)
+        run_grouped_gemm(gemm, a1, s1, gate_up_proj, gate_up_scale_inv, gate_up, m_indices)
         del a1, s1
         a2, s2 = fused_moe.silu_mul(gate_up, quantise=True, row_expert=m_indices, mn_major_scales=True)
         del gate_up
-        gemm((a2, s2), (down_proj, down_scale_inv.float()), down, m_indices)
+        run_grouped_gemm(gemm, a2, s2, down_proj, down_scale_inv, down, m_indices)
     except Exception as e:  # a build whose contract differs: never fail the step for it
         raise failed(getattr(gemm, "__name__", "the grouped GEMM"), e) from e
     # Skipped pairs (SKIP ids, expert parallelism) have no row (-1): they add nothing.

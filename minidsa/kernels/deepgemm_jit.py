@@ -23,6 +23,13 @@ classes (`spread`): neighbouring classes mostly share a kernel, and a kernel two
 compiled twice. A worker that fails or dies is reported (one warning) and its classes are left to the
 engine's warm-up, which compiles what is missing itself.
 
+The routed experts' contiguous grouped GEMM (`deepgemm.moe_contiguous`, prefill steps) is the same kind of JIT, N,
+K and the expert count compiled in, the tile choice following the rows, which the routing decides: a
+`deepgemm.GroupedRows` task runs every row count serving can hand it, largest first, in one worker (its
+neighbouring row counts share a kernel: one worker compiles it once), every row padding (-1: DeepGEMM multiplies
+nothing). These are dealt out first: the activation profile's MoE waits for its row count (compiled here instead,
+it held the engine's main thread ~15 s with the GIL).
+
 A manifest in the cache dir (`manifest_path`) records that every class of a task list was built there; the next
 start with the same tasks, GPU and DeepGEMM build skips the pool while the kernels it lists are still there.
 """
@@ -41,6 +48,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -49,6 +57,7 @@ from minidsa.kernels import deepgemm
 logger = logging.getLogger(__name__)
 
 Task = tuple[int, int, int]  # (rows, N, K) of one fp8_gemm_nt call
+GroupedRows = deepgemm.GroupedRows
 TASK_TIMEOUT_S = 600.0  # one class: an nvcc run takes seconds; a worker silent this long is stopped
 # Per worker: the CUDA context and allocator slack, plus the largest class's tensors (`_task_bytes`).
 WORKER_BASE_BYTES = 1 << 30
@@ -80,27 +89,34 @@ def spread(tasks: list[Task]) -> list[Task]:
     return [lane[i] for i in range(max(map(len, lanes), default=0)) for lane in lanes if i < len(lane)]
 
 
-def _task_bytes(task: Task) -> int:
+def _task_bytes(task: Task | GroupedRows) -> int:
+    if isinstance(task, GroupedRows):
+        # the whole e4m3 weight [groups, N, K] and its scales; e4m3 rows, their scales, bf16 output at the most rows
+        n, k, rows = task.n, task.k, task.last
+        return task.groups * (n * k + (n * k >> 12)) + rows * k + (rows * k >> 5) + rows * n * 2 + rows * 4
     rows, n, k = task
     # e4m3 weight and its scales; bf16 input, its e4m3 copy and scales; bf16 output
     return n * k + (n * k >> 12) + rows * k * 3 + (rows * k >> 5) + rows * n * 2
 
 
-def worker_count(tasks: list[Task], device: torch.device, share: int = 1, workers: int | None = None) -> int:
-    """How many processes compile `tasks`: `workers` when the configuration sets it (MINIDSA_DEEPGEMM_WORKERS,
-    read by `config.resolve`; 0: no pool), else the CPUs (nvcc is one process per kernel) divided among the
-    `share` engines starting on this machine at once (tensor-parallel ranks), no more than there are tasks or
-    than the free GPU memory holds."""
+def worker_count(tasks: list[Task], device: torch.device, share: int = 1, workers: int | None = None,
+                 grouped: list[GroupedRows] | tuple = ()) -> int:
+    """How many processes compile `tasks` and `grouped`: `workers` when the configuration sets it
+    (MINIDSA_DEEPGEMM_WORKERS, read by `config.resolve`; 0: no pool), else the CPUs (nvcc is one process per
+    kernel) divided among the `share` engines starting on this machine at once (tensor-parallel ranks), no more
+    than there are tasks or than the free GPU memory holds (each grouped task's tensors once, in the worker
+    running it; they are freed after it)."""
     if workers is not None:
         return max(0, workers)
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cpus = os.cpu_count() or 1
-    count = min(max(1, cpus // max(1, share)), len(tasks))
-    if device.type == "cuda" and tasks:
+    count = min(max(1, cpus // max(1, share)), len(tasks) + len(grouped))
+    if device.type == "cuda" and count:
         free, _ = torch.cuda.mem_get_info(device)
-        count = min(count, int(0.8 * free) // (WORKER_BASE_BYTES + max(map(_task_bytes, tasks))))
+        budget = int(0.8 * free) - sum(map(_task_bytes, grouped))
+        count = min(count, max(0, budget) // (WORKER_BASE_BYTES + max(map(_task_bytes, tasks), default=0)))
     return count
 
 
@@ -141,7 +157,8 @@ def write_manifest(path: str) -> None:
 class JitReport:
     """What a `JitPool` did."""
 
-    tasks: int = 0
+    tasks: int = 0  # dense GEMM classes
+    grouped: int = 0  # grouped-GEMM row counts
     workers: int = 0
     seconds: float = 0.0
     compiled: int = 0  # kernels that appeared in the cache meanwhile
@@ -152,9 +169,21 @@ class JitReport:
     def describe(self) -> str:
         if self.skipped:
             return self.skipped
-        text = (f"{self.tasks} GEMM classes on {self.workers} processes in {self.seconds:.1f} s: "
+        grouped = f" and {self.grouped} grouped-GEMM row counts" if self.grouped else ""
+        text = (f"{self.tasks} GEMM classes{grouped} on {self.workers} processes in {self.seconds:.1f} s: "
                 f"{self.compiled} kernels compiled, {self.cached_before} were in the cache")
         return text + (f"; {len(self.failures)} failed" if self.failures else "")
+
+
+def _classes(task: Task | GroupedRows) -> list[tuple[int, ...]]:
+    """The classes (`deepgemm.BUILDING`'s keys) a queued task builds."""
+    return task.classes() if isinstance(task, GroupedRows) else [task]
+
+
+def _describe(task: Task | GroupedRows) -> str:
+    if isinstance(task, GroupedRows):
+        return f"the grouped GEMM [{task.groups}, {task.n}, {task.k}] at {task.first}-{task.last} rows"
+    return "x".join(map(str, task))
 
 
 class _Worker:
@@ -163,7 +192,9 @@ class _Worker:
     def __init__(self, index: int, device: str, env: dict[str, str]):
         self.index = index
         self.stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, "-m", "minidsa.kernels.deepgemm_jit", device],
+        # Unbuffered: `_read` selects on the pipe, so no reply may wait in a buffer of this process (a grouped task
+        # answers many lines at once).
+        self.proc = subprocess.Popen([sys.executable, "-m", "minidsa.kernels.deepgemm_jit", device], bufsize=0,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=env)
 
     def stderr_tail(self, lines: int = 3) -> str:
@@ -183,30 +214,40 @@ class _Worker:
 
     def serve(self, next_task, on_done, failures: list[str]) -> None:
         """Hand this process tasks (`next_task()`, None when there are none left) until there are none or the
-        process fails; `on_done(task)` after each that ran or failed, failures recorded in `failures`."""
+        process fails; `on_done(classes, built)` as classes run or fail (a grouped task answers once per row
+        count), failures recorded in `failures`."""
         hello = self._read(TASK_TIMEOUT_S)
         if hello is None or not hello.get("ready"):
             failures.append(f"worker {self.index} failed to start ({self._exit()}): "
                             f"{(hello or {}).get('error') or self.stderr_tail()}")
             return
         while (task := next_task()) is not None:
-            rows, n, k = task
+            pending = _classes(task)
             try:
-                self.proc.stdin.write(json.dumps([rows, n, k]).encode() + b"\n")
+                self.proc.stdin.write(json.dumps({"grouped" if isinstance(task, GroupedRows) else "dense": task})
+                                      .encode() + b"\n")
                 self.proc.stdin.flush()
             except OSError:
-                failures.append(f"worker {self.index} died before {rows}x{n}x{k} ({self._exit()}): "
+                failures.append(f"worker {self.index} died before {_describe(task)} ({self._exit()}): "
                                 f"{self.stderr_tail()}")
-                on_done(task)
+                on_done(pending, False)
                 return
-            reply = self._read(TASK_TIMEOUT_S)
-            if reply is None:
-                failures.append(f"worker {self.index} died on {rows}x{n}x{k} ({self._exit()}): {self.stderr_tail()}")
-                on_done(task)
-                return
-            if not reply.get("ok"):
-                failures.append(f"worker {self.index}: {rows}x{n}x{k} failed: {reply.get('error')}")
-            on_done(task)
+            errors = []
+            while pending:
+                reply = self._read(TASK_TIMEOUT_S)
+                if reply is None:
+                    failures.append(f"worker {self.index} died on {_describe(task)} ({self._exit()}): "
+                                    f"{self.stderr_tail()}")
+                    on_done(pending, False)
+                    return
+                if not reply.get("ok"):
+                    errors.append(reply.get("error"))
+                on_done(pending[:1], bool(reply.get("ok")))
+                pending = pending[1:]
+            if errors:
+                failures.append(f"worker {self.index}: {_describe(task)} failed"
+                                f"{f' at {len(errors)} row counts' if isinstance(task, GroupedRows) else ''}: "
+                                f"{errors[0]}")
 
     def _exit(self) -> str:
         try:
@@ -235,21 +276,25 @@ class _Worker:
 
 
 class JitPool:
-    """`workers` processes running `tasks` on `device` (DeepGEMM's cache: `cache_dir()`, inherited through the
-    environment), so the kernels they need are on disk, while this process goes on: `start`, then `join`. Until a
-    class has run, `deepgemm.BUILDING` holds it (this process's calls of it go to the Triton GEMM). `first`: classes
-    dealt out before the others (those the engine runs while the pool works). Never raises for a failing worker or
-    class: the report lists them, and the caller's warm-up compiles what is missing."""
+    """`workers` processes running `tasks` (dense classes) and `grouped` (grouped-GEMM row ranges) on `device`
+    (DeepGEMM's cache: `cache_dir()`, inherited through the environment), so the kernels they need are on disk,
+    while this process goes on: `start`, then `join`. Until a class has run, `deepgemm.BUILDING` holds it (this
+    process's dense calls of it go to the Triton GEMM, its grouped calls wait). The grouped ranges are dealt out
+    first, then `first` (dense classes the engine runs while the pool works), then the rest. Never raises for a
+    failing worker or class: the report lists them, `unbuilt` holds the grouped ranges not wholly built, and the
+    caller's warm-up compiles what is missing."""
 
     def __init__(self, tasks: list[Task], device: torch.device, workers: int, progress: bool = True,
-                 first: list[Task] | tuple = ()):
-        self.tasks = tasks
-        self.report = JitReport(tasks=len(tasks), workers=min(workers, len(tasks)))
+                 first: list[Task] | tuple = (), grouped: list[GroupedRows] | tuple = ()):
+        self.tasks, self.grouped = tasks, list(grouped)
+        self.classes = [c for t in [*self.grouped, *tasks] for c in _classes(t)]
+        self.report = JitReport(tasks=len(tasks), grouped=len(self.classes) - len(tasks),
+                                workers=min(workers, len(tasks) + len(self.grouped)))
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device, self.progress = device, progress
         head = set(first) & set(tasks)
-        self._pending = collections.deque([*spread([t for t in tasks if t in head]),
+        self._pending = collections.deque([*self.grouped, *spread([t for t in tasks if t in head]),
                                            *spread([t for t in tasks if t not in head])])
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -258,10 +303,11 @@ class JitPool:
         self._before: set[str] = set()  # the cache's kernels when the pool started
         self._bar = None
         self._joined = False
+        self._failed: set[tuple[int, ...]] = set()  # classes that failed or were never run
 
     def start(self) -> "JitPool":
         report = self.report
-        if not self.tasks:
+        if not self.classes:
             report.skipped = "no GEMM classes"
             return self
         self._before = cached_kernels()
@@ -270,10 +316,10 @@ class JitPool:
             report.skipped = "no worker processes (MINIDSA_DEEPGEMM_WORKERS=0, or no GPU memory free for one)"
             return self
         self._start = time.perf_counter()
-        deepgemm.BUILDING.update(self.tasks)
+        deepgemm.BUILDING.add(self.classes)
         from tqdm.auto import tqdm
 
-        self._bar = tqdm(total=len(self.tasks), desc="DeepGEMM JIT", unit="class",
+        self._bar = tqdm(total=len(self.classes), desc="DeepGEMM JIT", unit="class",
                          disable=None if self.progress else True, leave=False)
         env = dict(os.environ)
         # The workers import what this process imported (deep_gemm, minidsa), from where this process found them.
@@ -291,16 +337,26 @@ class JitPool:
             raise
         return self
 
-    def _next(self) -> Task | None:
+    def _next(self) -> Task | GroupedRows | None:
         with self._lock:
             return self._pending.popleft() if self._pending else None
 
-    def _finish(self, task: Task) -> None:
-        deepgemm.BUILDING.discard(task)  # built (or failed: the engine's process compiles it when it runs it)
-        self._bar.update(1)
+    def _finish(self, classes: list[tuple[int, ...]], built: bool) -> None:
+        if not built:
+            with self._lock:
+                self._failed.update(classes)
+        deepgemm.BUILDING.finish(classes)  # built (or failed: the engine's process compiles it when it runs it)
+        self._bar.update(len(classes))
 
     def _alive(self) -> bool:
         return any(t.is_alive() for t in self._threads)
+
+    @property
+    def unbuilt(self) -> list[GroupedRows]:
+        """The grouped ranges a worker failed, died on or never ran (after `join`)."""
+        if not self._workers:
+            return list(self.grouped)
+        return [t for t in self.grouped if t in self._pending or not self._failed.isdisjoint(t.classes())]
 
     def join(self) -> JitReport:
         """Wait for every class, stop the processes (their GPU memory comes back), and report."""
@@ -313,7 +369,8 @@ class JitPool:
         finally:
             self._stop()
         if self._pending:
-            self.report.failures.append(f"{len(self._pending)} classes were not run (no worker left)")
+            left = sum(len(_classes(t)) for t in self._pending)
+            self.report.failures.append(f"{left} classes were not run (no worker left)")
         self.report.compiled = len(cached_kernels() - self._before)
         self.report.seconds = time.perf_counter() - self._start
         return self.report
@@ -327,7 +384,7 @@ class JitPool:
         self.join()
 
     def _stop(self) -> None:
-        deepgemm.BUILDING.difference_update(self.tasks)
+        deepgemm.BUILDING.finish(self.classes)
         interrupted = self._alive()  # do not wait for the compilers
         for w in self._workers:  # all at once: one after another, 16 exits took ~10 s on an H100
             if interrupted:
@@ -342,16 +399,25 @@ class JitPool:
 
 class GemmWarmUp:
     """DeepGEMM's GEMM kernels for one model at start-up: `start_pool` / `finish_pool` (before the KV cache is
-    allocated) build what the disk cache lacks in worker processes, `load` (the engine's warm-up) runs every class
-    in this process through the engine's DeepGEMM handle, compiling only what the pool left; each returns its
-    start-up log detail."""
+    allocated) build what the disk cache lacks in worker processes, `load` (the engine's warm-up) runs every dense
+    class in this process through the engine's DeepGEMM handle, compiling only what the pool left, and the grouped
+    row counts the pool did not build; each returns its start-up log detail. `experts`: ((gate_up_proj, its
+    scales), (down_proj, its scales), top_k, every expert on this rank) of each expert layer DeepGEMM's grouped
+    GEMM serves."""
 
     def __init__(self, weights: list[tuple[torch.Tensor, torch.Tensor]], max_rows: int, device: torch.device,
-                 library: "deepgemm.DeepGEMM", share: int = 1, workers: int | None = None):
+                 library: "deepgemm.DeepGEMM", share: int = 1, workers: int | None = None,
+                 experts: list[tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], int, bool]]
+                 | tuple = ()):
         self.weights, self.max_rows, self.device, self.share, self.workers = weights, max_rows, device, share, workers
         self.library = library
         self.tasks = deepgemm.gemm_tasks([tuple(w.shape) for w, _ in weights], max_rows)
-        self.manifest = manifest_path(self.tasks, device)
+        grouped = deepgemm.grouped_contiguous(library.module) if experts else None
+        shapes = [(tuple(gate_up[0].shape), top_k, all_local) for gate_up, _, top_k, all_local in experts]
+        self.grouped = deepgemm.grouped_tasks(shapes, grouped[1], max_rows) if grouped else []
+        # The served weights, which the in-process runs of `load` use (no copy: the KV cache has the memory by then).
+        self.expert_weights = {tuple(w.shape): (w, sc) for gate_up, down, _, _ in experts for w, sc in (gate_up, down)}
+        self.manifest = manifest_path([*self.tasks, *self.grouped], device)
         self.pool: JitPool | None = None
         self.pool_failures: list[str] = []
 
@@ -359,31 +425,35 @@ class GemmWarmUp:
     def for_model(cls, model: torch.nn.Module, max_rows: int, device: torch.device,
                   library: "deepgemm.DeepGEMM | None", share: int = 1, workers: int | None = None
                   ) -> "GemmWarmUp | None":
-        """None when no projection of `model` runs through DeepGEMM (`library`: the engine's handle, if any)."""
+        """None when nothing of `model` runs through DeepGEMM's GEMMs (`library`: the engine's handle, if any)."""
+        from minidsa.models.deepseek_v32 import deepgemm_experts
         from minidsa.models.layers.linear import deepgemm_weights
 
-        weights = deepgemm_weights(model)
-        if not weights:
+        weights, experts = deepgemm_weights(model), deepgemm_experts(model)
+        if not weights and not experts:
             return None
         if library is None:
             raise ValueError("FP8 projections are given to DeepGEMM, but the engine loaded no DeepGEMM handle")
-        return cls(weights, max_rows, device, library, share, workers)
+        return cls(weights, max_rows, device, library, share, workers, experts)
 
     def start_pool(self, first_rows: list[int] | tuple = (), progress: bool = True) -> None:
         """Start compiling what the disk cache lacks in worker processes, and return: the engine goes on beside
-        them, its calls of classes not built yet served by the Triton GEMM (`deepgemm.BUILDING`), and calls
-        `finish_pool` before sizing the KV cache, as the workers' CUDA contexts hold GPU memory. `first_rows`: the
-        token counts of the steps the engine runs meanwhile; their classes are dealt out first."""
+        them, its dense calls of classes not built yet served by the Triton GEMM and its grouped ones waiting
+        (`deepgemm.BUILDING`), and calls `finish_pool` before sizing the KV cache, as the workers' CUDA contexts
+        hold GPU memory. `first_rows`: the token counts of the steps the engine runs meanwhile; their dense classes
+        are dealt out first, after the grouped ranges."""
         if self.pool is not None or manifest_complete(self.manifest):
             return
         first = {deepgemm.gemm_rows(r) for r in first_rows if r > 0}
-        self.pool = JitPool(self.tasks, self.device, worker_count(self.tasks, self.device, self.share, self.workers),
-                            progress, first=[t for t in self.tasks if t[0] in first]).start()
+        workers = worker_count(self.tasks, self.device, self.share, self.workers, self.grouped)
+        self.pool = JitPool(self.tasks, self.device, workers, progress, first=[t for t in self.tasks if t[0] in first],
+                            grouped=self.grouped).start()
 
     def finish_pool(self) -> str:
         """Wait for the pool and stop it; its start-up log detail."""
         if self.pool is None:
-            return f"all {len(self.tasks)} GEMM classes were built before ({os.path.basename(self.manifest)})"
+            tasks = len(self.tasks) + len(self.grouped)
+            return f"all {tasks} GEMM tasks were built before ({os.path.basename(self.manifest)})"
         report = self.pool.join()
         self.pool_failures = report.failures
         if report.failures:
@@ -405,23 +475,76 @@ class GemmWarmUp:
         failures = len(self.library.failures)
         start = time.perf_counter()
         calls = self.library.warm_up_fp8_gemms(self.weights, self.max_rows)
+        grouped_failed, grouped_run = [], 0
+        for task in self.pool.unbuilt if self.pool is not None else ():
+            weight, scale = self.expert_weights[(task.groups, task.n, task.k)]
+            for rows, error in run_grouped_rows(self.library.module, task, self.device, weight, scale):
+                grouped_run += 1
+                if error:
+                    grouped_failed.append(f"{_describe(task)}, {rows} rows: {error}")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         compiled = len(cached_kernels() - before)
         failed = self.library.failures[failures:]
-        if calls == len(self.tasks) and not failed:
+        if calls == len(self.tasks) and not failed and not grouped_failed:
             write_manifest(self.manifest)
-        text = (f"{calls} of {len(self.tasks)} GEMM classes run in {time.perf_counter() - start:.1f} s, "
-                f"{compiled} kernels compiled in this process")
+        text = (f"{calls} of {len(self.tasks)} GEMM classes"
+                f"{f' and {grouped_run} grouped-GEMM row counts' if grouped_run else ''} run in "
+                f"{time.perf_counter() - start:.1f} s, {compiled} kernels compiled in this process")
         if failed:
             text += f"; DeepGEMM's GEMM failed ({failed[0]}): Triton serves each call it fails"
+        if grouped_failed:
+            logger.error("DeepGEMM's grouped GEMM failed at %d row counts, the first: %s; the Triton fused MoE serves "
+                         "each call it fails", len(grouped_failed), grouped_failed[0])
+            text += f"; the grouped GEMM failed at {len(grouped_failed)} row counts"
         return text
+
+
+def run_grouped_rows(module, task: GroupedRows, device: torch.device, weight: torch.Tensor | None = None,
+                     scale: torch.Tensor | None = None) -> Iterator[tuple[int, str | None]]:
+    """Run the contiguous grouped GEMM once at each of `task`'s row counts, largest first, the way serving calls it
+    (`deepgemm.run_grouped_gemm`), so DeepGEMM compiles (or loads) each kernel it picks; yields (rows, None or the
+    error). Every row is padding (-1): DeepGEMM multiplies nothing, and its loads of a padding block read expert 0's
+    weight, so neither the rows' contents nor the weight's matter. `weight` / `scale`: the expert weight [groups,
+    N, K] and its scales (made here when not given: a worker process)."""
+    from minidsa.kernels.fp8 import FP8_DTYPE
+    from minidsa.kernels.moe_layout import mn_major_scales
+
+    grouped = deepgemm.grouped_contiguous(module)
+    rows = [c[0] for c in task.classes()]
+    if grouped is None:
+        for m in rows:
+            yield m, "this DeepGEMM build has no contiguous grouped FP8 GEMM"
+        return
+    gemm, _ = grouped
+    if weight is None:
+        weight = torch.empty(task.groups, task.n, task.k, dtype=FP8_DTYPE, device=device)
+        scale = torch.ones(task.groups, -(-task.n // 128), -(-task.k // 128), dtype=torch.float32, device=device)
+    a = torch.empty(task.last, task.k, dtype=FP8_DTYPE, device=device)
+    out = torch.empty(task.last, task.n, dtype=torch.bfloat16, device=device)
+    m_indices = torch.full((task.last,), -1, dtype=torch.int32, device=device)
+    try:
+        for m in rows:
+            try:
+                deepgemm.run_grouped_gemm(gemm, a[:m], mn_major_scales(m, task.k // 128, device), weight, scale,
+                                          out[:m], m_indices[:m])
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            except Exception as e:  # noqa: BLE001 - reported per row count; serving falls back to Triton for it
+                yield m, f"{type(e).__name__}: {e}"
+            else:
+                yield m, None
+    finally:
+        del weight, scale, a, out, m_indices
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # another worker's task, or the KV cache, gets the memory back
 
 
 # ---------------------------------------------------------------- the worker process
 
 def _run_worker(device_name: str) -> int:
-    """Read tasks `[rows, n, k]` (one JSON line each) from stdin, run each, answer one JSON line per task.
+    """Read tasks from stdin, one JSON line each, run each, and answer one JSON line per class: `{"dense": [rows,
+    n, k]}` (one class) or `{"grouped": GroupedRows}` (a class per row count, `run_grouped_rows`).
 
     DeepGEMM prints with C's printf: this process's stdout is moved to stderr first, so replies travel on a
     descriptor of their own."""
@@ -441,7 +564,15 @@ def _run_worker(device_name: str) -> int:
     replies.write(json.dumps({"ready": True}) + "\n")
     shape, weight, scale, x = None, None, None, None
     for line in sys.stdin:
-        rows, n, k = json.loads(line)
+        task = json.loads(line)
+        if "grouped" in task:
+            weight = scale = x = shape = None  # the grouped task's tensors are large: nothing else beside them
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            for _, error in run_grouped_rows(deep_gemm, GroupedRows(*task["grouped"]), device):
+                replies.write(json.dumps({"ok": error is None, "error": error}) + "\n")
+            continue
+        rows, n, k = task["dense"]
         try:
             if shape != (n, k):
                 weight = scale = x = None  # one shape's tensors at a time

@@ -307,6 +307,15 @@ def set_norm_quant(model: nn.Module, kernel: str) -> list[RMSNorm]:
     return fused
 
 
+def deepgemm_experts(model: nn.Module) -> list[tuple[tuple[torch.Tensor, torch.Tensor],
+                                                     tuple[torch.Tensor, torch.Tensor], int, bool]]:
+    """((gate_up_proj, scales), (down_proj, scales), top_k, every expert on this rank) of each FP8 expert layer
+    `set_gemm` gave to DeepGEMM (its grouped GEMMs serve prefill sizes)."""
+    return [((m.gate_up_proj, m.gate_up_proj_scale_inv), (m.down_proj, m.down_proj_scale_inv), m.top_k,
+             m.num_local_experts == m.n_experts)
+            for m in model.modules() if isinstance(m, Experts) and m.gemm == "deepgemm" and m.is_fp8]
+
+
 class Experts(nn.Module):
     """Routed experts stacked per layer: gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I].
 
@@ -328,6 +337,7 @@ class Experts(nn.Module):
         tp = self.tp = building_tp()
         e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         self.n_experts, self.full_inter = e, i
+        self.top_k = config.num_experts_per_tok  # each token's pairs: what sizes the grouped GEMM's rows
         if tp.expert_parallel:
             self.first_expert, self.num_local_experts = tp.split(e, "n_routed_experts (expert parallelism)")
             self.inter_start, self.inter = 0, i
