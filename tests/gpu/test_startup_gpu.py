@@ -73,6 +73,54 @@ def test_deepgemm_pool_compiles_every_kernel_and_the_engine_process_only_loads(t
     assert "were built before" in got["again"], got  # the manifest: the next start skips the pool
 
 
+GROUPED = """
+    import json, torch
+    from minidsa.kernels import deepgemm, fp8
+    from minidsa.kernels.deepgemm_jit import GemmWarmUp, cached_kernels
+    from minidsa.kernels.fused_moe import fused_moe_reference
+    dev = torch.device("cuda")
+    module, status = deepgemm.probe(dev, deepgemm.GEMM_API)
+    if not status.available or deepgemm.grouped_contiguous(module) is None:
+        print(json.dumps({"skip": status.reason or "no contiguous grouped GEMM"}))
+        raise SystemExit
+    library = deepgemm.DeepGEMM(module, status, dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    E, K, H, I = 8, 2, 1024, 512  # the grouped GEMM serves 512 tokens and more (128 pairs per expert)
+    gate_up = fp8.quant_block(torch.randn(E, 2 * I, H, device=dev, generator=g) * H**-0.5)
+    down = fp8.quant_block(torch.randn(E, H, I, device=dev, generator=g) * I**-0.5)
+    jit = GemmWarmUp([], 640, dev, library, workers=2, experts=[(gate_up, down, K, True)])
+    pool = jit.compile_in_pool(progress=False)
+    load = jit.load()
+    before = cached_kernels()
+    errors, rows = [], []
+    for tokens in (512, 577, 640):
+        x = torch.randn(tokens, H, device=dev, generator=g).bfloat16()
+        ids = torch.rand(tokens, E, device=dev, generator=g).topk(K, dim=1).indices.to(torch.int32)
+        w = torch.rand(tokens, K, device=dev, generator=g)
+        w = w / w.sum(1, keepdim=True)
+        got = deepgemm.moe_contiguous(module, x, ids, w, gate_up[0], down[0], gate_up[1], down[1])
+        want = fused_moe_reference(x.float(), ids.long(), w, gate_up[0], down[0], gate_up[1], down[1])
+        errors.append(((got.float() - want).norm() / want.norm()).item())
+        counts = torch.bincount(ids.flatten(), minlength=E)
+        rows.append(int((-(-counts // 128) * 128).sum()))
+    print(json.dumps({"pool": pool, "failures": jit.pool_failures, "load": load, "errors": errors, "rows": rows,
+                      "classes": [c[0] for t in jit.grouped for c in t.classes()],
+                      "compiled_serving": len(cached_kernels() - before)}))
+"""
+
+
+def test_deepgemm_pool_builds_the_grouped_gemm_rows_and_serving_compiles_none(tmp_path):
+    """The pool runs the routed experts' grouped GEMM at every row count (all rows padding) on the real DeepGEMM;
+    the MoE served afterwards at sizes in range compiles nothing and equals the reference."""
+    got, err = _child(GROUPED, {"DG_JIT_CACHE_DIR": str(tmp_path / "dg")})
+    if "skip" in got:
+        pytest.skip(f"DeepGEMM's grouped GEMM not usable here: {got['skip']}")
+    assert not got["failures"] and "grouped-GEMM row counts on 2 processes" in got["pool"], got
+    assert "grouped" not in got["load"], got  # nothing left for the warm-up to run
+    assert set(got["rows"]) <= set(got["classes"]) and got["compiled_serving"] == 0, got
+    assert max(got["errors"]) < 0.03, got
+
+
 ENGINE = """
     import json, logging
     logging.basicConfig(level=logging.WARNING)
