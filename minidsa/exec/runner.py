@@ -31,7 +31,8 @@ from minidsa.exec.graphs import DEFAULT_BUCKETS, EXTEND_TOKEN_BUCKETS, GraphShap
 from minidsa.attention.select import load_libraries
 from minidsa.exec.kv_cache import CacheLayouts, KVCache, ReqToTokenTable
 from minidsa.kernels.deepgemm import LOGITS_ALIGN
-from minidsa.models.deepseek_v32 import ModelOutput, RunLayer, call_layer
+from minidsa.models.deepseek_v32 import ModelOutput, RunLayer, call_layer, deepgemm_experts
+from minidsa.models.layers.linear import deepgemm_weights
 from minidsa.exec.memory import GiB, MIN_KV_TOKENS, DoesNotFit, graph_buffer_bytes, margin_bytes
 from minidsa.models.loader import build_model
 from minidsa.sched.pages import KVCapacity, pages_needed
@@ -179,9 +180,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             from minidsa.kernels.deepgemm_jit import GemmWarmUp
 
-            self._gemm_jit = GemmWarmUp.for_model(self.model, self.step_tokens, self.device, self.libraries.deepgemm,
-                                                  share=config.tensor_parallel_size,
-                                                  workers=resolved.deepgemm_jit_workers)
+            self._gemm_jit = GemmWarmUp.for_weights(deepgemm_weights(self.model), deepgemm_experts(self.model),
+                                                    self.step_tokens, self.device, self.libraries.deepgemm,
+                                                    share=config.tensor_parallel_size,
+                                                    workers=resolved.deepgemm_jit_workers)
         reserve = None
         if self.device.type == "cuda" and not config.max_total_tokens:
             reserve = self._profile_beside_pool(progress)

@@ -422,14 +422,11 @@ class GemmWarmUp:
         self.pool_failures: list[str] = []
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, max_rows: int, device: torch.device,
-                  library: "deepgemm.DeepGEMM | None", share: int = 1, workers: int | None = None
-                  ) -> "GemmWarmUp | None":
-        """None when nothing of `model` runs through DeepGEMM's GEMMs (`library`: the engine's handle, if any)."""
-        from minidsa.models.deepseek_v32 import deepgemm_experts
-        from minidsa.models.layers.linear import deepgemm_weights
-
-        weights, experts = deepgemm_weights(model), deepgemm_experts(model)
+    def for_weights(cls, weights: list[tuple[torch.Tensor, torch.Tensor]], experts: list, max_rows: int,
+                    device: torch.device, library: "deepgemm.DeepGEMM | None", share: int = 1,
+                    workers: int | None = None) -> "GemmWarmUp | None":
+        """None when no FP8 weight runs through DeepGEMM's GEMMs (`weights`: `layers.linear.deepgemm_weights`,
+        `experts`: `deepseek_v32.deepgemm_experts`; `library`: the engine's handle, if any)."""
         if not weights and not experts:
             return None
         if library is None:
