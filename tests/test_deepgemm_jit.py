@@ -398,3 +398,21 @@ def test_a_start_up_that_fails_in_the_profile_stops_the_pool(monkeypatch):
     with pytest.raises(ValueError, match="a bad shape"):
         ModelRunner._profile_beside_pool(runner, progress=False)
     assert runner._gemm_jit.calls == [("start", (8192, 64)), "abort"]
+
+
+def test_grouped_tasks_that_leave_no_memory_for_a_worker_are_run_in_this_process(stand_in, monkeypatch):
+    """Where the grouped tasks' tensors (the whole expert weight each) leave no GPU memory for a worker, the pool
+    still builds the dense classes, and the warm-up runs the grouped row counts in this process."""
+    from minidsa.kernels import deepgemm_jit
+
+    monkeypatch.setattr(deepgemm_jit, "worker_count",
+                        lambda tasks, device, share=1, workers=None, grouped=(): 0 if grouped else 2)
+    jit = GemmWarmUp(_weights(), GROUPED_MAX_TOKENS, CPU, stand_in.library, experts=_experts())
+    assert "on 2 processes" in jit.compile_in_pool(progress=False) and not jit.pool_failures
+    pool = stand_in.events()
+    assert all(e["worker"] for e in pool) and _grouped(pool) == []
+    assert sorted(t for t in _tasks(pool) if len(t) == 3) == sorted(jit.tasks)
+    detail = jit.load()
+    here = stand_in.events()
+    assert _grouped(here) == sorted(c for t in jit.grouped for c in t.classes()) and not any(e["worker"] for e in here)
+    assert "18 grouped-GEMM row counts run" in detail

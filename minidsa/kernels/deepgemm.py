@@ -312,6 +312,8 @@ def extend_index_logits(
 #   49 vs 58 at M = 1), slower on the small ones (fused q_a|wk|kv_a 17.1 vs 15.4 us, q_b 22.4 vs 21.9).
 FP8_GEMM_DEEPGEMM_MIN_ROWS = 17
 FP8_GEMM_DEEPGEMM_MIN_WEIGHT = 96 << 20  # N x K (bytes of the e4m3 weight)
+
+
 class Building:
     """The GEMM classes DeepGEMM's start-up pool (`deepgemm_jit.JitPool`) is still building: dense (rows, N, K)
     and grouped (rows, N, K, groups). The activation profile runs beside the pool, and must neither wait for a

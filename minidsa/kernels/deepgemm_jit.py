@@ -53,11 +53,11 @@ from typing import Iterator
 import torch
 
 from minidsa.kernels import deepgemm
+from minidsa.kernels.deepgemm import GroupedRows
 
 logger = logging.getLogger(__name__)
 
 Task = tuple[int, int, int]  # (rows, N, K) of one fp8_gemm_nt call
-GroupedRows = deepgemm.GroupedRows
 TASK_TIMEOUT_S = 600.0  # one class: an nvcc run takes seconds; a worker silent this long is stopped
 # Per worker: the CUDA context and allocator slack, plus the largest class's tensors (`_task_bytes`).
 WORKER_BASE_BYTES = 1 << 30
@@ -442,9 +442,15 @@ class GemmWarmUp:
         if self.pool is not None or manifest_complete(self.manifest):
             return
         first = {deepgemm.gemm_rows(r) for r in first_rows if r > 0}
-        workers = worker_count(self.tasks, self.device, self.share, self.workers, self.grouped)
+        grouped = self.grouped
+        workers = worker_count(self.tasks, self.device, self.share, self.workers, grouped)
+        if workers == 0 and grouped and self.workers is None:
+            # The grouped tasks' tensors leave no memory for a worker: the pool builds the dense classes, and the
+            # grouped row counts are compiled in this process (the profile's, then the rest by `load`).
+            grouped = []
+            workers = worker_count(self.tasks, self.device, self.share, self.workers)
         self.pool = JitPool(self.tasks, self.device, workers, progress, first=[t for t in self.tasks if t[0] in first],
-                            grouped=self.grouped).start()
+                            grouped=grouped).start()
 
     def finish_pool(self) -> str:
         """Wait for the pool and stop it; its start-up log detail."""
@@ -467,13 +473,20 @@ class GemmWarmUp:
         self.start_pool(progress=progress)
         return self.finish_pool()
 
+    def _grouped_left(self) -> list[GroupedRows]:
+        """The grouped ranges no worker built (none when the manifest says every task was built before)."""
+        if self.pool is None:
+            return []
+        unbuilt = self.pool.unbuilt
+        return [t for t in self.grouped if t not in self.pool.grouped or t in unbuilt]
+
     def load(self) -> str:
         before = cached_kernels()
         failures = len(self.library.failures)
         start = time.perf_counter()
         calls = self.library.warm_up_fp8_gemms(self.weights, self.max_rows)
         grouped_failed, grouped_run = [], 0
-        for task in self.pool.unbuilt if self.pool is not None else ():
+        for task in self._grouped_left():
             weight, scale = self.expert_weights[(task.groups, task.n, task.k)]
             for rows, error in run_grouped_rows(self.library.module, task, self.device, weight, scale):
                 grouped_run += 1
