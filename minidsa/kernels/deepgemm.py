@@ -346,10 +346,6 @@ class Building:
     def __bool__(self) -> bool:
         return bool(self._classes)
 
-    def snapshot(self) -> set[tuple[int, ...]]:
-        with self._changed:
-            return set(self._classes)
-
 
 BUILDING = Building()
 

@@ -233,17 +233,16 @@ class _Worker:
                 on_done(pending, False)
                 return
             errors = []
-            while pending:
+            for i, cls in enumerate(pending):
                 reply = self._read(TASK_TIMEOUT_S)
                 if reply is None:
                     failures.append(f"worker {self.index} died on {_describe(task)} ({self._exit()}): "
                                     f"{self.stderr_tail()}")
-                    on_done(pending, False)
+                    on_done(pending[i:], False)
                     return
                 if not reply.get("ok"):
                     errors.append(reply.get("error"))
-                on_done(pending[:1], bool(reply.get("ok")))
-                pending = pending[1:]
+                on_done([cls], bool(reply.get("ok")))
             if errors:
                 failures.append(f"worker {self.index}: {_describe(task)} failed"
                                 f"{f' at {len(errors)} row counts' if isinstance(task, GroupedRows) else ''}: "
@@ -412,9 +411,9 @@ class GemmWarmUp:
         self.weights, self.max_rows, self.device, self.share, self.workers = weights, max_rows, device, share, workers
         self.library = library
         self.tasks = deepgemm.gemm_tasks([tuple(w.shape) for w, _ in weights], max_rows)
-        grouped = deepgemm.grouped_contiguous(library.module) if experts else None
+        contiguous = deepgemm.grouped_contiguous(library.module) if experts else None
         shapes = [(tuple(gate_up[0].shape), top_k, all_local) for gate_up, _, top_k, all_local in experts]
-        self.grouped = deepgemm.grouped_tasks(shapes, grouped[1], max_rows) if grouped else []
+        self.grouped = deepgemm.grouped_tasks(shapes, contiguous[1], max_rows) if contiguous else []
         # The served weights, which the in-process runs of `load` use (no copy: the KV cache has the memory by then).
         self.expert_weights = {tuple(w.shape): (w, sc) for gate_up, down, _, _ in experts for w, sc in (gate_up, down)}
         self.manifest = manifest_path([*self.tasks, *self.grouped], device)
