@@ -11,6 +11,7 @@ Triton kernels run through Triton's interpreter, as in tests/test_kernels.py.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pickle
 import sys
@@ -278,6 +279,41 @@ def test_shapes_the_triton_kernels_cannot_take_use_the_reference(sm90, caplog):
         got = ops.sparse_mla(q, cache, idx, 0.2, 24)
     torch.testing.assert_close(got, ref.sparse_mla(q, cache, idx, 0.2, 24))
     assert "latent 24 + rope 16" in caplog.text
+
+
+@in_this_process
+def test_query_quantisation_runs_the_triton_op_where_chosen(sm90, monkeypatch, caplog):
+    """The fp8 indexer's query rotation + e4m3 is the one-launch op where Triton serves the DSA kernels, the
+    reference with kernel_backend="torch"; `index_topk` quantises through what was bound, with the backend's
+    Hadamard matrix. Inside the op, a head dim the kernel cannot take runs the reference."""
+    _with_module(monkeypatch, None)
+    choice = choose()
+    assert choice.quant_index_q == "triton"
+    assert ops_for(choice).quant_index_q is torch.ops.minidsa.quant_index_q
+    torch_choice = select_kernels("cpu", kernel_backend="torch")
+    assert torch_choice.quant_index_q == "torch" and bind_ops(torch_choice).quant_index_q is ref.quant_index_q
+
+    be, table = _backend(choice, 64)
+    bound, seen = be.ops.quant_index_q, []
+
+    def recording(q, weights, hadamard):
+        seen.append(hadamard)
+        return bound(q, weights, hadamard)
+
+    monkeypatch.setattr(be, "ops", dataclasses.replace(be.ops, quant_index_q=recording))
+    table.write(0, 0, torch.arange(64, 64 + 40))
+    batch = ForwardBatch.build(StepKind.DECODE, [0], [0], [39], [1], torch.tensor([64 + 39]), "cpu")
+    g = torch.Generator().manual_seed(4)
+    q, w = torch.randn(1, 32, 32, generator=g), torch.rand(1, 32, generator=g)
+    slots = be.index_topk(be.layer_caches[0], batch, q, w)
+    assert len(seen) == 1 and seen[0] is be.hadamard and slots.shape == (1, 24)
+
+    q, w = torch.randn(2, 4, 8, generator=g), torch.rand(2, 4, generator=g)
+    with caplog.at_level(logging.WARNING):
+        got = torch.ops.minidsa.quant_index_q(q, w, ref.hadamard_matrix(8))
+    want = ref.quant_index_q(q, w)
+    assert torch.equal(got[0].float(), want[0].float()) and torch.equal(got[1], want[1])
+    assert "DSA indexer query quantisation: torch reference (head dim 8" in caplog.text
 
 
 def test_bad_kernel_choice_is_rejected():

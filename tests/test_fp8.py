@@ -72,6 +72,26 @@ def test_triton_gemm_matches_reference(m, n, k, tiles):
     assert (yb.float() - refb.float()).abs().max() <= 2e-2 * refb.float().abs().max()
 
 
+def test_split_k_ranges_are_added_in_k_order_in_the_kernel(monkeypatch):
+    """The last K range to finish a tile adds every range's partial in K order (the same fp32 sum every run), and
+    leaves the tile's arrival count at 0 for the next call; without counts (a CUDA graph captured before any were
+    made) torch adds the partials, to the same values within rounding."""
+    from minidsa.kernels import fp8_gemm
+    from minidsa.kernels.fp8_gemm import GemmTiles, w8a8_block_gemm
+
+    x, wq, ws = _gemm_case(3, 192, 640, seed=4)
+    tiles = GemmTiles(16, 64, 3, True, 4, 2)  # 5 K blocks in ranges of 2, 2, 1
+    y = w8a8_block_gemm(x, wq, ws, tiles)
+    whole = GemmTiles(16, 64, 1, True, 4, 2)
+    ranges = [w8a8_block_gemm(x[:, a:b].contiguous(), wq[:, a:b].contiguous(), ws[:, a // 128:-(-b // 128)], whole)
+              for a, b in ((0, 256), (256, 512), (512, 640))]
+    assert torch.equal(y, (ranges[0] + ranges[1]) + ranges[2])
+    assert int(fp8_gemm._arrival_counts(x.device).abs().sum()) == 0
+    assert torch.equal(w8a8_block_gemm(x, wq, ws, tiles), y)
+    monkeypatch.setattr(fp8_gemm, "_arrival_counts", lambda device: None)
+    assert torch.allclose(w8a8_block_gemm(x, wq, ws, tiles), y, rtol=1e-6, atol=1e-6)
+
+
 def test_triton_activation_quant_is_the_reference():
     from minidsa.kernels.fp8_gemm import quant_act
 

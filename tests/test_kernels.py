@@ -32,6 +32,7 @@ from minidsa.kernels import sparse_mla as sparse_mla_mod  # noqa: E402
 from minidsa.kernels import topk as topk_mod  # noqa: E402
 from minidsa.kernels import indexer  # noqa: E402
 from minidsa.exec.kv_cache import IndexerLayout, KVCache, MLALayout  # noqa: E402
+from fp8_checks import assert_quant_index_q_matches  # noqa: E402
 
 
 def _kv_cache(num_layers: int, num_pages: int, page_size: int, index_fp8: bool, mla: str = "auto",
@@ -104,6 +105,72 @@ def test_store_index_k_matches_reference(page_size, dtype):
     bk, bs = ref.fp8_views(base, page_size, d)
     assert torch.equal(gk[page, off].view(torch.uint8), bk[page, off].view(torch.uint8))
     assert torch.equal(gs[page, off].view(torch.int32), bs[page, off].view(torch.int32))
+
+
+# ---------------------------------------------------------------------------
+# quant_index_q
+# ---------------------------------------------------------------------------
+def _index_queries(tokens: int, heads: int, d: int, dtype: torch.dtype, g: torch.Generator):
+    """Queries of varied magnitude, with an all-zero row (the scale floor), a one-hot row of 3e4 (every rotated
+    value at the amax: 448) and a row 1e4 times the rest; signed non-zero weights."""
+    q = torch.randn(tokens, heads, d, generator=g) * torch.rand(tokens, heads, 1, generator=g) * 10
+    q[0, 1] = 0
+    q[-1, 0] = 0
+    q[-1, 0, 3] = 3e4
+    q[tokens // 2, heads - 1] *= 1e4
+    w = torch.randn(tokens, heads, generator=g)
+    return q.to(dtype), torch.where(w == 0, 1.0, w)
+
+
+@in_this_process
+@pytest.mark.parametrize("tokens,heads,d,dtype", [
+    (1, 64, 128, torch.bfloat16), (3, 64, 64, torch.float32), (17, 64, 128, torch.float32),
+    (64, 64, 128, torch.bfloat16), (1, 4, 64, torch.float32), (3, 8, 128, torch.bfloat16),
+    (17, 4, 64, torch.bfloat16), (64, 8, 128, torch.float32),
+])
+def test_quant_index_q_matches_reference(tokens, heads, d, dtype):
+    g = _gen(tokens * 7 + heads + d)
+    q, w = _index_queries(tokens, heads, d, dtype, g)
+    assert_quant_index_q_matches(q, w, indexer.quant_index_q(q, w))
+    # Strided rows: heads apart by 2 D, weights by 2 (the kernel reads the strides it is given).
+    q_wide = torch.cat([q, q.flip(-1)], dim=-1)[..., :d]
+    w_wide = torch.stack([w, -w], dim=-1)[..., 0]
+    assert_quant_index_q_matches(q_wide, w_wide, indexer.quant_index_q(q_wide, w_wide, ref.hadamard_matrix(d)))
+
+
+@in_this_process
+def test_quant_index_q_rejects_bad_input_and_takes_no_tokens():
+    q, w = torch.randn(3, 4, 32), torch.randn(3, 4)
+    with pytest.raises(ValueError, match="weights"):
+        indexer.quant_index_q(q, w[:2])
+    with pytest.raises(ValueError, match="power of two"):
+        indexer.quant_index_q(torch.randn(3, 4, 24), w)
+    with pytest.raises(ValueError, match="Hadamard"):
+        indexer.quant_index_q(q, w, ref.hadamard_matrix(64))
+    with pytest.raises(ValueError, match="float64"):
+        indexer.quant_index_q(q.double(), w)
+    q8, sw = indexer.quant_index_q(q[:0], w[:0])
+    assert q8.shape == (0, 4, 32) and q8.dtype == torch.float8_e4m3fn and sw.shape == (0, 4)
+
+
+@in_this_process
+def test_quant_index_q_op_traces_once_for_every_token_count():
+    """Opaque under torch.compile (fullgraph, dynamic shapes): the fake gives the shapes, one graph serves any T."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    had = ref.hadamard_matrix(32)
+
+    def step(q, w):
+        q8, sw = torch.ops.minidsa.quant_index_q(q, w, had)
+        return q8.float().sum(-1) * sw
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    g = _gen(31)
+    for tokens in (3, 9):
+        q, w = torch.randn(tokens, 16, 32, generator=g).bfloat16(), torch.randn(tokens, 16, generator=g)
+        assert torch.equal(compiled(q, w), step(q, w))
+    assert counter.frame_count == 1
 
 
 # ---------------------------------------------------------------------------

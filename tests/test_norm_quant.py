@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+# Imported before any test patches torch.empty (`poison_new_tensors`): imported lazily under the patch, by the first
+# custom op called, Dynamo would take the patched torch.empty for an untraceable function, and a later
+# `torch._dynamo.explain` of the model would break its graph there.
+import torch._dynamo  # noqa: F401
 
 if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu/test_kernels_gpu.py checks the compiled kernels", allow_module_level=True)
@@ -129,8 +133,73 @@ def test_kernel_refuses_what_it_cannot_take():
 
 
 @in_this_process
+def test_activation_quantisation_rounds_the_quotient_at_e4m3_ties_as_torch():
+    """x / scale lands exactly on an e4m3 rounding tie in these rows: torch divides IEEE and rounds the tie to even;
+    x times the rounded reciprocal (what a fast division computes) lands an ulp off and rounds the other way. The
+    kernel's quotient (one exact reciprocal per row, then Markstein's fma correction) must give torch's bytes."""
+    from minidsa.kernels.fp8_gemm import quant_act
+
+    g = torch.Generator().manual_seed(11)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE).float()
+    codes = codes[torch.isfinite(codes) & (codes >= 0)].unique()
+    ties = ((codes[:-1].double() + codes[1:].double()) / 2)[8:]
+    amax = torch.rand(200000, generator=g, dtype=torch.float64).float() * 8 + 0.5
+    tie = ties[torch.randint(len(ties), (amax.numel(),), generator=g)]
+    rows = torch.zeros(amax.numel(), 128)
+    rows[:, 0] = amax
+    _, scale = quant_act_per_token_group(rows)
+    x = (tie * scale[:, 0].double()).float()
+    exact = (x.double() == tie * scale[:, 0].double()) & (x.abs() <= amax)
+    rows[:, 1] = x
+    want = quant_act_per_token_group(rows)[0][:, 1].view(torch.uint8)
+    fast = (x * (1 / scale[:, 0])).clamp(-448, 448).to(FP8_DTYPE).view(torch.uint8)
+    pick = exact & (fast != want)
+    assert pick.sum() >= 8, "no discriminating ties found"
+    rows = rows[pick][:64]
+    q, s = quant_act(rows)
+    ref_q, ref_s = quant_act_per_token_group(rows)
+    assert torch.equal(s, ref_s) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+
+
+@in_this_process
+def test_deepgemm_gets_activation_scales_in_its_own_layout():
+    """DeepGEMM's SM90 GEMM reads activation scales MN-major and TMA-aligned; handed row-major ones, it launches a
+    transpose per call (11 per decode step of bench-dsv32:4 on an H100). `run_fp8_gemm` quantises x into that layout
+    directly, values equal to the row-major quantisation."""
+    import importlib.util
+    import os
+
+    from minidsa.kernels import deepgemm
+    from minidsa.kernels.fp8_gemm import quant_act
+
+    spec = importlib.util.spec_from_file_location(
+        "deep_gemm_stand_in", os.path.join(os.path.dirname(__file__), "deep_gemm_stand_in", "deep_gemm.py"))
+    stand_in = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stand_in)
+    handed = []
+
+    class Recording:
+        def fp8_gemm_nt(self, a, b, out):
+            handed.append(a[1])
+            stand_in.fp8_gemm_nt(a, b, out)
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 384, generator=g).bfloat16()
+    wq, ws = quant_block(torch.randn(128, 384, generator=g) * 0.05)
+    q_row, s_row = quant_act(x, 16)
+    q_mn, s_mn = quant_act(x, 16, mn_major=True)
+    assert s_mn.shape == (16, 3) and s_mn.stride() == (1, 16)
+    assert torch.equal(q_mn[:3].view(torch.uint8), q_row[:3].view(torch.uint8)) and torch.equal(s_mn[:3], s_row[:3])
+    out = deepgemm.run_fp8_gemm(Recording(), x, wq, ws)
+    assert handed[0].stride() == (1, 16) and out.shape == (3, 128)
+    want = (q_row[:3].float() * s_row[:3].repeat_interleave(128, 1)) @ (
+        wq.float() * ws.repeat_interleave(128, 0).repeat_interleave(128, 1)).T
+    torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
+
+
+@in_this_process
 def test_gemm_and_fused_moe_read_the_quantised_input():
-    """The w8a8 GEMM above decode sizes and the Triton fused MoE read (x_q, x_scale) instead of quantising x: given
+    """The w8a8 GEMM (at any size) and the Triton fused MoE read (x_q, x_scale) instead of quantising x: given
     x's own quantisation they give what they give from x; given another one, they show they read it."""
     from minidsa.kernels.fp8_gemm import GemmTiles, w8a8_block_gemm
     from minidsa.kernels.fused_moe import fused_moe_triton
@@ -143,9 +212,14 @@ def test_gemm_and_fused_moe_read_the_quantised_input():
         plain = w8a8_block_gemm(x, wq, ws)  # 70 rows: quantised in a launch of its own
         assert torch.equal(w8a8_block_gemm(x, wq, ws, act=act), plain)
         assert not torch.equal(w8a8_block_gemm(x, wq, ws, act=quant_act_per_token_group(x * 2)), plain)
-        decode = GemmTiles(16, 64, 1, True, 4, 2)  # quantises inside from x: act unread
-        assert torch.equal(w8a8_block_gemm(x[:5], wq, ws, decode, act=quant_act_per_token_group(x[:5] * 2)),
-                           w8a8_block_gemm(x[:5], wq, ws, decode))
+        # Decode tiles quantise inside from x, unless handed act: then they read it (in any scale strides).
+        decode = GemmTiles(16, 64, 2, True, 4, 2)
+        inside = w8a8_block_gemm(x[:5], wq, ws, decode)
+        q5, s5 = quant_act_per_token_group(x[:5])
+        assert torch.equal(w8a8_block_gemm(x[:5], wq, ws, decode, act=(q5, s5)), inside)
+        assert torch.equal(w8a8_block_gemm(x[:5], wq, ws, decode, act=(q5, s5.t().contiguous().t())), inside)
+        assert not torch.equal(w8a8_block_gemm(x[:5], wq, ws, decode, act=quant_act_per_token_group(x[:5] * 2)),
+                               inside)
         experts, inter = 4, 128
         gu, gu_s = quant_block(torch.randn(experts, 2 * inter, 256, generator=g) * 0.05)
         dn, dn_s = quant_block(torch.randn(experts, 256, inter, generator=g) * 0.05)

@@ -61,6 +61,8 @@ class DSAOps:
 
     store_index_k: Callable[..., None]  # (index_k, loc, k, page_size)
     store_mla: Callable[..., None]  # (cache, loc, kv, latent_dim)
+    # (q, weights, hadamard) -> (e4m3 q, weights * q's scales): the queries' side of the fp8 indexer cache
+    quant_index_q: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # (q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_len, tree_mask=None,
     #  num_requests=0, step_meta=None): `num_requests` = requests the tokens come from (0 = unknown);
     # `step_meta` = `index_metadata`'s result for the step
@@ -125,6 +127,7 @@ def bind_ops(choice: KernelChoice, libraries: Libraries | None = None, page_size
     return DSAOps(
         store_index_k=ops.store_index_k if choice.store_index_k == "triton" else ref.store_index_k,
         store_mla=ops.store_mla if choice.store_mla == "triton" else ref.store_mla,
+        quant_index_q=ops.quant_index_q if choice.quant_index_q == "triton" else ref.quant_index_q,
         index_logits=index_logits,
         index_metadata=index_metadata,
         topk=topk,
@@ -216,7 +219,7 @@ class DSABackend:
             raise RuntimeError(f"layer {layer.layer_id} has no indexer cache (a shared layer must reuse top-k)")
         step = step or self.index_metadata(batch)
         if buf.dtype == torch.uint8:
-            q, weights = ref.quant_index_q(q, weights, self.hadamard)
+            q, weights = self.ops.quant_index_q(q, weights, self.hadamard)
         rows = step.token_rows
         logits = self.ops.index_logits(q, weights, buf, self.page_size, self.req_to_token, rows, batch.kv_lens,
                                        batch.max_kv_len, batch.tree_mask, step.num_requests, step.deepgemm)

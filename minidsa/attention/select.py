@@ -34,7 +34,10 @@ What the choice says, per kernel:
 - norm_quant (an RMSNorm whose output FP8 linears read, with the residual add before it where there is one): the
   norm and the FP8 quantisation of its output in one Triton launch (kernels/norm_quant.py), which the GEMMs read
   where they would quantise in a launch of their own, wherever Triton runs and the FP8 linears are not the torch
-  reference (which quantises for itself); else the torch norm (`models.deepseek_v32.set_norm_quant`).
+  reference (which quantises for itself); else the torch norm (`models.deepseek_v32.set_norm_quant`);
+- mla_absorb (MLA's per-head W_UK / W_UV products around the sparse attention): one weight-streaming Triton
+  launch each at decode sizes (kernels/mla_absorb.py; above them the op runs cuBLAS's bmm) wherever Triton runs,
+  else the torch bmm (`models.deepseek_v32.set_mla_absorb`).
 
 Per-shape decisions stay inside the custom ops, from pure functions of the concrete sizes: compiled code sees
 the choice as constants and gets no guards. Nothing here is called from a traced step.
@@ -49,7 +52,7 @@ from types import MappingProxyType
 
 import torch
 
-from minidsa.kernels import deepgemm, flashmla, router as router_kernel
+from minidsa.kernels import deepgemm, flashmla, mla_absorb, router as router_kernel
 from minidsa.kernels.deepgemm import DeepGEMM
 from minidsa.kernels.flashmla import FlashMLA
 
@@ -64,13 +67,15 @@ IMPLS = MappingProxyType({
     "sparse_mla": ("torch", "triton", "flashmla"),
     "kv_move": ("torch", "triton"),
     "store_mla": ("torch", "triton"),
+    "quant_index_q": ("torch", "triton"),
     "sample": ("torch", "triton"),
     "fp8_gemm": ("torch", "triton", "deepgemm"),
     "moe_gemm": ("torch", "triton", "deepgemm"),
     "router": ("torch", "triton"),
     "norm_quant": ("torch", "triton"),
+    "mla_absorb": ("torch", "triton"),
 })
-DSA_OPS = ("store_index_k", "index_logits", "topk", "sparse_mla", "kv_move", "store_mla")
+DSA_OPS = ("store_index_k", "index_logits", "topk", "sparse_mla", "kv_move", "store_mla", "quant_index_q")
 # How each decision is named in the start-up log.
 LABELS = MappingProxyType({
     "store_index_k": "DSA indexer key store",
@@ -79,11 +84,13 @@ LABELS = MappingProxyType({
     "sparse_mla": "DSA sparse MLA",
     "kv_move": "DSA KV move",
     "store_mla": "DSA MLA store",
+    "quant_index_q": "DSA indexer query quantisation",
     "sample": "Sampler race",
     "fp8_gemm": "FP8 linear",
     "moe_gemm": "MoE experts",
     "router": "MoE router",
     "norm_quant": "RMSNorm + FP8 input quantisation",
+    "mla_absorb": "MLA absorbed W_UK / W_UV",
 })
 SERVED = MappingProxyType({  # what an implementation does for a kernel, where it is more than its name
     ("index_logits", "deepgemm"): "DeepGEMM where measured faster, else Triton",
@@ -92,6 +99,7 @@ SERVED = MappingProxyType({  # what an implementation does for a kernel, where i
     ("fp8_gemm", "deepgemm"): "DeepGEMM where measured faster, else Triton",
     ("moe_gemm", "deepgemm"): "DeepGEMM's grouped GEMMs where measured faster, else the Triton fused MoE",
     ("moe_gemm", "triton"): "the Triton fused MoE",
+    ("mla_absorb", "triton"): f"Triton up to {mla_absorb.MAX_TOKENS} tokens, else cuBLAS",
 })
 NAMES = MappingProxyType({"torch": "torch reference", "triton": "Triton", "deepgemm": "DeepGEMM",
                           "flashmla": "FlashMLA"})
@@ -107,11 +115,13 @@ class KernelChoice:
     sparse_mla: str = "torch"
     kv_move: str = "torch"
     store_mla: str = "torch"  # the MLA store: quantising into the FP8 layout, or the rows as they are (opaque op)
+    quant_index_q: str = "torch"  # the indexer queries' rotation + e4m3 per (token, head), for the fp8 indexer cache
     sample: str = "torch"  # the sampler's exponential race (sampling.race_for)
     fp8_gemm: str = "torch"  # the FP8 linears (layers.linear.GEMMS)
     moe_gemm: str = "torch"  # the routed experts' fused MoE op ("deepgemm": its grouped GEMMs where faster)
     router: str = "torch"  # the MoE router's selection (models.deepseek_v32.set_router)
     norm_quant: str = "torch"  # RMSNorm + FP8 quantisation of its output (models.deepseek_v32.set_norm_quant)
+    mla_absorb: str = "torch"  # MLA's per-head W_UK / W_UV products (models.deepseek_v32.set_mla_absorb)
 
     def __post_init__(self):
         for name, impl in self.__dict__.items():
@@ -218,9 +228,9 @@ def select_kernels(device: torch.device | str, kernel_backend: str = "auto", use
     route_why = router_kernel.supported(router.n_experts, router.n_group) if router is not None else None
     norm_quant_why = "the FP8 linears are the torch reference" if fp8_gemm == "torch" else None
     choice = KernelChoice(store_index_k="triton", index_logits=index, topk=env.topk, sparse_mla=sparse,
-                          kv_move="triton", store_mla="triton", sample=env.sample, fp8_gemm=fp8_gemm,
-                          moe_gemm=moe_gemm, router="torch" if route_why else "triton",
-                          norm_quant="torch" if norm_quant_why else "triton")
+                          kv_move="triton", store_mla="triton", quant_index_q="triton", sample=env.sample,
+                          fp8_gemm=fp8_gemm, moe_gemm=moe_gemm, router="torch" if route_why else "triton",
+                          norm_quant="torch" if norm_quant_why else "triton", mla_absorb="triton")
     why = dict.fromkeys(IMPLS, triton_why)
     why.update(index_logits=index_why, sparse_mla=sparse_why, fp8_gemm=fp8_why, moe_gemm=moe_why,
                router=route_why or triton_why, norm_quant=norm_quant_why or triton_why,

@@ -285,7 +285,7 @@ def profile_step(graphs: StepGraphs, batch: ForwardBatch, iters: int) -> dict:
     total_us = sum(v[1] for v in kernels.values()) / iters
     top = sorted(kernels.items(), key=lambda kv: -kv[1][1])
     return {"step_us": step * 1e6, "kernel_us": total_us, "kernels_per_step": sum(v[0] for v in kernels.values()) / iters,
-            "top": [{"name": n[:90], "per_step": c / iters, "us_per_step": t / iters} for n, (c, t) in top[:40]]}
+            "top": [{"name": n[:90], "per_step": c / iters, "us_per_step": t / iters} for n, (c, t) in top[:100]]}
 
 
 def run_suite(args) -> dict:

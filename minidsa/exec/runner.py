@@ -155,7 +155,8 @@ class ModelRunner:
             self.model = build_model(model_config, resolved.model_path, self.dtype, self.device, seed=config.seed,
                                      init_std=resolved.init_std, progress=progress, quantization=config.quantization,
                                      gemm=self.kernels.fp8_gemm, moe_gemm=self.kernels.moe_gemm,
-                                     router=self.kernels.router, norm_quant=self.kernels.norm_quant)
+                                     router=self.kernels.router, norm_quant=self.kernels.norm_quant,
+                                     mla_absorb=self.kernels.mla_absorb)
             phase.detail = _weights_detail(self.model, resolved.model_path)
         if root is not None:
             self.compile_cache = CompileCache.for_engine(config, model_config, self.device, root)

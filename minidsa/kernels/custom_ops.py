@@ -23,6 +23,7 @@ from torch import Tensor
 from minidsa.kernels import deepgemm, flashmla, fp8_gemm as fp8_gemm_mod, fused_moe as fused_moe_mod, indexer
 from minidsa.kernels import kv_move as kv_move_mod, log_once, mla_store, reference, sparse_mla as sparse_mla_mod
 from minidsa.kernels import norm_quant as norm_quant_mod, router as router_mod, topk as topk_mod
+from minidsa.kernels import mla_absorb
 from minidsa.kernels.optional_lib import LibraryCallFailed
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,23 @@ def store_index_k(index_k: Tensor, loc: Tensor, k: Tensor, page_size: int) -> No
     inductor never indexes the cache itself: it would pick 32-bit indexing on a small cache (the activation
     profile's scratch one) and guard on that size, compiling the layer again for the engine's cache."""
     indexer.store_index_k(index_k, loc, k, page_size)
+
+
+@torch.library.custom_op("minidsa::quant_index_q", mutates_args=())
+def quant_index_q(q: Tensor, weights: Tensor, hadamard: Tensor) -> tuple[Tensor, Tensor]:
+    """Indexer queries for the fp8 cache in one Triton launch: (e4m3 q, weights * q's scales), the contract of
+    `reference.quant_index_q`, which serves a head dim the kernel cannot take (`indexer.quant_unsupported`)."""
+    why_not = indexer.quant_unsupported(q.shape[2])
+    if why_not is not None:
+        _warn_once(f"DSA indexer query quantisation: torch reference ({why_not})")
+        q8, scaled_weights = reference.quant_index_q(q, weights, hadamard)
+        return q8, scaled_weights.float()
+    return indexer.quant_index_q(q, weights, hadamard)
+
+
+@quant_index_q.register_fake
+def _(q, weights, hadamard):
+    return q.new_empty(q.shape, dtype=torch.float8_e4m3fn), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 def _one_request_extend(q: Tensor, tree_mask: Optional[Tensor], num_requests: int) -> bool:
@@ -321,3 +339,35 @@ def route(logits: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: in
 def _(logits, bias, top_k, n_group, topk_group, norm, scaling):
     return (logits.new_empty(logits.shape[0], top_k, dtype=torch.int64),
             logits.new_empty(logits.shape[0], top_k, dtype=torch.float32))
+
+
+def _absorb_by_kernel(num_tokens: int) -> bool:
+    """Decode sizes: the weight-streaming Triton launch; above them (prefill, verify) cuBLAS's bmm is right there."""
+    return num_tokens <= mla_absorb.MAX_TOKENS
+
+
+@torch.library.custom_op("minidsa::absorb_q", mutates_args=())
+def absorb_q(q_nope: Tensor, q_rope: Tensor, w_uk: Tensor) -> Tensor:
+    """MLA's absorbed query [T, H, L + rope] (`mla_absorb.absorb_q_reference`), where the engine chose the kernel:
+    one Triton launch at decode sizes, the reference above them (picked here, on the concrete token count)."""
+    if _absorb_by_kernel(q_nope.shape[0]):
+        return mla_absorb.absorb_q(q_nope, q_rope, w_uk)
+    return mla_absorb.absorb_q_reference(q_nope, q_rope, w_uk)
+
+
+@absorb_q.register_fake
+def _(q_nope, q_rope, w_uk):
+    return q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uk.shape[2] + q_rope.shape[2])
+
+
+@torch.library.custom_op("minidsa::absorb_o", mutates_args=())
+def absorb_o(o_latent: Tensor, w_uv: Tensor) -> Tensor:
+    """MLA's per-head output [T, H * v] from the latent one (`mla_absorb.absorb_o_reference`), as `absorb_q` picks."""
+    if _absorb_by_kernel(o_latent.shape[0]):
+        return mla_absorb.absorb_o(o_latent, w_uv)
+    return mla_absorb.absorb_o_reference(o_latent, w_uv)
+
+
+@absorb_o.register_fake
+def _(o_latent, w_uv):
+    return o_latent.new_empty(o_latent.shape[0], o_latent.shape[1] * w_uv.shape[1])

@@ -392,7 +392,7 @@ def run_fp8_gemm(module: ModuleType, x: torch.Tensor, weight: torch.Tensor, scal
     if act is not None and rows == m and act[0].is_contiguous() and act[1].is_contiguous():
         xq, xs = act
     else:
-        xq, xs = quant_act(x.contiguous(), rows)
+        xq, xs = quant_act(x.contiguous(), rows, mn_major=True)
     out = torch.empty(rows, weight.shape[0], dtype=torch.bfloat16, device=x.device)
     module.fp8_gemm_nt((xq, xs), (weight, scale_inv.float()), out)
     return out[:m]
@@ -492,7 +492,7 @@ def grouped_tasks(experts: list[tuple[tuple[int, int, int], int, bool]], alignme
 
 def run_grouped_gemm(gemm, a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                      out: torch.Tensor, m_indices: torch.Tensor) -> None:
-    """One contiguous grouped GEMM as minidsa calls it (activation scales MN-major, `moe_layout.mn_major_scales`):
+    """One contiguous grouped GEMM as minidsa calls it (activation scales MN-major, `fp8_gemm.mn_major_scales`):
     `moe_contiguous` and the start-up pool both call it, so the pool compiles what serving asks for."""
     gemm((a, a_scale), (weight, scale_inv.float()), out, m_indices)
 

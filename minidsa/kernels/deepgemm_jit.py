@@ -517,7 +517,7 @@ def run_grouped_rows(module, task: GroupedRows, device: torch.device, weight: to
     weight, so neither the rows' contents nor the weight's matter. `weight` / `scale`: the expert weight [groups,
     N, K] and its scales (made here when not given: a worker process)."""
     from minidsa.kernels.fp8 import FP8_DTYPE
-    from minidsa.kernels.moe_layout import mn_major_scales
+    from minidsa.kernels.fp8_gemm import mn_major_scales
 
     grouped = deepgemm.grouped_contiguous(module)
     rows = [c[0] for c in task.classes()]

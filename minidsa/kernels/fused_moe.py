@@ -45,8 +45,8 @@ import torch.nn.functional as F
 
 from minidsa.kernels import fp8
 from minidsa.kernels.fp8_gemm import EMULATE_CAST, _quant_tile, quant_act
+from minidsa.kernels.fp8_gemm import mn_major_scales as mn_major_scales_of
 from minidsa.kernels.moe_layout import expert_rows, max_padded_rows
-from minidsa.kernels.moe_layout import mn_major_scales as mn_major_scales_of
 from minidsa.kernels.triton_compat import tl, triton
 
 SKIP = -1  # a topk id meaning "this pair's expert is on another rank" (expert parallelism): computed nowhere here
@@ -409,7 +409,7 @@ def silu_mul(gate_up: torch.Tensor, quantise: bool, row_expert: torch.Tensor | N
 
     `row_expert` [R]: rows where it is negative are padding (a grouped GEMM's layout, `moe_layout.ExpertRows`): left
     unwritten, and their inputs unread (a fifth of the rows at 8192 tokens, V3.2 routing, 128-row alignment).
-    `mn_major_scales`: scales laid out as DeepGEMM's grouped GEMM reads them (`moe_layout.mn_major_scales`)."""
+    `mn_major_scales`: scales laid out as DeepGEMM's grouped GEMM reads them (`fp8_gemm.mn_major_scales`)."""
     rows, two_i = gate_up.shape
     inter = two_i // 2
     groups = triton.cdiv(inter, fp8.FP8_BLOCK)

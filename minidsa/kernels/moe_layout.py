@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from minidsa.kernels import fp8
-from minidsa.kernels.fp8_gemm import EMULATE_CAST, _quant_tile
+from minidsa.kernels.fp8_gemm import EMULATE_CAST, _quant_tile, mn_major_scales
 from minidsa.kernels.triton_compat import tl, triton
 
 CHUNK = 128  # pairs per program of the count and place kernels: a [CHUNK, E] one-hot and a [CHUNK, CHUNK] compare
@@ -155,14 +155,6 @@ def _quant_scatter_kernel(x_ptr, row_of_pair_ptr, q_ptr, s_ptr, num_tokens, hidd
         has = row >= 0
         tl.store(q_ptr + row[:, None] * stride_q + c[None, :], q, mask=has[:, None] & c_ok[None, :])
         tl.store(s_ptr + row * stride_s_row + g * stride_s_group, scale, mask=has)
-
-
-def mn_major_scales(rows: int, groups: int, device: torch.device) -> torch.Tensor:
-    """An fp32 [rows, groups] tensor laid out column by column, each column padded to 4 values: the layout
-    DeepGEMM's SM90 kernels read activation scales in (TMA-aligned, MN-major). Handed over in it, the scales are
-    used as they are; row-major ones are transposed by an extra kernel inside every grouped GEMM call."""
-    aligned = -(-rows // 4) * 4
-    return torch.empty(groups, aligned, dtype=torch.float32, device=device).t()[:rows]
 
 
 def quant_scatter(x: torch.Tensor, row_of_pair: torch.Tensor, rows: int, mn_major: bool = True

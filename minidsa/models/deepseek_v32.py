@@ -34,7 +34,7 @@ from minidsa.attention.backend import DSABackend, IndexStep, LayerCaches
 from minidsa.exec.batch import ForwardBatch
 from minidsa.config import ModelConfig
 from minidsa.parallel.state import building_tp
-from minidsa.kernels import norm_quant, reference
+from minidsa.kernels import mla_absorb, norm_quant, reference
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape
 from minidsa.kernels.fused_moe import SKIP
 from minidsa.models.layers.linear import (FusedLinear, Linear, QuantizedInput, WeightLoadError, as_tensor,
@@ -138,8 +138,9 @@ class Indexer(nn.Module):
         self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim)
         self.wk = Linear(config.hidden_size, self.head_dim)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        # Shipped in high precision (DeepSeek's FP8 checkpoints too): it is read in fp32.
+        # Shipped in high precision (DeepSeek's FP8 checkpoints too): read in fp32, so stored in fp32.
         self.weights_proj = Linear(config.hidden_size, self.n_heads, quantizable=False)
+        self.weights_proj.weight.read_in_fp32 = True
         # relu(a * s) = s * relu(a) for s > 0: both scales fold into the per-head weights.
         self.weight_scale = self.n_heads**-0.5 * self.head_dim**-0.5
 
@@ -189,6 +190,7 @@ class MLAttention(nn.Module):
         self.indexer = Indexer(config) if has_indexer else None
         # Decided once: does this layer run its own indexer, or reuse the top-k it is handed?
         self.computes_topk = computes_topk
+        self.absorb = "torch"  # who runs the W_UK / W_UV products (`set_mla_absorb`)
 
     def _kv_b_halves(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
@@ -226,16 +228,13 @@ class MLAttention(nn.Module):
             topk = prev_topk
 
         w_uk, w_uv = self._kv_b_halves()
-        # Per-head bmm on transposed operands, not einsum: einsum treats a one-token batch apart (it drops
-        # size-1 dims), which would cost every layer kind a second compiled graph.
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
-        q_full = torch.cat([q_latent, q_rope], dim=-1)
+        if self.absorb == "triton":
+            absorb_q, absorb_o = torch.ops.minidsa.absorb_q, torch.ops.minidsa.absorb_o
+        else:
+            absorb_q, absorb_o = mla_absorb.absorb_q_reference, mla_absorb.absorb_o_reference
+        q_full = absorb_q(q_nope, q_rope, w_uk)  # [t, h, kv_lora_rank + rope]
         o_latent = ctx.attn.sparse_mla(caches, q_full, topk, self.softmax_scale, self.kv_lora_rank)
-        o_heads = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [h, t, v]
-        # A copy into a fresh [t, h, v] buffer: reshaping the transposed product guards on one token.
-        o = o_heads.new_empty(num_tokens, self.num_heads, self.v_dim).copy_(o_heads.transpose(0, 1))
-        o = o.view(num_tokens, self.num_heads * self.v_dim)
-        return self.o_proj(o), topk
+        return self.o_proj(absorb_o(o_latent, w_uv)), topk
 
 
 class MLP(nn.Module):
@@ -271,6 +270,7 @@ class Router(nn.Module):
         self.scaling = config.routed_scaling_factor
         self.kernel = "torch"
         self.weight = nn.Parameter(torch.zeros(self.n_experts, config.hidden_size))
+        self.weight.read_in_fp32 = True  # stored in fp32 (`loader.serving_dtypes_`)
         self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,6 +287,16 @@ def set_router(model: nn.Module, kernel: str) -> None:
     for mod in model.modules():
         if isinstance(mod, Router):
             mod.kernel = kernel
+
+
+def set_mla_absorb(model: nn.Module, kernel: str) -> None:
+    """Which implementation runs every MLA layer's absorbed W_UK / W_UV products ("torch": per-head bmm, or
+    "triton": `torch.ops.minidsa.absorb_q` / `absorb_o`, `KernelChoice.mla_absorb`), decided once at build."""
+    if kernel not in ("torch", "triton"):
+        raise ValueError(f"mla_absorb kernel {kernel!r} is not 'torch' or 'triton'")
+    for mod in model.modules():
+        if isinstance(mod, MLAttention):
+            mod.absorb = kernel
 
 
 def set_norm_quant(model: nn.Module, kernel: str) -> list[RMSNorm]:

@@ -34,7 +34,8 @@ from torch import nn
 from minidsa.config import QUANTIZATIONS, ConfigError, ModelConfig
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape, quant_block
 from minidsa.models.layers.linear import WeightLoadError, default_weight_loader, set_gemm
-from minidsa.models.deepseek_v32 import DeepseekV32ForCausalLM, RMSNorm, Rotary, set_norm_quant, set_router
+from minidsa.models.deepseek_v32 import (DeepseekV32ForCausalLM, RMSNorm, Rotary, set_mla_absorb, set_norm_quant,
+                                         set_router)
 
 logger = logging.getLogger(__name__)
 
@@ -323,10 +324,15 @@ def fp8_modules(model: DeepseekV32ForCausalLM, quantization: str, files: dict[st
 
 def serving_dtypes_(model: nn.Module, dtype: torch.dtype) -> None:
     """Give every high-precision parameter the serving dtype, before it is allocated (FP8 weights and their
-    fp32 scales, and the router's fp32 correction bias, keep theirs)."""
+    fp32 scales, and the router's fp32 correction bias, keep theirs). Parameters the model only ever reads in fp32
+    (`read_in_fp32`: the router's gate, the indexer's head weights) are stored in fp32, so that no step casts
+    them (at decode, a cast kernel per layer writing twice the weight's bytes)."""
     for name, p in model.named_parameters():
-        if p.dtype != FP8_DTYPE and not name.endswith("_scale_inv") and p.dtype != dtype:
-            p.data = torch.empty_like(p, dtype=dtype)
+        if p.dtype == FP8_DTYPE or name.endswith("_scale_inv"):
+            continue
+        want = torch.float32 if getattr(p, "read_in_fp32", False) else dtype
+        if p.dtype != want:
+            p.data = torch.empty_like(p, dtype=want)
 
 
 def materialize(module: nn.Module, device: torch.device) -> None:
@@ -349,14 +355,15 @@ def materialize(module: nn.Module, device: torch.device) -> None:
 def build_model(config: ModelConfig, path: str | None, dtype: torch.dtype, device: torch.device,
                 seed: int = 0, init_std: float = 0.02, progress: bool = True, quantization: str = "auto",
                 gemm: str = "torch", moe_gemm: str | None = None, router: str = "torch",
-                norm_quant: str = "torch") -> DeepseekV32ForCausalLM:
+                norm_quant: str = "torch", mla_absorb: str = "torch") -> DeepseekV32ForCausalLM:
     """A model with weights from `path`, or random weights (deterministic in `seed`) when path is None.
 
     Built on the meta device, given its serving formats (FP8 per `quantization`, see `fp8_modules`; the rest
     in `dtype`), then allocated on `device` and filled: never a full high-precision copy of an FP8 weight.
     `gemm` (one of `layers.linear.GEMMS`) serves the FP8 projections, `moe_gemm` (default: `gemm`) the routed
     experts (`layers.linear.set_gemm`); `router` ("torch" or "triton") selects the experts (`set_router`);
-    `norm_quant` ("torch" or "triton"): whether the norms before FP8 linears quantise for them (`set_norm_quant`).
+    `norm_quant` ("torch" or "triton"): whether the norms before FP8 linears quantise for them (`set_norm_quant`);
+    `mla_absorb` ("torch" or "triton") runs the attention's W_UK / W_UV products (`set_mla_absorb`).
     """
     files = checkpoint_files(path) if path is not None else None
     with torch.device("meta"):
@@ -372,6 +379,7 @@ def build_model(config: ModelConfig, path: str | None, dtype: torch.dtype, devic
     set_gemm(model, gemm, moe_gemm)
     set_router(model, router)
     set_norm_quant(model, norm_quant)
+    set_mla_absorb(model, mla_absorb)
     model.fuse_projections()
     if fp8:
         logger.info("FP8 block-scaled weights in %d modules (GEMM: %s)", len(fp8), gemm)

@@ -79,6 +79,21 @@ def test_deepgemm_fp8_gemm_matches_reference(shape, m):
     assert err < 1e-2, (name, m, float(err))
 
 
+def test_split_k_in_kernel_sum_is_the_same_every_call():
+    """Decode split-K (V3.2's fused q_a|wk|kv_a at one row): the last K range of a tile adds the partials, in K order.
+    Many calls give the same bits, and every tile's arrival count is back at 0 after each."""
+    wq, ws = _weights(2240, 7168)
+    x = torch.randn(1, 7168, device=DEV, dtype=torch.bfloat16)
+    assert fp8_gemm.pick_tiles(1, 2240, 7168, fp8_gemm._sm_count(DEV)).split_k > 1
+    first = fp8_gemm.w8a8_block_gemm(x, wq, ws)
+    outs = [fp8_gemm.w8a8_block_gemm(x, wq, ws) for _ in range(300)]
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, first) for o in outs)
+    assert int(fp8_gemm._arrival_counts(x.device).abs().sum()) == 0
+    ref = w8a8_block_matmul_reference(x.float(), wq, ws)
+    assert (first.float() - ref).abs().max() / ref.abs().max() < 1e-2
+
+
 def test_fp8_linear_op_replays_in_a_cuda_graph():
     wq, ws = _weights(2240, 7168)
     x = torch.randn(4, 7168, device=DEV, dtype=torch.bfloat16)

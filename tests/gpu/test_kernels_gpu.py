@@ -17,6 +17,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 from minidsa.kernels import custom_ops, deepgemm, indexer, kv_move, sparse_mla, topk  # noqa: E402,F401
 from minidsa.kernels import reference as ref  # noqa: E402
+from fp8_checks import assert_quant_index_q_matches  # noqa: E402
 
 if not isinstance(indexer._paged_logits_kernel, JITFunction):
     pytest.skip("Triton kernels were imported as interpreted functions in this process", allow_module_level=True)
@@ -104,6 +105,32 @@ def test_store_index_k_real_size():
     idx = untouched.nonzero()[:, 0]
     assert torch.equal(gk[idx // PAGE, idx % PAGE].view(torch.uint8), ref.fp8_views(base, PAGE, D_IDX)[0][
         idx // PAGE, idx % PAGE].view(torch.uint8))
+
+
+@pytest.mark.parametrize("tokens", [1, 32, 8192])
+def test_quant_index_q_real_size(tokens):
+    """The one-launch query quantisation (bf16 queries, as the model makes them) == the torch reference, eager
+    and replayed in a CUDA graph (tests/fp8_checks.py says how equal)."""
+    g = _gen(20 + tokens)
+    had = ref.hadamard_matrix(D_IDX, "cuda")
+
+    def inputs():
+        q = torch.randn(tokens, H_IDX, D_IDX, device=DEV, generator=g) * 3
+        q[0, 1] = 0  # the scale floor
+        q[-1, -1] *= 1e4
+        w = torch.randn(tokens, H_IDX, device=DEV, generator=g)
+        return q.bfloat16(), torch.where(w == 0, 1.0, w)
+
+    q, w = inputs()
+    assert_quant_index_q_matches(q, w, torch.ops.minidsa.quant_index_q(q, w, had), had)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = torch.ops.minidsa.quant_index_q(q, w, had)
+    q2, w2 = inputs()
+    q.copy_(q2)
+    w.copy_(w2)
+    graph.replay()
+    assert_quant_index_q_matches(q2, w2, got, had)
 
 
 @pytest.mark.parametrize("case", ["decode_mixed", "decode_b64_32k", "verify_tree", "prefill_chunk"])
@@ -344,3 +371,41 @@ def test_router_real_size(tokens, groups, topk_group):
     want_ids, want_w = ref.route(logits, bias, 8, groups, topk_group, True, 2.5)
     assert torch.equal(gids, want_ids)
     torch.testing.assert_close(gw, want_w, rtol=1e-5, atol=1e-6)
+
+
+def _check_absorbed(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 roundings of fp32 sums taken in other orders (cuBLAS's, the kernel's): at most one bf16 spacing
+    apart (a bit more where the sum cancels to near 0), and mostly equal."""
+    assert got.shape == want.shape and got.dtype == want.dtype and not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-3 * want.abs().max().item())
+    assert (got == want).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("tokens", [1, 32])
+def test_mla_absorb_real_size(tokens):
+    """MLA's absorbed W_UK / W_UV products (one launch each) == their references at DeepSeek-V3.2's 128 heads
+    (nope = v = 128, L = 512, rope 64), on the model's views; eager and in a CUDA graph."""
+    from minidsa.kernels import mla_absorb
+    g = _gen(tokens + 11)
+    heads, nope, v, latent, rope = 128, 128, 128, 512, 64
+    q = torch.randn(tokens, heads, nope + rope, device=DEV, generator=g).bfloat16()
+    kv_b = (torch.randn(heads * (nope + v), latent, device=DEV, generator=g) * latent**-0.5).bfloat16()
+    w = kv_b.view(heads, nope + v, latent)
+    q_nope, q_rope, w_uk, w_uv = q[..., :nope], q[..., nope:], w[:, :nope], w[:, nope:]
+    o_latent = torch.randn(tokens, heads, latent, device=DEV, generator=g).bfloat16()
+
+    def check(q_full: torch.Tensor, o: torch.Tensor) -> None:
+        want_q = mla_absorb.absorb_q_reference(q_nope, q_rope, w_uk)
+        assert torch.equal(q_full[..., latent:], want_q[..., latent:])
+        _check_absorbed(q_full, want_q)
+        _check_absorbed(o, mla_absorb.absorb_o_reference(o_latent, w_uv))
+
+    check(torch.ops.minidsa.absorb_q(q_nope, q_rope, w_uk), torch.ops.minidsa.absorb_o(o_latent, w_uv))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_q = torch.ops.minidsa.absorb_q(q_nope, q_rope, w_uk)
+        g_o = torch.ops.minidsa.absorb_o(o_latent, w_uv)
+    q.copy_(torch.randn(q.shape, device=DEV, generator=g))
+    o_latent.copy_(torch.randn(o_latent.shape, device=DEV, generator=g))
+    graph.replay()
+    check(g_q, g_o)
