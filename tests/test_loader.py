@@ -145,3 +145,33 @@ def test_bf16_load_keeps_router_bias_fp32(checkpoint):
     model, _ = load(checkpoint, torch.bfloat16)
     assert model.lm_head.weight.dtype == torch.bfloat16
     assert model.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+
+
+def test_weights_read_in_fp32_are_stored_in_fp32_with_the_checkpoints_values(checkpoint):
+    """The router's gate and the indexer's head weights are only read in fp32: stored so, no step casts them. Loaded
+    or drawn at random, they hold the serving dtype's values, as when they were stored in it (this checkpoint ships
+    them in fp32: rounded to bf16), and the memory estimate counts them in fp32."""
+    from safetensors.torch import load_file
+
+    from minidsa.models.deepseek_v32 import DeepseekV32ForCausalLM
+    from minidsa.models.loader import serving_dtypes_
+
+    model, config = load(checkpoint, torch.bfloat16)
+    gate = model.model.layers[1].mlp.gate.weight
+    proj = model.model.layers[0].self_attn.indexer.weights_proj.weight
+    assert gate.dtype == proj.dtype == torch.float32
+    shipped = {}
+    for f in sorted(os.listdir(checkpoint)):
+        if f.endswith(".safetensors"):
+            shipped.update(load_file(os.path.join(checkpoint, f)))
+    assert torch.equal(gate, shipped["model.layers.1.mlp.gate.weight"].bfloat16().float())
+    with torch.device("meta"):  # what exec.memory.weight_bytes counts
+        counted = DeepseekV32ForCausalLM(config)
+    serving_dtypes_(counted, torch.bfloat16)
+    assert counted.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    assert counted.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+    assert counted.model.layers[0].self_attn.o_proj.weight.dtype == torch.bfloat16
+
+    drawn = build_model(config, None, torch.bfloat16, torch.device("cpu"), seed=4, progress=False)
+    gate = drawn.model.layers[1].mlp.gate.weight
+    assert gate.dtype == torch.float32 and torch.equal(gate, gate.bfloat16().float()) and gate.abs().sum() > 0

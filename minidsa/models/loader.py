@@ -375,6 +375,9 @@ def build_model(config: ModelConfig, path: str | None, dtype: torch.dtype, devic
             init_random_weights(model, seed, init_std, device, progress=progress)
         else:
             load_checkpoint(model, path, device, progress=progress, files=files)
+        for p in model.parameters():
+            if getattr(p, "read_in_fp32", False) and dtype != torch.float32:
+                p.copy_(p.to(dtype))  # the serving dtype's values, as every other high-precision weight holds
     model.rotary = Rotary(config).to(device)
     set_gemm(model, gemm, moe_gemm)
     set_router(model, router)
@@ -401,6 +404,9 @@ def init_random_weights(model: DeepseekV32ForCausalLM, seed: int, std: float, de
     device = torch.device(device) if device is not None else next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     backbone = model.model
+    # Parameters stored in fp32 because they are read in fp32 (`serving_dtypes_`) are drawn in the serving dtype,
+    # as a checkpoint ships them: the same random model as when they were stored in it.
+    drawn_dtype = backbone.embed_tokens.weight.dtype
     units = [backbone.embed_tokens, *backbone.layers, backbone.norm, model.lm_head]
     # A bar on a terminal only (disable=None): 61 real-shape layers take a while on a GPU.
     for unit in tqdm(units, desc="Random weights", unit="module", disable=None if progress else True, leave=False):
@@ -418,6 +424,8 @@ def init_random_weights(model: DeepseekV32ForCausalLM, seed: int, std: float, de
                     p.fill_(1.0)
                 elif pname == "bias":
                     p.zero_()
+                elif getattr(p, "read_in_fp32", False):
+                    p.copy_(torch.empty_like(p, dtype=drawn_dtype).normal_(0.0, std, generator=gen))
                 else:
                     p.normal_(0.0, std, generator=gen)
     materialize(model, device)  # anything outside the units (none today)
