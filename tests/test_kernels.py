@@ -459,3 +459,31 @@ def test_router_refuses_shapes_it_cannot_take():
     assert "two best" in router.supported(8, 8)
     with pytest.raises(ValueError, match="power-of-two"):
         router.route(torch.zeros(2, 96), torch.zeros(96), 2, 4, 2, True, 1.0)
+
+
+_COMPILE_INDEXER_FOR_H100 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from minidsa.kernels import indexer
+target = GPUTarget("cuda", 90, 32)
+src = ASTSource(indexer._store_index_k_fp8_kernel, {
+    "k_ptr": "*bf16", "loc_ptr": "*i64", "had_ptr": "*fp32", "cache_ptr": "*u8", "scale_ptr": "*fp32",
+    "num_tokens": "i32", "stride_k": "i32", "page_bytes": "i32", "page_words": "i32", "PAGE_SIZE": "constexpr",
+    "D": "constexpr", "BLOCK_T": "constexpr"}, constexprs={"PAGE_SIZE": 64, "D": 128, "BLOCK_T": 16})
+assert triton.compile(src, target=target, options={"num_warps": 4}).asm["cubin"]
+for block_m in (16, 64):
+    src = ASTSource(indexer._quant_index_q_kernel, {
+        "q_ptr": "*bf16", "w_ptr": "*fp32", "had_ptr": "*fp32", "q8_ptr": "*u8", "w_out_ptr": "*fp32",
+        "num_rows": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_wt": "i32", "stride_wh": "i32",
+        "H": "constexpr", "D": "constexpr", "BLOCK_M": "constexpr"}, constexprs={"H": 64, "D": 128, "BLOCK_M": block_m})
+    assert triton.compile(src, target=target, options={"num_warps": 8}).asm["cubin"]
+print("compiled")
+"""
+
+
+def test_indexer_store_and_query_kernels_compile_for_h100():
+    """The key store and the query quantisation (sharing `_rotate_e4m3`) compiled for sm_90 without a GPU."""
+    from triton_interp import compile_for_h100
+
+    compile_for_h100(_COMPILE_INDEXER_FOR_H100, "indexer")

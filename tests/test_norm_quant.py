@@ -25,8 +25,8 @@ import torch._dynamo  # noqa: F401
 if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu/test_kernels_gpu.py checks the compiled kernels", allow_module_level=True)
 
-from triton_interp import (import_kernels_interpreted, poison_new_tensors, run_file_interpreted,  # noqa: E402
-                           torch_rounded_casts)
+from triton_interp import (compile_for_h100, import_kernels_interpreted, poison_new_tensors,  # noqa: E402
+                           run_file_interpreted, torch_rounded_casts)
 
 INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
@@ -361,18 +361,7 @@ print("compiled")
 
 def test_norm_quant_kernel_compiles_for_h100():
     """The interpreter runs Python, not Triton's compiler: compile the kernel for sm_90 (no GPU needed)."""
-    import os
-    import subprocess
-    import sys
-
-    backends = pytest.importorskip("triton.backends")
-    if "nvidia" not in getattr(backends, "backends", {}):
-        pytest.skip("this triton has no NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H100], env=env, capture_output=True, text=True, timeout=300)
-    if r.returncode and "ptxas" in r.stderr and "_rmsnorm_quant_kernel" not in r.stderr:
-        pytest.skip(f"no usable ptxas here: {r.stderr[-300:]}")
-    assert r.returncode == 0 and "compiled" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    compile_for_h100(_COMPILE_FOR_H100, "_rmsnorm_quant_kernel")
 
 
 @in_this_process

@@ -10,10 +10,6 @@ with the one-program-per-row and split kernels (all three write in position orde
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -21,7 +17,8 @@ if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu/test_kernels_gpu.py checks the compiled kernels", allow_module_level=True)
 
 
-from triton_interp import import_kernels_interpreted, poison_new_tensors, run_file_interpreted  # noqa: E402
+from triton_interp import (compile_for_h100, import_kernels_interpreted, poison_new_tensors,  # noqa: E402
+                           run_file_interpreted)
 
 INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
@@ -260,11 +257,4 @@ print("compiled")
 def test_register_kernel_compiles_for_h100():
     """The interpreter runs Python, not Triton's compiler: compile the kernel for sm_90 (no GPU needed) so what only
     the compiler refuses (say, a constexpr name bound twice in an unrolled loop) fails here."""
-    backends = pytest.importorskip("triton.backends")
-    if "nvidia" not in getattr(backends, "backends", {}):
-        pytest.skip("this triton has no NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H100], env=env, capture_output=True, text=True, timeout=300)
-    if r.returncode and "ptxas" in r.stderr and "_register_topk_kernel" not in r.stderr:
-        pytest.skip(f"no usable ptxas here: {r.stderr[-300:]}")
-    assert r.returncode == 0 and "compiled" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    compile_for_h100(_COMPILE_FOR_H100, "_register_topk_kernel")

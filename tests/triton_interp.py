@@ -22,6 +22,23 @@ def run_file_interpreted(path: str, timeout: float = 600) -> None:
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
 
 
+def compile_for_h100(script: str, kernel: str) -> str:
+    """Run `script` (Python that compiles kernels for sm_90 with `triton.compile` and prints "compiled") in a child
+    process without the interpreter, which runs Python, not Triton's compiler: what only the compiler refuses fails
+    here, no GPU needed. Skips where this triton has no NVIDIA backend or no usable ptxas; returns its stdout."""
+    import pytest
+
+    backends = pytest.importorskip("triton.backends")
+    if "nvidia" not in getattr(backends, "backends", {}):
+        pytest.skip("this triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    if r.returncode and "ptxas" in r.stderr and kernel not in r.stderr:
+        pytest.skip(f"no usable ptxas here: {r.stderr[-300:]}")
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
 _real_empty, _real_empty_like = torch.empty, torch.empty_like
 
 

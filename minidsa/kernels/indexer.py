@@ -55,6 +55,18 @@ def _round_to_e4m3(y):
 
 # ---------------------------------------------------------------------------
 # store_index_k
+@triton.jit
+def _rotate_e4m3(x, had_ptr, D: tl.constexpr):
+    """[rows, D] -> (e4m3 bytes as uint8, fp32 power-of-two scale per row): the Hadamard rotation in fp32, then the
+    fp8 cache's quantisation. Keys (`store_index_k`) and queries (`quant_index_q`) take the same steps."""
+    d = tl.arange(0, D)
+    had = tl.load(had_ptr + d[:, None] * D + d[None, :])
+    y = tl.dot(x.to(tl.float32), had, input_precision="ieee")
+    scale, inv = _pow2_scale(tl.max(tl.abs(y), axis=1))
+    y = tl.minimum(tl.maximum(y * inv[:, None], -448.0), 448.0)
+    return _round_to_e4m3(y).to(tl.float8e4nv).to(tl.uint8, bitcast=True), scale
+
+
 # ---------------------------------------------------------------------------
 # Row / pair counts are not specialised on: each divisibility class would be a variant compiled at start-up.
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -66,12 +78,8 @@ def _store_index_k_fp8_kernel(
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < num_tokens
     d = tl.arange(0, D)
-    x = tl.load(k_ptr + rows[:, None] * stride_k + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    had = tl.load(had_ptr + d[:, None] * D + d[None, :])
-    y = tl.dot(x, had, input_precision="ieee")  # [BLOCK_T, D], the rotation in fp32
-    scale, inv = _pow2_scale(tl.max(tl.abs(y), axis=1))
-    y = tl.minimum(tl.maximum(y * inv[:, None], -448.0), 448.0)
-    y8 = _round_to_e4m3(y).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    x = tl.load(k_ptr + rows[:, None] * stride_k + d[None, :], mask=row_ok[:, None], other=0.0)
+    y8, scale = _rotate_e4m3(x, had_ptr, D)
     loc = tl.load(loc_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     page = loc // PAGE_SIZE
     off = loc % PAGE_SIZE
@@ -120,12 +128,8 @@ def _quant_index_q_kernel(
     h = rows % H
     d = tl.arange(0, D)
     x = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :], mask=row_ok[:, None],
-                other=0.0).to(tl.float32)
-    had = tl.load(had_ptr + d[:, None] * D + d[None, :])
-    y = tl.dot(x, had, input_precision="ieee")  # [BLOCK_M, D], the rotation in fp32
-    scale, inv = _pow2_scale(tl.max(tl.abs(y), axis=1))
-    y = tl.minimum(tl.maximum(y * inv[:, None], -448.0), 448.0)
-    y8 = _round_to_e4m3(y).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+                other=0.0)
+    y8, scale = _rotate_e4m3(x, had_ptr, D)
     tl.store(q8_ptr + rows.to(tl.int64)[:, None] * D + d[None, :], y8, mask=row_ok[:, None])
     w = tl.load(w_ptr + t * stride_wt + h * stride_wh, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(w_out_ptr + rows, w * scale, mask=row_ok)
