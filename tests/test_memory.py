@@ -43,6 +43,17 @@ def test_a_model_that_cannot_fit_fails_before_loading(small_machine):
     assert "weights 30." in msg and "a GPU" in msg
 
 
+def test_a_kv_cache_given_too_large_fails_before_loading(small_machine):
+    """--max-total-tokens is allocated as given, not sized from free memory: one that cannot fit is refused with
+    the numbers and the flag to change, before any weight is built (it used to fail inside the allocator)."""
+    with pytest.raises(memory.DoesNotFit) as e:
+        Engine(model="tiny", device="cpu", progress=False, max_total_tokens=1 << 26, max_model_len=256)
+    msg = str(e.value)
+    assert "\n" not in msg and f"KV cache for {1 << 26} tokens" in msg and "--max-total-tokens" in msg
+    with pytest.raises(AssertionError, match="weights were being built"):  # a cache that fits gets past the check
+        Engine(model="tiny", device="cpu", progress=False, max_total_tokens=4096, max_model_len=256)
+
+
 def test_the_cli_reports_it_in_one_line_with_exit_code_2(small_machine, capsys):
     rc = cli.main(["generate", "--model", "bench-glm5", "--device", "cpu", "--prompt", "hi"])
     err = capsys.readouterr().err.strip()

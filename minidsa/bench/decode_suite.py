@@ -166,6 +166,16 @@ class Bench:
         # inside the graphs): what it costs beside "uni"
         # Rows with room for verify batches of up to 64 tokens past each context
         resolved = dataclasses.replace(resolve(cfg, self.model_config, init_std), decode_reserve=64)
+        # As the engine does: one line, not the allocator's traceback, when the KV cache asked for cannot fit.
+        from minidsa.exec.kv_cache import CacheLayouts
+        from minidsa.exec.memory import DoesNotFit, check_fit
+
+        try:
+            check_fit(resolved, CacheLayouts.for_model(self.model_config, resolved.dtype, kv_cache_dtype, True,
+                                                       cfg.page_size).bytes_per_token)
+        except DoesNotFit as e:
+            raise DoesNotFit(f"{e} (here max_total_tokens is --kv-tokens {max_batch_tokens} plus "
+                             f"{cfg.max_total_tokens - max_batch_tokens} tokens of room)") from None
         if distributed_executor_backend == "mp":
             from minidsa.parallel.ranks import RankModelRunner
             from minidsa.parallel.launch import single_rank_group

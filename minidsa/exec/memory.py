@@ -92,13 +92,15 @@ class FitReport:
 
 
 def check_fit(resolved: ResolvedConfig, kv_bytes_per_token: int) -> FitReport:
-    """Raise DoesNotFit (one line) when the weights + the smallest useful KV cache + the activations cannot fit
-    in what the device (or RAM) has free."""
+    """Raise DoesNotFit (one line) when the weights + the smallest useful KV cache (all of a given max_total_tokens)
+    + the activations cannot fit in what the device (or RAM) has free."""
     config, model_config, decode_reserve = resolved.args, resolved.model, resolved.decode_reserve
     device, dtype = resolved.device, resolved.dtype
     weights = weight_bytes(model_config, resolved.model_path, dtype, config.quantization) // config.tensor_parallel_size
     longest = config.max_model_len or min(model_config.max_position_embeddings, MIN_KV_TOKENS)
-    min_kv = (longest + decode_reserve) * kv_bytes_per_token
+    # A given max_total_tokens is allocated as given (not sized from what is free): all of it must fit.
+    kv_tokens = max(longest + decode_reserve, config.max_total_tokens)
+    min_kv = kv_tokens * kv_bytes_per_token
     step_tokens = resolved.step_tokens
     activations = step_activation_estimate(model_config, step_tokens, longest,
                                            config.max_running_requests * decode_reserve, dtype)
@@ -106,6 +108,8 @@ def check_fit(resolved: ResolvedConfig, kv_bytes_per_token: int) -> FitReport:
     report = FitReport(weights, min_kv, activations, available, where)
     if available and report.needed > available:
         hints = []
+        if config.max_total_tokens > longest + decode_reserve:
+            hints.append("a smaller --max-total-tokens (or none: the KV cache is then sized from free memory)")
         if config.max_model_len == 0 or config.max_model_len > MIN_KV_TOKENS:
             hints.append("a smaller --max-model-len")
         if config.max_prefill_tokens > 2048:
@@ -113,7 +117,7 @@ def check_fit(resolved: ResolvedConfig, kv_bytes_per_token: int) -> FitReport:
         hints.append("more GPUs (--tp)" if device.type == "cuda" else "a GPU, or the tiny preset")
         raise DoesNotFit(
             f"the model does not fit: it needs {report.needed / GiB:.1f} GiB (weights {weights / GiB:.1f}, KV cache "
-            f"for {longest} tokens {min_kv / GiB:.2f}, activations about {activations / GiB:.2f}), "
+            f"for {kv_tokens} tokens {min_kv / GiB:.2f}, activations about {activations / GiB:.2f}), "
             f"{available / GiB:.1f} GiB {where}; try {', '.join(hints)}")
     logger.info("memory: weights %.2f GiB, KV cache of at least %.2f GiB, activations about %.2f GiB; %.1f GiB %s",
                 weights / GiB, min_kv / GiB, activations / GiB, available / GiB, where)
