@@ -54,8 +54,8 @@ ALLOWED: dict[str, set[str]] = {
     "llm": {"chat", "config", "engine", "engine.request", "engine.tokenizer"},
     "server": {"chat", "config", "engine", "engine.request", "parallel"},
     "minidsa": {"config", "engine", "engine.request", "llm"},  # minidsa/__init__.py: LLM, Engine on first use
-    "bench": {"config", "engine", "engine.request", "exec", "exec.batch", "minidsa", "models", "models.presets",
-              "parallel", "sched", "server"},
+    "bench": {"config", "engine", "engine.request", "exec", "exec.batch", "exec.kv_cache", "minidsa", "models",
+              "models.presets", "parallel", "sched", "server"},
     "cli": {"bench", "config", "engine", "engine.request", "llm", "minidsa", "models", "server"},
     "__main__": {"cli"},
 }

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from minidsa.exec.batch import ForwardBatch
+from minidsa.exec.kv_cache import CacheLayouts
+from minidsa.exec.memory import DoesNotFit, check_fit
 from minidsa.config import EngineConfig, ModelConfig, resolve
 from minidsa.sched.pages import PageAllocator, RowAllocator, pages_needed
 from minidsa.models.presets import preset_config
@@ -167,9 +169,6 @@ class Bench:
         # Rows with room for verify batches of up to 64 tokens past each context
         resolved = dataclasses.replace(resolve(cfg, self.model_config, init_std), decode_reserve=64)
         # As the engine does: one line, not the allocator's traceback, when the KV cache asked for cannot fit.
-        from minidsa.exec.kv_cache import CacheLayouts
-        from minidsa.exec.memory import DoesNotFit, check_fit
-
         try:
             check_fit(resolved, CacheLayouts.for_model(self.model_config, resolved.dtype, kv_cache_dtype, True,
                                                        cfg.page_size).bytes_per_token)
