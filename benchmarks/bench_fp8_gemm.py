@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from minidsa.bench import decode_suite as perf
-    from minidsa.kernels import deepgemm, fp8_gemm
+    from minidsa.kernels import deepgemm, fp8_gemm, num_sms
     from minidsa.kernels.fp8 import FP8_MAX, quant_block
 
     dev = torch.device("cuda")
@@ -112,9 +112,9 @@ def main(argv=None) -> int:
                 if dg.available:
                     impls["deepgemm"] = [lambda i=i: deepgemm.fp8_gemm_nt(dg_module, x, wq[i], ws[i])
                                          for i in range(nc)]
-                num_sms = fp8_gemm._sm_count(dev)
+                sms = num_sms(dev)
                 row = {"family": family, "shape": name, "N": n, "K": k, "M": m,
-                       "tiles": fp8_gemm.pick_tiles(m, n, k, num_sms).__dict__}
+                       "tiles": fp8_gemm.pick_tiles(m, n, k, sms).__dict__}
                 for impl, fns in impls.items():
                     try:
                         if impl == "deepgemm" and fns[0]() is None:
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
                     row[impl] = {"us": t * 1e6, "GBps": wbytes / t / 1e9, "TFLOPs": 2 * m * n * k / t / 1e12}
                 if args.sweep and m <= 64:
                     best = None
-                    for tiles in decode_tile_candidates(m, n, k, num_sms):
+                    for tiles in decode_tile_candidates(m, n, k, sms):
                         try:
                             t = perf.graph_time([lambda i=i: fp8_gemm.w8a8_block_gemm(x, wq[i], ws[i], tiles)
                                             for i in range(nc)], budget_s=args.budget / 4)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minidsa.kernels import num_sms
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, FP8_MAX
 from minidsa.kernels.triton_compat import JITFunction, tl, triton
 
@@ -140,7 +141,6 @@ def _w8a8_gemm_kernel(
 
 
 EMULATE_CAST = not isinstance(_w8a8_gemm_kernel, JITFunction)  # imported under TRITON_INTERPRET=1
-_num_sms: dict[int, int] = {}
 # Split-K's per-tile arrival counts: zeroed once per device, every count back to 0 when its call ends. One set per
 # device: the engine runs its GEMMs on one stream at a time (exec/graphs.py joins its warm-up stream before and
 # after). Split-K runs at most ~4 x 132 tiles.
@@ -157,15 +157,6 @@ def _arrival_counts(device: torch.device) -> torch.Tensor | None:
             return None
         _arrivals[key] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
     return _arrivals[key]
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the interpreter: small, so tests see split-K
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _num_sms:
-        _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _num_sms[index]
 
 
 def pick_tiles(m: int, n: int, k: int, num_sms: int) -> GemmTiles:
@@ -238,7 +229,7 @@ def w8a8_block_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tens
     if m == 0:
         return out
     x, weight, scale_inv = x.contiguous(), weight.contiguous(), scale_inv.float().contiguous()
-    tiles = tiles or pick_tiles(m, n, k, _sm_count(x.device))
+    tiles = tiles or pick_tiles(m, n, k, num_sms(x.device))
     fuse_act_quant = tiles.fuse_act_quant and act is None
     if act is not None:
         a, a_scale = act[0][:m], act[1][:m]

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from minidsa.kernels import custom_ops, deepgemm, fp8_gemm, norm_quant  # noqa: E402,F401
+from minidsa.kernels import custom_ops, deepgemm, fp8_gemm, norm_quant, num_sms  # noqa: E402,F401
 from minidsa.kernels import reference as ref  # noqa: E402
 from minidsa.kernels.fp8 import FP8_DTYPE, quant_block, w8a8_block_matmul_reference  # noqa: E402
 
@@ -84,7 +84,7 @@ def test_split_k_in_kernel_sum_is_the_same_every_call():
     Many calls give the same bits, and every tile's arrival count is back at 0 after each."""
     wq, ws = _weights(2240, 7168)
     x = torch.randn(1, 7168, device=DEV, dtype=torch.bfloat16)
-    assert fp8_gemm.pick_tiles(1, 2240, 7168, fp8_gemm._sm_count(DEV)).split_k > 1
+    assert fp8_gemm.pick_tiles(1, 2240, 7168, num_sms(DEV)).split_k > 1
     first = fp8_gemm.w8a8_block_gemm(x, wq, ws)
     outs = [fp8_gemm.w8a8_block_gemm(x, wq, ws) for _ in range(300)]
     torch.cuda.synchronize()
