@@ -375,9 +375,10 @@ def build_model(config: ModelConfig, path: str | None, dtype: torch.dtype, devic
             init_random_weights(model, seed, init_std, device, progress=progress)
         else:
             load_checkpoint(model, path, device, progress=progress, files=files)
-        for p in model.parameters():
-            if getattr(p, "read_in_fp32", False) and dtype != torch.float32:
-                p.copy_(p.to(dtype))  # the serving dtype's values, as every other high-precision weight holds
+            # Random ones are drawn in the serving dtype already (`init_random_weights`).
+            for p in model.parameters():
+                if getattr(p, "read_in_fp32", False) and dtype != torch.float32:
+                    p.copy_(p.to(dtype))  # the serving dtype's values, as every other high-precision weight holds
     model.rotary = Rotary(config).to(device)
     set_gemm(model, gemm, moe_gemm)
     set_router(model, router)
