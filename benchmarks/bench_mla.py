@@ -13,6 +13,7 @@ Sections:
   (`minidsa::flashmla_sparse_mla`: FlashMLA or Triton per shape) over both caches.
   Every kernel time is a CUDA-graph replay (`perf.graph_time`: no host launch cost, as in a captured
   step) of calls over distinct index sets that together read more than L2 holds.
+- small (not in the default list): batch 1-32 decode, 128 heads, a sweep of launch parameters and split counts.
 - store: the FP8 store kernel (quantising) against the bf16 cache's index_put.
 - capacity: KV tokens that fit on this GPU with the bench-dsv32 preset for each layout (the engine's own
   sizing: kv_cache_mem_fraction of the memory free after the weights), and bytes per token of the
@@ -172,6 +173,28 @@ def bench_fp8_sweep(rec: Recorder, ceil: dict, fp8: torch.Tensor, quick: bool) -
     rec.meta["sparse_mla_fp8_best"] = best
     rec.add(bk.row("sparse_mla", "fp8 sweep B=128 H=128", f"best {best} (default: "
                    f"{sparse_mla.SPARSE_MLA_FP8_CONFIG})", best_ms, nb, fl, ceil))
+
+
+SMALL_SWEEP = [(64, 64, 8, 2), (32, 64, 4, 2), (16, 64, 4, 2), (32, 32, 4, 2), (16, 32, 4, 2), (16, 64, 4, 1)]
+SMALL_SPLITS = (None, 8, 16, 32, 64)
+
+
+def bench_small_sweep(rec: Recorder, ceil: dict) -> None:
+    """Decode at batch 1-32 (the per-layer tail, issue 29): launch parameters and split counts of the Triton kernel
+    over both caches, 128 heads, top-k 2048. None = the default split rule."""
+    fp8, bf16 = _caches()
+    g = torch.Generator(device=DEV).manual_seed(11)
+    for batch in (1, 4, 16, 32):
+        q = (torch.randn(batch, 128, D_KV, device=DEV, generator=g) * 0.3).bfloat16()
+        for name, cache, row_bytes in (("bf16", bf16, D_KV * 2), ("fp8", fp8, FP8.bytes_per_token)):
+            nb, fl = _cost(batch, 128, row_bytes)
+            idxs = index_sets(batch, calls_for(nb), g)
+            for cfg in SMALL_SWEEP:
+                for splits in SMALL_SPLITS:
+                    ms, err = graph_ms([lambda i=i: sparse_mla.sparse_mla(q, cache, i, 0.05, D_V, num_splits=splits,
+                                                                           config=cfg) for i in idxs])
+                    rec.add(bk.row("sparse_mla small", f"B={batch} H=128 {name}", f"{cfg} splits={splits}", ms, nb,
+                                   fl, ceil, err))
 
 
 def _served_path(q: torch.Tensor, cache: torch.Tensor) -> str:
@@ -392,6 +415,7 @@ def main() -> int:
     only = set(args.only.split(","))
     failed = []
     sections = [("kernels", lambda: bench_kernels_section(rec, ceil, args.quick)),
+                ("small", lambda: bench_small_sweep(rec, ceil)),
                 ("store", lambda: bench_store_section(rec, ceil)),
                 ("capacity", lambda: bench_capacity_section(rec)),
                 ("step", lambda: bench_step_section(rec, args.iters)),

@@ -120,6 +120,11 @@ def _combine_kernel(
 
 # (BLOCK_H, BLOCK_N, num_warps, num_stages), set from measurements on H100 (benchmarks/KERNELS.md).
 SPARSE_MLA_CONFIG = (64, 64, 8, 2)
+# The bf16 cache at decode sizes (bench_mla.py --only small, H100, 2026-11-27, 128 heads, top-k 2048, us per call in
+# CUDA graphs): one token 17.8 -> 12.9 with 16-head tiles at 4 warps (twice the programs, each with fewer
+# registers); 16 / 32 tokens 66.6 -> 59.6 / 108.5 -> 104.1 with 32-head tiles; at 4 tokens the default was
+# fastest. The FP8 cache kept its default at every one of these sizes.
+SPARSE_MLA_SMALL_CONFIGS = ((2, (16, 64, 4, 2)), (15, SPARSE_MLA_CONFIG), (32, (32, 64, 4, 2)))
 # The FP8 cache's launch parameters. Measured on an H100 (benchmarks/bench_mla.py, commit b19a8d1, B=128,
 # 128 heads, top-k 2048): (64, 64, 8, 2) 0.371 ms = 197 TFLOP/s (the bf16 cache: 178); (64, 32, 8, 3) 144.
 SPARSE_MLA_FP8_CONFIG = (64, 64, 8, 2)
@@ -136,6 +141,16 @@ def triton_unsupported(num_heads: int, dk: int, v_dim: int, dtype: torch.dtype) 
     if dtype == torch.float32 and num_heads * dk > 16384:
         return f"{num_heads} heads x {dk} in float32: the Triton kernel needs 2-byte inputs at this size"
     return None
+
+
+def launch_config(num_tokens: int, is_fp8: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages) for this many query tokens over this cache layout, as measured."""
+    if is_fp8:
+        return SPARSE_MLA_FP8_CONFIG
+    for max_tokens, config in SPARSE_MLA_SMALL_CONFIGS:
+        if num_tokens <= max_tokens:
+            return config
+    return SPARSE_MLA_CONFIG
 
 
 def sparse_mla(
@@ -171,7 +186,7 @@ def sparse_mla(
     if topk == 0:
         return out.zero_()
     q = q if q.stride(2) == 1 else q.contiguous()
-    block_h, block_n, num_warps, num_stages = config or (SPARSE_MLA_FP8_CONFIG if is_fp8 else SPARSE_MLA_CONFIG)
+    block_h, block_n, num_warps, num_stages = config or launch_config(num_tokens, is_fp8)
     block_h = min(block_h, max(16, triton.next_power_of_2(num_heads)))
     head_blocks = triton.cdiv(num_heads, block_h)
     if num_splits is None:

@@ -187,21 +187,38 @@ def test_bench_preset_random_init_peaks_at_its_weights():
     torch.cuda.empty_cache()
 
 
+# How far apart two correct paths may put the likeliest tokens (nats). With random bf16 weights the top logits of
+# bench-dsv32 nearly tie, and eager modules against the compiled layer and graph (other fusion, other split-K
+# sums, padding) round the bf16 hidden state differently; a wrong layer moves the distribution by whole nats.
+NEAR_TIE_NATS = 0.1
+
+
 def test_bench_preset_fp8_decodes_the_same_with_graphs():
     from minidsa import LLM, SamplingParams
 
     prompts = [[100 + 7 * i + j for j in range(40 + 9 * i)] for i in range(3)]
-    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
-    outs = []
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=5)
+    runs = []
     for fast in (False, True):
         llm = LLM(model="bench-dsv32", max_total_tokens=4096, max_model_len=1024, max_running_requests=4,
                   enable_cuda_graph=fast, enable_compile=fast, cuda_graph_max_bs=4, progress=False)
         assert llm.engine.runner.model.model.layers[0].self_attn.o_proj.is_fp8
-        outs.append([o.token_ids for o in llm.generate(prompts, greedy)])
+        runs.append([(o.token_ids, o.top_logprobs) for o in llm.generate(prompts, greedy)])
         del llm
         torch.cuda.empty_cache()
     # The first token comes from the prefill, the second from the first decode step: eager modules in one run,
-    # the compiled layer (prefill) and the compiled CUDA graph (decode) in the other. They must agree. Later tokens may not: with random
-    # bf16 weights the top logits nearly tie, and numerically different correct paths (fusion, padding)
-    # part ways after a few steps (fp32 runs are compared token for token in test_graphs_gpu.py).
-    assert all(x[:2] == y[:2] for x, y in zip(*outs)), outs
+    # the compiled layer (prefill) and the compiled CUDA graph (decode) in the other. Up to the first token they part
+    # on, each run's distribution must be the other's: the same likeliest tokens with the same logprobs, and where
+    # the two picks differ, each pick within NEAR_TIE_NATS of the other in both runs (a near tie, not a bug). Later
+    # tokens are not compared: after a different pick the contexts differ.
+    for (eager_ids, eager_top), (graph_ids, graph_top) in zip(*runs):
+        for pos in range(2):
+            a, b = eager_ids[pos], graph_ids[pos]
+            report = f"position {pos}: eager {eager_ids} {eager_top[pos]}, graphs {graph_ids} {graph_top[pos]}"
+            print(report)
+            for tok in set(eager_top[pos]) & set(graph_top[pos]):
+                assert abs(eager_top[pos][tok] - graph_top[pos][tok]) <= NEAR_TIE_NATS, report
+            if a != b:
+                for top in (eager_top[pos], graph_top[pos]):
+                    assert a in top and b in top and abs(top[a] - top[b]) <= NEAR_TIE_NATS, report
+                break

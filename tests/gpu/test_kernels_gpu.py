@@ -251,7 +251,7 @@ def test_register_topk_two_tiles_real_size(batch, width):
     assert torch.equal(g_slots.sort(1).values, want_slots.sort(1).values)
 
 
-@pytest.mark.parametrize("batch", [1, 8, 128])
+@pytest.mark.parametrize("batch", [1, 2, 8, 32, 128])  # each launch_config row
 def test_sparse_mla_real_size(batch):
     g = _gen(10 + batch)
     num_slots = 65536
