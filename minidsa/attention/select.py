@@ -37,7 +37,10 @@ What the choice says, per kernel:
   reference (which quantises for itself); else the torch norm (`models.deepseek_v32.set_norm_quant`);
 - mla_absorb (MLA's per-head W_UK / W_UV products around the sparse attention): one weight-streaming Triton
   launch each at decode sizes (kernels/mla_absorb.py; above them the op runs cuBLAS's bmm) wherever Triton runs,
-  else the torch bmm (`models.deepseek_v32.set_mla_absorb`).
+  else the torch bmm (`models.deepseek_v32.set_mla_absorb`);
+- fp32_gemv (the fp32 GEMVs: the indexer's head weights, the MoE router's gate): one Triton launch each at decode
+  sizes (kernels/gemv.py; above them the op runs cuBLAS's GEMM) wherever Triton runs, else F.linear
+  (`models.deepseek_v32.set_fp32_gemv`).
 
 Per-shape decisions stay inside the custom ops, from pure functions of the concrete sizes: compiled code sees
 the choice as constants and gets no guards. Nothing here is called from a traced step.
@@ -52,7 +55,7 @@ from types import MappingProxyType
 
 import torch
 
-from minidsa.kernels import deepgemm, flashmla, mla_absorb, router as router_kernel
+from minidsa.kernels import deepgemm, flashmla, gemv, mla_absorb, router as router_kernel
 from minidsa.kernels.deepgemm import DeepGEMM
 from minidsa.kernels.flashmla import FlashMLA
 
@@ -74,6 +77,7 @@ IMPLS = MappingProxyType({
     "router": ("torch", "triton"),
     "norm_quant": ("torch", "triton"),
     "mla_absorb": ("torch", "triton"),
+    "fp32_gemv": ("torch", "triton"),
 })
 DSA_OPS = ("store_index_k", "index_logits", "topk", "sparse_mla", "kv_move", "store_mla", "quant_index_q")
 # How each decision is named in the start-up log.
@@ -91,6 +95,7 @@ LABELS = MappingProxyType({
     "router": "MoE router",
     "norm_quant": "RMSNorm + FP8 input quantisation",
     "mla_absorb": "MLA absorbed W_UK / W_UV",
+    "fp32_gemv": "fp32 GEMVs (indexer head weights, MoE gate)",
 })
 SERVED = MappingProxyType({  # what an implementation does for a kernel, where it is more than its name
     ("index_logits", "deepgemm"): "DeepGEMM where measured faster, else Triton",
@@ -100,6 +105,7 @@ SERVED = MappingProxyType({  # what an implementation does for a kernel, where i
     ("moe_gemm", "deepgemm"): "DeepGEMM's grouped GEMMs where measured faster, else the Triton fused MoE",
     ("moe_gemm", "triton"): "the Triton fused MoE",
     ("mla_absorb", "triton"): f"Triton up to {mla_absorb.MAX_TOKENS} tokens, else cuBLAS",
+    ("fp32_gemv", "triton"): f"Triton up to {gemv.MAX_TOKENS} tokens, else cuBLAS",
 })
 NAMES = MappingProxyType({"torch": "torch reference", "triton": "Triton", "deepgemm": "DeepGEMM",
                           "flashmla": "FlashMLA"})
@@ -122,6 +128,7 @@ class KernelChoice:
     router: str = "torch"  # the MoE router's selection (models.deepseek_v32.set_router)
     norm_quant: str = "torch"  # RMSNorm + FP8 quantisation of its output (models.deepseek_v32.set_norm_quant)
     mla_absorb: str = "torch"  # MLA's per-head W_UK / W_UV products (models.deepseek_v32.set_mla_absorb)
+    fp32_gemv: str = "torch"  # the indexer's head weights and the router's gate (models.deepseek_v32.set_fp32_gemv)
 
     def __post_init__(self):
         for name, impl in self.__dict__.items():
@@ -230,7 +237,8 @@ def select_kernels(device: torch.device | str, kernel_backend: str = "auto", use
     choice = KernelChoice(store_index_k="triton", index_logits=index, topk=env.topk, sparse_mla=sparse,
                           kv_move="triton", store_mla="triton", quant_index_q="triton", sample=env.sample,
                           fp8_gemm=fp8_gemm, moe_gemm=moe_gemm, router="torch" if route_why else "triton",
-                          norm_quant="torch" if norm_quant_why else "triton", mla_absorb="triton")
+                          norm_quant="torch" if norm_quant_why else "triton", mla_absorb="triton",
+                          fp32_gemv="triton")
     why = dict.fromkeys(IMPLS, triton_why)
     why.update(index_logits=index_why, sparse_mla=sparse_why, fp8_gemm=fp8_why, moe_gemm=moe_why,
                router=route_why or triton_why, norm_quant=norm_quant_why or triton_why,

@@ -23,7 +23,7 @@ from torch import Tensor
 from minidsa.kernels import deepgemm, flashmla, fp8_gemm as fp8_gemm_mod, fused_moe as fused_moe_mod, indexer
 from minidsa.kernels import kv_move as kv_move_mod, log_once, mla_store, reference, sparse_mla as sparse_mla_mod
 from minidsa.kernels import norm_quant as norm_quant_mod, router as router_mod, topk as topk_mod
-from minidsa.kernels import mla_absorb
+from minidsa.kernels import gemv, mla_absorb
 from minidsa.kernels.optional_lib import LibraryCallFailed
 
 logger = logging.getLogger(__name__)
@@ -371,3 +371,18 @@ def absorb_o(o_latent: Tensor, w_uv: Tensor) -> Tensor:
 @absorb_o.register_fake
 def _(o_latent, w_uv):
     return o_latent.new_empty(o_latent.shape[0], o_latent.shape[1] * w_uv.shape[1])
+
+
+@torch.library.custom_op("minidsa::fp32_gemv", mutates_args=())
+def fp32_gemv(x: Tensor, weight: Tensor, scale: float) -> Tensor:
+    """(x @ weight^T) * scale in fp32 (`gemv.fp32_gemv_reference`: the indexer's head weights, the router's gate),
+    where the engine chose the kernel: one Triton launch at decode sizes, cuBLAS above them (picked here, on the
+    concrete token count)."""
+    if x.shape[0] <= gemv.MAX_TOKENS:
+        return gemv.fp32_gemv(x, weight, scale)
+    return gemv.fp32_gemv_reference(x, weight, scale)
+
+
+@fp32_gemv.register_fake
+def _(x, weight, scale):
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)

@@ -142,13 +142,14 @@ def _w8a8_gemm_kernel(
 
 EMULATE_CAST = not isinstance(_w8a8_gemm_kernel, JITFunction)  # imported under TRITON_INTERPRET=1
 # Split-K's per-tile arrival counts: zeroed once per device, every count back to 0 when its call ends. One set per
-# device: the engine runs its GEMMs on one stream at a time (exec/graphs.py joins its warm-up stream before and
-# after). Split-K runs at most ~4 x 132 tiles.
+# device, shared with the fp32 GEMV (kernels/gemv.py): the engine runs its GEMMs on one stream at a time
+# (exec/graphs.py joins its warm-up stream before and after), so one call's counts are all 0 again before the next
+# call starts. Split-K runs at most ~4 x 132 tiles.
 ARRIVAL_SLOTS = 4096
 _arrivals: dict[str, torch.Tensor] = {}
 
 
-def _arrival_counts(device: torch.device) -> torch.Tensor | None:
+def arrival_counts(device: torch.device) -> torch.Tensor | None:
     """The device's zeroed counts; None while a CUDA graph is being captured and none were made before (allocated
     there, they would live in the graph's memory pool, not for the process)."""
     key = str(device)
@@ -243,7 +244,7 @@ def w8a8_block_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tens
     kb_per_split = -(-num_kb // tiles.split_k)
     split = -(-num_kb // kb_per_split)
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split)
-    arrivals = _arrival_counts(x.device) if split > 1 and grid[0] * grid[1] <= ARRIVAL_SLOTS else None
+    arrivals = arrival_counts(x.device) if split > 1 and grid[0] * grid[1] <= ARRIVAL_SLOTS else None
     partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     _w8a8_gemm_kernel[grid](
         a, a_scale, weight, scale_inv, out, partials, arrivals if arrivals is not None else partials,

@@ -34,7 +34,7 @@ from minidsa.attention.backend import DSABackend, IndexStep, LayerCaches
 from minidsa.exec.batch import ForwardBatch
 from minidsa.config import ModelConfig
 from minidsa.parallel.state import building_tp
-from minidsa.kernels import mla_absorb, norm_quant, reference
+from minidsa.kernels import gemv, mla_absorb, norm_quant, reference
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape
 from minidsa.kernels.fused_moe import SKIP
 from minidsa.models.layers.linear import (FusedLinear, Linear, QuantizedInput, WeightLoadError, as_tensor,
@@ -143,6 +143,7 @@ class Indexer(nn.Module):
         self.weights_proj.weight.read_in_fp32 = True
         # relu(a * s) = s * relu(a) for s > 0: both scales fold into the per-head weights.
         self.weight_scale = self.n_heads**-0.5 * self.head_dim**-0.5
+        self.fp32_gemv = "torch"  # who runs weights_proj (`set_fp32_gemv`)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]
@@ -158,7 +159,7 @@ class Indexer(nn.Module):
         q = self._rope(q, ctx.cos.unsqueeze(1), ctx.sin.unsqueeze(1))
         k = self._rope(self.k_norm(k), ctx.cos, ctx.sin)
         ctx.attn.store_index_k(caches, ctx.batch, k)
-        weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.weight_scale
+        weights = _fp32_gemv(self.fp32_gemv)(x, self.weights_proj.weight, self.weight_scale)
         return ctx.attn.index_topk(caches, ctx.batch, q, weights, ctx.index_meta)
 
 
@@ -257,8 +258,9 @@ class MLP(nn.Module):
 class Router(nn.Module):
     """Grouped sigmoid routing with a correction bias used for choice only (fp32).
 
-    The gate's GEMM runs here; the selection (`kernels.reference.route`) runs as the engine chose
-    (`KernelChoice.router`, set once at build by `set_router`): the torch reference, or one Triton launch."""
+    The gate's GEMM runs here (`KernelChoice.fp32_gemv`, set at build by `set_fp32_gemv`); the selection
+    (`kernels.reference.route`) runs as the engine chose (`KernelChoice.router`, set once at build by `set_router`):
+    the torch reference, or one Triton launch."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -269,12 +271,13 @@ class Router(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.scaling = config.routed_scaling_factor
         self.kernel = "torch"
+        self.fp32_gemv = "torch"  # who runs the gate's GEMM (`set_fp32_gemv`)
         self.weight = nn.Parameter(torch.zeros(self.n_experts, config.hidden_size))
         self.weight.read_in_fp32 = True  # stored in fp32 (`loader.serving_dtypes_`)
         self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())
+        logits = _fp32_gemv(self.fp32_gemv)(x, self.weight, 1.0)
         route = torch.ops.minidsa.route if self.kernel == "triton" else reference.route
         return route(logits, self.e_score_correction_bias.float(), self.top_k, self.n_group, self.topk_group,
                      self.norm_topk_prob, self.scaling)
@@ -297,6 +300,21 @@ def set_mla_absorb(model: nn.Module, kernel: str) -> None:
     for mod in model.modules():
         if isinstance(mod, MLAttention):
             mod.absorb = kernel
+
+
+def _fp32_gemv(kernel: str) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
+    return torch.ops.minidsa.fp32_gemv if kernel == "triton" else gemv.fp32_gemv_reference
+
+
+def set_fp32_gemv(model: nn.Module, kernel: str) -> None:
+    """Which implementation runs the fp32 GEMVs, the indexers' head weights and the routers' gates ("torch":
+    F.linear on x cast to fp32, or "triton": `torch.ops.minidsa.fp32_gemv`, `KernelChoice.fp32_gemv`), decided once
+    at build."""
+    if kernel not in ("torch", "triton"):
+        raise ValueError(f"fp32_gemv kernel {kernel!r} is not 'torch' or 'triton'")
+    for mod in model.modules():
+        if isinstance(mod, (Indexer, Router)):
+            mod.fp32_gemv = kernel
 
 
 def set_norm_quant(model: nn.Module, kernel: str) -> list[RMSNorm]:

@@ -409,3 +409,44 @@ def test_mla_absorb_real_size(tokens):
     o_latent.copy_(torch.randn(o_latent.shape, device=DEV, generator=g))
     graph.replay()
     check(g_q, g_o)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8, 16, 32])
+@pytest.mark.parametrize("n", [64, 256])
+def test_fp32_gemv_real_size(tokens, n):
+    """The fp32 GEMV (kernels/gemv.py) at DeepSeek-V3.2's shapes (hidden 7168; N = 64 indexer head weights with
+    their scale, 256 router experts), bf16 x as a row-strided view: within 1e-5 of sum_k |x_k w_nk| of cuBLAS's
+    fp32 result (two fp32 sums in different orders); the same bits on every call, eager, in a CUDA graph and
+    under torch.compile; every split-K arrival count back at 0."""
+    from minidsa.kernels import fp8_gemm, gemv
+    g = _gen(tokens * n)
+    k, scale = 7168, (64**-0.5 * 128**-0.5 if n == 64 else 1.0)
+    wide = torch.randn(tokens, k + 64, device=DEV, generator=g).bfloat16()
+    x = wide[:, :k]
+    w = torch.randn(n, k, device=DEV, generator=g) * k**-0.5
+
+    def check(got: torch.Tensor) -> None:
+        want = gemv.fp32_gemv_reference(x, w, scale)
+        terms = (x.float().abs() @ w.abs().T) * scale
+        assert got.shape == want.shape and got.dtype == torch.float32 and not got.isnan().any()
+        assert ((got - want).abs() <= 1e-5 * terms).all(), ((got - want).abs() / terms).max().item()
+
+    first = torch.ops.minidsa.fp32_gemv(x, w, scale)
+    check(first)
+    outs = [torch.ops.minidsa.fp32_gemv(x, w, scale) for _ in range(100)]
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, first) for o in outs)
+    assert int(fp8_gemm.arrival_counts(DEV).abs().sum()) == 0
+    compiled = torch.compile(lambda a: torch.ops.minidsa.fp32_gemv(a, w, scale), fullgraph=True)
+    assert torch.equal(compiled(x), first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_y = torch.ops.minidsa.fp32_gemv(x, w, scale)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_y, first)
+    wide.copy_(torch.randn(wide.shape, device=DEV, generator=g))
+    graph.replay()
+    check(g_y)
+    assert torch.equal(g_y, torch.ops.minidsa.fp32_gemv(x, w, scale))
+    assert int(fp8_gemm.arrival_counts(DEV).abs().sum()) == 0
