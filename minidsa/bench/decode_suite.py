@@ -118,7 +118,8 @@ def decode_bytes(cfg: ModelConfig, bs: int, ctx: int, dtype_bytes: int = 2, with
     """Bytes one decode step must read: weights actually used, indexer keys, selected MLA entries.
 
     FP8 models (`fp8_weights`, default: the config's quantization) read 1 byte per projection weight plus one
-    fp32 scale per 128x128 block; kv_b_proj, the indexer's weights_proj, the router and lm_head stay `dtype_bytes`.
+    fp32 scale per 128x128 block; kv_b_proj and lm_head stay `dtype_bytes`; the indexer's weights_proj and the
+    router's gate are stored in fp32 (`read_in_fp32`) and read as such.
     """
     fp8 = cfg.quantization == "fp8" if fp8_weights is None else fp8_weights
     wb = 1 + 4 / (128 * 128) if fp8 else dtype_bytes
@@ -127,7 +128,7 @@ def decode_bytes(cfg: ModelConfig, bs: int, ctx: int, dtype_bytes: int = 2, with
             + heads * cfg.v_head_dim * h) * wb
     attn += cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * dtype_bytes  # kv_b_proj
     indexer = (cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim + h * cfg.index_head_dim) * wb \
-        + h * cfg.index_n_heads * dtype_bytes
+        + h * cfg.index_n_heads * 4
     expert = 3 * h * cfg.moe_intermediate_size * wb
     # expected distinct experts hit by bs tokens choosing k of E uniformly
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
@@ -139,7 +140,7 @@ def decode_bytes(cfg: ModelConfig, bs: int, ctx: int, dtype_bytes: int = 2, with
         if cfg.dense_layers[i]:
             weights += 3 * h * cfg.intermediate_size * wb
         else:
-            weights += hit * expert + cfg.n_shared_experts * expert + e * h * dtype_bytes
+            weights += hit * expert + cfg.n_shared_experts * expert + e * h * 4
     weights += cfg.vocab_size * h * dtype_bytes  # lm_head (embedding: bs rows, negligible)
     full = sum(cfg.indexer_full)
     index_keys = full * bs * ctx * (cfg.index_head_dim + 4)
