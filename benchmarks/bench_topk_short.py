@@ -9,7 +9,7 @@ For batch 1..64 x width 2048..16384 it times, per call (a graph holding `--inner
 random normal logits, every position visible, so at width 2048 = k every kernel takes the whole row):
 - register: `topk_slots(method="register")`, one launch, the row held in registers (widths up to
   REGISTER_MAX_BLOCK), at its default (RADIX_BITS, num_warps) and tiles (`register_tiles_for`); with --variants
-  (default on), also every RADIX_BITS in (2, 4, 8) x num_warps in (4, 8, 16, 32) that gives 4 to 64 keys a thread;
+  (default on), also every RADIX_BITS in (2, 8) x num_warps in (4, 8, 16, 32) that gives 4 to 64 keys a thread;
 - register one block: where the default tiles are two (a HEAD and a TAIL tile), the same select over one
   power-of-two block (`register_tiles=(P, 0)`, what served such widths before the tail tile): old vs new side by
   side;
@@ -81,7 +81,7 @@ def same_sets(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, 
 
 
 def register_variants(block: int) -> list[tuple[int, int]]:
-    return [(bits, warps) for bits in (2, 4, 8) for warps in (4, 8, 16, 32) if 4 <= block // (32 * warps) <= 64]
+    return [(bits, warps) for bits in (2, 8) for warps in (4, 8, 16, 32) if 4 <= block // (32 * warps) <= 64]
 
 
 def main() -> int:

@@ -66,7 +66,7 @@ def _check_against_reference(logits, k, r2t, rows, slots, pos):
 
 
 @in_this_process
-@pytest.mark.parametrize("radix_bits", [2, 4, 8])
+@pytest.mark.parametrize("radix_bits", [2, 8])
 @pytest.mark.parametrize("width,k", [
     (1, 16), (100, 16), (2047, 16), (2048, 16), (2049, 16), (4096, 16), (5000, 16), (8192, 16),
     (100, 2048), (2047, 2048), (2048, 2048), (2049, 2048), (5000, 2048),  # k > width, = width, just below
@@ -105,7 +105,7 @@ def test_register_tiles_rule():
 
 
 @in_this_process
-@pytest.mark.parametrize("radix_bits", [2, 4, 8])
+@pytest.mark.parametrize("radix_bits", [2, 8])
 @pytest.mark.parametrize("width,k,tiles", [
     (4160, 2048, None), (5120, 2048, None), (4097, 2048, None),  # the default (4096, 1024) tiles
     (300, 16, (256, 64)), (257, 16, (256, 64)), (256, 16, (256, 64)),  # the tail empty, one lane, full
@@ -126,7 +126,7 @@ def test_register_two_tiles_match_reference(radix_bits, width, k, tiles):
 
 
 @in_this_process
-@pytest.mark.parametrize("radix_bits", [2, 4, 8])
+@pytest.mark.parametrize("radix_bits", [2, 8])
 def test_register_two_tiles_ties_across_the_seam(radix_bits):
     """Equal keys on both sides of the HEAD | TAIL seam: the head's are taken first, then the tail's up to k."""
     width, k, head, tail = 300, 100, 256, 64
@@ -164,7 +164,7 @@ def _lowest_ties(logits: torch.Tensor, k: int) -> list[list[int]]:
 
 
 @in_this_process
-@pytest.mark.parametrize("radix_bits", [2, 4, 8])
+@pytest.mark.parametrize("radix_bits", [2, 8])
 def test_register_ties_take_lowest_positions(radix_bits):
     width, k = 1000, 100
     logits = torch.full((5, width), float("-inf"))
@@ -245,7 +245,7 @@ sig = {"logits_ptr": "*fp32", "r2t_ptr": "*i32", "rows_ptr": "*i64", "slots_ptr"
        "width": "i32", "k": "i32", "stride_l": "i32", "stride_r2t": "i32", "stride_o": "i32",
        "HEAD": "constexpr", "TAIL": "constexpr", "RADIX_BITS": "constexpr"}
 for head, tail in ((4096, 0), (4096, 1024), (8192, 2048), (topk.REGISTER_MAX_BLOCK, 0)):
-    for bits in (2, 4, 8):
+    for bits in (2, 8):
         src = ASTSource(topk._register_topk_kernel, sig, constexprs={"HEAD": head, "TAIL": tail, "RADIX_BITS": bits})
         options = {"num_warps": topk.register_warps(head + tail)}
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

@@ -171,24 +171,6 @@ def _packed_at_or_above(key, thr, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
-
-
-@triton.jit
-def _nibble_histogram(key, thr, SHIFT: tl.constexpr):
-    """Histogram of the 4 bits at SHIFT of the keys whose bits above SHIFT + 4 equal thr's, in one reduction:
-    16 counts packed four to an int64 in 16-bit fields (bins 4g..4g+3 in the g-th)."""
-    digit = ((key >> SHIFT) & 15).to(tl.int32)
-    one = tl.full((), 1, tl.int64) << ((digit & 3) * 16).to(tl.int64)
-    if SHIFT + 4 < 32:
-        one = tl.where((key >> (SHIFT + 4)) == (thr >> (SHIFT + 4)), one, 0)
-    group = digit >> 2
-    return tl.reduce((tl.where(group == 0, one, 0), tl.where(group == 1, one, 0), tl.where(group == 2, one, 0),
-                      tl.where(group == 3, one, 0)), 0, _add4)
-
-
-@triton.jit
 def _byte_histogram(key, prefix, P: tl.constexpr):
     """Histogram of the byte at 24 - 8 * P of the keys whose higher bytes equal `prefix` (others in bin 0:
     `_pick_bin` never counts bin 0 into k_rem, and bin 0's keys-at-or-above (all keys) passes the k_rem test)."""
@@ -227,7 +209,6 @@ def _register_topk_kernel(
 
     RADIX_BITS 2: a search for the largest key T with count(key >= T) >= k, two bits per step from the top:
     one tl.sum per tile counts, packed into 21-bit fields of an int64, the keys at or above T + 1, 2 and 3 << b.
-    RADIX_BITS 4: eight steps, each one reduction of the 16-bin histogram of the next 4 bits (`_nibble_histogram`).
     RADIX_BITS 8: four tl.histogram passes of the next byte of the keys matching the prefix so far."""
     t = tl.program_id(0)
     tl.static_assert(HEAD + TAIL <= 16384)  # counts fit the 16-bit fields of the packed cumsum
@@ -258,29 +239,6 @@ def _register_topk_kernel(
                 d = (n1 >= k).to(tl.int32) + (n2 >= k).to(tl.int32) + (n3 >= k).to(tl.int32)
                 n_above = tl.where(d == 0, n1, tl.where(d == 1, n2, tl.where(d == 2, n3, n_above)))
                 thr = thr | (d.to(tl.uint32) << (30 - 2 * i))
-            need_eq = k - n_above
-        elif RADIX_BITS == 4:
-            # Eight steps of one digit each: the largest digit d with n_above + (matching keys with digit >= d)
-            # >= k; n_above counts the keys above the prefix so far (all taken).
-            thr = tl.zeros((), tl.uint32)
-            n_above = tl.zeros((), tl.int32)
-            for i in tl.static_range(8):
-                h0, h1, h2, h3 = _nibble_histogram(key_h, thr, 28 - 4 * i)
-                if TAIL > 0:
-                    t0, t1, t2, t3 = _nibble_histogram(key_t, thr, 28 - 4 * i)
-                    h0, h1, h2, h3 = h0 + t0, h1 + t1, h2 + t2, h3 + t3
-                at_or_above = n_above
-                digit = tl.full((), -1, tl.int32)
-                above = n_above
-                for d in tl.static_range(15, -1, -1):
-                    packed = h3 if d >= 12 else (h2 if d >= 8 else (h1 if d >= 4 else h0))
-                    count = ((packed >> (16 * (d % 4))) & 0xFFFF).to(tl.int32)
-                    hit = (digit < 0) & (at_or_above + count >= k)
-                    digit = tl.where(hit, d, digit)
-                    above = tl.where(hit, at_or_above, above)
-                    at_or_above += count
-                n_above = above
-                thr = thr | (digit.to(tl.uint32) << (28 - 4 * i))
             need_eq = k - n_above
         else:
             tl.static_assert(RADIX_BITS == 8)
