@@ -34,7 +34,7 @@ def tile_candidates(t: int, n: int, k: int):
     for block_n in (base.block_n // 2, base.block_n * 2):
         for split in (base.split_k // 2, base.split_k, min(gemv.MAX_SPLIT, base.split_k * 2)):
             for stages in (1, 3):
-                if block_n < (16 if base.use_dot else 1) or split < 1:
+                if block_n < 1 or split < 1:
                     continue
                 c = dataclasses.replace(base, block_n=block_n, split_k=split, num_stages=stages)
                 if c not in seen:
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     for r in rows:
         cells = [f"{r[i]['us']:.2f} ({r[i]['GBps']:.0f})" if r.get(i) else "-" for i in impls]
         t = r["tiles"]
-        tiles = f"{t['block_t']}x{t['block_n']}x{t['block_k']} split {t['split_k']}{' dot' if t['use_dot'] else ''}"
+        tiles = f"{t['block_t']}x{t['block_n']}x{t['block_k']} split {t['split_k']}"
         lines.append(f"| {r['shape']} | {r['N']}x{r['K']} | {r['T']} | " + " | ".join(cells) + f" | {tiles} |")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gemv.md"), "w") as f:

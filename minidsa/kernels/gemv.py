@@ -10,19 +10,16 @@ the copy plus a gemvx (~7 us for 7.3 MB) for the router: a fraction of the copy 
 own dtype and converted in registers, the scale is applied in the epilogue, and the sum over K is split across
 programs so that even 64 rows of weight are streamed by more programs than there are SMs: one launch per GEMV.
 
-How a program computes its [T, BLOCK_N] tile over its K range (`pick_tiles`, from the shape alone, so the tiles
-the interpreter tests are those a GPU runs):
-- up to 4 tokens: FMAs in registers (the tile of W times each token's x, summed over K in the program), no
-  padding: tl.dot needs 16 rows, 16x the work at one token;
-- from 5 tokens: tl.dot on fp32 operands (input_precision "ieee": no TF32 rounding, as cuBLAS's fp32 GEMM does not
-  round either), rows padded to 16 or 32.
+A program computes its [T, BLOCK_N] tile over its K range with FMAs in registers (the tile of W times each token's
+x), no padding: tl.dot needs 16 rows, 16x the work at one token (`pick_tiles`, from the shape alone, so the tiles
+the interpreter tests are those a GPU runs).
 The split-K partials go to an fp32 [split, T, N] buffer; the program that arrives last at an N tile (a per-tile
 count, `fp8_gemm.arrival_counts`, shared with the FP8 GEMM and set back to 0 by that program) adds them in K
 order, scales and writes y. Every step is in a fixed order: the same bits every call (not cuBLAS's bits: fp32
 sums in another order, within a few fp32 ulps of sum_k |x_k W_nk|; tests/test_gemv.py checks 1e-5 of it).
 
-Above `MAX_TOKENS` (prefill, verify, large batches) cuBLAS's GEMM serves (the op calls the reference): the FMA
-paths' work grows with the tokens while the weight read does not. The kernel itself computes any token count.
+Above `MAX_TOKENS` cuBLAS's GEMM serves (the op calls the reference): the FMAs grow with the tokens while the weight
+read does not. The kernel itself computes any token count.
 """
 
 from __future__ import annotations
@@ -35,9 +32,12 @@ import torch.nn.functional as F
 from minidsa.kernels import fp8_gemm
 from minidsa.kernels.triton_compat import tl, triton
 
-MAX_TOKENS = 32  # decode batches; tl.dot pads to 32 rows here, and the FMA dot's cost grows with them
+# Measured on an H100 (benchmarks/bench_gemv.py, 2026-11-27, us per call in CUDA graphs, torch / Triton): indexer
+# 64 x 7168 at 1 / 2 / 4 tokens 9.1 / 19.9 / 20.3 against 4.9 / 4.8 / 5.3, router 256 x 7168 9.5 / 18.9 / 19.1
+# against 7.4 / 7.5 / 8.4; from 8 tokens a tl.dot variant (since removed) was at best level with cuBLAS (router
+# 8 / 16 / 32: 23.8 / 23.9 / 21.1 against 25.2 / 25.3 / 44.7).
+MAX_TOKENS = 4
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-DOT_FROM_TOKENS = 5  # below, the 16-row padding of tl.dot costs more than the register FMAs' lost reuse of W
 TARGET_PROGRAMS = 256  # about two per SM of a 132-SM GPU: the whole weight in flight at once
 MAX_SPLIT = 16  # K ranges the last program adds, each one load it issues up front (unrolled)
 
@@ -51,7 +51,7 @@ def fp32_gemv_reference(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.
 @triton.jit(do_not_specialize=["T"])
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, arrivals_ptr, T, N, K, stride_xt, stride_xk, stride_wn, stride_wk,
                  k_per_split, scale,
-                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, REDUCE_IN_KERNEL: tl.constexpr, NUM_STAGES: tl.constexpr):
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     rt = tl.arange(0, BLOCK_T)
@@ -68,10 +68,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, arrivals_ptr, T, N, K, stride_
         k_ok = ks < K
         x = tl.load(x_rows + ks[None, :] * stride_xk, mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_rows + ks[None, :] * stride_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        if USE_DOT:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     offs = rt[:, None] * N + rn[None, :]
     mask = t_ok[:, None] & n_ok[None, :]
     if SPLIT == 1:
@@ -97,33 +94,25 @@ class GemvTiles:
     block_n: int
     block_k: int
     split_k: int  # K ranges summed by the last program of a tile (1 = none)
-    use_dot: bool
     num_warps: int
     num_stages: int
 
 
 def pick_tiles(t: int, n: int, k: int) -> GemvTiles:
-    """Tiles from the shape alone (see the module docstring). FMA paths: BLOCK_T x BLOCK_N x BLOCK_K = 8192
-    products per chunk (32 registers a thread at 8 warps), chunks of 1024 along K (4 KB of fp32 weight per row);
-    tl.dot: 16-row tiles of W in 128-wide chunks, pipelined. Then K is split until the grid has about
-    TARGET_PROGRAMS programs (at most MAX_SPLIT ranges): at V3.2's K = 7168, one token, 8 x 7 programs of 32 KB for
-    N = 64 and 32 x 7 for N = 256; 16 tokens, 4 x 14 and 16 x 14 programs of 4 chunks. Not yet tuned on a GPU."""
+    """Tiles from the shape alone (see the module docstring): BLOCK_T x BLOCK_N x BLOCK_K = 8192 products per chunk
+    (32 registers a thread at 8 warps), chunks of up to 1024 along K (4 KB of fp32 weight per row). Then K is split
+    until the grid has about TARGET_PROGRAMS programs (at most MAX_SPLIT ranges): at V3.2's K = 7168, one token,
+    8 x 7 programs of 32 KB for N = 64 and 32 x 7 for N = 256."""
     block_t = triton.next_power_of_2(max(t, 1))
-    if t < DOT_FROM_TOKENS:
-        block_k = max(16, min(1024, triton.next_power_of_2(k)))
-        block_n = max(1, min(triton.next_power_of_2(n), 8192 // (block_t * block_k)))
-        use_dot, num_warps = False, 8 if block_k >= 1024 else 4
-    else:
-        block_t = max(16, block_t)
-        block_k = max(16, min(128, triton.next_power_of_2(k)))
-        block_n = 16
-        use_dot, num_warps = True, 4
+    block_k = max(16, min(1024, triton.next_power_of_2(k), 8192 // block_t))
+    block_n = max(1, min(triton.next_power_of_2(n), 8192 // (block_t * block_k)))
+    num_warps = 8 if block_k >= 1024 else 4
     chunks = max(1, -(-k // block_k))
     split = max(1, min(MAX_SPLIT, chunks, -(-TARGET_PROGRAMS // -(-n // block_n))))
     # One chunk per range: loads straight into registers; a pipeline would stage them through shared memory
     # (cp.async) for nothing, and its buffers would cap the programs per SM.
     num_stages = 1 if -(-chunks // split) == 1 else 3
-    return GemvTiles(block_t, block_n, block_k, split, use_dot, num_warps, num_stages)
+    return GemvTiles(block_t, block_n, block_k, split, num_warps, num_stages)
 
 
 def fp32_gemv(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0,
@@ -151,7 +140,7 @@ def fp32_gemv(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0,
     _gemv_kernel[(n_tiles, split)](
         x, weight, out, partials, arrivals if arrivals is not None else partials, t, n, k,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), k_per_split, float(scale),
-        BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, USE_DOT=tiles.use_dot, SPLIT=split,
+        BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT=split,
         REDUCE_IN_KERNEL=arrivals is not None, NUM_STAGES=tiles.num_stages, num_warps=tiles.num_warps,
     )
     if split > 1 and arrivals is None:  # no counts yet in a CUDA graph capture: torch adds the ranges
