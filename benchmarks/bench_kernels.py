@@ -159,15 +159,19 @@ def ceilings(rec: Recorder) -> dict:
 
 
 def bench_store(rec: Recorder, ceil: dict) -> None:
+    """The indexer key finished (LayerNorm + rope) and stored, from its raw projection."""
     cache, r2t = paged_setup(1, 65536)
-    for t in (128, 16384):
+    weight, bias = torch.ones(D_IDX, device=DEV).bfloat16(), torch.zeros(D_IDX, device=DEV).bfloat16()
+    for t in (1, 32, 128, 16384):
         loc = r2t[0, torch.randperm(65536, device=DEV)[:t]].long()
         k = torch.randn(t, D_IDX, device=DEV).bfloat16()
-        nbytes = t * (D_IDX * 2 + D_IDX + 4 + 8)
-        rec.add(row("store_index_k", f"T={t}", "triton", timed(lambda: indexer.store_index_k(cache, loc, k, PAGE)),
-                    nbytes, 2.0 * t * D_IDX * D_IDX, ceil))
+        cos, sin = torch.randn(t, 32, device=DEV), torch.randn(t, 32, device=DEV)
+        args = (cache, loc, k, weight, bias, 1e-6, cos, sin, False, PAGE)
+        nbytes = t * (D_IDX * 2 + D_IDX + 4 + 8 + 256)
+        rec.add(row("store_index_k", f"T={t}", "triton (norm + rope + store)",
+                    timed(lambda: indexer.norm_rope_store_index_k(*args)), nbytes, 2.0 * t * D_IDX * D_IDX, ceil))
         rec.add(row("store_index_k", f"T={t}", "torch reference",
-                    timed(lambda: ref.store_index_k(cache, loc, k, PAGE)), nbytes, 2.0 * t * D_IDX * D_IDX, ceil))
+                    timed(lambda: ref.norm_rope_store_index_k(*args)), nbytes, 2.0 * t * D_IDX * D_IDX, ceil))
 
 
 PAGED_SWEEP = [(1, 64, 4, 3), (1, 64, 4, 4), (1, 128, 4, 3), (1, 128, 4, 4), (1, 128, 8, 4), (1, 64, 2, 4)]

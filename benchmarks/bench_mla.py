@@ -258,19 +258,26 @@ def bench_kernels_section(rec: Recorder, ceil: dict, quick: bool) -> None:
 
 
 def bench_store_section(rec: Recorder, ceil: dict) -> None:
-    for num_tokens in (128, 16384):
+    """The MLA key finished (RMSNorm + rope) and stored, from its raw projection, into either cache layout."""
+    weight = torch.ones(D_V, device=DEV).bfloat16()
+    for num_tokens in (1, 32, 128, 16384):
         g = torch.Generator(device=DEV).manual_seed(num_tokens)
         kv = torch.randn(num_tokens, D_KV, device=DEV, generator=g).bfloat16()
+        cos = torch.randn(num_tokens, D_KV - D_V, device=DEV, generator=g)[:, : (D_KV - D_V) // 2]
+        sin = cos.clone()
         loc = torch.randperm(NUM_SLOTS, device=DEV, generator=g)[:num_tokens]
         fp8 = FP8.allocate(1, NUM_SLOTS, DEV)[0]
         bf16 = torch.zeros(NUM_SLOTS, D_KV, device=DEV, dtype=torch.bfloat16)
         calls = 16  # the same rows each call: a store's bytes are the step's own, written once
+        fp8_bytes, bf16_bytes = num_tokens * (D_KV * 2 + FP8.bytes_per_token), num_tokens * D_KV * 4
         for impl, fn, nbytes in (
-                ("triton fp8 (quantising)", lambda: mla_store.store_mla(fp8, loc, kv, D_V),
-                 num_tokens * (D_KV * 2 + FP8.bytes_per_token)),
-                ("bf16 index_put", lambda: bf16.index_put_((loc,), kv), num_tokens * D_KV * 4),
-                ("torch reference fp8", lambda: ref.store_mla(fp8, loc, kv, D_V),
-                 num_tokens * (D_KV * 2 + FP8.bytes_per_token))):
+                ("triton fp8", lambda: mla_store.norm_rope_store_mla(fp8, loc, kv, weight, 1e-6, cos, sin), fp8_bytes),
+                ("triton bf16", lambda: mla_store.norm_rope_store_mla(bf16, loc, kv, weight, 1e-6, cos, sin),
+                 bf16_bytes),
+                ("torch reference fp8", lambda: ref.norm_rope_store_mla(fp8, loc, kv, weight, 1e-6, cos, sin),
+                 fp8_bytes),
+                ("torch reference bf16", lambda: ref.norm_rope_store_mla(bf16, loc, kv, weight, 1e-6, cos, sin),
+                 bf16_bytes)):
             ms, err = graph_ms([fn] * calls)
             rec.add(bk.row("store_mla", f"T={num_tokens}", impl, ms, nbytes, ceil=ceil, note=err))
 

@@ -142,7 +142,8 @@ def test_activation_profile_traces_the_layer_the_engine_serves_with():
     # The caches are written by opaque ops: inductor would pick 32-bit indexing for a cache it indexes itself at
     # the scratch cache's size and guard on it (on an H100: `576*caches.mla.size()[0] <= 2147483647`).
     targets = [{str(n.target) for n in gm.graph.nodes} for gm in traced]
-    assert all("minidsa.store_mla" in t for t in targets[:2]) and any("minidsa.store_index_k" in t for t in targets)
+    assert all("minidsa.norm_rope_store_mla" in t for t in targets[:2])
+    assert any("minidsa.norm_rope_store_index_k" in t for t in targets)
     assert not [t for ts in targets for t in ts if "index_copy" in t or "index_put" in t or "setitem" in t], targets
     run_main, run_mtp = runner.step_functions(layer)
     runner.use_graphs(runner.build_graphs(llm.engine.speculator.layout, run_main, run_mtp),

@@ -2,7 +2,7 @@
 
 - The layout: bytes per token, buffers, errors for shapes it cannot hold.
 - Store then dequantise round-trips within e4m3 error (latent) and bf16 error (rope); the Triton store
-  kernel writes the reference's bytes.
+  kernel against the reference: tests/test_key_store.py.
 - Triton sparse MLA over the FP8 cache equals the reference on the dequantised values (decode-, verify- and
   prefill-like shapes, split top-k, holes).
 - Accuracy against the full-precision cache, on tiny transformers checkpoints: logits at every prefill and
@@ -114,26 +114,6 @@ def test_reference_store_round_trips_within_e4m3_error(latent, rope):
     assert torch.equal(scales, torch.exp2(torch.log2(scales).round()))  # powers of two (ue8m0)
 
 
-@interpreted
-@pytest.mark.parametrize("latent,rope,dtype", [(32, 16, torch.float32), (512, 64, torch.float32),
-                                               (512, 64, torch.bfloat16)])
-def test_triton_store_writes_the_reference_bytes(latent, rope, dtype):
-    from minidsa.kernels import mla_store
-
-    layout = MLALayout.for_model(latent, rope, dtype, "fp8")
-    g = _gen(3)
-    cache = torch.randint(0, 256, (50, layout.bytes_per_token), generator=g, dtype=torch.uint8)  # poisoned
-    want = cache.clone()
-    kv = _rows(19, latent + rope, seed=7).to(dtype)
-    loc = torch.randperm(50, generator=g)[:19]
-    mla_store.store_mla(cache, loc, kv, latent)
-    ref.store_mla(want, loc, kv, latent)
-    assert torch.equal(cache, want)
-    _check_round_trip(kv.float(), ref.load_mla(cache, loc, latent), latent)
-    with pytest.raises(ValueError, match="bytes|FP8 MLA cache"):
-        mla_store.store_mla(cache[:, :-4], loc, kv, latent)
-
-
 # ---------------------------------------------------------------------------
 # sparse MLA over the FP8 cache
 # ---------------------------------------------------------------------------
@@ -181,8 +161,11 @@ def test_fp8_ops_trace_opaquely_under_compile():
     loc = torch.tensor([4, 9, 11])
     slots = torch.randint(0, 60, (3, 20), generator=g, dtype=torch.int32)
 
+    norm_weight, cos, sin = torch.rand(latent, generator=g) + 0.5, torch.randn(3, rope // 2, generator=g), \
+        torch.randn(3, rope // 2, generator=g)
+
     def step(cache, loc, kv, q, slots):
-        torch.ops.minidsa.store_mla(cache, loc, kv, latent)
+        torch.ops.minidsa.norm_rope_store_mla(cache, loc, kv, norm_weight, 1e-6, cos, sin)
         return torch.ops.minidsa.sparse_mla(q, cache, slots, 0.3, latent)
 
     want_cache = cache.clone()

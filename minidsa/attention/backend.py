@@ -59,8 +59,9 @@ class IndexStep:
 class DSAOps:
     """The implementation bound to each DSA op for one engine, with the reference functions' signatures."""
 
-    store_index_k: Callable[..., None]  # (index_k, loc, k, page_size)
-    store_mla: Callable[..., None]  # (cache, loc, kv, latent_dim)
+    # (index_k, loc, k, norm_weight, norm_bias, eps, cos, sin, interleaved, page_size): the key from its projection
+    store_index_k: Callable[..., None]
+    store_mla: Callable[..., None]  # (cache, loc, kv, norm_weight, eps, cos, sin): the key from its projection
     # (q, weights, hadamard) -> (e4m3 q, weights * q's scales): the queries' side of the fp8 indexer cache
     quant_index_q: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # (q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_len, tree_mask=None,
@@ -79,7 +80,7 @@ class DSAOps:
 def bind_ops(choice: KernelChoice, libraries: Libraries | None = None, page_size: int = 64) -> DSAOps:
     """Each DSA op bound once to what `choice` says serves it. `libraries`: `select.load_libraries(choice)`;
     `page_size`: the engine's (DeepGEMM's schedule was checked per page size). The stores' ops take both cache
-    layouts (FP8 through their kernels, model-dtype rows as they are)."""
+    layouts (FP8 quantised in their kernels, model-dtype rows as they are)."""
     if choice.uses_dsa_kernels:
         importlib.import_module("minidsa.kernels.custom_ops")  # registers torch.ops.minidsa.* (imports Triton)
     ops = torch.ops.minidsa
@@ -125,8 +126,9 @@ def bind_ops(choice: KernelChoice, libraries: Libraries | None = None, page_size
     else:
         topk = ref.topk_slots
     return DSAOps(
-        store_index_k=ops.store_index_k if choice.store_index_k == "triton" else ref.store_index_k,
-        store_mla=ops.store_mla if choice.store_mla == "triton" else ref.store_mla,
+        store_index_k=(ops.norm_rope_store_index_k if choice.store_index_k == "triton"
+                       else ref.norm_rope_store_index_k),
+        store_mla=ops.norm_rope_store_mla if choice.store_mla == "triton" else ref.norm_rope_store_mla,
         quant_index_q=ops.quant_index_q if choice.quant_index_q == "triton" else ref.quant_index_q,
         index_logits=index_logits,
         index_metadata=index_metadata,
@@ -179,7 +181,6 @@ class DSABackend:
         self._num_sms = num_sms(kv_cache.device)
         # Each op's implementation, bound once from the start-up choice: no per-call re-check.
         self.ops = bind_ops(self.kernels, libraries, kv_cache.page_size)
-        self.latent_dim = kv_cache.mla_layout.latent_dim
 
     def persistent_tensors(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
         """The tensors that live as long as the engine (caches, req_to_token, Hadamard matrix), each with the dims
@@ -192,12 +193,20 @@ class DSABackend:
         return self.kv_cache.page_size
 
     # -- cache writes -------------------------------------------------------
-    def store_kv(self, layer: LayerCaches, batch: ForwardBatch, latent_rope: torch.Tensor) -> None:
-        """MLA rows [T, latent + rope] at the step's slots; the FP8 layout quantises in the store kernel."""
-        self.ops.store_mla(layer.mla, batch.out_cache_loc, latent_rope, self.latent_dim)
+    def store_kv(self, layer: LayerCaches, batch: ForwardBatch, kv: torch.Tensor, norm_weight: torch.Tensor,
+                 eps: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """MLA keys at the step's slots from the raw projection kv [T, latent + rope]: the latent RMSNorm'd
+        (norm_weight, eps), the rope part rotated interleaved (cos / sin [T, rope / 2]); the FP8 layout quantises
+        in the same kernel."""
+        self.ops.store_mla(layer.mla, batch.out_cache_loc, kv, norm_weight, eps, cos, sin)
 
-    def store_index_k(self, layer: LayerCaches, batch: ForwardBatch, k: torch.Tensor) -> None:
-        self.ops.store_index_k(layer.index_k, batch.out_cache_loc, k, self.page_size)
+    def store_index_k(self, layer: LayerCaches, batch: ForwardBatch, k: torch.Tensor, norm_weight: torch.Tensor,
+                      norm_bias: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                      interleaved: bool) -> None:
+        """Indexer keys at the step's slots from the raw projection k [T, D]: LayerNorm'd (weight, bias, eps), the
+        first 2 * cos.shape[-1] dims rotated (interleaved or half-split pairs)."""
+        self.ops.store_index_k(layer.index_k, batch.out_cache_loc, k, norm_weight, norm_bias, eps, cos, sin,
+                               interleaved, self.page_size)
 
     # -- indexer ------------------------------------------------------------
     def index_metadata(self, batch: ForwardBatch) -> IndexStep:

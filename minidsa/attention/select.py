@@ -82,12 +82,12 @@ IMPLS = MappingProxyType({
 DSA_OPS = ("store_index_k", "index_logits", "topk", "sparse_mla", "kv_move", "store_mla", "quant_index_q")
 # How each decision is named in the start-up log.
 LABELS = MappingProxyType({
-    "store_index_k": "DSA indexer key store",
+    "store_index_k": "DSA indexer key norm + rope + store",
     "index_logits": "DSA indexer logits",
     "topk": "DSA top-k",
     "sparse_mla": "DSA sparse MLA",
     "kv_move": "DSA KV move",
-    "store_mla": "DSA MLA store",
+    "store_mla": "DSA MLA key norm + rope + store",
     "quant_index_q": "DSA indexer query quantisation",
     "sample": "Sampler race",
     "fp8_gemm": "FP8 linear",
@@ -115,12 +115,12 @@ NAMES = MappingProxyType({"torch": "torch reference", "triton": "Triton", "deepg
 class KernelChoice:
     """Which implementation serves each kernel of one engine (`IMPLS`): plain strings, picklable."""
 
-    store_index_k: str = "torch"
+    store_index_k: str = "torch"  # the indexer key's LayerNorm + rope and its store (opaque op)
     index_logits: str = "torch"
     topk: str = "torch"
     sparse_mla: str = "torch"
     kv_move: str = "torch"
-    store_mla: str = "torch"  # the MLA store: quantising into the FP8 layout, or the rows as they are (opaque op)
+    store_mla: str = "torch"  # the MLA key's RMSNorm + rope and its store, FP8-quantised or as is (opaque op)
     quant_index_q: str = "torch"  # the indexer queries' rotation + e4m3 per (token, head), for the fp8 indexer cache
     sample: str = "torch"  # the sampler's exponential race (sampling.race_for)
     fp8_gemm: str = "torch"  # the FP8 linears (layers.linear.GEMMS)

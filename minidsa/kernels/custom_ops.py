@@ -37,12 +37,18 @@ def _error_once(msg: str) -> None:
     log_once(logger, logging.ERROR, msg)
 
 
-@torch.library.custom_op("minidsa::store_index_k", mutates_args=("index_k",))
-def store_index_k(index_k: Tensor, loc: Tensor, k: Tensor, page_size: int) -> None:
-    """FP8 keys through the store kernel; a model-dtype cache takes the rows as they are. Opaque either way, so
-    inductor never indexes the cache itself: it would pick 32-bit indexing on a small cache (the activation
-    profile's scratch one) and guard on that size, compiling the layer again for the engine's cache."""
-    indexer.store_index_k(index_k, loc, k, page_size)
+@torch.library.custom_op("minidsa::norm_rope_store_index_k", mutates_args=("index_k",))
+def norm_rope_store_index_k(index_k: Tensor, loc: Tensor, k: Tensor, norm_weight: Tensor, norm_bias: Tensor,
+                            eps: float, cos: Tensor, sin: Tensor, interleaved: bool, page_size: int) -> None:
+    """The indexer key finished and stored in one launch (`reference.norm_rope_store_index_k`), into either cache
+    layout. Opaque, so inductor never indexes the cache itself: it would pick 32-bit indexing on a small cache (the
+    activation profile's scratch one) and guard on that size, compiling the layer again for the engine's cache."""
+    indexer.norm_rope_store_index_k(index_k, loc, k, norm_weight, norm_bias, eps, cos, sin, interleaved, page_size)
+
+
+@norm_rope_store_index_k.register_fake
+def _(index_k, loc, k, norm_weight, norm_bias, eps, cos, sin, interleaved, page_size):
+    return None  # it only writes the cache
 
 
 @torch.library.custom_op("minidsa::quant_index_q", mutates_args=())
@@ -158,14 +164,17 @@ def _(logits, topk, req_to_token, token_rows):
     return logits.new_empty(shape, dtype=torch.int32), logits.new_empty(shape, dtype=torch.int32)
 
 
-@torch.library.custom_op("minidsa::store_mla", mutates_args=("cache",))
-def store_mla(cache: Tensor, loc: Tensor, kv: Tensor, latent_dim: int) -> None:
-    """MLA rows quantised into the FP8 layout inside the store kernel (minidsa.kernels.mla_store); a model-dtype
-    cache takes them as they are. Opaque either way, for the reason `store_index_k` gives."""
-    if cache.dtype != torch.uint8:
-        reference.store_mla(cache, loc, kv, latent_dim)
-        return
-    mla_store.store_mla(cache, loc, kv, latent_dim)
+@torch.library.custom_op("minidsa::norm_rope_store_mla", mutates_args=("cache",))
+def norm_rope_store_mla(cache: Tensor, loc: Tensor, kv: Tensor, norm_weight: Tensor, eps: float, cos: Tensor,
+                        sin: Tensor) -> None:
+    """The MLA key finished and stored in one launch (`reference.norm_rope_store_mla`, kernels/mla_store.py), into
+    the FP8 layout or a model-dtype cache. Opaque for the reason `norm_rope_store_index_k` gives."""
+    mla_store.norm_rope_store_mla(cache, loc, kv, norm_weight, eps, cos, sin)
+
+
+@norm_rope_store_mla.register_fake
+def _(cache, loc, kv, norm_weight, eps, cos, sin):
+    return None  # it only writes the cache
 
 
 @torch.library.custom_op("minidsa::sparse_mla", mutates_args=())

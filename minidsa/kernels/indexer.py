@@ -1,9 +1,10 @@
 """Triton kernels for the lightning indexer: key store, query quantisation, paged logits, ragged (prefill) logits.
 
 Same contracts as `minidsa.kernels.reference` (the oracle):
-- `store_index_k`: Hadamard-rotate, e4m3 with a power-of-two fp32 scale per
-  token, written into DeepGEMM's paged layout at `loc` (a page's
-  `page_size * D` key bytes, then its `page_size` fp32 scales).
+- `norm_rope_store_index_k`: the key from its raw projection (LayerNorm, rope),
+  Hadamard-rotated, e4m3 with a power-of-two fp32 scale per token, written into
+  DeepGEMM's paged layout at `loc` (a page's `page_size * D` key bytes, then
+  its `page_size` fp32 scales), or as is into a model-dtype cache.
 - `index_logits`: `[T, max_kv_len]` fp32, `sum_h w[t,h] * relu(q[t,h] . k[p]) * scale[p]`
   over the positions of token t's req_to_token row, -inf where invisible
   (`p >= kv_lens[t]` and not set in the tree mask).
@@ -54,7 +55,7 @@ def _round_to_e4m3(y):
 
 
 # ---------------------------------------------------------------------------
-# store_index_k
+# Hadamard + e4m3: the fp8 cache's keys and the queries scored against them
 @triton.jit
 def _rotate_e4m3(x, had_ptr, D: tl.constexpr):
     """[rows, D] -> (e4m3 bytes as uint8, fp32 power-of-two scale per row): the Hadamard rotation in fp32, then the
@@ -68,46 +69,160 @@ def _rotate_e4m3(x, had_ptr, D: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------
+# The keys' prologue (norm, rope), done by the store kernels (here and in mla_store.py): each reads the raw
+# projection and writes the finished key, so no step launches kernels of its own for one token's keys.
+# ---------------------------------------------------------------------------
+# Which rounding `_round_to` applies: the float dtypes the references round through.
+ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def rounding(dtype: torch.dtype, what: str) -> int:
+    if dtype not in ROUNDING:
+        raise ValueError(f"{what}: want fp32 / bf16 / fp16, got {dtype}")
+    return ROUNDING[dtype]
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """Round finite fp32 to the nearest bf16 (ties to even), still as fp32: the later cast is then exact on
+    every backend (the Triton interpreter's bf16 cast truncates)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to(x, ROUND: tl.constexpr):
+    """fp32 rounded as a torch cast to the dtype of `ROUNDING` code ROUND would, still as fp32: the references
+    round there (each op's result in its input's dtype), and a cast of the result to that dtype is then exact."""
+    if ROUND == 1:
+        x = _round_to_bf16(x)
+    elif ROUND == 2:
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rope_columns(j, R: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Per column j of a rope part [0, R) as the projection lays it out: (its pair's other column, whether j is
+    the pair's first, the pair's index into cos / sin, j's column in the rotated output, laid out as
+    `reference.rope_interleaved` / `rope_half` lay it out). Kernels rotate in the input's order (each value's
+    partner loaded a second time) and scatter on store, or permute what reads the result (the Hadamard's rows)."""
+    if INTERLEAVED:
+        partner = j ^ 1
+        first = (j & 1) == 0
+        pair = j // 2
+        out = tl.where(first, pair, R // 2 + pair)
+    else:
+        first = j < R // 2
+        partner = tl.where(first, j + R // 2, j - R // 2)
+        pair = tl.where(first, j, j - R // 2)
+        out = j
+    return partner, first, pair, out
+
+
+@triton.jit
+def _rotate_pairs(x, partner, first, cos, sin, ROUND: tl.constexpr):
+    """The rope of x (fp32, each value's partner in `partner`) in the references' op order: x1 cos - x2 sin for a
+    pair's first, x2 cos + x1 sin for its second, rounded to the input's dtype."""
+    xc = x * cos
+    ps = partner * sin
+    return _round_to(tl.where(first, xc - ps, xc + ps), ROUND)
+
+
+# ---------------------------------------------------------------------------
+# norm_rope_store_index_k
+# ---------------------------------------------------------------------------
 # Row / pair counts are not specialised on: each divisibility class would be a variant compiled at start-up.
 @triton.jit(do_not_specialize=["num_tokens"])
-def _store_index_k_fp8_kernel(
-    k_ptr, loc_ptr, had_ptr, cache_ptr, scale_ptr,
-    num_tokens, stride_k, page_bytes, page_words,
-    PAGE_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+def _norm_rope_store_index_k_kernel(
+    k_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, loc_ptr, had_ptr, cache_ptr, scale_ptr,
+    num_tokens, stride_k, stride_cs, stride_cache, eps,
+    D: tl.constexpr, R: tl.constexpr, INTERLEAVED: tl.constexpr, ROUND_K: tl.constexpr, FP8: tl.constexpr,
+    ROUND_CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
+    """BLOCK_T keys: LayerNorm, rope on the first R dims, then Hadamard + e4m3 into the paged fp8 cache (FP8), or
+    the key as is into a [slots, D] cache. stride_cache: the cache's row (page or slot) stride, in its elements."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < num_tokens
     d = tl.arange(0, D)
-    x = tl.load(k_ptr + rows[:, None] * stride_k + d[None, :], mask=row_ok[:, None], other=0.0)
-    y8, scale = _rotate_e4m3(x, had_ptr, D)
+    in_rope = d < R
+    partner, first, pair, out = _rope_columns(d, R, INTERLEAVED)
+    partner = tl.where(in_rope, partner, d)
+    out = tl.where(in_rope, out, d)
+    src = k_ptr + rows.to(tl.int64)[:, None] * stride_k
+    x = tl.load(src + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    # F.layer_norm's statistics: mean, then the biased variance about it, in fp32
+    mean = tl.math.div_rn(tl.sum(x, axis=1), D * 1.0)
+    xc = x - mean[:, None]
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(xc * xc, axis=1), D * 1.0) + eps))
+    w = tl.load(w_ptr + d).to(tl.float32)
+    b = tl.load(b_ptr + d).to(tl.float32)
+    y = _round_to(xc * rstd[:, None] * w[None, :] + b[None, :], ROUND_K)
+    # each rope value's partner, normed alike (the same ops on the same values: the same result)
+    xp = tl.load(src + partner[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner).to(tl.float32)
+    bp = tl.load(b_ptr + partner).to(tl.float32)
+    yp = _round_to((xp - mean[:, None]) * rstd[:, None] * wp[None, :] + bp[None, :], ROUND_K)
+    cs_mask = row_ok[:, None] & in_rope[None, :]
+    cs_off = rows.to(tl.int64)[:, None] * stride_cs + pair[None, :]
+    cos = tl.load(cos_ptr + cs_off, mask=cs_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + cs_off, mask=cs_mask, other=0.0).to(tl.float32)
+    key = tl.where(in_rope[None, :], _rotate_pairs(y, yp, first[None, :], cos, sin, ROUND_K), y)
     loc = tl.load(loc_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-    page = loc // PAGE_SIZE
-    off = loc % PAGE_SIZE
-    tl.store(cache_ptr + page[:, None] * page_bytes + off[:, None] * D + d[None, :], y8, mask=row_ok[:, None])
-    tl.store(scale_ptr + page * page_words + PAGE_SIZE * D // 4 + off, scale, mask=row_ok)
+    if FP8:
+        # key holds the rotated key's columns in the projection's order: the Hadamard's rows follow them
+        had = tl.load(had_ptr + out[:, None] * D + d[None, :])
+        z = tl.dot(key, had, input_precision="ieee")
+        scale, inv = _pow2_scale(tl.max(tl.abs(z), axis=1))
+        z = tl.minimum(tl.maximum(z * inv[:, None], -448.0), 448.0)
+        z8 = _round_to_e4m3(z).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        page = loc // PAGE_SIZE
+        off = loc % PAGE_SIZE
+        tl.store(cache_ptr + page[:, None] * stride_cache + off[:, None] * D + d[None, :], z8, mask=row_ok[:, None])
+        tl.store(scale_ptr + page * (stride_cache // 4) + PAGE_SIZE * D // 4 + off, scale, mask=row_ok)
+    else:
+        key = _round_to(key, ROUND_CACHE)
+        tl.store(cache_ptr + loc[:, None] * stride_cache + out[None, :], key.to(cache_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
 
 
-def store_index_k(index_k: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
-    """Write keys `k [T, D]` at slots `loc [T]`: Hadamard + e4m3 into the paged fp8 cache, else as is."""
+def norm_rope_store_index_k(index_k: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, norm_weight: torch.Tensor,
+                            norm_bias: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                            interleaved: bool, page_size: int) -> None:
+    """`reference.norm_rope_store_index_k` in one launch: keys from the raw projection `k [T, D]` (rows may be
+    strided), LayerNorm'd and rotated, then Hadamard + e4m3 into the paged fp8 cache, or as they are into a
+    model-dtype cache [slots, D]."""
     if k.dim() != 2 or loc.dim() != 1 or loc.shape[0] != k.shape[0]:
-        raise ValueError(f"store_index_k: want k [T, D] and loc [T], got {tuple(k.shape)} and {tuple(loc.shape)}")
-    if index_k.dtype != torch.uint8:
-        index_k[loc] = k.to(index_k.dtype)
-        return
+        raise ValueError(f"norm_rope_store_index_k: want k [T, D] and loc [T], got {tuple(k.shape)} and {tuple(loc.shape)}")
     num_tokens, d = k.shape
-    if d & (d - 1) or d < 16:
-        raise ValueError(f"store_index_k: head dim must be a power of two >= 16, got {d}")
-    if index_k.dim() != 2 or index_k.shape[1] != page_size * (d + 4) or index_k.stride(1) != 1:
-        raise ValueError(f"store_index_k: fp8 cache must be [pages, {page_size * (d + 4)}] uint8, got {tuple(index_k.shape)}")
+    rope = 2 * cos.shape[-1]
+    if d & (d - 1) or d < 16 or rope > d:
+        raise ValueError(f"norm_rope_store_index_k: head dim must be a power of two >= 16 and hold the rope's {rope}, got {d}")
+    if cos.shape != (num_tokens, rope // 2) or sin.shape != cos.shape or norm_weight.shape != (d,) or \
+            norm_bias.shape != (d,):
+        raise ValueError(f"norm_rope_store_index_k: want cos / sin [{num_tokens}, {rope // 2}] and norm weight / bias [{d}], "
+                         f"got {tuple(cos.shape)}, {tuple(sin.shape)}, {tuple(norm_weight.shape)}, "
+                         f"{tuple(norm_bias.shape)}")
+    fp8 = index_k.dtype == torch.uint8
+    if fp8 and (index_k.dim() != 2 or index_k.shape[1] != page_size * (d + 4) or index_k.stride(1) != 1):
+        raise ValueError(f"norm_rope_store_index_k: fp8 cache must be [pages, {page_size * (d + 4)}] uint8, got {tuple(index_k.shape)}")
+    if not fp8 and (index_k.dim() != 2 or index_k.shape[1] != d or index_k.stride(1) != 1):
+        raise ValueError(f"norm_rope_store_index_k: cache must be [slots, {d}], got {tuple(index_k.shape)}")
     if num_tokens == 0:
         return
     if k.stride(1) != 1:
         k = k.contiguous()
-    block_t = 16
-    _store_index_k_fp8_kernel[(triton.cdiv(num_tokens, block_t),)](
-        k, loc, ref.hadamard_matrix(d, str(k.device)), index_k, index_k.view(torch.float32),
-        num_tokens, k.stride(0), index_k.stride(0), index_k.stride(0) // 4,
-        PAGE_SIZE=page_size, D=d, BLOCK_T=block_t, num_warps=4,
+    if cos.stride() != sin.stride() or cos.stride(1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    block_t = 16  # tl.dot's fewest rows
+    _norm_rope_store_index_k_kernel[(triton.cdiv(num_tokens, block_t),)](
+        k, norm_weight, norm_bias, cos, sin, loc, ref.hadamard_matrix(d, str(k.device)) if fp8 else k,
+        index_k, index_k.view(torch.float32) if fp8 else index_k,
+        num_tokens, k.stride(0), cos.stride(0), index_k.stride(0), eps,
+        D=d, R=rope, INTERLEAVED=interleaved, ROUND_K=rounding(k.dtype, "norm_rope_store_index_k"), FP8=fp8,
+        ROUND_CACHE=0 if fp8 else rounding(index_k.dtype, "norm_rope_store_index_k"), PAGE_SIZE=page_size,
+        BLOCK_T=block_t, num_warps=4,
     )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from minidsa.kernels.fp8 import quant_act_per_token_group
 
@@ -108,6 +109,16 @@ def store_mla(cache: torch.Tensor, loc: torch.Tensor, kv: torch.Tensor, latent_d
     cache.index_copy_(0, loc, row)
 
 
+def norm_rope_store_mla(cache: torch.Tensor, loc: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor,
+                        eps: float, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """The MLA key from its raw projection `kv [T, L + R]` (L = norm_weight's size), stored at slots `loc` as
+    `store_mla` stores rows: the latent RMSNorm'd, the rest rotated by `rope_interleaved` (cos / sin [T, R/2])."""
+    latent_dim = norm_weight.shape[0]
+    latent = rms_norm(kv[:, :latent_dim], norm_weight, eps)
+    k_rope = rope_interleaved(kv[:, latent_dim:], cos, sin)
+    store_mla(cache, loc, torch.cat([latent, k_rope], dim=-1), latent_dim)
+
+
 def load_mla(cache: torch.Tensor, slots: torch.Tensor, latent_dim: int) -> torch.Tensor:
     """fp32 MLA rows [..., L + R] at `slots` (any shape); FP8 rows come back dequantised."""
     if cache.dtype != torch.uint8:
@@ -130,6 +141,17 @@ def store_index_k(index_k: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, pag
     page, off = loc // page_size, loc % page_size
     keys[page, off] = k8
     scales[page, off] = s
+
+
+def norm_rope_store_index_k(index_k: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, norm_weight: torch.Tensor,
+                            norm_bias: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                            interleaved: bool, page_size: int) -> None:
+    """The indexer key from its raw projection `k [T, D]`, stored at slots `loc` as `store_index_k` stores keys:
+    LayerNorm'd, then its first R = 2 * cos.shape[-1] dims rotated (`rope_interleaved` or `rope_half`)."""
+    k = F.layer_norm(k, (k.shape[-1],), norm_weight, norm_bias, eps)
+    rope_dim = 2 * cos.shape[-1]
+    rot = (rope_interleaved if interleaved else rope_half)(k[:, :rope_dim], cos, sin)
+    store_index_k(index_k, loc, torch.cat([rot, k[:, rope_dim:]], dim=-1), page_size)
 
 
 def load_index_k(index_k: torch.Tensor, slots: torch.Tensor, page_size: int, head_dim: int) -> torch.Tensor:
@@ -300,6 +322,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Pairs (x0, x1), (x2, x3)... rotated; output laid out [evens | odds] (q and k alike, so q.k is unchanged)."""
+    dtype = x.dtype
+    x = x.float()
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
+
+
+def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX half-split rotation: (x[i], x[i + d/2]) pairs."""
+    dtype = x.dtype
+    x = x.float()
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
 
 
 def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None

@@ -37,6 +37,7 @@ from minidsa.parallel.state import building_tp
 from minidsa.kernels import gemv, mla_absorb, norm_quant, reference
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape
 from minidsa.kernels.fused_moe import SKIP
+from minidsa.kernels.reference import rope_half, rope_interleaved
 from minidsa.models.layers.linear import (FusedLinear, Linear, QuantizedInput, WeightLoadError, as_tensor,
                                           load_block_scaled)
 from minidsa.models.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, checkpoint_shard
@@ -90,23 +91,6 @@ class Rotary(nn.Module):
         return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
 
 
-def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Pairs (x0, x1), (x2, x3)... rotated; output laid out [evens | odds] (q and k alike, so q.k is unchanged)."""
-    dtype = x.dtype
-    x = x.float()
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
-
-
-def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX half-split rotation: (x[i], x[i + d/2]) pairs."""
-    dtype = x.dtype
-    x = x.float()
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
-
-
 def _fused(module: nn.Module, name: str) -> FusedLinear:
     fused = getattr(module, name, None)
     if fused is None:
@@ -157,8 +141,9 @@ class Indexer(nn.Module):
         num_tokens = x.shape[0]
         q = self.wq_b(qr, qr_quantized).view(num_tokens, self.n_heads, self.head_dim)
         q = self._rope(q, ctx.cos.unsqueeze(1), ctx.sin.unsqueeze(1))
-        k = self._rope(self.k_norm(k), ctx.cos, ctx.sin)
-        ctx.attn.store_index_k(caches, ctx.batch, k)
+        norm = self.k_norm
+        ctx.attn.store_index_k(caches, ctx.batch, k, norm.weight, norm.bias, norm.eps, ctx.cos, ctx.sin,
+                               self.interleave)
         weights = _fp32_gemv(self.fp32_gemv)(x, self.weights_proj.weight, self.weight_scale)
         return ctx.attn.index_topk(caches, ctx.batch, q, weights, ctx.index_meta)
 
@@ -215,9 +200,8 @@ class MLAttention(nn.Module):
         q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]
         q_rope = rope_interleaved(q_rope, ctx.cos.unsqueeze(1), ctx.sin.unsqueeze(1))
 
-        latent = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
-        k_rope = rope_interleaved(kv[:, self.kv_lora_rank :], ctx.cos, ctx.sin)
-        ctx.attn.store_kv(caches, ctx.batch, torch.cat([latent, k_rope], dim=-1))
+        ctx.attn.store_kv(caches, ctx.batch, kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, ctx.cos,
+                          ctx.sin)
 
         if self.computes_topk or prev_topk is None:
             if self.indexer is None:

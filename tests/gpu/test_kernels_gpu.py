@@ -85,26 +85,123 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
     return hits / total
 
 
-def test_store_index_k_real_size():
-    g = _gen(1)
-    cache, r2t, width = paged_setup([8192], 1)
-    base = cache.clone()
-    loc = r2t[0, torch.randperm(width, device=DEV, generator=g)[:4096]].long()
-    k = (torch.randn(4096, D_IDX, device=DEV, generator=g) * 3).bfloat16()
-    want = base.clone()
-    ref.store_index_k(want, loc, k, PAGE)
-    indexer.store_index_k(cache, loc, k, PAGE)
-    gk, gs = ref.fp8_views(cache, PAGE, D_IDX)
+def _cos_sin(tokens: int, rope: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = torch.randint(0, 100000, (tokens, 1), device=DEV, generator=g).float()
+    freqs = pos * 10000.0 ** (-torch.arange(0, rope, 2, device=DEV).float() / rope)
+    return freqs.cos() * 1.1, freqs.sin() * 1.1
+
+
+def _projection(tokens: int, width: int, g: torch.Generator) -> torch.Tensor:
+    """[T, width] bf16, a row-strided view of a wider projection (as the fused in_proj's parts are)."""
+    wide = torch.randn(tokens, width + 64, device=DEV, generator=g) * 3
+    return wide.bfloat16()[:, 64:]
+
+
+def _check_bf16(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The statistics sum in another order (and torch's rsqrt is not rounded): one bf16 ulp at most, mostly equal."""
+    ulp = torch.where(want.float() != 0, want.float().abs() * 2.0**-7, 2.0**-133)
+    apart = (got.float() - want.float()).abs() / ulp
+    assert apart.max() <= 1.0 and (apart == 0).float().mean() >= 0.98, (apart.max(), (apart == 0).float().mean())
+
+
+def _check_e4m3(got: torch.Tensor, want: torch.Tensor) -> None:
+    diff = (got.float() - want.float()).abs()
+    assert (diff > 0).float().mean() < 1e-2 and (diff <= want.float().abs() / 8 + 2**-9).all()
+
+
+@pytest.mark.parametrize("tokens", [1, 32, 4096])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_norm_rope_store_mla_real_size(tokens, fp8):
+    """The MLA key finished in the store (RMSNorm + interleaved rope) == the torch reference, both cache layouts."""
+    g = _gen(40 + tokens + fp8)
+    num_slots = 2 * tokens + 7
+    kv = _projection(tokens, D_KV, g)
+    weight = (torch.rand(D_V, device=DEV, generator=g) + 0.5).bfloat16()
+    cos, sin = _cos_sin(tokens, D_KV - D_V, g)
+    loc = torch.randperm(num_slots, device=DEV, generator=g)[:tokens]
+    got = (torch.randint(0, 256, (num_slots, ref.mla_fp8_row_bytes(D_V, D_KV - D_V)), device=DEV, generator=g,
+                         dtype=torch.uint8) if fp8 else torch.randn(num_slots, D_KV, device=DEV, generator=g).bfloat16())
+    want = got.clone()
+    torch.ops.minidsa.norm_rope_store_mla(got, loc, kv, weight, 1e-6, cos, sin)
+    ref.norm_rope_store_mla(want, loc, kv, weight, 1e-6, cos, sin)
+    keep = torch.ones(num_slots, dtype=torch.bool, device=DEV)
+    keep[loc] = False
+    assert torch.equal(got[keep], want[keep])
+    if not fp8:
+        _check_bf16(got[loc], want[loc])
+        return
+    g_lat, g_sc, g_rope = ref.mla_fp8_views(got, D_V)
+    w_lat, w_sc, w_rope = ref.mla_fp8_views(want, D_V)
+    assert torch.equal(g_sc[loc], w_sc[loc])
+    _check_e4m3(g_lat[loc], w_lat[loc])
+    _check_bf16(g_rope[loc], w_rope[loc])
+
+
+@pytest.mark.parametrize("tokens", [1, 32, 4096])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_norm_rope_store_index_k_real_size(tokens, fp8, interleaved):
+    """The indexer key finished in the store (LayerNorm + rope) == the torch reference, both cache layouts."""
+    g = _gen(60 + tokens + 2 * fp8 + interleaved)
+    num_pages = -(-(2 * tokens + 7) // PAGE)
+    k = _projection(tokens, D_IDX, g)
+    weight = (torch.rand(D_IDX, device=DEV, generator=g) + 0.5).bfloat16()
+    bias = (torch.randn(D_IDX, device=DEV, generator=g) * 0.2).bfloat16()
+    cos, sin = _cos_sin(tokens, 64, g)
+    loc = torch.randperm(num_pages * PAGE, device=DEV, generator=g)[:tokens]
+    got = (torch.randint(0, 256, (num_pages, PAGE * (D_IDX + 4)), device=DEV, generator=g, dtype=torch.uint8)
+           if fp8 else torch.randn(num_pages * PAGE, D_IDX, device=DEV, generator=g).bfloat16())
+    want = got.clone()
+    torch.ops.minidsa.norm_rope_store_index_k(got, loc, k, weight, bias, 1e-6, cos, sin, interleaved, PAGE)
+    ref.norm_rope_store_index_k(want, loc, k, weight, bias, 1e-6, cos, sin, interleaved, PAGE)
+    if not fp8:
+        keep = torch.ones(num_pages * PAGE, dtype=torch.bool, device=DEV)
+        keep[loc] = False
+        assert torch.equal(got[keep], want[keep])
+        _check_bf16(got[loc], want[loc])
+        return
+    gk, gs = ref.fp8_views(got, PAGE, D_IDX)
     wk, ws = ref.fp8_views(want, PAGE, D_IDX)
-    assert torch.equal(gs, ws)
     p, o = loc // PAGE, loc % PAGE
-    diff = (gk[p, o].float() - wk[p, o].float()).abs()
-    assert (diff > 0).float().mean() < 1e-3 and (diff <= wk[p, o].float().abs() / 8 + 2**-9).all()
-    untouched = torch.ones(cache.shape[0] * PAGE, dtype=torch.bool, device=DEV)
-    untouched[loc] = False
-    idx = untouched.nonzero()[:, 0]
-    assert torch.equal(gk[idx // PAGE, idx % PAGE].view(torch.uint8), ref.fp8_views(base, PAGE, D_IDX)[0][
-        idx // PAGE, idx % PAGE].view(torch.uint8))
+    assert torch.equal(gs[p, o], ws[p, o])
+    _check_e4m3(gk[p, o], wk[p, o])
+    keep = torch.ones(num_pages * PAGE, dtype=torch.bool, device=DEV)
+    keep[loc] = False
+    kp, ko = keep.nonzero()[:, 0] // PAGE, keep.nonzero()[:, 0] % PAGE
+    assert torch.equal(gk[kp, ko].view(torch.uint8), wk[kp, ko].view(torch.uint8))
+    assert torch.equal(gs[kp, ko].view(torch.int32), ws[kp, ko].view(torch.int32))
+
+
+def test_key_stores_replay_in_a_cuda_graph():
+    """Both stores captured in one CUDA graph write what they write eagerly for new inputs."""
+    g = _gen(80)
+    tokens, num_slots = 8, 4096
+    mla = torch.zeros(num_slots, ref.mla_fp8_row_bytes(D_V, 64), device=DEV, dtype=torch.uint8)
+    index = torch.zeros(num_slots // PAGE, PAGE * (D_IDX + 4), device=DEV, dtype=torch.uint8)
+    mla_w = (torch.rand(D_V, device=DEV, generator=g) + 0.5).bfloat16()
+    norm_w, norm_b = torch.rand(D_IDX, device=DEV, generator=g).bfloat16(), torch.zeros(D_IDX, device=DEV).bfloat16()
+    loc = torch.randperm(num_slots, device=DEV, generator=g)[:tokens]
+
+    def step(kv, k, cos, sin):
+        torch.ops.minidsa.norm_rope_store_mla(mla, loc, kv, mla_w, 1e-6, cos, sin)
+        torch.ops.minidsa.norm_rope_store_index_k(index, loc, k, norm_w, norm_b, 1e-6, cos, sin, False, PAGE)
+
+    def inputs():
+        return (_projection(tokens, D_KV, g), _projection(tokens, D_IDX, g), *_cos_sin(tokens, 64, g))
+
+    static = inputs()
+    step(*static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(*static)
+    new = inputs()
+    for dst, src in zip(static, new):
+        dst.copy_(src)
+    graph.replay()
+    got_mla, got_index = mla.clone(), index.clone()
+    step(*new)
+    assert torch.equal(got_mla, mla) and torch.equal(got_index, index)
 
 
 @pytest.mark.parametrize("tokens", [1, 32, 8192])
