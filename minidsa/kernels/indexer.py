@@ -150,10 +150,10 @@ def quant_unsupported(head_dim: int) -> str | None:
 
 
 def _quant_tiles(num_rows: int) -> tuple[int, int]:
-    """(BLOCK_M, num_warps) for T * H rows. Measured on H200 at H = 64, D = 128 (graph replays): the rotation's
-    fp32 FMAs bound each program, so decode spreads over the most programs (16 rows, the fewest tl.dot takes;
-    T = 1: 5.0 us, the torch reference 23 us) while they fit one wave; past that, larger tiles load the Hadamard
-    matrix fewer times (T = 8192: 0.53 ms at 64 rows, 0.75 at 16; the reference 1.35)."""
+    """(BLOCK_M, num_warps) for T * H rows. Measured on H200 at H = 64, D = 128 (graph replays, before the rope
+    moved in): the rotation's fp32 FMAs bound each program, so decode spreads over the most programs (16 rows, the
+    fewest tl.dot takes; T = 1: 5.0 us, the torch reference 23 us) while they fit one wave; past that, larger tiles
+    load the Hadamard matrix fewer times (T = 8192: 0.53 ms at 64 rows, 0.75 at 16; the reference 1.35)."""
     if num_rows <= 2048:
         return 16, 8
     if num_rows <= 4096:
