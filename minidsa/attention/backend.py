@@ -214,17 +214,17 @@ class DSABackend:
     def index_topk(self, layer: LayerCaches, batch: ForwardBatch, q: torch.Tensor, weights: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, rope_interleave: bool,
                    step: IndexStep | None = None) -> torch.Tensor:
-        """Top-k physical slots [T, index_topk] (int32, -1 padded) for each query token. `q` [T, H, D] before its
-        rope: cos / sin [T, rope/2] rotate its first `rope` columns (`reference.rope_leading`, pairs interleaved or
-        half-split), here, where a kernel reading q anyway takes them. `step`: this forward's `index_metadata`
-        (made here when not handed in)."""
+        """Top-k physical slots [T, index_topk] (int32, -1 padded) for each query token. `q` [T, H, D] comes
+        before its rope, which cos / sin [T, rope/2] apply to its first `rope` columns (`reference.rope_leading`,
+        pairs interleaved or half-split): here, so that the fp8 cache's query quantisation, which reads q anyway,
+        takes it in. `step`: this forward's `index_metadata` (made here when not handed in)."""
         buf = layer.index_k
         if buf is None:
             raise RuntimeError(f"layer {layer.layer_id} has no indexer cache (a shared layer must reuse top-k)")
         step = step or self.index_metadata(batch)
         if buf.dtype == torch.uint8:
             q, weights = self.ops.quant_index_q(q, weights, self.hadamard, cos, sin, rope_interleave)
-        else:  # the logits kernels read q as it is
+        else:  # the logits read q as they are handed it
             q = ref.rope_leading(q, cos.unsqueeze(1), sin.unsqueeze(1), rope_interleave)
         rows = step.token_rows
         logits = self.ops.index_logits(q, weights, buf, self.page_size, self.req_to_token, rows, batch.kv_lens,
