@@ -223,7 +223,7 @@ for q_side in (True, False):  # absorb_q's tiles (with the query rope), absorb_o
     src = ASTSource(mla_absorb._head_matmul_kernel, sig, constexprs={
         "BLOCK_T": t.block_t, "BLOCK_K": t.block_k, "BLOCK_N": t.block_n, "BLOCK_R": 64, "HAS_ROPE": q_side,
         "PRECISION": "tf32"})
-    options = {"num_warps": t.num_warps, "num_stages": t.num_stages, "enable_fp_fusion": False}
+    options = {"num_warps": t.num_warps, "num_stages": t.num_stages, "enable_fp_fusion": not q_side}
     assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
 print("compiled")
 """

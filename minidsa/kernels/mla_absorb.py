@@ -156,7 +156,8 @@ def _launch(a: torch.Tensor, b_strides: tuple[int, int, int], w: torch.Tensor, o
         a.stride(0), a.stride(1), a.stride(2), *b_strides, *out_strides, *rope_strides,
         BLOCK_T=t.block_t, BLOCK_K=t.block_k, BLOCK_N=t.block_n,
         BLOCK_R=triton.next_power_of_2(max(rope_dim, 1)), HAS_ROPE=rope is not None, PRECISION=precision,
-        num_warps=t.num_warps, num_stages=t.num_stages, enable_fp_fusion=False,  # the rope as torch rounds it
+        num_warps=t.num_warps, num_stages=t.num_stages,
+        enable_fp_fusion=rope is None,  # the rope as torch rounds it (kernels/rope.py)
     )
 
 

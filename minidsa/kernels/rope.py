@@ -4,7 +4,8 @@
 `load_rope_leading` computes what `reference.rope_leading` does (fp32 products, one rounding per product and one
 per sum, in the reference's order), so a caller that rounds its result to the query dtype matches the torch code
 bit for bit. Kernels calling it launch with `enable_fp_fusion=False` for that: contracted into an fma,
-a * cos - b * sin rounds twice where torch rounds three times. (Their tl.dot keeps its own fma / MMA.)
+a * cos - b * sin rounds twice where torch rounds three times. The flag stops LLVM / ptxas fusing separate
+multiplies and adds; tl.dot emits MMA (bf16) or explicit fused multiply-adds (fp32), which it leaves alone.
 """
 
 from __future__ import annotations
