@@ -14,8 +14,12 @@ def _signed_code(x8: torch.Tensor) -> torch.Tensor:
 
 
 def assert_quant_index_q_matches(q: torch.Tensor, weights: torch.Tensor, got: tuple[torch.Tensor, torch.Tensor],
-                                 hadamard: torch.Tensor | None = None) -> None:
-    """`got` is a kernel's (e4m3 q, scaled weights) for `reference.quant_index_q(q, weights, hadamard)`.
+                                 hadamard: torch.Tensor | None = None,
+                                 rope: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> None:
+    """`got` is a kernel's (e4m3 q, scaled weights) for `reference.quant_index_q(q, weights, hadamard, *rope)`.
+
+    - The rope (cos, sin, interleave) is the reference's bit for bit (the same fp32 operations, then q's dtype):
+      what follows holds for the rotated q.
 
     - The power-of-two scales are the reference's exactly: weights * scale equal (weights must be non-zero).
     - Each e4m3 value rounds the exact rotation (x @ H in float64) give or take the fp32 rotation's error,
@@ -25,7 +29,10 @@ def assert_quant_index_q_matches(q: torch.Tensor, weights: torch.Tensor, got: tu
     """
     num_tokens, num_heads, d = q.shape
     assert (weights != 0).all(), "a zero weight hides its scale"
-    want_q8, want_w = ref.quant_index_q(q, weights, hadamard)
+    want_q8, want_w = ref.quant_index_q(q, weights, hadamard, *(rope or ()))
+    if rope is not None:
+        cos, sin, interleave = rope
+        q = ref.rope_leading(q, cos.unsqueeze(1), sin.unsqueeze(1), interleave)
     got_q8, got_w = got
     assert got_q8.dtype == torch.float8_e4m3fn and got_q8.shape == q.shape
     assert got_w.dtype == torch.float32 and got_w.shape == (num_tokens, num_heads)

@@ -296,24 +296,54 @@ def test_query_quantisation_runs_the_triton_op_where_chosen(sm90, monkeypatch, c
     be, table = _backend(choice, 64)
     bound, seen = be.ops.quant_index_q, []
 
-    def recording(q, weights, hadamard):
-        seen.append(hadamard)
-        return bound(q, weights, hadamard)
+    def recording(q, weights, hadamard, cos, sin, rope_interleave):
+        seen.append((hadamard, cos, sin, rope_interleave))
+        return bound(q, weights, hadamard, cos, sin, rope_interleave)
 
     monkeypatch.setattr(be, "ops", dataclasses.replace(be.ops, quant_index_q=recording))
     table.write(0, 0, torch.arange(64, 64 + 40))
     batch = ForwardBatch.build(StepKind.DECODE, [0], [0], [39], [1], torch.tensor([64 + 39]), "cpu")
     g = torch.Generator().manual_seed(4)
     q, w = torch.randn(1, 32, 32, generator=g), torch.rand(1, 32, generator=g)
-    slots = be.index_topk(be.layer_caches[0], batch, q, w)
-    assert len(seen) == 1 and seen[0] is be.hadamard and slots.shape == (1, 24)
+    cos, sin = torch.randn(1, 8, generator=g), torch.randn(1, 8, generator=g)
+    slots = be.index_topk(be.layer_caches[0], batch, q, w, cos, sin, True)
+    assert len(seen) == 1 and slots.shape == (1, 24)
+    assert seen[0][0] is be.hadamard and seen[0][1] is cos and seen[0][2] is sin and seen[0][3] is True
 
     q, w = torch.randn(2, 4, 8, generator=g), torch.rand(2, 4, generator=g)
+    cos, sin = torch.randn(2, 2, generator=g), torch.randn(2, 2, generator=g)
     with caplog.at_level(logging.WARNING):
-        got = torch.ops.minidsa.quant_index_q(q, w, ref.hadamard_matrix(8))
-    want = ref.quant_index_q(q, w)
+        got = torch.ops.minidsa.quant_index_q(q, w, ref.hadamard_matrix(8), cos, sin, False)
+    want = ref.quant_index_q(q, w, None, cos, sin, False)
     assert torch.equal(got[0].float(), want[0].float()) and torch.equal(got[1], want[1])
     assert "DSA indexer query quantisation: torch reference (head dim 8" in caplog.text
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_index_topk_rotates_the_queries_for_a_full_precision_cache(interleave):
+    """No quantisation to take the query rope in: `index_topk` rotates q itself (`reference.rope_leading`) before
+    the logits, so both cache layouts get the same raw q and rope inputs."""
+    kv = KVCache(1, 4, MLALayout.for_model(32, 16, torch.float32, "auto"),
+                 IndexerLayout(32, torch.float32, False, 64), "cpu")
+    table = ReqToTokenTable(2, 256, "cpu")
+    be = DSABackend(kv, table.req_to_token, index_topk=8, kernels=KernelChoice())
+    g = torch.Generator().manual_seed(6)
+    be.store_index_k(be.layer_caches[0], ForwardBatch.build(StepKind.EXTEND, list(range(40)), [0], [0], [40],
+                                                            torch.arange(40), "cpu"), torch.randn(40, 32, generator=g))
+    table.write(0, 0, torch.arange(41))
+    batch = ForwardBatch.build(StepKind.DECODE, [0], [0], [40], [1], torch.tensor([40]), "cpu")
+    q, w = torch.randn(1, 4, 32, generator=g), torch.rand(1, 4, generator=g)
+    angles = torch.rand(1, 8, generator=g) * 100
+    cos, sin = angles.cos(), angles.sin()
+    got = be.index_topk(be.layer_caches[0], batch, q, w, cos, sin, interleave)
+    rotated = ref.rope_leading(q, cos.unsqueeze(1), sin.unsqueeze(1), interleave)
+    logits = ref.index_logits(rotated, w, kv.index_k[0], 64, table.req_to_token, batch.token_rows, batch.kv_lens,
+                              batch.max_kv_len)
+    want, _ = ref.topk_slots(logits, 8, table.req_to_token, batch.token_rows)
+    assert torch.equal(got, want)
+    unrotated = ref.index_logits(q, w, kv.index_k[0], 64, table.req_to_token, batch.token_rows, batch.kv_lens,
+                                 batch.max_kv_len)
+    assert not torch.equal(unrotated, logits)
 
 
 def test_bad_kernel_choice_is_rejected():
@@ -471,6 +501,8 @@ def test_dsa_backend_ops_match_reference_backend(sm90, monkeypatch, with_deep_ge
         t = batch.num_tokens
         k = torch.randn(t, 32, generator=g)
         q, w = torch.randn(t, heads, 32, generator=g), torch.rand(t, heads, generator=g)
+        angles = torch.rand(t, 8, generator=g) * 100  # the query rope over 16 of the 32 columns
+        cos, sin, interleave = angles.cos(), angles.sin(), t % 2 == 0
         kv = torch.randn(t, 48, generator=g)
         cos, sin = torch.randn(t, 8, generator=g), torch.randn(t, 8, generator=g)
         qm = torch.randn(t, 8, 48, generator=g)
@@ -480,7 +512,7 @@ def test_dsa_backend_ops_match_reference_backend(sm90, monkeypatch, with_deep_ge
             be.store_kv(layer, batch, kv, torch.ones(32), 1e-6, cos, sin)
             be.store_index_k(layer, batch, k, torch.ones(32), torch.zeros(32), 1e-6, cos, sin, True)
             if attend:
-                slots = be.index_topk(layer, batch, q, w)
+                slots = be.index_topk(layer, batch, q, w, cos, sin, interleave)
                 positions = slots_to_positions(be.req_to_token, batch.token_rows, slots)
                 out.append((slots, positions, be.sparse_mla(layer, qm, slots, 0.2, 32)))
         if not attend:

@@ -21,7 +21,8 @@ if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu/test_kernels_gpu.py checks the compiled kernels", allow_module_level=True)
 
 
-from triton_interp import import_kernels_interpreted, poison_new_tensors, run_file_interpreted  # noqa: E402
+from triton_interp import (import_kernels_interpreted, poison_new_tensors, run_file_interpreted,  # noqa: E402
+                           torch_rounded_casts)
 
 INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
@@ -96,13 +97,43 @@ def _index_queries(tokens: int, heads: int, d: int, dtype: torch.dtype, g: torch
     (17, 4, 64, torch.bfloat16), (64, 8, 128, torch.float32),
 ])
 def test_quant_index_q_matches_reference(tokens, heads, d, dtype):
+    """Without a rope, and with the indexer's rope on the first half of each head (as DeepSeek-V3.2's 64 of 128),
+    pairs interleaved and half-split; the rope in the query dtype bit for bit (`torch_rounded_casts`: the
+    interpreter's bf16 cast rounds as torch's)."""
     g = _gen(tokens * 7 + heads + d)
     q, w = _index_queries(tokens, heads, d, dtype, g)
-    assert_quant_index_q_matches(q, w, indexer.quant_index_q(q, w))
-    # Strided rows: heads apart by 2 D, weights by 2 (the kernel reads the strides it is given).
-    q_wide = torch.cat([q, q.flip(-1)], dim=-1)[..., :d]
-    w_wide = torch.stack([w, -w], dim=-1)[..., 0]
-    assert_quant_index_q_matches(q_wide, w_wide, indexer.quant_index_q(q_wide, w_wide, ref.hadamard_matrix(d)))
+    cos, sin = _rope_tables(tokens, d // 2, g)
+    with torch_rounded_casts():
+        assert_quant_index_q_matches(q, w, indexer.quant_index_q(q, w))
+        for interleave in (True, False):
+            got = indexer.quant_index_q(q, w, None, cos, sin, interleave)
+            assert_quant_index_q_matches(q, w, got, rope=(cos, sin, interleave))
+        # Strided rows: heads apart by 2 D, weights by 2, cos / sin rows by rope (the kernel reads the strides it
+        # is given).
+        q_wide = torch.cat([q, q.flip(-1)], dim=-1)[..., :d]
+        w_wide = torch.stack([w, -w], dim=-1)[..., 0]
+        cos_wide, sin_wide = torch.cat([cos, sin], dim=-1).split(d // 4, dim=-1)
+        got = indexer.quant_index_q(q_wide, w_wide, ref.hadamard_matrix(d), cos_wide, sin_wide, tokens % 2 == 0)
+        assert_quant_index_q_matches(q_wide, w_wide, got, rope=(cos_wide, sin_wide, tokens % 2 == 0))
+
+
+def _rope_tables(tokens: int, rope: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos / sin [tokens, rope/2] of far-apart positions, times a YaRN-like attention factor."""
+    angles = torch.randint(0, 1 << 17, (tokens, 1), generator=g).float() * torch.rand(rope // 2, generator=g)
+    return angles.cos() * 1.3, angles.sin() * 1.3
+
+
+@in_this_process
+def test_quant_index_q_rope_covers_the_whole_head_or_a_few_columns():
+    """A rope as wide as the head (no column passes through) and one of 6 columns (3 pairs, no power of two)."""
+    g = _gen(5)
+    q, w = _index_queries(5, 4, 32, torch.bfloat16, g)
+    with torch_rounded_casts():
+        for rope in (32, 6):
+            cos, sin = _rope_tables(5, rope, g)
+            for interleave in (True, False):
+                got = indexer.quant_index_q(q, w, None, cos, sin, interleave)
+                assert_quant_index_q_matches(q, w, got, rope=(cos, sin, interleave))
 
 
 @in_this_process
@@ -116,6 +147,13 @@ def test_quant_index_q_rejects_bad_input_and_takes_no_tokens():
         indexer.quant_index_q(q, w, ref.hadamard_matrix(64))
     with pytest.raises(ValueError, match="float64"):
         indexer.quant_index_q(q.double(), w)
+    cos = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="cos / sin"):
+        indexer.quant_index_q(q, w, None, cos[:2], cos[:2])
+    with pytest.raises(ValueError, match="cos / sin"):
+        indexer.quant_index_q(q, w, None, torch.randn(3, 20), torch.randn(3, 20))
+    with pytest.raises(ValueError, match="cos / sin"):
+        indexer.quant_index_q(q, w, None, cos, None)
     q8, sw = indexer.quant_index_q(q[:0], w[:0])
     assert q8.shape == (0, 4, 32) and q8.dtype == torch.float8_e4m3fn and sw.shape == (0, 4)
 
@@ -127,8 +165,8 @@ def test_quant_index_q_op_traces_once_for_every_token_count():
 
     had = ref.hadamard_matrix(32)
 
-    def step(q, w):
-        q8, sw = torch.ops.minidsa.quant_index_q(q, w, had)
+    def step(q, w, cos, sin):
+        q8, sw = torch.ops.minidsa.quant_index_q(q, w, had, cos, sin, True)
         return q8.float().sum(-1) * sw
 
     counter = CompileCounterWithBackend("aot_eager")
@@ -136,7 +174,8 @@ def test_quant_index_q_op_traces_once_for_every_token_count():
     g = _gen(31)
     for tokens in (3, 9):
         q, w = torch.randn(tokens, 16, 32, generator=g).bfloat16(), torch.randn(tokens, 16, generator=g)
-        assert torch.equal(compiled(q, w), step(q, w))
+        cos, sin = _rope_tables(tokens, 16, g)
+        assert torch.equal(compiled(q, w, cos, sin), step(q, w, cos, sin))
     assert counter.frame_count == 1
 
 
@@ -434,18 +473,22 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from minidsa.kernels import indexer
 target = GPUTarget("cuda", 90, 32)
-for block_m in (16, 64):
+# the engine's tiles at decode and prefill, with DeepSeek-V3.2's half-split rope and GLM's interleaved one
+for block_m, interleave in ((16, False), (64, False), (16, True)):
     src = ASTSource(indexer._quant_index_q_kernel, {
-        "q_ptr": "*bf16", "w_ptr": "*fp32", "had_ptr": "*fp32", "q8_ptr": "*u8", "w_out_ptr": "*fp32",
-        "num_rows": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_wt": "i32", "stride_wh": "i32",
-        "H": "constexpr", "D": "constexpr", "BLOCK_M": "constexpr"}, constexprs={"H": 64, "D": 128, "BLOCK_M": block_m})
-    assert triton.compile(src, target=target, options={"num_warps": 8}).asm["cubin"]
+        "q_ptr": "*bf16", "w_ptr": "*fp32", "had_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+        "q8_ptr": "*u8", "w_out_ptr": "*fp32", "num_rows": "i32", "stride_qt": "i32", "stride_qh": "i32",
+        "stride_wt": "i32", "stride_wh": "i32", "stride_ct": "i32", "H": "constexpr", "D": "constexpr",
+        "ROPE": "constexpr", "INTERLEAVE": "constexpr", "BLOCK_M": "constexpr"},
+        constexprs={"H": 64, "D": 128, "ROPE": 64, "INTERLEAVE": interleave, "BLOCK_M": block_m})
+    assert triton.compile(src, target=target, options={"num_warps": 8, "enable_fp_fusion": False}).asm["cubin"]
 print("compiled")
 """
 
 
 def test_indexer_query_kernel_compiles_for_h100():
-    """The query quantisation compiled for sm_90 without a GPU (the key store: tests/test_key_store.py)."""
+    """The query quantisation (with its rope) compiled for sm_90 without a GPU (the key store:
+    tests/test_key_store.py)."""
     from triton_interp import compile_for_h100
 
     compile_for_h100(_COMPILE_INDEXER_FOR_H100, "indexer")

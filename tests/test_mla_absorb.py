@@ -8,7 +8,7 @@ process), new torch.empty outputs poisoned, the interpreter's bf16 tl.dot patche
 
 What is compared how: both sides accumulate in fp32, in different orders. fp32 outputs within a few fp32 ulps of
 the largest product sum; bf16 outputs never more than one bf16 ulp apart and mostly equal (an fp32-order
-difference moves a bf16 rounding only near a tie); the copied rope columns exactly.
+difference moves a bf16 rounding only near a tie); the rotated rope columns exactly (the same fp32 operations).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child 
 
 from minidsa.kernels import custom_ops  # noqa: E402,F401
 from minidsa.kernels import mla_absorb  # noqa: E402
+from minidsa.kernels import reference as ref  # noqa: E402
 # Before any torch.empty is patched: Dynamo takes torch's functions as it finds them when imported, and would
 # refuse the real one after a poisoned test had imported it.
 import torch._dynamo  # noqa: E402,F401
@@ -43,14 +44,16 @@ def poisoned_outputs(monkeypatch):
 
 
 def _inputs(tokens: int, heads: int, nope: int, v: int, latent: int, rope: int, dtype: torch.dtype, seed: int):
-    """(q_nope, q_rope, w_uk, w_uv, o_latent) as the model holds them: q_nope / q_rope slices of one q row per
-    head, W_UK / W_UV views of kv_b_proj's weight, o_latent a row-strided view."""
+    """(q_nope, q_rope, w_uk, w_uv, o_latent, cos, sin) as the model holds them: q_nope / q_rope slices of one q
+    row per head, W_UK / W_UV views of kv_b_proj's weight, o_latent a row-strided view, fp32 cos / sin [T, rope/2]
+    of far-apart positions scaled by a YaRN-like attention factor."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(tokens, heads, nope + rope, generator=g).to(dtype)
     kv_b = (torch.randn(heads * (nope + v), latent, generator=g) * latent**-0.5).to(dtype)
     w = kv_b.view(heads, nope + v, latent)
     o_latent = torch.randn(tokens, heads, latent + 8, generator=g).to(dtype)[..., :latent]
-    return q[..., :nope], q[..., nope:], w[:, :nope], w[:, nope:], o_latent
+    angles = torch.randint(0, 1 << 17, (tokens, 1), generator=g).float() * torch.rand(rope // 2, generator=g)
+    return q[..., :nope], q[..., nope:], w[:, :nope], w[:, nope:], o_latent, angles.cos() * 1.3, angles.sin() * 1.3
 
 
 def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -83,55 +86,66 @@ CASES = ([(t, h, dims, dtype) for t in (1, 2, 5, 17) for h in (2, 8) for dims in
 @pytest.mark.parametrize("tokens,heads,dims,dtype", CASES)
 def test_kernels_match_their_references(tokens, heads, dims, dtype):
     nope, v, latent, rope = dims
-    q_nope, q_rope, w_uk, w_uv, o_latent = _inputs(tokens, heads, nope, v, latent, rope, dtype, tokens * heads)
+    q_nope, q_rope, w_uk, w_uv, o_latent, cos, sin = _inputs(tokens, heads, nope, v, latent, rope, dtype,
+                                                             tokens * heads)
     with torch_rounded_casts():
-        q_full = torch.ops.minidsa.absorb_q(q_nope, q_rope, w_uk)
+        q_full = torch.ops.minidsa.absorb_q(q_nope, q_rope, w_uk, cos, sin)
         o = torch.ops.minidsa.absorb_o(o_latent, w_uv)
-    want_q = mla_absorb.absorb_q_reference(q_nope, q_rope, w_uk)
+    want_q = mla_absorb.absorb_q_reference(q_nope, q_rope, w_uk, cos, sin)
     _check(q_full, want_q)
-    assert torch.equal(q_full[..., latent:], q_rope)
+    assert torch.equal(q_full[..., latent:], ref.rope_interleaved(q_rope, cos.unsqueeze(1), sin.unsqueeze(1)))
     _check(o, mla_absorb.absorb_o_reference(o_latent, w_uv))
 
 
 @in_this_process
 def test_kernels_take_any_token_count_and_odd_widths():
     """Past one block of rows (each block reads the weight tile again) and with widths no block divides, as the
-    tiny preset's 24 / 32 dims; a q_rope with its own strides."""
-    q_nope, q_rope, w_uk, w_uv, o_latent = _inputs(70, 3, 24, 40, 48, 8, torch.float32, 5)
-    q_rope = q_rope.transpose(0, 1).contiguous().transpose(0, 1)
-    with torch_rounded_casts():
-        _check(mla_absorb.absorb_q(q_nope, q_rope, w_uk), mla_absorb.absorb_q_reference(q_nope, q_rope, w_uk))
-        _check(mla_absorb.absorb_o(o_latent, w_uv), mla_absorb.absorb_o_reference(o_latent, w_uv))
-        empty = torch.ops.minidsa.absorb_o(o_latent[:0], w_uv)
-    assert empty.shape == (0, 3 * 40)
+    tiny preset's 24 / 32 dims, a rope of 12 (6 pairs); a q_rope with its own strides, cos / sin strided views; fp32
+    and bf16."""
+    for dtype in (torch.float32, torch.bfloat16):
+        q_nope, q_rope, w_uk, w_uv, o_latent, cos, sin = _inputs(70, 3, 24, 40, 48, 12, dtype, 5)
+        q_rope = q_rope.transpose(0, 1).contiguous().transpose(0, 1)
+        cos, sin = torch.stack([cos, sin], dim=-1).unbind(-1)  # columns 2 apart
+        with torch_rounded_casts():
+            got = mla_absorb.absorb_q(q_nope, q_rope, w_uk, cos, sin)
+            want = mla_absorb.absorb_q_reference(q_nope, q_rope, w_uk, cos, sin)
+            _check(got, want)
+            assert torch.equal(got[..., 48:], want[..., 48:])
+            _check(mla_absorb.absorb_o(o_latent, w_uv), mla_absorb.absorb_o_reference(o_latent, w_uv))
+            empty = torch.ops.minidsa.absorb_o(o_latent[:0], w_uv)
+        assert empty.shape == (0, 3 * 40)
 
 
 @in_this_process
 def test_ops_serve_more_tokens_than_the_kernel_with_the_reference(monkeypatch):
     """Above MAX_TOKENS the ops run cuBLAS's bmm (the reference itself: equal, not close), never the kernel."""
     tokens = mla_absorb.MAX_TOKENS + 1
-    q_nope, q_rope, w_uk, w_uv, o_latent = _inputs(tokens, 2, 32, 32, 64, 16, torch.bfloat16, 3)
+    q_nope, q_rope, w_uk, w_uv, o_latent, cos, sin = _inputs(tokens, 2, 32, 32, 64, 16, torch.bfloat16, 3)
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("the kernel ran above MAX_TOKENS")
 
     monkeypatch.setattr(mla_absorb, "_launch", no_kernel)
-    assert torch.equal(torch.ops.minidsa.absorb_q(q_nope, q_rope, w_uk),
-                       mla_absorb.absorb_q_reference(q_nope, q_rope, w_uk))
+    assert torch.equal(torch.ops.minidsa.absorb_q(q_nope, q_rope, w_uk, cos, sin),
+                       mla_absorb.absorb_q_reference(q_nope, q_rope, w_uk, cos, sin))
     assert torch.equal(torch.ops.minidsa.absorb_o(o_latent, w_uv), mla_absorb.absorb_o_reference(o_latent, w_uv))
 
 
 @in_this_process
 def test_bad_shapes_are_refused():
-    q_nope, q_rope, w_uk, w_uv, o_latent = _inputs(3, 2, 32, 32, 64, 16, torch.float32, 1)
+    q_nope, q_rope, w_uk, w_uv, o_latent, cos, sin = _inputs(3, 2, 32, 32, 64, 16, torch.float32, 1)
     with pytest.raises(ValueError, match="does not fit the per-head weight"):
-        mla_absorb.absorb_q(q_nope, q_rope, w_uk[:1])
+        mla_absorb.absorb_q(q_nope, q_rope, w_uk[:1], cos, sin)
     with pytest.raises(ValueError, match="does not fit the per-head weight"):
         mla_absorb.absorb_o(o_latent[..., :32], w_uv)
     with pytest.raises(ValueError, match="must share one of"):
         mla_absorb.absorb_o(o_latent.bfloat16(), w_uv)
     with pytest.raises(ValueError, match="q_rope"):
-        mla_absorb.absorb_q(q_nope, q_rope[:2], w_uk)
+        mla_absorb.absorb_q(q_nope, q_rope[:2], w_uk, cos, sin)
+    with pytest.raises(ValueError, match="cos / sin"):
+        mla_absorb.absorb_q(q_nope, q_rope, w_uk, cos[:, :4], sin[:, :4])
+    with pytest.raises(ValueError, match="cos / sin"):
+        mla_absorb.absorb_q(q_nope, q_rope, w_uk, cos[:2], sin[:2])
 
 
 def _tiny_model(mla_absorb_kernel: str):
@@ -198,17 +212,18 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from minidsa.kernels import mla_absorb
-sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "rope_ptr": "*bf16", "T": "i32", "K": "i32", "N": "i32",
-       "ROPE": "i32", "stride_at": "i32", "stride_ah": "i32", "stride_ak": "i32", "stride_bh": "i32",
-       "stride_bk": "i32", "stride_bn": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_rt": "i32",
-       "stride_rh": "i32", "BLOCK_T": "constexpr", "BLOCK_K": "constexpr", "BLOCK_N": "constexpr",
-       "BLOCK_R": "constexpr", "HAS_ROPE": "constexpr", "PRECISION": "constexpr"}
-for q_side in (True, False):  # absorb_q's tiles (with the rope copy), absorb_o's
+sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "rope_ptr": "*bf16", "cos_ptr": "*fp32",
+       "sin_ptr": "*fp32", "T": "i32", "K": "i32", "N": "i32", "ROPE": "i32", "stride_at": "i32", "stride_ah": "i32",
+       "stride_ak": "i32", "stride_bh": "i32", "stride_bk": "i32", "stride_bn": "i32", "stride_ot": "i32",
+       "stride_oh": "i32", "stride_rt": "i32", "stride_rh": "i32", "stride_ct": "i32", "BLOCK_T": "constexpr",
+       "BLOCK_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_R": "constexpr", "HAS_ROPE": "constexpr",
+       "PRECISION": "constexpr"}
+for q_side in (True, False):  # absorb_q's tiles (with the query rope), absorb_o's
     t = mla_absorb._tiles(1, 128, 128 if q_side else 512, 512 if q_side else 128, not q_side)
     src = ASTSource(mla_absorb._head_matmul_kernel, sig, constexprs={
         "BLOCK_T": t.block_t, "BLOCK_K": t.block_k, "BLOCK_N": t.block_n, "BLOCK_R": 64, "HAS_ROPE": q_side,
         "PRECISION": "tf32"})
-    options = {"num_warps": t.num_warps, "num_stages": t.num_stages}
+    options = {"num_warps": t.num_warps, "num_stages": t.num_stages, "enable_fp_fusion": not q_side}
     assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
 print("compiled")
 """

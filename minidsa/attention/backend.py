@@ -62,7 +62,8 @@ class DSAOps:
     # (index_k, loc, k, norm_weight, norm_bias, eps, cos, sin, interleaved, page_size): the key from its projection
     store_index_k: Callable[..., None]
     store_mla: Callable[..., None]  # (cache, loc, kv, norm_weight, eps, cos, sin): the key from its projection
-    # (q, weights, hadamard) -> (e4m3 q, weights * q's scales): the queries' side of the fp8 indexer cache
+    # (q, weights, hadamard, cos, sin, rope_interleave) -> (e4m3 q, weights * q's scales): the queries' side of
+    # the fp8 indexer cache, their rope included
     quant_index_q: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # (q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_len, tree_mask=None,
     #  num_requests=0, step_meta=None): `num_requests` = requests the tokens come from (0 = unknown);
@@ -220,15 +221,20 @@ class DSABackend:
         return IndexStep(rows, batch.batch_size, deepgemm)
 
     def index_topk(self, layer: LayerCaches, batch: ForwardBatch, q: torch.Tensor, weights: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, rope_interleave: bool,
                    step: IndexStep | None = None) -> torch.Tensor:
-        """Top-k physical slots [T, index_topk] (int32, -1 padded) for each query token. `step`: this forward's
-        `index_metadata` (made here when not handed in)."""
+        """Top-k physical slots [T, index_topk] (int32, -1 padded) for each query token. `q` [T, H, D] comes
+        before its rope, which cos / sin [T, rope/2] apply to its first `rope` columns (`reference.rope_leading`,
+        pairs interleaved or half-split): here, so that the fp8 cache's query quantisation, which reads q anyway,
+        takes it in. `step`: this forward's `index_metadata` (made here when not handed in)."""
         buf = layer.index_k
         if buf is None:
             raise RuntimeError(f"layer {layer.layer_id} has no indexer cache (a shared layer must reuse top-k)")
         step = step or self.index_metadata(batch)
         if buf.dtype == torch.uint8:
-            q, weights = self.ops.quant_index_q(q, weights, self.hadamard)
+            q, weights = self.ops.quant_index_q(q, weights, self.hadamard, cos, sin, rope_interleave)
+        else:  # the logits read q as they are handed it
+            q = ref.rope_leading(q, cos.unsqueeze(1), sin.unsqueeze(1), rope_interleave)
         rows = step.token_rows
         logits = self.ops.index_logits(q, weights, buf, self.page_size, self.req_to_token, rows, batch.kv_lens,
                                        batch.max_kv_len, batch.tree_mask, step.num_requests, step.deepgemm)

@@ -121,7 +121,7 @@ class KernelChoice:
     sparse_mla: str = "torch"
     kv_move: str = "torch"
     store_mla: str = "torch"  # the MLA key's RMSNorm + rope and its store, FP8-quantised or as is (opaque op)
-    quant_index_q: str = "torch"  # the indexer queries' rotation + e4m3 per (token, head), for the fp8 indexer cache
+    quant_index_q: str = "torch"  # the indexer queries' rope + rotation + e4m3 per (token, head), for an fp8 cache
     sample: str = "torch"  # the sampler's exponential race (sampling.race_for)
     fp8_gemm: str = "torch"  # the FP8 linears (layers.linear.GEMMS)
     moe_gemm: str = "torch"  # the routed experts' fused MoE op ("deepgemm": its grouped GEMMs where faster)

@@ -32,8 +32,8 @@ class TopkRecorder:
         self.records: list[tuple[int, torch.Tensor]] | None = None  # None: not recording
         inner = type(backend).index_topk
 
-        def index_topk(layer, batch, q, weights, step_meta=None):
-            slots = inner(backend, layer, batch, q, weights, step_meta)
+        def index_topk(layer, batch, q, weights, cos, sin, rope_interleave, step_meta=None):
+            slots = inner(backend, layer, batch, q, weights, cos, sin, rope_interleave, step_meta)
             if self.records is not None:
                 self.records.append((layer.layer_id,
                                      slots_to_positions(backend.req_to_token, batch.token_rows, slots)))

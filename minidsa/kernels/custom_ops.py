@@ -52,19 +52,21 @@ def _(index_k, loc, k, norm_weight, norm_bias, eps, cos, sin, interleaved, page_
 
 
 @torch.library.custom_op("minidsa::quant_index_q", mutates_args=())
-def quant_index_q(q: Tensor, weights: Tensor, hadamard: Tensor) -> tuple[Tensor, Tensor]:
-    """Indexer queries for the fp8 cache in one Triton launch: (e4m3 q, weights * q's scales), the contract of
-    `reference.quant_index_q`, which serves a head dim the kernel cannot take (`indexer.quant_unsupported`)."""
+def quant_index_q(q: Tensor, weights: Tensor, hadamard: Tensor, cos: Optional[Tensor] = None,
+                  sin: Optional[Tensor] = None, rope_interleave: bool = False) -> tuple[Tensor, Tensor]:
+    """Indexer queries for the fp8 cache in one Triton launch, their rope included: (e4m3 q, weights * q's
+    scales), the contract of `reference.quant_index_q`, which serves a head dim the kernel cannot take
+    (`indexer.quant_unsupported`)."""
     why_not = indexer.quant_unsupported(q.shape[2])
     if why_not is not None:
         _warn_once(f"DSA indexer query quantisation: torch reference ({why_not})")
-        q8, scaled_weights = reference.quant_index_q(q, weights, hadamard)
+        q8, scaled_weights = reference.quant_index_q(q, weights, hadamard, cos, sin, rope_interleave)
         return q8, scaled_weights.float()
-    return indexer.quant_index_q(q, weights, hadamard)
+    return indexer.quant_index_q(q, weights, hadamard, cos, sin, rope_interleave)
 
 
 @quant_index_q.register_fake
-def _(q, weights, hadamard):
+def _(q, weights, hadamard, cos=None, sin=None, rope_interleave=False):
     return q.new_empty(q.shape, dtype=torch.float8_e4m3fn), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
@@ -356,16 +358,17 @@ def _absorb_by_kernel(num_tokens: int) -> bool:
 
 
 @torch.library.custom_op("minidsa::absorb_q", mutates_args=())
-def absorb_q(q_nope: Tensor, q_rope: Tensor, w_uk: Tensor) -> Tensor:
-    """MLA's absorbed query [T, H, L + rope] (`mla_absorb.absorb_q_reference`), where the engine chose the kernel:
-    one Triton launch at decode sizes, the reference above them (picked here, on the concrete token count)."""
+def absorb_q(q_nope: Tensor, q_rope: Tensor, w_uk: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """MLA's absorbed query [T, H, L + rope], q_rope rotated (`mla_absorb.absorb_q_reference`), where the engine
+    chose the kernel: one Triton launch at decode sizes, the reference above them (picked here, on the concrete
+    token count)."""
     if _absorb_by_kernel(q_nope.shape[0]):
-        return mla_absorb.absorb_q(q_nope, q_rope, w_uk)
-    return mla_absorb.absorb_q_reference(q_nope, q_rope, w_uk)
+        return mla_absorb.absorb_q(q_nope, q_rope, w_uk, cos, sin)
+    return mla_absorb.absorb_q_reference(q_nope, q_rope, w_uk, cos, sin)
 
 
 @absorb_q.register_fake
-def _(q_nope, q_rope, w_uk):
+def _(q_nope, q_rope, w_uk, cos, sin):
     return q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uk.shape[2] + q_rope.shape[2])
 
 

@@ -10,8 +10,9 @@ Same contracts as `minidsa.kernels.reference` (the oracle):
   (`p >= kv_lens[t]` and not set in the tree mask).
 - `ragged_index_logits`: row i scores keys `[ks[i], ke[i])` of one contiguous
   key tensor (DeepGEMM's `fp8_mqa_logits` contract).
-- `quant_index_q`: the queries' side of the fp8 cache (the key store's rotation
-  and scales, per (token, head)), the scale folded into the head weights.
+- `quant_index_q`: the queries' side of the fp8 cache (their rope, then the key
+  store's rotation and scales, per (token, head)), the scale folded into the head
+  weights.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from minidsa.kernels import reference as ref
+from minidsa.kernels.rope import load_rope_leading
 from minidsa.kernels.triton_compat import tl, triton
 
 FP8_MAX = ref.FP8_MAX
@@ -232,9 +234,9 @@ def norm_rope_store_index_k(index_k: torch.Tensor, loc: torch.Tensor, k: torch.T
 # The row count is not specialised on: each divisibility class would be a variant compiled at start-up.
 @triton.jit(do_not_specialize=["num_rows"])
 def _quant_index_q_kernel(
-    q_ptr, w_ptr, had_ptr, q8_ptr, w_out_ptr,
-    num_rows, stride_qt, stride_qh, stride_wt, stride_wh,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+    q_ptr, w_ptr, had_ptr, cos_ptr, sin_ptr, q8_ptr, w_out_ptr,
+    num_rows, stride_qt, stride_qh, stride_wt, stride_wh, stride_ct,
+    H: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """One program: BLOCK_M (token, head) rows of q, row r = token r // H, head r % H (tiles may span tokens)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -242,8 +244,13 @@ def _quant_index_q_kernel(
     t = (rows // H).to(tl.int64)
     h = rows % H
     d = tl.arange(0, D)
-    x = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :], mask=row_ok[:, None],
-                other=0.0)
+    q_rows = q_ptr + t * stride_qt + h * stride_qh
+    if ROPE > 0:
+        # rounded to q's dtype, as the torch rope hands its result on
+        x = load_rope_leading(q_rows, cos_ptr + t * stride_ct, sin_ptr + t * stride_ct, row_ok, d, D, ROPE,
+                              INTERLEAVE).to(q_ptr.dtype.element_ty)
+    else:
+        x = tl.load(q_rows[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
     y8, scale = _rotate_e4m3(x, had_ptr, D)
     tl.store(q8_ptr + rows.to(tl.int64)[:, None] * D + d[None, :], y8, mask=row_ok[:, None])
     w = tl.load(w_ptr + t * stride_wt + h * stride_wh, mask=row_ok, other=0.0).to(tl.float32)
@@ -258,10 +265,10 @@ def quant_unsupported(head_dim: int) -> str | None:
 
 
 def _quant_tiles(num_rows: int) -> tuple[int, int]:
-    """(BLOCK_M, num_warps) for T * H rows. Measured on H200 at H = 64, D = 128 (graph replays): the rotation's
-    fp32 FMAs bound each program, so decode spreads over the most programs (16 rows, the fewest tl.dot takes;
-    T = 1: 5.0 us, the torch reference 23 us) while they fit one wave; past that, larger tiles load the Hadamard
-    matrix fewer times (T = 8192: 0.53 ms at 64 rows, 0.75 at 16; the reference 1.35)."""
+    """(BLOCK_M, num_warps) for T * H rows. Measured on H200 at H = 64, D = 128 (graph replays, before the rope
+    moved in): the rotation's fp32 FMAs bound each program, so decode spreads over the most programs (16 rows, the
+    fewest tl.dot takes; T = 1: 5.0 us, the torch reference 23 us) while they fit one wave; past that, larger tiles
+    load the Hadamard matrix fewer times (T = 8192: 0.53 ms at 64 rows, 0.75 at 16; the reference 1.35)."""
     if num_rows <= 2048:
         return 16, 8
     if num_rows <= 4096:
@@ -269,11 +276,12 @@ def _quant_tiles(num_rows: int) -> tuple[int, int]:
     return 64, 8
 
 
-def quant_index_q(q: torch.Tensor, weights: torch.Tensor,
-                  hadamard: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indexer queries for the fp8 cache, `reference.quant_index_q`'s contract: q [T, H, D] Hadamard-rotated,
-    e4m3 per (token, head) with a power-of-two scale, the scale folded into weights [T, H]
-    -> (e4m3 [T, H, D], fp32 [T, H])."""
+def quant_index_q(q: torch.Tensor, weights: torch.Tensor, hadamard: torch.Tensor | None = None,
+                  cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                  rope_interleave: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indexer queries for the fp8 cache, `reference.quant_index_q`'s contract: q [T, H, D] rotated by its rope
+    (cos / sin [T, rope/2], where given), Hadamard-rotated, e4m3 per (token, head) with a power-of-two scale, the
+    scale folded into weights [T, H] -> (e4m3 [T, H, D], fp32 [T, H])."""
     if q.dim() != 3 or weights.dim() != 2 or weights.shape != q.shape[:2]:
         raise ValueError(f"quant_index_q: want q [T, H, D] and weights [T, H], got {tuple(q.shape)} and "
                          f"{tuple(weights.shape)}")
@@ -289,6 +297,15 @@ def quant_index_q(q: torch.Tensor, weights: torch.Tensor,
     elif hadamard.shape != (head_dim, head_dim) or hadamard.dtype != torch.float32:
         raise ValueError(f"quant_index_q: want a [{head_dim}, {head_dim}] fp32 Hadamard matrix, got "
                          f"{tuple(hadamard.shape)} {hadamard.dtype}")
+    rope_dim = 0
+    if cos is not None:
+        rope_dim = 2 * cos.shape[-1]
+        if cos.dim() != 2 or cos.shape[0] != num_tokens or sin is None or sin.shape != cos.shape \
+                or rope_dim > head_dim:
+            raise ValueError(f"quant_index_q: want cos / sin [{num_tokens}, rope/2] with rope <= {head_dim}, got "
+                             f"{tuple(cos.shape)} and {None if sin is None else tuple(sin.shape)}")
+        if cos.stride() != sin.stride() or cos.stride(1) != 1:
+            cos, sin = cos.contiguous(), sin.contiguous()
     q8 = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float8_e4m3fn, device=q.device)
     scaled_weights = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
     num_rows = num_tokens * num_heads
@@ -298,9 +315,11 @@ def quant_index_q(q: torch.Tensor, weights: torch.Tensor,
         q = q.contiguous()
     block_m, num_warps = _quant_tiles(num_rows)
     _quant_index_q_kernel[(triton.cdiv(num_rows, block_m),)](
-        q, weights, hadamard.contiguous(), q8.view(torch.uint8), scaled_weights,
-        num_rows, q.stride(0), q.stride(1), weights.stride(0), weights.stride(1),
-        H=num_heads, D=head_dim, BLOCK_M=block_m, num_warps=num_warps,
+        q, weights, hadamard.contiguous(), q if cos is None else cos, q if sin is None else sin, q8.view(torch.uint8),
+        scaled_weights, num_rows, q.stride(0), q.stride(1), weights.stride(0), weights.stride(1),
+        0 if cos is None else cos.stride(0),
+        H=num_heads, D=head_dim, ROPE=rope_dim, INTERLEAVE=rope_interleave, BLOCK_M=block_m, num_warps=num_warps,
+        enable_fp_fusion=False,  # the rope as torch rounds it (kernels/rope.py)
     )
     return q8, scaled_weights
 

@@ -1,20 +1,22 @@
 """MLA's absorbed per-head matrices at decode sizes, one Triton launch each.
 
 Absorption folds kv_b_proj into the attention: each head's query enters the latent space through W_UK
-(`absorb_q`: q_latent = q_nope @ W_UK, beside the rotated q_rope), and the latent attention output leaves it
-through W_UV (`absorb_o`: o = o_latent @ W_UV^T). `absorb_q_reference` and `absorb_o_reference` (per-head bmm
-plus a cat / a copy) are the contract: fp32 accumulation, outputs in the inputs' dtype.
+(`absorb_q`: q_latent = q_nope @ W_UK, beside q_rope rotated by its rotary embedding), and the latent attention
+output leaves it through W_UV (`absorb_o`: o = o_latent @ W_UV^T). `absorb_q_reference` and `absorb_o_reference`
+(per-head bmm plus the rope and a cat / a copy) are the contract: fp32 accumulation, outputs in the inputs'
+dtype; the rope columns are `reference.rope_interleaved`'s bit for bit.
 
 Why: at one decode token on an H100 (DeepSeek-V3.2, 64 heads per rank) each bmm is ~8.4 us for 8.4 MB of
 bf16 weight, about a third of the copy bandwidth, and the cat and the copy are two more kernels, in every layer
 of every decode step. Here both products are one weight-streaming kernel (`_head_matmul_kernel`): a program
 owns one head and a block of output columns, reads its weight tile once and every token's row of that head,
-and writes straight into the layout the next op reads (q_full's first L columns, its rope columns copied by
-the head's first program; o in [T, H * v]), so no cat or copy remains. Weight tiles are small enough that
-64-128 heads make several programs per SM (`_tiles`), which keeps every SM streaming. Measured on an H100 (in
-a CUDA graph, weights rotated past L2), reference -> kernel: at 64 heads, 1 token, q 8.0 -> 5.6 us and o 7.3 ->
-5.5 us; 32 tokens 13.7 -> 5.5 and 8.6 -> 5.9; at 128 heads, 1 token, 11.0 -> 8.2 and 10.0 -> 8.2 (2 TB/s; about
-2.5 us of each launch is fixed cost, the rest streams near 3 TB/s).
+and writes straight into the layout the next op reads (q_full's first L columns, its rope columns rotated by
+the head's first program; o in [T, H * v]), so no cat or copy remains, nor a kernel of the query rope's own.
+Weight tiles are small enough that 64-128 heads make several programs per SM (`_tiles`), which keeps every SM
+streaming. Measured on an H100 (in a CUDA graph, weights rotated past L2; before the rope moved in), reference
+-> kernel: at 64 heads, 1 token, q 8.0 -> 5.6 us and o 7.3 -> 5.5 us; 32 tokens 13.7 -> 5.5 and 8.6 -> 5.9; at
+128 heads, 1 token, 11.0 -> 8.2 and 10.0 -> 8.2 (2 TB/s; about 2.5 us of each launch is fixed cost, the rest
+streams near 3 TB/s).
 
 Above `MAX_TOKENS` tokens (prefill, verify) the product is compute-bound and cuBLAS serves it (the op calls
 the references); the kernel itself computes any token count.
@@ -26,18 +28,22 @@ from dataclasses import dataclass
 
 import torch
 
+from minidsa.kernels import reference as ref
+from minidsa.kernels.rope import load_rope_leading
 from minidsa.kernels.triton_compat import tl, triton
 
 MAX_TOKENS = 64  # the kernel reads all of a head's rows against one weight tile: decode and small batches
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def absorb_q_reference(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
-    """q_nope [T, H, nope], q_rope [T, H, rope], w_uk [H, nope, L] -> q_full [T, H, L + rope]."""
+def absorb_q_reference(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> torch.Tensor:
+    """q_nope [T, H, nope], q_rope [T, H, rope] (not yet rotated), w_uk [H, nope, L], cos / sin [T, rope/2]
+    -> q_full [T, H, L + rope]: q_nope @ W_UK, then `rope_interleaved(q_rope)`."""
     # Per-head bmm on transposed operands, not einsum: einsum treats a one-token batch apart (it drops size-1
     # dims), which would cost every layer kind a second compiled graph.
     q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
-    return torch.cat([q_latent, q_rope], dim=-1)
+    return torch.cat([q_latent, ref.rope_interleaved(q_rope, cos.unsqueeze(1), sin.unsqueeze(1))], dim=-1)
 
 
 def absorb_o_reference(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
@@ -52,12 +58,14 @@ def absorb_o_reference(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tens
 
 @triton.jit
 def _head_matmul_kernel(
-    a_ptr, b_ptr, out_ptr, rope_ptr, T, K, N, ROPE,
+    a_ptr, b_ptr, out_ptr, rope_ptr, cos_ptr, sin_ptr, T, K, N, ROPE,
     stride_at, stride_ah, stride_ak, stride_bh, stride_bk, stride_bn, stride_ot, stride_oh, stride_rt, stride_rh,
+    stride_ct,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_ROPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # out[t, h, n] = sum_k a[t, h, k] * b[h, k, n]; with HAS_ROPE, out[t, h, N + r] = rope[t, h, r] too.
+    # out[t, h, n] = sum_k a[t, h, k] * b[h, k, n]; with HAS_ROPE, out[t, h, N:] = rope_interleaved(rope[t, h])
+    # too.
     h = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -84,9 +92,10 @@ def _head_matmul_kernel(
         if HAS_ROPE:
             if nb == 0:
                 offs_r = tl.arange(0, BLOCK_R)
-                r_mask = t_ok[:, None] & (offs_r < ROPE)[None, :]
-                r = tl.load(rope_ptr + h * stride_rh + rows[:, None] * stride_rt + offs_r[None, :], mask=r_mask)
-                tl.store(out_head + rows[:, None] * stride_ot + N + offs_r[None, :], r, mask=r_mask)
+                r = load_rope_leading(rope_ptr + h * stride_rh + rows * stride_rt, cos_ptr + rows * stride_ct,
+                                      sin_ptr + rows * stride_ct, t_ok, offs_r, ROPE, ROPE, True)
+                tl.store(out_head + rows[:, None] * stride_ot + N + offs_r[None, :], r.to(out_ptr.dtype.element_ty),
+                         mask=t_ok[:, None] & (offs_r < ROPE)[None, :])
 
 
 @dataclass(frozen=True)
@@ -123,40 +132,50 @@ def _check_weight(name: str, a: torch.Tensor, w: torch.Tensor, k_dim: int) -> No
 
 
 def _launch(a: torch.Tensor, b_strides: tuple[int, int, int], w: torch.Tensor, out: torch.Tensor,
-            out_strides: tuple[int, int], n: int, k_contiguous: bool, rope: torch.Tensor | None,
-            tiles: Tiles | None) -> None:
+            out_strides: tuple[int, int], n: int, k_contiguous: bool,
+            rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, tiles: Tiles | None) -> None:
+    """`rope`: (q_rope, cos, sin), rotated into out[..., n:]."""
     num_tokens, num_heads, k = a.shape
     if num_tokens == 0:
         return
     t = tiles or _tiles(num_tokens, num_heads, k, n, k_contiguous)
-    rope_dim = 0 if rope is None else rope.shape[2]
-    rope_strides = (0, 0) if rope is None else (rope.stride(0), rope.stride(1))
-    if rope is not None and rope.stride(2) != 1:
-        rope = rope.contiguous()
-        rope_strides = (rope.stride(0), rope.stride(1))
+    if rope is None:
+        rope_dim, rope_args, rope_strides = 0, (out, out, out), (0, 0, 0)
+    else:
+        q_rope, cos, sin = rope
+        if q_rope.stride(2) != 1:
+            q_rope = q_rope.contiguous()
+        if cos.stride() != sin.stride() or cos.stride(1) != 1:
+            cos, sin = cos.contiguous(), sin.contiguous()
+        rope_dim, rope_args = q_rope.shape[2], (q_rope, cos, sin)
+        rope_strides = (q_rope.stride(0), q_rope.stride(1), cos.stride(0))
     # fp32 inputs: no TF32 rounding, as cuBLAS's fp32 bmm (torch's default) does not round either.
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     _head_matmul_kernel[(num_heads, triton.cdiv(n, t.block_n))](
-        a, w, out, out if rope is None else rope, num_tokens, k, n, rope_dim,
+        a, w, out, *rope_args, num_tokens, k, n, rope_dim,
         a.stride(0), a.stride(1), a.stride(2), *b_strides, *out_strides, *rope_strides,
         BLOCK_T=t.block_t, BLOCK_K=t.block_k, BLOCK_N=t.block_n,
         BLOCK_R=triton.next_power_of_2(max(rope_dim, 1)), HAS_ROPE=rope is not None, PRECISION=precision,
         num_warps=t.num_warps, num_stages=t.num_stages,
+        enable_fp_fusion=rope is None,  # the rope as torch rounds it (kernels/rope.py)
     )
 
 
-def absorb_q(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor,
-             tiles: Tiles | None = None) -> torch.Tensor:
+def absorb_q(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
     """`absorb_q_reference` in one launch, for any token count; views of any strides."""
     _check_weight("absorb_q", q_nope, w_uk, 1)
     if q_rope.dim() != 3 or q_rope.shape[:2] != q_nope.shape[:2] or q_rope.dtype != q_nope.dtype:
         raise ValueError(f"absorb_q: q_rope {tuple(q_rope.shape)} {q_rope.dtype} does not fit q_nope "
                          f"{tuple(q_nope.shape)} {q_nope.dtype}")
-    num_tokens, num_heads, _ = q_nope.shape
+    num_tokens, num_heads, rope_dim = q_rope.shape
+    if rope_dim % 2 or cos.shape != (num_tokens, rope_dim // 2) or sin.shape != cos.shape:
+        raise ValueError(f"absorb_q: want cos / sin [{num_tokens}, {rope_dim // 2}] for q_rope "
+                         f"{tuple(q_rope.shape)}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
     latent = w_uk.shape[2]
-    out = torch.empty(num_tokens, num_heads, latent + q_rope.shape[2], dtype=q_nope.dtype, device=q_nope.device)
+    out = torch.empty(num_tokens, num_heads, latent + rope_dim, dtype=q_nope.dtype, device=q_nope.device)
     _launch(q_nope, (w_uk.stride(0), w_uk.stride(1), w_uk.stride(2)), w_uk, out, (out.stride(0), out.stride(1)),
-            latent, w_uk.stride(1) == 1, q_rope, tiles)
+            latent, w_uk.stride(1) == 1, (q_rope, cos, sin), tiles)
     return out
 
 

@@ -40,6 +40,33 @@ def hadamard_matrix(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return (h * d**-0.5).to(device)
 
 
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Pairs (x0, x1), (x2, x3)... rotated; output laid out [evens | odds] (q and k alike, so q.k is unchanged).
+    In fp32, rounded back to x's dtype; cos / sin broadcast against x's pairs."""
+    dtype = x.dtype
+    x = x.float()
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
+
+
+def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX half-split rotation: (x[i], x[i + d/2]) pairs; in fp32, rounded back to x's dtype."""
+    dtype = x.dtype
+    x = x.float()
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
+
+
+def rope_leading(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """The indexer's rope: x's first 2 * cos.shape[-1] columns rotated (`rope_interleaved` or `rope_half`), the
+    rest as they are."""
+    rope_dim = 2 * cos.shape[-1]
+    rot, rest = x[..., :rope_dim], x[..., rope_dim:]
+    rot = (rope_interleaved if interleave else rope_half)(rot, cos, sin)
+    return torch.cat([rot, rest], dim=-1)
+
+
 def hadamard_rotate(x: torch.Tensor, hadamard: torch.Tensor | None = None) -> torch.Tensor:
     """x @ H over the last dim, in fp32. Callers inside torch.compile pass `hadamard` (built once on
     the device): traced, the cached builder would run again and copy it from the host every step."""
@@ -163,12 +190,16 @@ def load_index_k(index_k: torch.Tensor, slots: torch.Tensor, page_size: int, hea
     return keys[page, off].float() * scales[page, off].unsqueeze(-1)
 
 
-def quant_index_q(q: torch.Tensor, weights: torch.Tensor,
-                  hadamard: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prepare indexer queries for the fp8 cache: Hadamard, e4m3 per (token, head), scale folded into weights.
+def quant_index_q(q: torch.Tensor, weights: torch.Tensor, hadamard: torch.Tensor | None = None,
+                  cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                  rope_interleave: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prepare indexer queries for the fp8 cache: rope (given cos / sin [T, rope/2]: `rope_leading` on each head),
+    Hadamard, e4m3 per (token, head), scale folded into weights.
 
     Valid because ReLU commutes with positive scales: w * relu(s * a) = (w * s) * relu(a).
     """
+    if cos is not None:
+        q = rope_leading(q, cos.unsqueeze(1), sin.unsqueeze(1), rope_interleave)
     q8, qs = quant_fp8_ue8m0(hadamard_rotate(q, hadamard))
     return q8, weights * qs
 

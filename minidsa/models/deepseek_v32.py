@@ -37,7 +37,6 @@ from minidsa.parallel.state import building_tp
 from minidsa.kernels import gemv, mla_absorb, norm_quant, reference
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape
 from minidsa.kernels.fused_moe import SKIP
-from minidsa.kernels.reference import rope_half, rope_interleaved
 from minidsa.models.layers.linear import (FusedLinear, Linear, QuantizedInput, WeightLoadError, as_tensor,
                                           load_block_scaled)
 from minidsa.models.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, checkpoint_shard
@@ -129,23 +128,18 @@ class Indexer(nn.Module):
         self.weight_scale = self.n_heads**-0.5 * self.head_dim**-0.5
         self.fp32_gemv = "torch"  # who runs weights_proj (`set_fp32_gemv`)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]
-        rot = (rope_interleaved if self.interleave else rope_half)(rot, cos, sin)
-        return torch.cat([rot, rest], dim=-1)
-
     def forward(self, caches: LayerCaches, x: torch.Tensor, qr: torch.Tensor, k: torch.Tensor,
                 ctx: LayerContext, qr_quantized: QuantizedInput | None = None) -> torch.Tensor:
         """`k` = wk(x), computed with the attention's input projections (one fused GEMV); `qr_quantized`: qr
         quantised by q_a_layernorm (None where it makes none)."""
         num_tokens = x.shape[0]
+        # q and k unrotated: the backend rotates them inside the key store and the query quantisation
         q = self.wq_b(qr, qr_quantized).view(num_tokens, self.n_heads, self.head_dim)
-        q = self._rope(q, ctx.cos.unsqueeze(1), ctx.sin.unsqueeze(1))
         norm = self.k_norm
         ctx.attn.store_index_k(caches, ctx.batch, k, norm.weight, norm.bias, norm.eps, ctx.cos, ctx.sin,
                                self.interleave)
         weights = _fp32_gemv(self.fp32_gemv)(x, self.weights_proj.weight, self.weight_scale)
-        return ctx.attn.index_topk(caches, ctx.batch, q, weights, ctx.index_meta)
+        return ctx.attn.index_topk(caches, ctx.batch, q, weights, ctx.cos, ctx.sin, self.interleave, ctx.index_meta)
 
 
 class MLAttention(nn.Module):
@@ -197,8 +191,7 @@ class MLAttention(nn.Module):
         index_k = parts[1] if len(parts) == 3 else None
         qr, qr_quantized = self.q_a_layernorm.normed(q_in)
         q = self.q_b_proj(qr, qr_quantized).view(num_tokens, self.num_heads, self.nope + self.rope)
-        q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]
-        q_rope = rope_interleaved(q_rope, ctx.cos.unsqueeze(1), ctx.sin.unsqueeze(1))
+        q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]  # q_rope rotated by absorb_q
 
         ctx.attn.store_kv(caches, ctx.batch, kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, ctx.cos,
                           ctx.sin)
@@ -217,7 +210,7 @@ class MLAttention(nn.Module):
             absorb_q, absorb_o = torch.ops.minidsa.absorb_q, torch.ops.minidsa.absorb_o
         else:
             absorb_q, absorb_o = mla_absorb.absorb_q_reference, mla_absorb.absorb_o_reference
-        q_full = absorb_q(q_nope, q_rope, w_uk)  # [t, h, kv_lora_rank + rope]
+        q_full = absorb_q(q_nope, q_rope, w_uk, ctx.cos, ctx.sin)  # [t, h, kv_lora_rank + rope]
         o_latent = ctx.attn.sparse_mla(caches, q_full, topk, self.softmax_scale, self.kv_lora_rank)
         return self.o_proj(absorb_o(o_latent, w_uv)), topk
 

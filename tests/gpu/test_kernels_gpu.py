@@ -204,10 +204,19 @@ def test_key_stores_replay_in_a_cuda_graph():
     assert torch.equal(got_mla, mla) and torch.equal(got_index, index)
 
 
+def rope_tables(tokens: int, rope: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos / sin [tokens, rope/2] of positions up to 128k, times a YaRN-like attention factor."""
+    angles = torch.randint(0, 1 << 17, (tokens, 1), device=DEV, generator=g).float() * torch.rand(
+        rope // 2, device=DEV, generator=g)
+    return angles.cos() * 1.3, angles.sin() * 1.3
+
+
+@pytest.mark.parametrize("interleave", [False, True])  # DeepSeek-V3.2's half-split indexer rope, GLM's
 @pytest.mark.parametrize("tokens", [1, 32, 8192])
-def test_quant_index_q_real_size(tokens):
-    """The one-launch query quantisation (bf16 queries, as the model makes them) == the torch reference, eager
-    and replayed in a CUDA graph (tests/fp8_checks.py says how equal)."""
+def test_quant_index_q_real_size(tokens, interleave):
+    """The one-launch query rope + quantisation (bf16 queries, as the model makes them, rope on their first 64
+    columns) == the torch reference, eager and replayed in a CUDA graph (tests/fp8_checks.py says how equal: the
+    rope bit for bit, the kernel launched without fp contraction)."""
     g = _gen(20 + tokens)
     had = ref.hadamard_matrix(D_IDX, "cuda")
 
@@ -216,18 +225,19 @@ def test_quant_index_q_real_size(tokens):
         q[0, 1] = 0  # the scale floor
         q[-1, -1] *= 1e4
         w = torch.randn(tokens, H_IDX, device=DEV, generator=g)
-        return q.bfloat16(), torch.where(w == 0, 1.0, w)
+        return (q.bfloat16(), torch.where(w == 0, 1.0, w), *rope_tables(tokens, 64, g))
 
-    q, w = inputs()
-    assert_quant_index_q_matches(q, w, torch.ops.minidsa.quant_index_q(q, w, had), had)
+    q, w, cos, sin = inputs()
+    got = torch.ops.minidsa.quant_index_q(q, w, had, cos, sin, interleave)
+    assert_quant_index_q_matches(q, w, got, had, rope=(cos, sin, interleave))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = torch.ops.minidsa.quant_index_q(q, w, had)
-    q2, w2 = inputs()
-    q.copy_(q2)
-    w.copy_(w2)
+        got = torch.ops.minidsa.quant_index_q(q, w, had, cos, sin, interleave)
+    fresh = inputs()
+    for t, new in zip((q, w, cos, sin), fresh):
+        t.copy_(new)
     graph.replay()
-    assert_quant_index_q_matches(q2, w2, got, had)
+    assert_quant_index_q_matches(*fresh[:2], got, had, rope=(*fresh[2:], interleave))
 
 
 @pytest.mark.parametrize("case", ["decode_mixed", "decode_b64_32k", "verify_tree", "prefill_chunk"])
@@ -481,7 +491,8 @@ def _check_absorbed(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("tokens", [1, 32])
 def test_mla_absorb_real_size(tokens):
     """MLA's absorbed W_UK / W_UV products (one launch each) == their references at DeepSeek-V3.2's 128 heads
-    (nope = v = 128, L = 512, rope 64), on the model's views; eager and in a CUDA graph."""
+    (nope = v = 128, L = 512, rope 64), on the model's views; eager and in a CUDA graph. The query rope columns
+    bit for bit (the kernel launched without fp contraction)."""
     from minidsa.kernels import mla_absorb
     g = _gen(tokens + 11)
     heads, nope, v, latent, rope = 128, 128, 128, 512, 64
@@ -490,20 +501,23 @@ def test_mla_absorb_real_size(tokens):
     w = kv_b.view(heads, nope + v, latent)
     q_nope, q_rope, w_uk, w_uv = q[..., :nope], q[..., nope:], w[:, :nope], w[:, nope:]
     o_latent = torch.randn(tokens, heads, latent, device=DEV, generator=g).bfloat16()
+    cos, sin = rope_tables(tokens, rope, g)
 
     def check(q_full: torch.Tensor, o: torch.Tensor) -> None:
-        want_q = mla_absorb.absorb_q_reference(q_nope, q_rope, w_uk)
+        want_q = mla_absorb.absorb_q_reference(q_nope, q_rope, w_uk, cos, sin)
         assert torch.equal(q_full[..., latent:], want_q[..., latent:])
         _check_absorbed(q_full, want_q)
         _check_absorbed(o, mla_absorb.absorb_o_reference(o_latent, w_uv))
 
-    check(torch.ops.minidsa.absorb_q(q_nope, q_rope, w_uk), torch.ops.minidsa.absorb_o(o_latent, w_uv))
+    check(torch.ops.minidsa.absorb_q(q_nope, q_rope, w_uk, cos, sin), torch.ops.minidsa.absorb_o(o_latent, w_uv))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        g_q = torch.ops.minidsa.absorb_q(q_nope, q_rope, w_uk)
+        g_q = torch.ops.minidsa.absorb_q(q_nope, q_rope, w_uk, cos, sin)
         g_o = torch.ops.minidsa.absorb_o(o_latent, w_uv)
     q.copy_(torch.randn(q.shape, device=DEV, generator=g))
     o_latent.copy_(torch.randn(o_latent.shape, device=DEV, generator=g))
+    for t, new in zip((cos, sin), rope_tables(tokens, rope, g)):
+        t.copy_(new)
     graph.replay()
     check(g_q, g_o)
 

@@ -1,0 +1,39 @@
+"""The queries' rotary embedding inside the kernels that already read them (`mla_absorb.absorb_q`,
+`indexer.quant_index_q`): at decode the rotation as a kernel of its own costs a launch per layer for a few KB.
+
+`load_rope_leading` computes what `reference.rope_leading` does (fp32 products, one rounding per product and one
+per sum, in the reference's order), so a caller that rounds its result to the query dtype matches the torch code
+bit for bit. Kernels calling it launch with `enable_fp_fusion=False` for that: contracted into an fma,
+a * cos - b * sin rounds twice where torch rounds three times. The flag stops LLVM / ptxas fusing separate
+multiplies and adds; tl.dot emits MMA (bf16) or explicit fused multiply-adds (fp32), which it leaves alone.
+"""
+
+from __future__ import annotations
+
+from minidsa.kernels.triton_compat import tl, triton
+
+
+@triton.jit
+def load_rope_leading(row_ptrs, cos_ptrs, sin_ptrs, row_ok, cols, NUM_COLS, ROPE, INTERLEAVE: tl.constexpr):
+    """fp32 [rows, cols] of rows whose columns are contiguous from `row_ptrs` [rows], columns `cols` < NUM_COLS,
+    the first ROPE of them rotated by cos / sin [rows, ROPE / 2] (from `cos_ptrs` / `sin_ptrs` [rows]), pairs
+    interleaved (output [evens | odds]) or half-split; masked rows and columns read 0."""
+    half = ROPE // 2
+    in_rope = cols < ROPE
+    first = cols < half
+    j = tl.where(first, cols, cols - half)  # the pair's frequency
+    # Each output column is a * cos + or - b * sin: a the column's own element, b its partner.
+    if INTERLEAVE:
+        src_a = tl.where(in_rope, tl.where(first, 2 * j, 2 * j + 1), cols)
+        src_b = tl.where(first, 2 * j + 1, 2 * j)
+    else:
+        src_a = cols
+        src_b = tl.where(first, cols + half, j)
+    ok = row_ok[:, None] & (cols < NUM_COLS)[None, :]
+    rot_ok = row_ok[:, None] & in_rope[None, :]
+    a = tl.load(row_ptrs[:, None] + src_a[None, :], mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(row_ptrs[:, None] + src_b[None, :], mask=rot_ok, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptrs[:, None] + j[None, :], mask=rot_ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptrs[:, None] + j[None, :], mask=rot_ok, other=0.0).to(tl.float32)
+    rotated = tl.where(first[None, :], a * c - b * s, a * c + b * s)
+    return tl.where(in_rope[None, :], rotated, a)
