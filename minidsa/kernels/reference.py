@@ -174,11 +174,9 @@ def norm_rope_store_index_k(index_k: torch.Tensor, loc: torch.Tensor, k: torch.T
                             norm_bias: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                             interleaved: bool, page_size: int) -> None:
     """The indexer key from its raw projection `k [T, D]`, stored at slots `loc` as `store_index_k` stores keys:
-    LayerNorm'd, then its first R = 2 * cos.shape[-1] dims rotated (`rope_interleaved` or `rope_half`)."""
+    LayerNorm'd, then rotated as the queries are (`rope_leading`)."""
     k = F.layer_norm(k, (k.shape[-1],), norm_weight, norm_bias, eps)
-    rope_dim = 2 * cos.shape[-1]
-    rot = (rope_interleaved if interleaved else rope_half)(k[:, :rope_dim], cos, sin)
-    store_index_k(index_k, loc, torch.cat([rot, k[:, rope_dim:]], dim=-1), page_size)
+    store_index_k(index_k, loc, rope_leading(k, cos, sin, interleaved), page_size)
 
 
 def load_index_k(index_k: torch.Tensor, slots: torch.Tensor, page_size: int, head_dim: int) -> torch.Tensor:
@@ -353,23 +351,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-
-
-def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Pairs (x0, x1), (x2, x3)... rotated; output laid out [evens | odds] (q and k alike, so q.k is unchanged)."""
-    dtype = x.dtype
-    x = x.float()
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
-
-
-def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX half-split rotation: (x[i], x[i + d/2]) pairs."""
-    dtype = x.dtype
-    x = x.float()
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
 
 
 def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
