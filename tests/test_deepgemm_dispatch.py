@@ -328,8 +328,7 @@ def test_index_topk_rotates_the_queries_for_a_full_precision_cache(interleave):
     table = ReqToTokenTable(2, 256, "cpu")
     be = DSABackend(kv, table.req_to_token, index_topk=8, kernels=KernelChoice())
     g = torch.Generator().manual_seed(6)
-    be.store_index_k(be.layer_caches[0], ForwardBatch.build(StepKind.EXTEND, list(range(40)), [0], [0], [40],
-                                                            torch.arange(40), "cpu"), torch.randn(40, 32, generator=g))
+    ref.store_index_k(be.layer_caches[0].index_k, torch.arange(40), torch.randn(40, 32, generator=g), 64)
     table.write(0, 0, torch.arange(41))
     batch = ForwardBatch.build(StepKind.DECODE, [0], [0], [40], [1], torch.tensor([40]), "cpu")
     q, w = torch.randn(1, 4, 32, generator=g), torch.rand(1, 4, generator=g)

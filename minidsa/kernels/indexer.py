@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from minidsa.kernels import reference as ref
-from minidsa.kernels.rope import load_rope_leading
+from minidsa.kernels.rope import load_rope_leading, rope_sources
 from minidsa.kernels.triton_compat import tl, triton
 
 FP8_MAX = ref.FP8_MAX
@@ -64,7 +64,14 @@ def _rotate_e4m3(x, had_ptr, D: tl.constexpr):
     fp8 cache's quantisation. Keys (`store_index_k`) and queries (`quant_index_q`) take the same steps."""
     d = tl.arange(0, D)
     had = tl.load(had_ptr + d[:, None] * D + d[None, :])
-    y = tl.dot(x.to(tl.float32), had, input_precision="ieee")
+    if x.dtype == tl.bfloat16:
+        # The matrix is +-h (h = D^-0.5): bf16 x times the signs is exact, summed in fp32 on tensor cores, then one
+        # multiply by h, where the reference rounds each x * h before its sum (a few fp32 ulps apart). The fp32
+        # dot is FMAs on CUDA cores whose operand tiles, after a norm or a rope in the same kernel, spilled.
+        signs = tl.where(had > 0, 1.0, -1.0).to(tl.bfloat16)
+        y = tl.dot(x, signs) * tl.abs(tl.load(had_ptr))
+    else:
+        y = tl.dot(x.to(tl.float32), had, input_precision="ieee")
     scale, inv = _pow2_scale(tl.max(tl.abs(y), axis=1))
     y = tl.minimum(tl.maximum(y * inv[:, None], -448.0), 448.0)
     return _round_to_e4m3(y).to(tl.float8e4nv).to(tl.uint8, bitcast=True), scale
@@ -148,45 +155,47 @@ def _norm_rope_store_index_k_kernel(
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < num_tokens
     d = tl.arange(0, D)
-    in_rope = d < R
-    partner, first, pair, out = _rope_columns(d, R, INTERLEAVED)
-    partner = tl.where(in_rope, partner, d)
-    out = tl.where(in_rope, out, d)
     src = k_ptr + rows.to(tl.int64)[:, None] * stride_k
     x = tl.load(src + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    # F.layer_norm's statistics: mean, then the biased variance about it, in fp32
-    mean = tl.math.div_rn(tl.sum(x, axis=1), D * 1.0)
+    # F.layer_norm's statistics: mean, then the biased variance about it, in fp32 (1 / D is exact: D is a power of
+    # two). rsqrt as torch's CUDA kernel takes it; div_rn / sqrt_rn compile to calls whose ABI capped the kernel at
+    # 32 registers (a 7 KB stack a thread).
+    mean = tl.sum(x, axis=1) * (1.0 / D)
     xc = x - mean[:, None]
-    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(xc * xc, axis=1), D * 1.0) + eps))
-    w = tl.load(w_ptr + d).to(tl.float32)
-    b = tl.load(b_ptr + d).to(tl.float32)
-    y = _round_to(xc * rstd[:, None] * w[None, :] + b[None, :], ROUND_K)
-    # each rope value's partner, normed alike (the same ops on the same values: the same result)
-    xp = tl.load(src + partner[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + partner).to(tl.float32)
-    bp = tl.load(b_ptr + partner).to(tl.float32)
-    yp = _round_to((xp - mean[:, None]) * rstd[:, None] * wp[None, :] + bp[None, :], ROUND_K)
+    rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=1) * (1.0 / D) + eps)
+    # The key is built in its output order (the rotated layout), so the Hadamard reads it as it is: output column
+    # c is a * cos -/+ b * sin of the normed columns a = src_a[c], b = src_b[c] (`rope.rope_sources`). A permuted
+    # Hadamard instead kept the matrix out of the dot's shared-memory path: ptxas spilled 9 KB a thread, and the
+    # store took 73 us a call on an H100 (2026-11-27).
+    src_a, src_b, first, pair = rope_sources(d, R, INTERLEAVED)
+    in_rope = d < R
+    ya = _layer_norm_at(src, src_a, w_ptr, b_ptr, mean, rstd, row_ok, tl.full((D,), True, tl.int1), ROUND_K)
+    yb = _layer_norm_at(src, src_b, w_ptr, b_ptr, mean, rstd, row_ok, in_rope, ROUND_K)
     cs_mask = row_ok[:, None] & in_rope[None, :]
     cs_off = rows.to(tl.int64)[:, None] * stride_cs + pair[None, :]
     cos = tl.load(cos_ptr + cs_off, mask=cs_mask, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + cs_off, mask=cs_mask, other=0.0).to(tl.float32)
-    key = tl.where(in_rope[None, :], _rotate_pairs(y, yp, first[None, :], cos, sin, ROUND_K), y)
+    key = tl.where(in_rope[None, :], _rotate_pairs(ya, yb, first[None, :], cos, sin, ROUND_K), ya)
     loc = tl.load(loc_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     if FP8:
-        # key holds the rotated key's columns in the projection's order: the Hadamard's rows follow them
-        had = tl.load(had_ptr + out[:, None] * D + d[None, :])
-        z = tl.dot(key, had, input_precision="ieee")
-        scale, inv = _pow2_scale(tl.max(tl.abs(z), axis=1))
-        z = tl.minimum(tl.maximum(z * inv[:, None], -448.0), 448.0)
-        z8 = _round_to_e4m3(z).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        z8, scale = _rotate_e4m3(key.to(tl.bfloat16) if ROUND_K == 1 else key, had_ptr, D)
         page = loc // PAGE_SIZE
         off = loc % PAGE_SIZE
         tl.store(cache_ptr + page[:, None] * stride_cache + off[:, None] * D + d[None, :], z8, mask=row_ok[:, None])
         tl.store(scale_ptr + page * (stride_cache // 4) + PAGE_SIZE * D // 4 + off, scale, mask=row_ok)
     else:
         key = _round_to(key, ROUND_CACHE)
-        tl.store(cache_ptr + loc[:, None] * stride_cache + out[None, :], key.to(cache_ptr.dtype.element_ty),
+        tl.store(cache_ptr + loc[:, None] * stride_cache + d[None, :], key.to(cache_ptr.dtype.element_ty),
                  mask=row_ok[:, None])
+
+
+@triton.jit
+def _layer_norm_at(src, cols, w_ptr, b_ptr, mean, rstd, row_ok, col_ok, ROUND: tl.constexpr):
+    """The LayerNorm'd values of columns `cols` of rows `src` (statistics given), rounded to the input's dtype."""
+    x = tl.load(src + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return _round_to((x - mean[:, None]) * rstd[:, None] * w[None, :] + b[None, :], ROUND)
 
 
 def norm_rope_store_index_k(index_k: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, norm_weight: torch.Tensor,
@@ -224,7 +233,7 @@ def norm_rope_store_index_k(index_k: torch.Tensor, loc: torch.Tensor, k: torch.T
         num_tokens, k.stride(0), cos.stride(0), index_k.stride(0), eps,
         D=d, R=rope, INTERLEAVED=interleaved, ROUND_K=rounding(k.dtype, "norm_rope_store_index_k"), FP8=fp8,
         ROUND_CACHE=0 if fp8 else rounding(index_k.dtype, "norm_rope_store_index_k"), PAGE_SIZE=page_size,
-        BLOCK_T=block_t, num_warps=4,
+        BLOCK_T=block_t, num_warps=8,
     )
 
 

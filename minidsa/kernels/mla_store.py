@@ -38,7 +38,10 @@ def _norm_rope_store_mla_kernel(
         col = c * CHUNK + j
         x = tl.load(src + col[None, :], mask=row_ok[:, None] & (col < L)[None, :], other=0.0).to(tl.float32)
         sum_sq += tl.sum(x * x, axis=1)
-    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(sum_sq, L * 1.0) + eps))
+    # rsqrt as torch's takes it on CUDA; 1 / L is exact where L is a power of two (512 on the real models).
+    # div_rn / sqrt_rn compile to calls whose ABI caps a kernel's registers (the indexer key's store spilled 9 KB a
+    # thread with them).
+    rstd = tl.math.rsqrt(sum_sq * (1.0 / L) + eps)
     for c in tl.static_range((L + CHUNK - 1) // CHUNK):
         col = c * CHUNK + j
         col_ok = col < L

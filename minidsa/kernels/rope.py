@@ -14,21 +14,31 @@ from minidsa.kernels.triton_compat import tl, triton
 
 
 @triton.jit
+def rope_sources(cols, ROPE, INTERLEAVE: tl.constexpr):
+    """Where each output column of a leading rope over ROPE columns reads from: (src_a, src_b, first, pair). Output
+    column c is a * cos[pair] - b * sin[pair] (first: c in the first half of the rope) or a * cos + b * sin, with
+    a = x[src_a] (the column's own element) and b = x[src_b] (its partner); past the rope, a = x[c]. Interleaved
+    pairs come out as [evens | odds], half-split ones in place (`reference.rope_interleaved` / `rope_half`)."""
+    half = ROPE // 2
+    in_rope = cols < ROPE
+    first = cols < half
+    pair = tl.where(first, cols, cols - half)  # the pair's frequency
+    if INTERLEAVE:
+        src_a = tl.where(in_rope, tl.where(first, 2 * pair, 2 * pair + 1), cols)
+        src_b = tl.where(first, 2 * pair + 1, 2 * pair)
+    else:
+        src_a = cols
+        src_b = tl.where(first, cols + half, pair)
+    return src_a, src_b, first, pair
+
+
+@triton.jit
 def load_rope_leading(row_ptrs, cos_ptrs, sin_ptrs, row_ok, cols, NUM_COLS, ROPE, INTERLEAVE: tl.constexpr):
     """fp32 [rows, cols] of rows whose columns are contiguous from `row_ptrs` [rows], columns `cols` < NUM_COLS,
     the first ROPE of them rotated by cos / sin [rows, ROPE / 2] (from `cos_ptrs` / `sin_ptrs` [rows]), pairs
     interleaved (output [evens | odds]) or half-split; masked rows and columns read 0."""
-    half = ROPE // 2
     in_rope = cols < ROPE
-    first = cols < half
-    j = tl.where(first, cols, cols - half)  # the pair's frequency
-    # Each output column is a * cos + or - b * sin: a the column's own element, b its partner.
-    if INTERLEAVE:
-        src_a = tl.where(in_rope, tl.where(first, 2 * j, 2 * j + 1), cols)
-        src_b = tl.where(first, 2 * j + 1, 2 * j)
-    else:
-        src_a = cols
-        src_b = tl.where(first, cols + half, j)
+    src_a, src_b, first, j = rope_sources(cols, ROPE, INTERLEAVE)
     ok = row_ok[:, None] & (cols < NUM_COLS)[None, :]
     rot_ok = row_ok[:, None] & in_rope[None, :]
     a = tl.load(row_ptrs[:, None] + src_a[None, :], mask=ok, other=0.0).to(tl.float32)
