@@ -522,7 +522,7 @@ def test_mla_absorb_real_size(tokens):
     check(g_q, g_o)
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 4, 16]  # the kernel up to MAX_TOKENS (4), cuBLAS at 16)
+@pytest.mark.parametrize("tokens", [1, 2, 4, 16])  # the kernel up to MAX_TOKENS (4), cuBLAS at 16
 @pytest.mark.parametrize("n", [64, 256])
 def test_fp32_gemv_real_size(tokens, n):
     """The fp32 GEMV (kernels/gemv.py) at DeepSeek-V3.2's shapes (hidden 7168; N = 64 indexer head weights with
