@@ -98,10 +98,13 @@ def _projection(tokens: int, width: int, g: torch.Generator) -> torch.Tensor:
 
 
 def _check_bf16(got: torch.Tensor, want: torch.Tensor) -> None:
-    """The statistics sum in another order (and torch's rsqrt is not rounded): one bf16 ulp at most, mostly equal."""
-    ulp = torch.where(want.float() != 0, want.float().abs() * 2.0**-7, 2.0**-133)
-    apart = (got.float() - want.float()).abs() / ulp
-    assert apart.max() <= 1.0 and (apart == 0).float().mean() >= 0.98, (apart.max(), (apart == 0).float().mean())
+    """The statistics sum in another order (and rsqrt is not rounded), so a normed value may round to the next bf16:
+    mostly equal, and each row within one bf16 ulp of its norm. Not per element: where the rope (a cos - b sin) or
+    the LayerNorm's bias cancels, one ulp of a term is many ulps of a value near zero (4 on an H100, 785fd6e)."""
+    g, w = got.float().flatten(1), want.float().flatten(1)
+    row_err = (g - w).norm(dim=1) / w.norm(dim=1).clamp_min(2.0**-126)
+    equal = (g == w).float().mean()
+    assert row_err.max() <= 2.0**-7 and equal >= 0.98, (row_err.max(), equal)
 
 
 def _check_e4m3(got: torch.Tensor, want: torch.Tensor) -> None:
