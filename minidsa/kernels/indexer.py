@@ -17,6 +17,7 @@ Same contracts as `minidsa.kernels.reference` (the oracle):
 
 from __future__ import annotations
 
+from types import MappingProxyType
 
 import torch
 
@@ -82,7 +83,7 @@ def _rotate_e4m3(x, had_ptr, D: tl.constexpr):
 # projection and writes the finished key, so no step launches kernels of its own for one token's keys.
 # ---------------------------------------------------------------------------
 # Which rounding `_round_to` applies: the float dtypes the references round through.
-ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+ROUNDING = MappingProxyType({torch.float32: 0, torch.bfloat16: 1, torch.float16: 2})
 
 
 def rounding(dtype: torch.dtype, what: str) -> int:
