@@ -116,8 +116,9 @@ def _round_to(x, ROUND: tl.constexpr):
 def _rope_columns(j, R: tl.constexpr, INTERLEAVED: tl.constexpr):
     """Per column j of a rope part [0, R) as the projection lays it out: (its pair's other column, whether j is
     the pair's first, the pair's index into cos / sin, j's column in the rotated output, laid out as
-    `reference.rope_interleaved` / `rope_half` lay it out). Kernels rotate in the input's order (each value's
-    partner loaded a second time) and scatter on store, or permute what reads the result (the Hadamard's rows)."""
+    `reference.rope_interleaved` / `rope_half` lay it out). The MLA key's store rotates in the input's order (each
+    value's partner loaded a second time) and scatters on store; where the rotated row feeds a product, kernels
+    build it in output order instead (`rope.rope_sources`)."""
     if INTERLEAVED:
         partner = j ^ 1
         first = (j & 1) == 0
