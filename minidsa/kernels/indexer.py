@@ -22,7 +22,7 @@ from types import MappingProxyType
 import torch
 
 from minidsa.kernels import reference as ref
-from minidsa.kernels.rope import load_rope_leading, rope_sources
+from minidsa.kernels.rope import load_rope_leading, rope_sources, rotate_pairs
 from minidsa.kernels.triton_compat import tl, triton
 
 FP8_MAX = ref.FP8_MAX
@@ -112,35 +112,6 @@ def _round_to(x, ROUND: tl.constexpr):
     return x
 
 
-@triton.jit
-def _rope_columns(j, R: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """Per column j of a rope part [0, R) as the projection lays it out: (its pair's other column, whether j is
-    the pair's first, the pair's index into cos / sin, j's column in the rotated output, laid out as
-    `reference.rope_interleaved` / `rope_half` lay it out). The MLA key's store rotates in the input's order (each
-    value's partner loaded a second time) and scatters on store; where the rotated row feeds a product, kernels
-    build it in output order instead (`rope.rope_sources`)."""
-    if INTERLEAVED:
-        partner = j ^ 1
-        first = (j & 1) == 0
-        pair = j // 2
-        out = tl.where(first, pair, R // 2 + pair)
-    else:
-        first = j < R // 2
-        partner = tl.where(first, j + R // 2, j - R // 2)
-        pair = tl.where(first, j, j - R // 2)
-        out = j
-    return partner, first, pair, out
-
-
-@triton.jit
-def _rotate_pairs(x, partner, first, cos, sin, ROUND: tl.constexpr):
-    """The rope of x (fp32, each value's partner in `partner`) in the references' op order: x1 cos - x2 sin for a
-    pair's first, x2 cos + x1 sin for its second, rounded to the input's dtype."""
-    xc = x * cos
-    ps = partner * sin
-    return _round_to(tl.where(first, xc - ps, xc + ps), ROUND)
-
-
 # ---------------------------------------------------------------------------
 # norm_rope_store_index_k
 # ---------------------------------------------------------------------------
@@ -177,7 +148,7 @@ def _norm_rope_store_index_k_kernel(
     cs_off = rows.to(tl.int64)[:, None] * stride_cs + pair[None, :]
     cos = tl.load(cos_ptr + cs_off, mask=cs_mask, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + cs_off, mask=cs_mask, other=0.0).to(tl.float32)
-    key = tl.where(in_rope[None, :], _rotate_pairs(ya, yb, first[None, :], cos, sin, ROUND_K), ya)
+    key = tl.where(in_rope[None, :], _round_to(rotate_pairs(ya, yb, first[None, :], cos, sin), ROUND_K), ya)
     loc = tl.load(loc_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     if FP8:
         z8, scale = _rotate_e4m3(key.to(tl.bfloat16) if ROUND_K == 1 else key, had_ptr, D)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from minidsa.kernels import reference as ref
-from minidsa.kernels.indexer import (_pow2_scale, _rope_columns, _rotate_pairs, _round_to, _round_to_bf16,
-                                     _round_to_e4m3, rounding)
+from minidsa.kernels.indexer import _pow2_scale, _round_to, _round_to_bf16, _round_to_e4m3, rounding
+from minidsa.kernels.rope import rope_sources, rotate_pairs
 from minidsa.kernels.triton_compat import tl, triton
 
 
@@ -61,19 +61,20 @@ def _norm_rope_store_mla_kernel(
                      mask=row_ok[:, None] & col_ok[None, :])
     r = tl.arange(0, R_BLOCK)
     r_ok = r < R
-    partner, first, pair, out = _rope_columns(r, R, True)
+    # built in the rotated layout's order (`rope.rope_sources`): output column r reads a = x[src_a], b = x[src_b]
+    src_a, src_b, first, pair = rope_sources(r, R, True)
     mask = row_ok[:, None] & r_ok[None, :]
-    x = tl.load(src + L + r[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(src + L + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(src + L + src_a[None, :], mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(src + L + src_b[None, :], mask=mask, other=0.0).to(tl.float32)
     cs_off = rows.to(tl.int64)[:, None] * stride_cs + pair[None, :]
     cos = tl.load(cos_ptr + cs_off, mask=mask, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + cs_off, mask=mask, other=0.0).to(tl.float32)
-    k_rope = _rotate_pairs(x, xp, first[None, :], cos, sin, ROUND_KV)
+    k_rope = _round_to(rotate_pairs(a, b, first[None, :], cos, sin), ROUND_KV)
     if FP8:
-        tl.store(rope_ptr + loc[:, None] * (stride_cache // 2) + out[None, :], _round_to_bf16(k_rope).to(tl.bfloat16),
+        tl.store(rope_ptr + loc[:, None] * (stride_cache // 2) + r[None, :], _round_to_bf16(k_rope).to(tl.bfloat16),
                  mask=mask)
     else:
-        tl.store(cache_ptr + loc[:, None] * stride_cache + L + out[None, :],
+        tl.store(cache_ptr + loc[:, None] * stride_cache + L + r[None, :],
                  _round_to(k_rope, ROUND_CACHE).to(cache_ptr.dtype.element_ty), mask=mask)
 
 

@@ -1,5 +1,7 @@
-"""The queries' rotary embedding inside the kernels that already read them (`mla_absorb.absorb_q`,
-`indexer.quant_index_q`): at decode the rotation as a kernel of its own costs a launch per layer for a few KB.
+"""The rotary embedding inside the kernels that already read the rows: the queries' (`mla_absorb.absorb_q`,
+`indexer.quant_index_q`, through `load_rope_leading`) and the keys' (the cache stores, `rope_sources` and
+`rotate_pairs` after their norm). At decode the rotation as a kernel of its own costs a launch per layer for a
+few KB.
 
 `load_rope_leading` computes what `reference.rope_leading` does (fp32 products, one rounding per product and one
 per sum, in the reference's order), so a caller that rounds its result to the query dtype matches the torch code
@@ -33,6 +35,15 @@ def rope_sources(cols, ROPE, INTERLEAVE: tl.constexpr):
 
 
 @triton.jit
+def rotate_pairs(a, b, first, cos, sin):
+    """The rotated values, in fp32 and the references' op order: a cos - b sin where `first`, else a cos + b sin
+    (a, b as `rope_sources` picks them). Unrounded: callers round to their dtype."""
+    ac = a * cos
+    bs = b * sin
+    return tl.where(first, ac - bs, ac + bs)
+
+
+@triton.jit
 def load_rope_leading(row_ptrs, cos_ptrs, sin_ptrs, row_ok, cols, NUM_COLS, ROPE, INTERLEAVE: tl.constexpr):
     """fp32 [rows, cols] of rows whose columns are contiguous from `row_ptrs` [rows], columns `cols` < NUM_COLS,
     the first ROPE of them rotated by cos / sin [rows, ROPE / 2] (from `cos_ptrs` / `sin_ptrs` [rows]), pairs
@@ -45,5 +56,4 @@ def load_rope_leading(row_ptrs, cos_ptrs, sin_ptrs, row_ok, cols, NUM_COLS, ROPE
     b = tl.load(row_ptrs[:, None] + src_b[None, :], mask=rot_ok, other=0.0).to(tl.float32)
     c = tl.load(cos_ptrs[:, None] + j[None, :], mask=rot_ok, other=0.0).to(tl.float32)
     s = tl.load(sin_ptrs[:, None] + j[None, :], mask=rot_ok, other=0.0).to(tl.float32)
-    rotated = tl.where(first[None, :], a * c - b * s, a * c + b * s)
-    return tl.where(in_rope[None, :], rotated, a)
+    return tl.where(in_rope[None, :], rotate_pairs(a, b, first[None, :], c, s), a)
