@@ -23,7 +23,7 @@ from torch import Tensor
 from minidsa.kernels import deepgemm, flashmla, fp8_gemm as fp8_gemm_mod, fused_moe as fused_moe_mod, indexer
 from minidsa.kernels import kv_move as kv_move_mod, log_once, mla_store, reference, sparse_mla as sparse_mla_mod
 from minidsa.kernels import norm_quant as norm_quant_mod, router as router_mod, topk as topk_mod
-from minidsa.kernels import gemv, mla_absorb
+from minidsa.kernels import gemv, mla_absorb, side_stream as side_stream_mod
 from minidsa.kernels.optional_lib import LibraryCallFailed
 
 logger = logging.getLogger(__name__)
@@ -398,3 +398,42 @@ def fp32_gemv(x: Tensor, weight: Tensor, scale: float) -> Tensor:
 @fp32_gemv.register_fake
 def _(x, weight, scale):
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
+# The side stream's three steps (kernels/side_stream.py). Each declares a write to the tensor it orders by, so that
+# no compiler pass drops it (it returns nothing) or moves it past that tensor's users.
+@torch.library.custom_op("minidsa::fork_side_stream", mutates_args=("order",))
+def fork_side_stream(order: Tensor, inputs: list[Tensor]) -> None:
+    """Launches from here go to the side stream, after everything launched before. `order`: a tensor the side
+    branch writes first (the indexer's cache), so that its writers come after; `inputs`: what the side branch
+    reads, so that this comes after their producers."""
+    side_stream_mod.fork(order.device)
+
+
+@fork_side_stream.register_fake
+def _(order, inputs):
+    return None
+
+
+@torch.library.custom_op("minidsa::leave_side_stream", mutates_args=("result",))
+def leave_side_stream(result: Tensor) -> None:
+    """Launches from here go to the main stream again, not waiting for the side branch; `result`: its last
+    output, so that this comes after the branch's last launch."""
+    side_stream_mod.leave(result.device)
+
+
+@leave_side_stream.register_fake
+def _(result):
+    return None
+
+
+@torch.library.custom_op("minidsa::join_side_stream", mutates_args=("result",))
+def join_side_stream(result: Tensor, keep: list[Tensor]) -> None:
+    """The main stream waits for the side branch; `result`'s users come after. `keep`: main-stream tensors the
+    side branch read, held until here so their memory is not reused while it may still read them."""
+    side_stream_mod.join(result.device)
+
+
+@join_side_stream.register_fake
+def _(result, keep):
+    return None

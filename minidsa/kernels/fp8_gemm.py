@@ -28,6 +28,7 @@ import torch
 
 from minidsa.kernels import num_sms
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, FP8_MAX
+from minidsa.kernels.side_stream import on_side_stream
 from minidsa.kernels.triton_compat import JITFunction, tl, triton
 
 
@@ -141,18 +142,20 @@ def _w8a8_gemm_kernel(
 
 
 EMULATE_CAST = not isinstance(_w8a8_gemm_kernel, JITFunction)  # imported under TRITON_INTERPRET=1
-# Split-K's per-tile arrival counts: zeroed once per device, every count back to 0 when its call ends. One set per
-# device, shared with the fp32 GEMV (kernels/gemv.py): the engine runs its GEMMs on one stream at a time
-# (exec/graphs.py joins its warm-up stream before and after), so one call's counts are all 0 again before the next
-# call starts. Split-K runs at most ~4 x 132 tiles.
+# Split-K's per-tile arrival counts: zeroed once per device and stream role, every count back to 0 when its call
+# ends. Shared with the fp32 GEMV (kernels/gemv.py): the GEMMs of one stream run one after another (exec/graphs.py
+# joins its warm-up stream before and after), so one call's counts are all 0 again before the next call starts;
+# the indexer's side stream (kernels/side_stream.py) runs GEMMs concurrently with the main one, so it has its own
+# set. Split-K runs at most ~4 x 132 tiles.
 ARRIVAL_SLOTS = 4096
-_arrivals: dict[str, torch.Tensor] = {}
+_arrivals: dict[tuple[str, bool], torch.Tensor] = {}
 
 
 def arrival_counts(device: torch.device) -> torch.Tensor | None:
-    """The device's zeroed counts; None while a CUDA graph is being captured and none were made before (allocated
-    there, they would live in the graph's memory pool, not for the process)."""
-    key = str(device)
+    """The zeroed counts of the device's stream launches go to now (main or side); None while a CUDA graph is being
+    captured and none were made before (allocated there, they would live in the graph's memory pool, not for the
+    process)."""
+    key = (str(device), on_side_stream(device))
     if key not in _arrivals:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None

@@ -168,3 +168,19 @@ def test_tiny_compiled_prefill_and_mixed_steps_equal_eager_without_recompiles(se
     del llm
     gc.collect()
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("spec", [{}, {"speculative_num_steps": 2}], ids=["decode", "spec"])
+def test_indexer_side_stream_gives_the_inline_results(spec, monkeypatch):
+    """GPU defaults (bf16, fp8 indexer: the chain goes to the side stream, kernels/side_stream.py): the same kernels
+    run either way, only concurrently, so tokens and logprobs are the inline engine's bit for bit. A missing wait
+    or memory reused too early reads a stale top-k or activation and moves whole nats."""
+    prompts = _prompts(5, 120)
+    params = dict(logprobs=True)
+    runs = {}
+    for where in ("inline", "side"):
+        monkeypatch.setenv("MINIDSA_INDEXER_STREAM", where)
+        _, replays, out = _run("tiny", prompts, params, enable_cuda_graph=True, **spec)
+        assert replays[StepKind.VERIFY if spec else StepKind.DECODE] > 0, replays
+        runs[where] = [(o.token_ids, o.logprobs) for o in out]
+    assert runs["side"] == runs["inline"]
