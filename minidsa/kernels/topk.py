@@ -15,9 +15,10 @@ Two implementations of `reference.topk_slots`' contract (slots and positions
     `register_select_wins`): one launch, one program per row holding the whole
     row in registers (read from memory once; one power-of-two tile, or two where
     that holds the row in fewer lanes: `register_tiles_for`); the k-th largest key comes from
-    16 two-bit search steps over those registers (each one `tl.sum` of three
-    packed counts; or 4 `tl.histogram` byte passes), then one `tl.cumsum`
-    places the taken positions.
+    up to 16 two-bit search steps over those registers (each one `tl.sum` of three
+    packed counts over both tiles; it stops once exactly k keys are at or above the
+    bits fixed so far, after ~10 steps on distinct logits; or 4 `tl.histogram`
+    byte passes), then one `tl.cumsum` places the taken positions.
 - `torch_topk_slots`: `torch.topk` (unsorted) plus a gather of only the k
   chosen slots (the reference gathers the whole req_to_token row).
 """
