@@ -18,6 +18,23 @@ random normal logits, every position visible, so at width 2048 = k every kernel 
 - torch: `torch_topk_slots`; and what `fastest_topk_slots` (the served op) picks by default.
 Every path's positions are checked against torch's on the first call. Prints a Markdown table and the values of
 REGISTER_MAX_WIDTH and REGISTER_RADIX_BITS these numbers suggest; --json writes everything.
+
+With --early-exit-ab it times only the register select's 2-bit search, old against new, in the same process:
+
+    git show main:minidsa/kernels/topk.py > benchmarks/topk_main.py   # optional: the tree before early exit
+    python3 benchmarks/bench_topk_short.py --early-exit-ab --baseline-topk benchmarks/topk_main.py \
+        --json topk_early_exit_h100.json --commit $(git rev-parse --short HEAD)
+
+at widths 4096, 4160, 8256, 16384, 16448 (`--widths`) x batches 1, 4, 32 (`--batches`) over three kinds of logits
+(`logit_rows`): "indexer" (sums over heads of relu(q . k) * w of random bf16 vectors, fp32: nearly all distinct, as
+served), "normal" (torch.randn) and "bf16 ties" (the indexer ones rounded to bf16: many keys equal the k-th). Paths:
+- main: `--baseline-topk`'s `topk_slots(method="register")` (a topk.py loaded from that file), if given;
+- unrolled: this tree's select with `register_early_exit=False` (all 16 steps unrolled, the tiles' counts in one
+  reduction);
+- early exit: this tree's default;
+- served: `fastest_topk_slots` (what decode runs; the only path past REGISTER_MAX_BLOCK, e.g. at 16448).
+Each is checked to give the same slots and positions as the others; "steps" is the mean number of search steps the
+early-exit loop runs on those rows (from a model of the search in torch: the kernel does not report it).
 """
 
 from __future__ import annotations
@@ -38,6 +55,10 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64)
 # in two tiles (`topk.register_tiles_for`).
 WIDTHS = (2048, 2100, 4096, 4160, 5120, 8192, 8300, 10240, 16384)
 TOPK = 2048
+# --early-exit-ab: contexts 4096, 8192 and 16384 plus decode tokens (16448 is past the register select: served only).
+EE_WIDTHS = (4096, 4160, 8256, 16384, 16448)
+EE_BATCHES = (1, 4, 32)
+EE_KINDS = ("indexer", "normal", "bf16 ties")
 
 
 def graph_us(fn, inner: int, replays: int) -> float:
@@ -88,17 +109,23 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", metavar="PATH", help="write the results here")
     ap.add_argument("--commit", default="unknown", help="the commit measured (recorded in the output)")
-    ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
-    ap.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS))
+    ap.add_argument("--batches", type=int, nargs="+", help=f"default {BATCHES}; --early-exit-ab: {EE_BATCHES}")
+    ap.add_argument("--widths", type=int, nargs="+", help=f"default {WIDTHS}; --early-exit-ab: {EE_WIDTHS}")
     ap.add_argument("--inner", type=int, default=20, help="calls per graph")
     ap.add_argument("--replays", type=int, default=50, help="graph replays; the median is reported")
     ap.add_argument("--no-variants", dest="variants", action="store_false",
                     help="time the register select at its default config only")
+    ap.add_argument("--early-exit-ab", action="store_true",
+                    help="time the register select's search old vs new only (default widths and batches: EE_*)")
+    ap.add_argument("--baseline-topk", metavar="PATH",
+                    help="with --early-exit-ab: a topk.py (e.g. main's) whose register select is timed as 'main'")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_topk_short.py times CUDA kernels and needs a CUDA GPU: torch.cuda.is_available() is False. "
               "Nothing was timed.", file=sys.stderr)
         return 2
+    if args.early_exit_ab:
+        return early_exit_ab(args)
 
     import triton
 
@@ -123,9 +150,9 @@ def main() -> int:
             with open(args.json, "w") as f:
                 json.dump({"meta": meta, "rows": rows_out}, f, indent=1)
 
-    for width in args.widths:
+    for width in args.widths or WIDTHS:
         block = max(256, triton.next_power_of_2(width))
-        for batch in args.batches:
+        for batch in args.batches or BATCHES:
             logits, r2t, rows = case(batch, width, seed=batch * 100003 + width)
             want = topk.torch_topk_slots(logits, TOPK, r2t, rows)
             row: dict = {"batch": batch, "width": width, "few_rows": few_rows(batch, dev),
@@ -224,6 +251,130 @@ def suggest(rows: list[dict]) -> dict:
             means[bits] = statistics.fmean(per_shape)
     return {"REGISTER_MAX_WIDTH": max_width, "REGISTER_RADIX_BITS": min(means, key=means.get) if means else None,
             "mean_us_by_radix_bits": means}
+
+
+def logit_rows(kind: str, batch: int, width: int, seed: int) -> torch.Tensor:
+    """[batch, width] fp32 logits of one kind (see the module docstring), every position visible."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if kind == "normal":
+        return torch.randn(batch, width, device="cuda", generator=g)
+    heads, dim = 32, 128  # the indexer's: relu(q_h . k_s) * w_h summed over heads, bf16 operands, fp32 sums
+    q = torch.randn(batch, heads, dim, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(width, dim, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(batch, heads, 1, device="cuda", generator=g) * heads ** -0.5
+    logits = (torch.relu(torch.matmul(q.float(), k.float().T)) * w).sum(1)
+    return logits.to(torch.bfloat16).float() if kind == "bf16 ties" else logits
+
+
+def search_steps(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row, the steps the register select's early-exit 2-bit search runs (a model of its loop in torch: the
+    largest T with count(key >= T) >= k, two bits a step from the top, stopping once count(key >= T's bits so far)
+    is k); 0 for rows with k or fewer visible keys, 16 where ties at T keep it going to the last bit."""
+    key = logits.contiguous().view(torch.int32).long()
+    key = torch.where(key >= 0, key, key ^ 0x7FFFFFFF) + 2 ** 31  # the kernel's orderable key, as an int64
+    rows = logits.shape[0]
+    thr = torch.zeros(rows, dtype=torch.long, device=logits.device)
+    n_at = torch.full((rows,), logits.shape[1], dtype=torch.long, device=logits.device)
+    done = (logits > float("-inf")).sum(1) <= k
+    steps = torch.zeros(rows, dtype=torch.long, device=logits.device)
+    for step in range(16):
+        bit = 1 << (30 - 2 * step)
+        counts = torch.stack([(key >= (thr + c * bit)[:, None]).sum(1) for c in (1, 2, 3)], 1)
+        d = (counts >= k).sum(1)
+        n_at = torch.where(d > 0, counts.gather(1, (d - 1).clamp(min=0)[:, None])[:, 0], n_at)
+        thr = thr + d * bit
+        steps += (~done).long()
+        done |= n_at == k
+    return steps
+
+
+def load_baseline_topk(path: str):
+    """A topk.py (another tree's) as a module of its own, beside this tree's minidsa.kernels.topk."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("topk_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def early_exit_ab(args) -> int:
+    """--early-exit-ab: the register select's search, old vs new, per kind x width x batch; prints a Markdown table."""
+    import triton
+
+    from minidsa.kernels import num_sms, topk
+
+    baseline = load_baseline_topk(args.baseline_topk) if args.baseline_topk else None
+    dev = torch.device("cuda")
+    meta = {"device": torch.cuda.get_device_name(dev), "sms": num_sms(dev), "torch": torch.__version__,
+            "triton": triton.__version__, "cuda": torch.version.cuda,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": args.commit, "baseline": args.baseline_topk, "k": TOPK, "inner": args.inner,
+            "replays": args.replays, "REGISTER_EARLY_EXIT": topk.REGISTER_EARLY_EXIT}
+    print(f"# register top-k early exit A/B, k={TOPK}: {meta['device']}, torch {meta['torch']}, triton "
+          f"{meta['triton']}, {meta['date']}, commit {meta['commit']}, main = {meta['baseline']}", flush=True)
+    rows_out: list[dict] = []
+    for kind in EE_KINDS:
+        for width in args.widths or EE_WIDTHS:
+            for batch in args.batches or EE_BATCHES:
+                logits = logit_rows(kind, batch, width, seed=batch * 100003 + width)
+                r2t = torch.randperm(batch * (width + 64), device="cuda").view(batch, width + 64).to(torch.int32)
+                rows = torch.arange(batch - 1, -1, -1, device="cuda")
+                steps = search_steps(logits, TOPK).float()
+                row: dict = {"kind": kind, "batch": batch, "width": width, "steps_mean": steps.mean().item(),
+                             "steps_max": steps.max().item(), "us": {}, "errors": {}}
+                paths = {"served": lambda: topk.fastest_topk_slots(logits, TOPK, r2t, rows)}
+                if triton.next_power_of_2(width) <= topk.REGISTER_MAX_BLOCK:
+                    row["tiles"] = list(topk.register_tiles_for(width, TOPK))
+                    if baseline is not None:
+                        paths["main"] = lambda: baseline.topk_slots(logits, TOPK, r2t, rows, method="register")
+                    paths["unrolled"] = lambda: topk.topk_slots(logits, TOPK, r2t, rows, method="register",
+                                                                register_early_exit=False)
+                    paths["early exit"] = lambda: topk.topk_slots(logits, TOPK, r2t, rows, method="register",
+                                                                  register_early_exit=True)
+                want = None
+                for name, fn in paths.items():
+                    try:
+                        got = fn()
+                        if want is None:
+                            want = got
+                        elif name != "served" and not all(torch.equal(a, b) for a, b in zip(got, want)):
+                            row["errors"][name] = "slots / positions differ from the other paths'"
+                        elif name == "served" and not same_sets(got, want):
+                            row["errors"][name] = "positions differ from the other paths'"
+                        row["us"][name] = graph_us(fn, args.inner, args.replays)
+                    except Exception as e:  # noqa: BLE001 - recorded, not fatal
+                        row["errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
+                rows_out.append(row)
+                print(f"{kind} B={batch} W={width}: steps {row['steps_mean']:.1f}, "
+                      + ", ".join(f"{n} {t:.1f}" for n, t in row["us"].items())
+                      + (f"  ERRORS {row['errors']}" if row["errors"] else ""), flush=True)
+                if args.json:
+                    with open(args.json, "w") as f:
+                        json.dump({"meta": meta, "rows": rows_out}, f, indent=1)
+
+    print(f"\nRegister top-k k={TOPK}, us per call in CUDA graphs (median of {args.replays} replays of {args.inner} "
+          f"calls), {meta['device']}, triton {meta['triton']}, commit {meta['commit']}, main = {meta['baseline']}.\n")
+    print("| logits | batch | width | tiles | main | unrolled | early exit | early / main | early / unrolled "
+          "| steps (mean, max) | served |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---|---:|")
+    for r in rows_out:
+        us = r["us"]
+
+        def cell(name: str) -> str:
+            return f"{us[name]:.1f}" if name in us else ("error" if name in r["errors"] else "-")
+
+        def ratio(a: str, b: str) -> str:
+            return f"{us[a] / us[b]:.3f}" if a in us and b in us else "-"
+
+        tiles = "+".join(str(t) for t in r.get("tiles", []) if t) or "-"
+        print(f"| {r['kind']} | {r['batch']} | {r['width']} | {tiles} | {cell('main')} | {cell('unrolled')} "
+              f"| {cell('early exit')} | {ratio('early exit', 'main')} | {ratio('early exit', 'unrolled')} "
+              f"| {r['steps_mean']:.1f}, {r['steps_max']:.0f} | {cell('served')} |")
+    errors = [(r["kind"], r["batch"], r["width"], r["errors"]) for r in rows_out if r["errors"]]
+    if errors:
+        print(f"\n{len(errors)} shapes with errors: {errors}", file=sys.stderr)
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

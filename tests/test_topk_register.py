@@ -51,6 +51,17 @@ def _case(seed: int, width: int):
     return logits, r2t, rows
 
 
+# (RADIX_BITS, EARLY_EXIT) of the register select: the 2-bit search stopping early (the default), all 16 steps, the
+# byte histograms (EARLY_EXIT does not apply).
+SEARCHES = [(2, True), (2, False), (8, False)]
+
+
+def _register(logits, k, r2t, rows, search, **kw):
+    radix_bits, early_exit = search
+    return topk_mod.topk_slots(logits, k, r2t, rows, method="register", register_config=(radix_bits, 4),
+                               register_early_exit=early_exit, **kw)
+
+
 def _check_against_reference(logits, k, r2t, rows, slots, pos):
     want_slots, want_pos = ref.topk_slots(logits, k, r2t, rows)
     assert slots.shape == pos.shape == (logits.shape[0], k) and slots.dtype == pos.dtype == torch.int32
@@ -66,14 +77,14 @@ def _check_against_reference(logits, k, r2t, rows, slots, pos):
 
 
 @in_this_process
-@pytest.mark.parametrize("radix_bits", [2, 8])
+@pytest.mark.parametrize("search", SEARCHES)
 @pytest.mark.parametrize("width,k", [
     (1, 16), (100, 16), (2047, 16), (2048, 16), (2049, 16), (4096, 16), (5000, 16), (8192, 16),
     (100, 2048), (2047, 2048), (2048, 2048), (2049, 2048), (5000, 2048),  # k > width, = width, just below
 ])
-def test_register_matches_reference(radix_bits, width, k):
+def test_register_matches_reference(search, width, k):
     logits, r2t, rows = _case(width * 7 + k, width)
-    slots, pos = topk_mod.topk_slots(logits, k, r2t, rows, method="register", register_config=(radix_bits, 4))
+    slots, pos = _register(logits, k, r2t, rows, search)
     _check_against_reference(logits, k, r2t, rows, slots, pos)
     rows_slots, rows_pos = topk_mod.topk_slots(logits, k, r2t, rows, method="rows")
     assert torch.equal(pos, rows_pos) and torch.equal(slots, rows_slots)
@@ -105,29 +116,27 @@ def test_register_tiles_rule():
 
 
 @in_this_process
-@pytest.mark.parametrize("radix_bits", [2, 8])
+@pytest.mark.parametrize("search", SEARCHES)
 @pytest.mark.parametrize("width,k,tiles", [
     (4160, 2048, None), (5120, 2048, None), (4097, 2048, None),  # the default (4096, 1024) tiles
     (300, 16, (256, 64)), (257, 16, (256, 64)), (256, 16, (256, 64)),  # the tail empty, one lane, full
     (300, 200, (128, 256)), (200, 150, (128, 128)),  # k above HEAD; a tail as wide as the head
     (2100, 2048, (2048, 512)), (3000, 2048, (2048, 2048)),
 ])
-def test_register_two_tiles_match_reference(radix_bits, width, k, tiles):
+def test_register_two_tiles_match_reference(search, width, k, tiles):
     """Rows held as a HEAD and a TAIL tile: the threshold counted over both, ties across the seam taken from the
     lowest positions, output in position order (positions in the tail after the head's)."""
     logits, r2t, rows = _case(width * 3 + k, width)
-    slots, pos = topk_mod.topk_slots(logits, k, r2t, rows, method="register", register_config=(radix_bits, 4),
-                                     register_tiles=tiles)
+    slots, pos = _register(logits, k, r2t, rows, search, register_tiles=tiles)
     _check_against_reference(logits, k, r2t, rows, slots, pos)
-    one_slots, one_pos = topk_mod.topk_slots(logits, k, r2t, rows, method="register",
-                                             register_config=(radix_bits, 4),
-                                             register_tiles=(max(256, 1 << (max(width, k) - 1).bit_length()), 0))
+    one_slots, one_pos = _register(logits, k, r2t, rows, search,
+                                   register_tiles=(max(256, 1 << (max(width, k) - 1).bit_length()), 0))
     assert torch.equal(pos, one_pos) and torch.equal(slots, one_slots)
 
 
 @in_this_process
-@pytest.mark.parametrize("radix_bits", [2, 8])
-def test_register_two_tiles_ties_across_the_seam(radix_bits):
+@pytest.mark.parametrize("search", SEARCHES)
+def test_register_two_tiles_ties_across_the_seam(search):
     """Equal keys on both sides of the HEAD | TAIL seam: the head's are taken first, then the tail's up to k."""
     width, k, head, tail = 300, 100, 256, 64
     logits = torch.full((3, width), float("-inf"))
@@ -138,8 +147,7 @@ def test_register_two_tiles_ties_across_the_seam(radix_bits):
     logits[2, 200:] = 1.0
     r2t = torch.arange(width, dtype=torch.int32).view(1, width) * 3 + 5
     rows = torch.zeros(3, dtype=torch.long)
-    slots, pos = topk_mod.topk_slots(logits, k, r2t, rows, method="register", register_config=(radix_bits, 4),
-                                     register_tiles=(head, tail))
+    slots, pos = _register(logits, k, r2t, rows, search, register_tiles=(head, tail))
     assert pos[0].tolist() == list(range(200, 300))
     assert pos[1].tolist() == list(range(10, 30)) + list(range(220, 300))
     assert pos[2].tolist() == list(range(20)) + list(range(200, 280))
@@ -164,8 +172,8 @@ def _lowest_ties(logits: torch.Tensor, k: int) -> list[list[int]]:
 
 
 @in_this_process
-@pytest.mark.parametrize("radix_bits", [2, 8])
-def test_register_ties_take_lowest_positions(radix_bits):
+@pytest.mark.parametrize("search", SEARCHES)
+def test_register_ties_take_lowest_positions(search):
     width, k = 1000, 100
     logits = torch.full((5, width), float("-inf"))
     logits[0, :600] = 1.0  # 600 equal values: the first 100 positions
@@ -176,7 +184,7 @@ def test_register_ties_take_lowest_positions(radix_bits):
     logits[4, :50] = 3.0  # fewer visible than k, all equal: all of them
     r2t = torch.arange(3 * width, dtype=torch.int32).view(3, width) * 2 + 1
     rows = torch.tensor([0, 1, 2, 0, 1])
-    slots, pos = topk_mod.topk_slots(logits, k, r2t, rows, method="register", register_config=(radix_bits, 4))
+    slots, pos = _register(logits, k, r2t, rows, search)
     want = _lowest_ties(logits, k)
     assert pos[0].tolist() == list(range(100))
     for t in range(logits.shape[0]):
@@ -185,6 +193,61 @@ def test_register_ties_take_lowest_positions(radix_bits):
         assert torch.equal(slots[t, :n], r2t[rows[t], pos[t, :n].long()]) and (slots[t, n:] == -1).all()
     for other in (dict(method="rows"), dict(method="split", num_chunks=4, split_block=64)):
         o_slots, o_pos = topk_mod.topk_slots(logits, k, r2t, rows, **other)
+        assert torch.equal(pos, o_pos) and torch.equal(slots, o_slots), other
+
+
+def _search_steps(row: torch.Tensor, k: int) -> tuple[int, bool]:
+    """A model of the 2-bit search on one row: (steps run with early exit, whether it stopped on exactly k keys at or
+    above the bits fixed). (0, False) with k or fewer visible keys, which skip the search."""
+    if int((row > float("-inf")).sum()) <= k:
+        return 0, False
+    key = row.view(torch.int32).long()
+    key = torch.where(key >= 0, key, key ^ 0x7FFFFFFF) + 2 ** 31  # the kernel's orderable key, as an int64
+    thr, n_at = 0, row.numel()
+    for step in range(16):
+        bit = 1 << (30 - 2 * step)
+        counts = [int((key >= thr + c * bit).sum()) for c in (1, 2, 3)]
+        d = sum(n >= k for n in counts)
+        n_at = counts[d - 1] if d else n_at
+        thr += d * bit
+        if n_at == k:
+            return step + 1, True
+    return 16, False
+
+
+@in_this_process
+def test_register_early_exit_rows():
+    """Rows where the 2-bit search stops early (after 1 step; after ~10 on distinct values, with -inf padding or not),
+    at the last step on exactly k keys, or never (ties at the threshold): the same output as all 16 steps and the
+    one-program-per-row kernel, the reference's positions where no tie is broken, and ties to the lowest positions."""
+    width, k = 4160, 2048  # decode at context 4096: HEAD 4096 + TAIL 1024 tiles
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, width, generator=g)
+    logits[1] = -1.0  # k equal values alone in the upper half of the key space: one step
+    logits[1, torch.randperm(width, generator=g)[:k]] = 1.0
+    logits[2, :] -= 10.0  # 2000 distinct values above 100 ties at T: the search never stops early
+    logits[2, torch.randperm(width, generator=g)[:2100]] = torch.cat([torch.randn(2000, generator=g) + 10.0,
+                                                                       torch.full((100,), 5.0)])
+    logits[3, :] -= 10.0  # k - 1 values, then 3.0 + 1 ulp and 3.0: their keys differ in bit 0 only, exactly k at
+    logits[3, : k - 1] += 20.0  # or above the larger one: stops at the last step, taking no 3.0
+    logits[3, 3000] = torch.nextafter(torch.tensor(3.0), torch.tensor(4.0))
+    logits[3, 2500] = 3.0
+    logits[4, 3000:] = float("-inf")  # distinct values, 3000 visible
+    logits[5] = 0.5  # all equal: the first k positions after 16 steps
+    steps = [_search_steps(row, k) for row in logits]
+    assert steps[0][1] and steps[0][0] < 14 and steps[4][1] and steps[4][0] < 14, steps
+    assert steps[1] == (1, True) and steps[2] == (16, False) and steps[3] == (16, True) and steps[5] == (16, False)
+    r2t = torch.randperm(2 * width, generator=g)[:width].view(1, width).to(torch.int32)
+    rows = torch.zeros(6, dtype=torch.long)
+    slots, pos = _register(logits, k, r2t, rows, (2, True))
+    untied = [0, 1, 3, 4]  # no ties to break (the reference's torch.topk breaks them its own way)
+    _check_against_reference(logits[untied], k, r2t, rows[untied], slots[untied], pos[untied])
+    want = _lowest_ties(logits, k)
+    for t in range(logits.shape[0]):
+        assert pos[t].tolist() == want[t] + [-1] * (k - len(want[t])), t
+    assert 3000 in pos[3].tolist() and 2500 not in pos[3].tolist()
+    for other in (dict(register_early_exit=False), dict(method="rows")):
+        o_slots, o_pos = topk_mod.topk_slots(logits, k, r2t, rows, **({"method": "register"} | other))
         assert torch.equal(pos, o_pos) and torch.equal(slots, o_slots), other
 
 
@@ -236,25 +299,41 @@ def test_register_select_refuses_what_it_cannot_take():
 
 
 _COMPILE_FOR_H100 = """
-import sys
+import re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from minidsa.kernels import topk
+ptxas = get_ptxas(90)
+ptxas = getattr(ptxas, "path", ptxas)
 sig = {"logits_ptr": "*fp32", "r2t_ptr": "*i32", "rows_ptr": "*i64", "slots_ptr": "*i32", "pos_ptr": "*i32",
        "width": "i32", "k": "i32", "stride_l": "i32", "stride_r2t": "i32", "stride_o": "i32",
-       "HEAD": "constexpr", "TAIL": "constexpr", "RADIX_BITS": "constexpr"}
-for head, tail in ((4096, 0), (4096, 1024), (8192, 2048), (topk.REGISTER_MAX_BLOCK, 0)):
-    for bits in (2, 8):
-        src = ASTSource(topk._register_topk_kernel, sig, constexprs={"HEAD": head, "TAIL": tail, "RADIX_BITS": bits})
+       "HEAD": "constexpr", "TAIL": "constexpr", "RADIX_BITS": "constexpr", "EARLY_EXIT": "constexpr"}
+decode = ((4096, 1024), (2048, 512), (8192, 0))  # contexts 4096, 2048, 8192 plus decode tokens; 8 warps each
+for head, tail in decode + ((4096, 0), (8192, 2048), (topk.REGISTER_MAX_BLOCK, 0)):
+    for bits, early_exit in ((2, True), (2, False), (8, False)):
+        src = ASTSource(topk._register_topk_kernel, sig,
+                        constexprs={"HEAD": head, "TAIL": tail, "RADIX_BITS": bits, "EARLY_EXIT": early_exit})
         options = {"num_warps": topk.register_warps(head + tail)}
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-        assert kernel.asm["cubin"], (head, tail, bits)
+        assert kernel.asm["cubin"], (head, tail, bits, early_exit)
+        if (head, tail) in decode and bits == 2:
+            assert options["num_warps"] == 8
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+                f.write(kernel.asm["ptx"])
+                f.flush()
+                info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"],
+                                      capture_output=True, text=True).stderr
+            spills = [int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)]
+            assert spills and not any(spills), (head, tail, early_exit, info)
 print("compiled")
 """
 
 
 def test_register_kernel_compiles_for_h100():
     """The interpreter runs Python, not Triton's compiler: compile the kernel for sm_90 (no GPU needed) so what only
-    the compiler refuses (say, a constexpr name bound twice in an unrolled loop) fails here."""
+    the compiler refuses (say, a constexpr name bound twice in an unrolled loop) fails here. The decode variants of
+    the 2-bit search (both loops) must not spill by ptxas's count (sm_90a): at 4096 + 1024 the unrolled search with
+    a tl.sum per tile spilled 8 bytes a thread."""
     compile_for_h100(_COMPILE_FOR_H100, "_register_topk_kernel")

@@ -15,9 +15,10 @@ Two implementations of `reference.topk_slots`' contract (slots and positions
     `register_select_wins`): one launch, one program per row holding the whole
     row in registers (read from memory once; one power-of-two tile, or two where
     that holds the row in fewer lanes: `register_tiles_for`); the k-th largest key comes from
-    16 two-bit search steps over those registers (each one `tl.sum` of three
-    packed counts; or 4 `tl.histogram` byte passes), then one `tl.cumsum`
-    places the taken positions.
+    up to 16 two-bit search steps over those registers (each one `tl.sum` of three
+    packed counts over both tiles; it stops once exactly k keys are at or above the
+    bits fixed so far, after ~10 steps on distinct logits; or 4 `tl.histogram`
+    byte passes), then one `tl.cumsum` places the taken positions.
 - `torch_topk_slots`: `torch.topk` (unsorted) plus a gather of only the k
   chosen slots (the reference gathers the whole req_to_token row).
 """
@@ -160,14 +161,36 @@ def _tile_keys(row_ptr, first, width, SIZE: tl.constexpr):
 
 
 @triton.jit
-def _packed_at_or_above(key, thr, SHIFT: tl.constexpr):
-    """One tl.sum of three counts packed in 21-bit fields of an int64: keys >= thr | (1, 2, 3) << SHIFT."""
+def _packed_at_or_above(key, thr, bit):
+    """Per key, three counts packed in 21-bit fields of an int64: key >= thr | (1, 2, 3) * bit (bit = 1 << b, thr's
+    bits below b zero). Summed over a tile (at most 16384 keys) no field carries into the next."""
     one = tl.full((), 1, tl.int64)
     f2 = one + (one << 21)
     f3 = f2 + (one << 42)
-    packed = tl.where(key >= (thr | (3 << SHIFT)), f3,
-                      tl.where(key >= (thr | (2 << SHIFT)), f2, tl.where(key >= (thr | (1 << SHIFT)), one, 0)))
-    return tl.sum(packed, axis=0)
+    return tl.where(key >= (thr | (3 * bit)), f3,
+                    tl.where(key >= (thr | (2 * bit)), f2, tl.where(key >= (thr | bit), one, 0)))
+
+
+@triton.jit
+def _search_step(key_h, key_t, k, thr, bit, n_at, n_above, HEAD: tl.constexpr, TAIL: tl.constexpr):
+    """One two-bit step of the threshold search at bit = 1 << b (uint32): thr holds T's bits above b + 1, this step
+    fixes bits b + 1 and b. In and out: n_at = count(key >= thr) >= k, n_above = count(key >= thr + 4 * bit) < k.
+    One tl.sum per tile counts the keys at or above the three candidates thr + (1, 2, 3) * bit."""
+    packed = _packed_at_or_above(key_h, thr, bit)
+    if TAIL > 0:
+        packed_t = _packed_at_or_above(key_t, thr, bit)
+        if HEAD >= TAIL:
+            packed = tl.sum(tl.reshape(packed, (HEAD // TAIL, TAIL)), axis=0) + packed_t
+        else:
+            packed = packed + tl.sum(tl.reshape(packed_t, (TAIL // HEAD, HEAD)), axis=0)
+    counts = tl.sum(packed, axis=0)
+    n1 = (counts & 0x1FFFFF).to(tl.int32)
+    n2 = ((counts >> 21) & 0x1FFFFF).to(tl.int32)
+    n3 = (counts >> 42).to(tl.int32)
+    d = (n1 >= k).to(tl.int32) + (n2 >= k).to(tl.int32) + (n3 >= k).to(tl.int32)
+    n_above = tl.where(d == 0, n1, tl.where(d == 1, n2, tl.where(d == 2, n3, n_above)))
+    n_at = tl.where(d == 0, n_at, tl.where(d == 1, n1, tl.where(d == 2, n2, n3)))
+    return thr | (d.to(tl.uint32) * bit), n_at, n_above
 
 
 @triton.jit
@@ -201,7 +224,7 @@ def _store_taken(key, pos, visible, thr, need_eq, base, r2t_row, out_slots, out_
 def _register_topk_kernel(
     logits_ptr, r2t_ptr, rows_ptr, slots_ptr, pos_ptr,
     width, k, stride_l, stride_r2t, stride_o,
-    HEAD: tl.constexpr, TAIL: tl.constexpr, RADIX_BITS: tl.constexpr,
+    HEAD: tl.constexpr, TAIL: tl.constexpr, RADIX_BITS: tl.constexpr, EARLY_EXIT: tl.constexpr,
 ):
     """Row t (width <= HEAD + TAIL) loaded once into registers, as a HEAD tile and (TAIL > 0) a TAIL tile after it:
     two powers of two cover a width like 4096 + a few decode tokens with 5120 lanes, not the 8192 of one block.
@@ -209,6 +232,8 @@ def _register_topk_kernel(
 
     RADIX_BITS 2: a search for the largest key T with count(key >= T) >= k, two bits per step from the top:
     one tl.sum per tile counts, packed into 21-bit fields of an int64, the keys at or above T + 1, 2 and 3 << b.
+    EARLY_EXIT (RADIX_BITS 2): a runtime loop that stops once exactly k keys are >= the bits fixed so far (each step
+    costs a cross-warp reduction; distinct logits stop after ~10); off, the 16 steps unrolled, as before.
     RADIX_BITS 8: four tl.histogram passes of the next byte of the keys matching the prefix so far."""
     t = tl.program_id(0)
     tl.static_assert(HEAD + TAIL <= 16384)  # counts fit the 16-bit fields of the packed cumsum
@@ -221,25 +246,34 @@ def _register_topk_kernel(
         pos_t, key_t = _tile_keys(row_ptr, HEAD, width, TAIL)
         vis_t = key_t > neg_inf
         n_valid += tl.sum(vis_t.to(tl.int32), axis=0)
+    else:
+        key_t = key_h  # not read: without a tail the search counts the head only
     # Threshold key and how many keys equal to it to take; with <= k visible, every visible one.
     thr = neg_inf
     need_eq = tl.zeros((), tl.int32)
     if n_valid > k:
         if RADIX_BITS == 2:
-            # T's bits above b are final; keys >= T + (4 << b) (n_above of them) are all taken, fewer than k.
+            # The largest T with count(key >= T) >= k, two bits a step from the top; n_at keys are >= thr (all lanes
+            # at first: -inf and padding keys are >= 0), n_above >= thr + 4 * bit (taken, fewer than k).
             thr = tl.zeros((), tl.uint32)
+            n_at = tl.zeros((), tl.int32) + (HEAD + TAIL)
             n_above = tl.zeros((), tl.int32)
-            for i in tl.static_range(16):  # b = 30 - 2 * i, a constexpr
-                counts = _packed_at_or_above(key_h, thr, 30 - 2 * i)
-                if TAIL > 0:
-                    counts += _packed_at_or_above(key_t, thr, 30 - 2 * i)
-                n1 = (counts & 0x1FFFFF).to(tl.int32)
-                n2 = ((counts >> 21) & 0x1FFFFF).to(tl.int32)
-                n3 = (counts >> 42).to(tl.int32)
-                d = (n1 >= k).to(tl.int32) + (n2 >= k).to(tl.int32) + (n3 >= k).to(tl.int32)
-                n_above = tl.where(d == 0, n1, tl.where(d == 1, n2, tl.where(d == 2, n3, n_above)))
-                thr = thr | (d.to(tl.uint32) << (30 - 2 * i))
-            need_eq = k - n_above
+            if EARLY_EXIT:
+                # Once count(key >= thr) is k exactly, the keys >= thr are the ones taken whatever the bits still
+                # open: stop. Distinct fp32 logits get there after ~10 of the 16 steps; ties at T run all 16.
+                bit = tl.full((), 1 << 30, tl.uint32)
+                while (bit != 0) & (n_at != k):
+                    thr, n_at, n_above = _search_step(key_h, key_t, k, thr, bit, n_at, n_above, HEAD, TAIL)
+                    bit = bit >> 2
+            else:  # all 16 steps, unrolled (b a constant each)
+                for i in tl.static_range(16):
+                    thr, n_at, n_above = _search_step(key_h, key_t, k, thr, tl.full((), 1 << (30 - 2 * i), tl.uint32),
+                                                      n_at, n_above, HEAD, TAIL)
+            # Exactly k keys >= thr: take every key > thr - 1 (thr > 0: at 0 all HEAD + TAIL lanes count, more than
+            # k), no ties to break. Otherwise the search ran to the last bit: thr = T, k - n_above of its equal keys.
+            exact = n_at == k
+            need_eq = tl.where(exact, 0, k - n_above)
+            thr = tl.where(exact, thr - 1, thr)
         else:
             tl.static_assert(RADIX_BITS == 8)
             k_rem = tl.zeros((), tl.int32) + k
@@ -379,6 +413,9 @@ REGISTER_MAX_BLOCK = 16384
 # RADIX_BITS of the register select (2: packed-count search, 8: tl.histogram passes): 2 won at every shape of the
 # same measurement (4096: 12.1 vs 16.0 us). Its num_warps follows the block (`register_warps`).
 REGISTER_RADIX_BITS = 2
+# The 2-bit search stops once the bits fixed so far take exactly k keys (not yet measured on a GPU:
+# bench_topk_short.py --early-exit-ab times it against the 16 unrolled steps).
+REGISTER_EARLY_EXIT = True
 TOPK_METHODS = ("register", "split", "rows")
 
 
@@ -420,7 +457,7 @@ def topk_slots(
     logits: torch.Tensor, topk: int, req_to_token: torch.Tensor, token_rows: torch.Tensor,
     config: tuple[int, int, int] | None = None, num_chunks: int | None = None, split_block: int | None = None,
     method: str | None = None, register_config: tuple[int, int] | None = None,
-    register_tiles: tuple[int, int] | None = None,
+    register_tiles: tuple[int, int] | None = None, register_early_exit: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton radix select: (slots [T, topk] int32, positions [T, topk] int32), -1 padded, position order.
 
@@ -430,7 +467,8 @@ def topk_slots(
     `num_chunks`: programs per row (default `split_chunks`; 1 runs the one-program-per-row kernel with
     `config`); `split_block` overrides the split kernels' block (tests: several chunks on short rows);
     `register_config`: (RADIX_BITS, num_warps) of the register select; `register_tiles`: its (HEAD, TAIL) tiles
-    (default `register_tiles_for(width, topk)`; (P, 0) runs one power-of-two block, as before the tail tile existed)."""
+    (default `register_tiles_for(width, topk)`; (P, 0) runs one power-of-two block, as before the tail tile existed);
+    `register_early_exit`: whether its 2-bit search may stop early (default REGISTER_EARLY_EXIT; same output)."""
     _check(logits, topk, token_rows)
     if method is not None and method not in TOPK_METHODS:
         raise ValueError(f"topk: method must be one of {TOPK_METHODS}, got {method!r}")
@@ -444,7 +482,8 @@ def topk_slots(
     if method is None and num_chunks is None and register_select_wins(num_tokens, width, logits.device):
         method = "register"
     if method == "register":
-        _register_topk(logits, topk, req_to_token, token_rows, slots, positions, register_config, register_tiles)
+        _register_topk(logits, topk, req_to_token, token_rows, slots, positions, register_config, register_tiles,
+                       register_early_exit)
         return slots, positions
     if num_chunks is None:
         num_chunks = split_chunks(num_tokens, width, logits.device)
@@ -475,7 +514,8 @@ def register_tiles_for(width: int, topk: int) -> tuple[int, int]:
 
 
 def _register_topk(logits, topk, req_to_token, token_rows, slots, positions,
-                   config: tuple[int, int] | None = None, tiles: tuple[int, int] | None = None) -> None:
+                   config: tuple[int, int] | None = None, tiles: tuple[int, int] | None = None,
+                   early_exit: bool | None = None) -> None:
     num_tokens, width = logits.shape
     if triton.next_power_of_2(width) > REGISTER_MAX_BLOCK:
         raise ValueError(f"topk: the register select takes rows up to {REGISTER_MAX_BLOCK} wide, got {width}")
@@ -487,7 +527,8 @@ def _register_topk(logits, topk, req_to_token, token_rows, slots, positions,
     _register_topk_kernel[(num_tokens,)](
         logits, req_to_token, token_rows, slots, positions,
         width, topk, logits.stride(0), req_to_token.stride(0), slots.stride(0),
-        HEAD=head, TAIL=tail, RADIX_BITS=radix_bits, num_warps=num_warps,
+        HEAD=head, TAIL=tail, RADIX_BITS=radix_bits,
+        EARLY_EXIT=REGISTER_EARLY_EXIT if early_exit is None else early_exit, num_warps=num_warps,
     )
 
 
