@@ -166,3 +166,42 @@ def test_a_layer_that_raises_after_the_fork_leaves_the_main_stream_current(monke
     with side_stream.main_stream_after_errors(CUDA):
         pass
     assert events == ["leave"]
+
+
+@in_this_process
+def test_inductor_keeps_the_query_path_between_leave_and_join():
+    """The order that matters is the one inductor's wrapper launches in (its scheduler may move a node as early as
+    its inputs allow: a join with nothing of the query's path among its inputs went up right after the leave, and
+    q_b and W_UK waited for the side branch). Compiled here with inductor for the CPU, the same scheduler: the
+    chain between fork and leave, the query's q_b, key store and W_UK between leave and join."""
+    import shutil
+
+    from torch._inductor.utils import run_and_get_code
+
+    from minidsa.models.deepseek_v32 import call_layer
+
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("inductor's CPU backend needs a C++ compiler")
+    model, d, decode = _model_and_batches()
+    set_indexer_stream(model, "side")
+    torch._dynamo.reset()
+    layer = torch.compile(call_layer, dynamic=True, fullgraph=True, backend="inductor")
+    with torch.no_grad():
+        _, codes = run_and_get_code(lambda: model.forward(decode, d.attn, layer))
+    torch._dynamo.reset()
+    checked = 0
+    for code in codes:
+        calls = [line.strip() for line in code.splitlines()
+                 if "torch.ops.minidsa." in line or "extern_kernels." in line]
+        if not any("fork_side_stream" in c for c in calls):
+            continue
+        at = {name: next(i for i, c in enumerate(calls) if name in c)
+              for name in ("fork_side_stream", "topk_slots", "leave_side_stream", "norm_rope_store_mla", "absorb_q",
+                           "join_side_stream", "sparse_mla")}
+        q_b = next(i for i, c in enumerate(calls) if "extern_kernels.mm" in c and i > at["leave_side_stream"])
+        assert at["fork_side_stream"] < at["topk_slots"] < at["leave_side_stream"], calls
+        assert at["leave_side_stream"] < min(at["norm_rope_store_mla"], q_b, at["absorb_q"]), calls
+        assert max(at["norm_rope_store_mla"], q_b, at["absorb_q"]) < at["join_side_stream"] < at["sparse_mla"], calls
+        checked += 1
+    assert checked >= 1
+    d.release_all()

@@ -415,22 +415,24 @@ def _(order, inputs):
     return None
 
 
-@torch.library.custom_op("minidsa::leave_side_stream", mutates_args=("result",))
-def leave_side_stream(result: Tensor) -> None:
-    """Launches from here go to the main stream again, not waiting for the side branch; `result`: its last
-    output, so that this comes after the branch's last launch."""
+@torch.library.custom_op("minidsa::leave_side_stream", mutates_args=("result", "main_reads"))
+def leave_side_stream(result: Tensor, main_reads: list[Tensor]) -> None:
+    """Launches from here go to the main stream again, not waiting for the side branch. `result`: the branch's last
+    output, so that this comes after its last launch; `main_reads`: what the main path reads next (declared written
+    here, so that its readers come after: launched before, they would run on the side stream, in series)."""
     side_stream_mod.leave(result.device)
 
 
 @leave_side_stream.register_fake
-def _(result):
+def _(result, main_reads):
     return None
 
 
 @torch.library.custom_op("minidsa::join_side_stream", mutates_args=("result",))
 def join_side_stream(result: Tensor, keep: list[Tensor]) -> None:
     """The main stream waits for the side branch; `result`'s users come after. `keep`: main-stream tensors the
-    side branch read, held until here so their memory is not reused while it may still read them."""
+    side branch read, held until here so their memory is not reused while it may still read them, and the main
+    path's last output before the join, so that this comes after it (earlier, the main path would wait)."""
     side_stream_mod.join(result.device)
 
 

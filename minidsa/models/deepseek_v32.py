@@ -203,7 +203,7 @@ class MLAttention(nn.Module):
                 torch.ops.minidsa.fork_side_stream(caches.index_k, side_reads)
             topk = self.indexer(caches, x, qr, index_k, ctx, qr_quantized)
             if side_reads:
-                torch.ops.minidsa.leave_side_stream(topk)
+                torch.ops.minidsa.leave_side_stream(topk, [qr, kv])
         else:
             topk = prev_topk
 
@@ -218,7 +218,7 @@ class MLAttention(nn.Module):
             absorb_q, absorb_o = mla_absorb.absorb_q_reference, mla_absorb.absorb_o_reference
         q_full = absorb_q(q_nope, q_rope, w_uk, ctx.cos, ctx.sin)  # [t, h, kv_lora_rank + rope]
         if side_reads:
-            torch.ops.minidsa.join_side_stream(topk, side_reads)
+            torch.ops.minidsa.join_side_stream(topk, side_reads + [q_full])
         o_latent = ctx.attn.sparse_mla(caches, q_full, topk, self.softmax_scale, self.kv_lora_rank)
         return self.o_proj(absorb_o(o_latent, w_uv)), topk
 
