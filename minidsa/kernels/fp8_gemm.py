@@ -148,19 +148,21 @@ EMULATE_CAST = not isinstance(_w8a8_gemm_kernel, JITFunction)  # imported under 
 # the indexer's side stream (kernels/side_stream.py) runs GEMMs concurrently with the main one, so it has its own
 # set. Split-K runs at most ~4 x 132 tiles.
 ARRIVAL_SLOTS = 4096
-_arrivals: dict[tuple[str, bool], torch.Tensor] = {}
+_arrivals: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def arrival_counts(device: torch.device) -> torch.Tensor | None:
-    """The zeroed counts of the device's stream launches go to now (main or side); None while a CUDA graph is being
-    captured and none were made before (allocated there, they would live in the graph's memory pool, not for the
-    process)."""
-    key = (str(device), on_side_stream(device))
+    """The zeroed counts of the stream launches go to now (the device's main or side stream); None while a CUDA
+    graph is being captured and none were made before (allocated there, they would live in the graph's memory
+    pool, not for the process). Both streams' sets are made together: a graph captured before the side stream
+    ever ran a split GEMM still reduces in the kernel, in K order, as the main stream does (the fallback's torch
+    sum rounds differently)."""
+    key = str(device)
     if key not in _arrivals:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        _arrivals[key] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
-    return _arrivals[key]
+        _arrivals[key] = tuple(torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device) for _ in range(2))
+    return _arrivals[key][on_side_stream(device)]
 
 
 def pick_tiles(m: int, n: int, k: int, num_sms: int) -> GemmTiles:
