@@ -1,5 +1,5 @@
-"""The indexer's chain on a side stream (kernels/side_stream.py): when the engine chooses it, and where the model
-places the fork, the leave and the join.
+"""The indexer's chain and the MoE router on a side stream (kernels/side_stream.py): when the engine chooses it,
+and where the model places the fork, the leave and the join.
 
 What runs concurrently on a GPU is checked there (tests/gpu/test_graphs_gpu.py: the same tokens and logits with the
 chain inline and beside). Here: the choice's rule, and the traced layer's order, which is what keeps the two
@@ -28,7 +28,7 @@ from minidsa.attention.select import IndexerShape, KernelChoice, Overrides  # no
 from minidsa.config import ModelConfig  # noqa: E402
 from minidsa.exec.batch import ForwardBatch  # noqa: E402
 from minidsa.kernels import side_stream  # noqa: E402
-from minidsa.models.deepseek_v32 import MLAttention, set_indexer_stream  # noqa: E402
+from minidsa.models.deepseek_v32 import MLAttention, MoE, set_side_stream  # noqa: E402
 from minidsa.models.loader import build_model  # noqa: E402
 from minidsa.models.presets import preset_config  # noqa: E402
 from minidsa.sched.plan import StepKind  # noqa: E402
@@ -47,32 +47,33 @@ def test_side_stream_in_child_process():
     run_file_interpreted(__file__)
 
 
-def test_the_chain_leaves_the_main_stream_only_where_every_op_is_opaque():
-    assert select.indexer_chain_inline_why(CUDA, GPU_CHOICE, FP8_INDEXER) is None
-    assert select._indexer_stream(CUDA, GPU_CHOICE, FP8_INDEXER, Overrides()) == ("side",
-                                                                                  "every op of the chain is opaque")
+def test_the_side_stream_is_chosen_only_where_every_op_on_it_is_opaque():
+    assert select.side_stream_inline_why(CUDA, GPU_CHOICE, FP8_INDEXER) is None
+    assert select._side_stream(CUDA, GPU_CHOICE, FP8_INDEXER, Overrides()) == ("side",
+                                                                                  "every op of both is opaque")
     bf16_cache = dataclasses.replace(FP8_INDEXER, fp8_cache=False)
-    assert "query rope is a torch op" in select.indexer_chain_inline_why(CUDA, GPU_CHOICE, bf16_cache)
-    assert "query rope is a torch op" in select.indexer_chain_inline_why(CUDA, GPU_CHOICE, None)
+    assert "query rope is a torch op" in select.side_stream_inline_why(CUDA, GPU_CHOICE, bf16_cache)
+    assert "query rope is a torch op" in select.side_stream_inline_why(CUDA, GPU_CHOICE, None)
     for field, impl in (("topk", "torch"), ("fp32_gemv", "torch"), ("store_index_k", "torch"),
-                        ("quant_index_q", "torch"), ("index_logits", "torch"), ("fp8_gemm", "torch")):
-        why = select.indexer_chain_inline_why(CUDA, dataclasses.replace(GPU_CHOICE, **{field: impl}), FP8_INDEXER)
+                        ("quant_index_q", "torch"), ("index_logits", "torch"), ("fp8_gemm", "torch"),
+                        ("router", "torch")):
+        why = select.side_stream_inline_why(CUDA, dataclasses.replace(GPU_CHOICE, **{field: impl}), FP8_INDEXER)
         assert why is not None and "torch" in why, (field, why)
     # one stream off CUDA; the override can keep it inline, never force the side stream where it is unsafe
-    assert select.indexer_chain_inline_why(torch.device("cpu"), GPU_CHOICE, FP8_INDEXER) == "one stream on cpu"
-    assert select._indexer_stream(CUDA, GPU_CHOICE, FP8_INDEXER, Overrides(indexer_stream="inline"))[0] == "inline"
-    with pytest.raises(ValueError, match="MINIDSA_INDEXER_STREAM=side: .*one stream on cpu"):
-        select._indexer_stream(torch.device("cpu"), GPU_CHOICE, FP8_INDEXER, Overrides(indexer_stream="side"))
-    assert select.select_kernels("cpu").indexer_stream == "inline"
-    with pytest.raises(ValueError, match="KernelChoice.indexer_stream"):
-        KernelChoice(indexer_stream="beside")
+    assert select.side_stream_inline_why(torch.device("cpu"), GPU_CHOICE, FP8_INDEXER) == "one stream on cpu"
+    assert select._side_stream(CUDA, GPU_CHOICE, FP8_INDEXER, Overrides(side_stream="inline"))[0] == "inline"
+    with pytest.raises(ValueError, match="MINIDSA_SIDE_STREAM=side: .*one stream on cpu"):
+        select._side_stream(torch.device("cpu"), GPU_CHOICE, FP8_INDEXER, Overrides(side_stream="side"))
+    assert select.select_kernels("cpu").side_stream == "inline"
+    with pytest.raises(ValueError, match="KernelChoice.side_stream"):
+        KernelChoice(side_stream="beside")
 
 
 def test_the_override_is_read_from_the_environment(monkeypatch):
-    monkeypatch.setenv("MINIDSA_INDEXER_STREAM", "inline")
-    assert Overrides.from_environment().indexer_stream == "inline"
-    monkeypatch.setenv("MINIDSA_INDEXER_STREAM", "sideways")
-    with pytest.raises(ValueError, match="MINIDSA_INDEXER_STREAM must be 'inline' or 'side'"):
+    monkeypatch.setenv("MINIDSA_SIDE_STREAM", "inline")
+    assert Overrides.from_environment().side_stream == "inline"
+    monkeypatch.setenv("MINIDSA_SIDE_STREAM", "sideways")
+    with pytest.raises(ValueError, match="MINIDSA_SIDE_STREAM must be 'inline' or 'side'"):
         Overrides.from_environment()
 
 
@@ -87,7 +88,7 @@ def _model_and_batches():
     raw["vocab_size"] = 512
     cfg = ModelConfig.from_dict(raw)
     model = build_model(cfg, None, torch.float32, torch.device("cpu"), seed=0, init_std=0.1, mla_absorb="triton",
-                        fp32_gemv="triton")
+                        fp32_gemv="triton", router="triton")
     d = PagedDriver(model, cfg, page_size=1, max_len=128, indexer_fp8=True, kernels=CPU_KERNELS)
     for n in (40, 50):
         d.add(list(range(3, 3 + n)), reserve=4)
@@ -110,37 +111,48 @@ def _call_order(gm: torch.fx.GraphModule) -> list[str]:
 
 
 @in_this_process
-def test_the_layer_forks_after_the_chains_inputs_and_joins_before_the_sparse_attention():
+def test_each_layer_forks_after_the_branchs_inputs_and_joins_before_its_results_are_read():
     model, d, decode = _model_and_batches()
     with torch.no_grad():
         inline = model.forward(decode, d.attn).logits
-        set_indexer_stream(model, "side")
-        assert {m.indexer_stream for m in model.modules() if isinstance(m, MLAttention)} == {"side"}
+        set_side_stream(model, "side")
+        assert {m.side_stream for m in model.modules() if isinstance(m, (MLAttention, MoE))} == {True}
         ex = torch._dynamo.explain(model.forward)(decode, d.attn)
         beside = model.forward(decode, d.attn).logits
     assert ex.graph_break_count == 0, [r.reason for r in ex.break_reasons]
     assert torch.equal(inline, beside)  # off CUDA the three steps do nothing
     calls = [c for gm in ex.graphs for c in _call_order(gm)]
-    layers_with_indexer = sum(1 for layer in model.main_layers if layer.self_attn.computes_topk)
-    assert layers_with_indexer >= 1
+    main = model.main_layers
+    indexers = sum(1 for layer in main if layer.self_attn.computes_topk)
+    routers = sum(1 for layer in main if isinstance(layer.mlp, MoE) and layer.mlp.shared_experts is not None)
+    assert indexers >= 1 and routers >= 1
     for step in ("fork_side_stream", "leave_side_stream", "join_side_stream"):
-        assert calls.count(step) == layers_with_indexer, (step, calls)
+        assert calls.count(step) == indexers + routers, (step, calls)
+    seen = {"indexer": 0, "router": 0}
     start = 0
-    for _ in range(layers_with_indexer):
+    for _ in range(indexers + routers):
         fork = calls.index("fork_side_stream", start)
         leave = calls.index("leave_side_stream", fork)
         join = calls.index("join_side_stream", leave)
         chain = [c for c in calls[fork + 1:leave] if c not in ("getitem", "view")]
-        # the indexer's whole chain, from its query projection and key store to its top-k, nothing of the query's
-        # path, and only opaque ops (an F.linear here: the tiny model's weights are not FP8)
-        assert chain == ["linear", "norm_rope_store_index_k", "fp32_gemv", "quant_index_q", "index_logits",
-                         "topk_slots"], chain
-        assert "norm_rope_store_mla" not in chain and "absorb_q" not in chain, chain
-        # the query's path between leave and join; the sparse attention (its first reader of the top-k) after
         between = calls[leave + 1:join]
-        assert "norm_rope_store_mla" in between, between
-        assert calls.index("sparse_mla", join) > join and "sparse_mla" not in calls[fork:join]
+        if "topk_slots" in chain:
+            # the indexer's whole chain, from its query projection and key store to its top-k, and only opaque ops
+            # (an F.linear here: the tiny model's weights are not FP8); the query's path between leave and join; the
+            # sparse attention (the top-k's first reader) after
+            assert chain == ["linear", "norm_rope_store_index_k", "fp32_gemv", "quant_index_q", "index_logits",
+                             "topk_slots"], chain
+            assert "norm_rope_store_mla" in between and "absorb_q" in between, between
+            assert calls.index("sparse_mla", join) > join and "sparse_mla" not in calls[fork:join]
+            seen["indexer"] += 1
+        else:
+            # the router's gate and selection; the shared expert between leave and join; the routed experts after
+            assert chain == ["fp32_gemv", "route"], chain
+            assert between.count("linear") == 2 and "fused_moe" not in calls[fork:join], between
+            assert calls.index("fused_moe", join) > join
+            seen["router"] += 1
         start = join + 1
+    assert seen == {"indexer": indexers, "router": routers}
     d.release_all()
 
 
@@ -169,11 +181,12 @@ def test_a_layer_that_raises_after_the_fork_leaves_the_main_stream_current(monke
 
 
 @in_this_process
-def test_inductor_keeps_the_query_path_between_leave_and_join():
+def test_inductor_keeps_the_main_path_between_leave_and_join():
     """The order that matters is the one inductor's wrapper launches in (its scheduler may move a node as early as
     its inputs allow: a join with nothing of the query's path among its inputs went up right after the leave, and
     q_b and W_UK waited for the side branch). Compiled here with inductor for the CPU, the same scheduler: the
-    chain between fork and leave, the query's q_b, key store and W_UK between leave and join."""
+    indexer's chain between fork and leave, the query's q_b, key store and W_UK between leave and join; the router's
+    gate and selection, then the shared expert; no inductor kernel between a fork and its leave."""
     import shutil
 
     from torch._inductor.utils import run_and_get_code
@@ -183,25 +196,37 @@ def test_inductor_keeps_the_query_path_between_leave_and_join():
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("inductor's CPU backend needs a C++ compiler")
     model, d, decode = _model_and_batches()
-    set_indexer_stream(model, "side")
+    set_side_stream(model, "side")
     torch._dynamo.reset()
     layer = torch.compile(call_layer, dynamic=True, fullgraph=True, backend="inductor")
     with torch.no_grad():
         _, codes = run_and_get_code(lambda: model.forward(decode, d.attn, layer))
     torch._dynamo.reset()
-    checked = 0
+    checked = {"indexer": 0, "router": 0}
     for code in codes:
         calls = [line.strip() for line in code.splitlines()
-                 if "torch.ops.minidsa." in line or "extern_kernels." in line]
-        if not any("fork_side_stream" in c for c in calls):
-            continue
-        at = {name: next(i for i, c in enumerate(calls) if name in c)
-              for name in ("fork_side_stream", "topk_slots", "leave_side_stream", "norm_rope_store_mla", "absorb_q",
-                           "join_side_stream", "sparse_mla")}
-        q_b = next(i for i, c in enumerate(calls) if "extern_kernels.mm" in c and i > at["leave_side_stream"])
-        assert at["fork_side_stream"] < at["topk_slots"] < at["leave_side_stream"], calls
-        assert at["leave_side_stream"] < min(at["norm_rope_store_mla"], q_b, at["absorb_q"]), calls
-        assert max(at["norm_rope_store_mla"], q_b, at["absorb_q"]) < at["join_side_stream"] < at["sparse_mla"], calls
-        checked += 1
-    assert checked >= 1
+                 if "torch.ops.minidsa." in line or "extern_kernels." in line or line.strip().startswith("cpp_fused")]
+
+        def at(name, after):
+            return next(i for i, c in enumerate(calls) if name in c and i > after)
+
+        fork = -1
+        while any("fork_side_stream" in c for c in calls[fork + 1:]):
+            fork = at("fork_side_stream", fork)
+            leave, join = at("leave_side_stream", fork), at("join_side_stream", fork)
+            assert fork < leave < join, calls
+            # nothing inductor generated between fork and leave: its kernels launch on the main stream
+            assert not any(c.startswith("cpp_fused") for c in calls[fork:leave]), calls[fork:leave]
+            if "topk_slots" in "".join(calls[fork:leave]):
+                q_b = at("extern_kernels.mm", leave)
+                assert max(at("norm_rope_store_mla", leave), q_b, at("absorb_q", leave)) < join, calls
+                assert join < at("sparse_mla", fork), calls
+                checked["indexer"] += 1
+            else:  # the router: gate and selection on the side, the shared expert's two GEMMs on the main stream
+                assert at("fp32_gemv", fork) < at("route", fork) < leave, calls
+                first_mm = at("extern_kernels.mm", leave)
+                assert at("extern_kernels.mm", first_mm) < join, calls
+                assert join < at("fused_moe", fork), calls
+                checked["router"] += 1
+    assert checked["indexer"] >= 1 and checked["router"] >= 1, checked
     d.release_all()

@@ -4,7 +4,7 @@ Two steps:
 - `select_kernels(device, kernel_backend, use_deep_gemm, use_flash_mla, indexer, router)` -> `KernelChoice`, a frozen,
   picklable record of one implementation per kernel (tensor-parallel ranks receive it with the engine's
   config). It probes DeepGEMM and FlashMLA (import, GPU generation, every function called) and reads the
-  environment overrides MINIDSA_TOPK, MINIDSA_SAMPLE, MINIDSA_FP8_GEMM and MINIDSA_INDEXER_STREAM, here and
+  environment overrides MINIDSA_TOPK, MINIDSA_SAMPLE, MINIDSA_FP8_GEMM and MINIDSA_SIDE_STREAM, here and
   nowhere else.
 - `load_libraries(choice, device)` -> `Libraries`: the handles of the optional libraries the choice names
   (`kernels.deepgemm.DeepGEMM`, `kernels.flashmla.FlashMLA`: the module, its status, DeepGEMM's checked
@@ -42,10 +42,11 @@ What the choice says, per kernel:
 - fp32_gemv (the fp32 GEMVs: the indexer's head weights, the MoE router's gate): one Triton launch each at decode
   sizes (kernels/gemv.py; above them the op runs cuBLAS's GEMM) wherever Triton runs, else F.linear
   (`models.deepseek_v32.set_fp32_gemv`);
-- indexer_stream (where the indexer's chain, its query projection to its top-k, runs): "side", on a second CUDA
-  stream concurrently with the query's own path until the sparse attention needs the top-k (kernels/side_stream.py),
-  where every op of the chain is opaque (an FP8 indexer cache, the Triton / DeepGEMM ops), else "inline";
-  MINIDSA_INDEXER_STREAM (inline | side) overrides (`models.deepseek_v32.set_indexer_stream`).
+- side_stream (where the indexer's chain, its query projection to its top-k, and the MoE router run): "side", on a
+  second CUDA stream, concurrently with the query's own path until the sparse attention needs the top-k, and with
+  the shared expert until the routed experts need the choice (kernels/side_stream.py), where every op of both is
+  opaque (an FP8 indexer cache, the Triton / DeepGEMM ops), else "inline"; MINIDSA_SIDE_STREAM (inline | side)
+  overrides (`models.deepseek_v32.set_side_stream`).
 
 Per-shape decisions stay inside the custom ops, from pure functions of the concrete sizes: compiled code sees
 the choice as constants and gets no guards. Nothing here is called from a traced step.
@@ -84,7 +85,7 @@ IMPLS = MappingProxyType({
     "norm_quant": ("torch", "triton"),
     "mla_absorb": ("torch", "triton"),
     "fp32_gemv": ("torch", "triton"),
-    "indexer_stream": ("inline", "side"),
+    "side_stream": ("inline", "side"),
 })
 DSA_OPS = ("store_index_k", "index_logits", "topk", "sparse_mla", "kv_move", "store_mla", "quant_index_q")
 # How each decision is named in the start-up log.
@@ -103,7 +104,7 @@ LABELS = MappingProxyType({
     "norm_quant": "RMSNorm + FP8 input quantisation",
     "mla_absorb": "MLA absorbed W_UK / W_UV",
     "fp32_gemv": "fp32 GEMVs (indexer head weights, MoE gate)",
-    "indexer_stream": "DSA indexer chain",
+    "side_stream": "DSA indexer chain, MoE router",
 })
 SERVED = MappingProxyType({  # what an implementation does for a kernel, where it is more than its name
     ("index_logits", "deepgemm"): "DeepGEMM where measured faster, else Triton",
@@ -138,9 +139,10 @@ class KernelChoice:
     norm_quant: str = "torch"  # RMSNorm + FP8 quantisation of its output (models.deepseek_v32.set_norm_quant)
     mla_absorb: str = "torch"  # MLA's per-head W_UK / W_UV products (models.deepseek_v32.set_mla_absorb)
     fp32_gemv: str = "torch"  # the indexer's head weights and the router's gate (models.deepseek_v32.set_fp32_gemv)
-    # where the indexer's chain runs (q projection to top-k): "side" on a second CUDA stream, concurrently with the
-    # query's own path, only where every op of the chain is opaque (models.deepseek_v32.set_indexer_stream)
-    indexer_stream: str = "inline"
+    # where the indexer's chain (q projection to top-k) and the MoE router run: "side" on a second CUDA stream,
+    # concurrently with the query's own path and the shared expert, only where every op of both is opaque
+    # (models.deepseek_v32.set_side_stream)
+    side_stream: str = "inline"
 
     def __post_init__(self):
         for name, impl in self.__dict__.items():
@@ -189,7 +191,7 @@ class Overrides:
     topk: str = TOPK_IMPL  # MINIDSA_TOPK: torch | triton
     sample: str = "triton"  # MINIDSA_SAMPLE: torch | triton
     fp8_gemm: str | None = None  # MINIDSA_FP8_GEMM: torch | triton | deepgemm
-    indexer_stream: str | None = None  # MINIDSA_INDEXER_STREAM: inline | side
+    side_stream: str | None = None  # MINIDSA_SIDE_STREAM: inline | side
 
     @classmethod
     def from_environment(cls) -> "Overrides":
@@ -202,9 +204,9 @@ class Overrides:
         gemm = os.environ.get("MINIDSA_FP8_GEMM")
         if gemm is not None and gemm not in ("torch", "triton", "deepgemm"):
             raise ValueError(f"MINIDSA_FP8_GEMM must be torch, triton or deepgemm, got {gemm!r}")
-        stream = os.environ.get("MINIDSA_INDEXER_STREAM")
-        if stream is not None and stream not in IMPLS["indexer_stream"]:
-            raise ValueError(f"MINIDSA_INDEXER_STREAM must be 'inline' or 'side', got {stream!r}")
+        stream = os.environ.get("MINIDSA_SIDE_STREAM")
+        if stream is not None and stream not in IMPLS["side_stream"]:
+            raise ValueError(f"MINIDSA_SIDE_STREAM must be 'inline' or 'side', got {stream!r}")
         return cls(topk, sample, gemm, stream)
 
 
@@ -255,27 +257,28 @@ def select_kernels(device: torch.device | str, kernel_backend: str = "auto", use
                           fp8_gemm=fp8_gemm, moe_gemm=moe_gemm, router="torch" if route_why else "triton",
                           norm_quant="torch" if norm_quant_why else "triton", mla_absorb="triton",
                           fp32_gemv="triton")
-    stream, stream_why = _indexer_stream(device, choice, indexer, env)
-    choice = dataclasses.replace(choice, indexer_stream=stream)
+    stream, stream_why = _side_stream(device, choice, indexer, env)
+    choice = dataclasses.replace(choice, side_stream=stream)
     why = dict.fromkeys(IMPLS, triton_why)
     why.update(index_logits=index_why, sparse_mla=sparse_why, fp8_gemm=fp8_why, moe_gemm=moe_why,
                router=route_why or triton_why, norm_quant=norm_quant_why or triton_why,
                topk="MINIDSA_TOPK" if "MINIDSA_TOPK" in os.environ else triton_why,
                sample="MINIDSA_SAMPLE" if "MINIDSA_SAMPLE" in os.environ else triton_why,
-               indexer_stream=stream_why)
+               side_stream=stream_why)
     _log(choice, why)
     return choice
 
 
-def indexer_chain_inline_why(device: torch.device, choice: KernelChoice, indexer: IndexerShape | None) -> str | None:
-    """Why the indexer's chain must run inline (None: it may run on the side stream). Between the side stream's
-    fork and leave every op must be opaque (kernels/side_stream.py): a reference op inside the chain would compile
-    to an inductor kernel launched on the main stream."""
+def side_stream_inline_why(device: torch.device, choice: KernelChoice, indexer: IndexerShape | None) -> str | None:
+    """Why the indexer's chain and the router must run inline (None: they may run on the side stream). Between the
+    side stream's fork and leave every op must be opaque (kernels/side_stream.py): a reference op there would
+    compile to an inductor kernel launched on the main stream."""
     if device.type != "cuda":
         return f"one stream on {device}"
     if indexer is None or not indexer.fp8_cache:
         return "the model-dtype indexer cache's query rope is a torch op"
-    opaque = {"store_index_k": "triton", "quant_index_q": "triton", "topk": "triton", "fp32_gemv": "triton"}
+    opaque = {"store_index_k": "triton", "quant_index_q": "triton", "topk": "triton", "fp32_gemv": "triton",
+              "router": "triton"}
     for name, impl in opaque.items():
         if getattr(choice, name) != impl:
             return f"{LABELS[name]} is the {NAMES[getattr(choice, name)]}"
@@ -284,16 +287,17 @@ def indexer_chain_inline_why(device: torch.device, choice: KernelChoice, indexer
     return None
 
 
-def _indexer_stream(device: torch.device, choice: KernelChoice, indexer: IndexerShape | None,
-                    env: Overrides) -> tuple[str, str]:
-    why_inline = indexer_chain_inline_why(device, choice, indexer)
-    if env.indexer_stream == "side" and why_inline is not None:
-        raise ValueError(f"MINIDSA_INDEXER_STREAM=side: the indexer's chain cannot leave the main stream: {why_inline}")
-    if env.indexer_stream is not None:
-        return env.indexer_stream, "MINIDSA_INDEXER_STREAM"
+def _side_stream(device: torch.device, choice: KernelChoice, indexer: IndexerShape | None,
+                 env: Overrides) -> tuple[str, str]:
+    why_inline = side_stream_inline_why(device, choice, indexer)
+    if env.side_stream == "side" and why_inline is not None:
+        raise ValueError(f"MINIDSA_SIDE_STREAM=side: the indexer's chain and the router cannot leave the main "
+                         f"stream: {why_inline}")
+    if env.side_stream is not None:
+        return env.side_stream, "MINIDSA_SIDE_STREAM"
     if why_inline is not None:
         return "inline", why_inline
-    return "side", "every op of the chain is opaque"
+    return "side", "every op of both is opaque"
 
 
 def _index_logits(device: torch.device, use_deep_gemm: bool, indexer: IndexerShape | None) -> tuple[str, str]:

@@ -400,42 +400,41 @@ def _(x, weight, scale):
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
 
 
-# The side stream's three steps (kernels/side_stream.py). Each declares a write to the tensor it orders by, so that
-# no compiler pass drops it (it returns nothing) or moves it past that tensor's users.
-@torch.library.custom_op("minidsa::fork_side_stream", mutates_args=("order",))
-def fork_side_stream(order: Tensor, inputs: list[Tensor]) -> None:
-    """Launches from here go to the side stream, after everything launched before. `order`: a tensor the side
-    branch writes first (the indexer's cache), so that its writers come after; `inputs`: what the side branch
-    reads, so that this comes after their producers."""
-    side_stream_mod.fork(order.device)
+# The side stream's three steps (kernels/side_stream.py). Each declares writes to the tensors it orders by, so that
+# no compiler pass drops it (it returns nothing) or moves it past their users; the writes are declared only.
+@torch.library.custom_op("minidsa::fork_side_stream", mutates_args=("inputs",))
+def fork_side_stream(inputs: list[Tensor]) -> None:
+    """Launches from here go to the side stream, after everything launched before. `inputs`: what the side branch
+    reads, so that this comes after their producers and before their readers."""
+    side_stream_mod.fork(inputs[0].device)
 
 
 @fork_side_stream.register_fake
-def _(order, inputs):
+def _(inputs):
     return None
 
 
-@torch.library.custom_op("minidsa::leave_side_stream", mutates_args=("result", "main_reads"))
-def leave_side_stream(result: Tensor, main_reads: list[Tensor]) -> None:
-    """Launches from here go to the main stream again, not waiting for the side branch. `result`: the branch's last
-    output, so that this comes after its last launch; `main_reads`: what the main path reads next (declared written
-    here, so that its readers come after: launched before, they would run on the side stream, in series)."""
-    side_stream_mod.leave(result.device)
+@torch.library.custom_op("minidsa::leave_side_stream", mutates_args=("results", "main_reads"))
+def leave_side_stream(results: list[Tensor], main_reads: list[Tensor]) -> None:
+    """Launches from here go to the main stream again, not waiting for the side branch. `results`: the branch's
+    outputs, so that this comes after its launches; `main_reads`: what the main path reads next, so that its
+    readers come after (launched before, they would run on the side stream, in series)."""
+    side_stream_mod.leave(results[0].device)
 
 
 @leave_side_stream.register_fake
-def _(result, main_reads):
+def _(results, main_reads):
     return None
 
 
-@torch.library.custom_op("minidsa::join_side_stream", mutates_args=("result",))
-def join_side_stream(result: Tensor, keep: list[Tensor]) -> None:
-    """The main stream waits for the side branch; `result`'s users come after. `keep`: main-stream tensors the
-    side branch read, held until here so their memory is not reused while it may still read them, and the main
-    path's last output before the join, so that this comes after it (earlier, the main path would wait)."""
-    side_stream_mod.join(result.device)
+@torch.library.custom_op("minidsa::join_side_stream", mutates_args=("results",))
+def join_side_stream(results: list[Tensor], keep: list[Tensor]) -> None:
+    """The main stream waits for the side branch; `results`' users come after. `keep`: main-stream tensors the side
+    branch read, held until here so their memory is not reused while it may still read them, and the main path's
+    last output before the join, so that this comes after it (earlier, the main path would wait)."""
+    side_stream_mod.join(results[0].device)
 
 
 @join_side_stream.register_fake
-def _(result, keep):
+def _(results, keep):
     return None

@@ -1,10 +1,11 @@
-"""A second CUDA stream for work that can run beside a layer's main path (the indexer's chain).
+"""A second CUDA stream for work that can run beside a layer's main path: the indexer's chain, the MoE router.
 
 At small batches most of a decode layer is one kernel after another, each either streaming weights over the whole
-GPU or running on a few SMs: the indexer's chain (its query projection, key store, head weights, query
-quantisation, logits and top-k: ~50 us a layer at batch 1 on an H100, the top-k on one SM) needs nothing of the
-query's own path (q_b, the MLA key store, the absorbed W_UK) and is needed only by the sparse attention. Launched on
-a second stream, a CUDA graph captures the two as parallel branches and replays them side by side.
+GPU or running on a few SMs. The indexer's chain (its query projection, key store, head weights, query
+quantisation, logits and top-k: ~40 us a layer at batch 1 on an H100, the top-k on one SM) needs nothing of the
+query's own path (q_b, the MLA key store, the absorbed W_UK) and is needed only by the sparse attention; the
+router's gate and selection need nothing of the shared expert and are needed only by the routed experts. Launched on
+a second stream, a CUDA graph captures each pair as parallel branches and replays them side by side.
 
 Three steps, each a custom op (`torch.ops.minidsa.*_side_stream`) so that they run where they stand inside a
 compiled layer:
@@ -15,7 +16,7 @@ compiled layer:
 Between fork and leave only opaque ops may run (they launch on the current stream): an inductor-generated kernel
 launches on the stream its compiled graph started on, and would not be ordered with the side branch. The engine
 turns the side stream on only where every op of the indexer's chain is opaque (`attention.select`,
-`KernelChoice.indexer_stream`). Memory: tensors the side branch reads that were made on the main stream are kept
+`KernelChoice.side_stream`). Memory: tensors the side branch reads that were made on the main stream are kept
 alive until `join` (its `keep` argument), so the main stream cannot reuse their memory while the side branch may
 still read it; what the side branch allocates lives in the caching allocator's pool of the side stream.
 

@@ -171,7 +171,7 @@ class MLAttention(nn.Module):
         # Decided once: does this layer run its own indexer, or reuse the top-k it is handed?
         self.computes_topk = computes_topk
         self.absorb = "torch"  # who runs the W_UK / W_UV products (`set_mla_absorb`)
-        self.indexer_stream = "inline"  # where the indexer's chain runs (`set_indexer_stream`)
+        self.side_stream = False  # does the indexer's chain run on the side stream (`set_side_stream`)
 
     def _kv_b_halves(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
@@ -198,12 +198,12 @@ class MLAttention(nn.Module):
                 raise RuntimeError(
                     f"layer {self.layer_id} shares the previous layer's top-k but was handed none"
                 )
-            if self.indexer_stream == "side":  # the chain runs beside q_b, the MLA key store and W_UK
+            if self.side_stream:  # the chain runs beside q_b, the MLA key store and W_UK
                 side_reads = [x, qr, index_k, *(qr_quantized or ())]
-                torch.ops.minidsa.fork_side_stream(caches.index_k, side_reads)
+                torch.ops.minidsa.fork_side_stream(side_reads)
             topk = self.indexer(caches, x, qr, index_k, ctx, qr_quantized)
             if side_reads:
-                torch.ops.minidsa.leave_side_stream(topk, [qr, kv])
+                torch.ops.minidsa.leave_side_stream([topk], [qr, kv])
         else:
             topk = prev_topk
 
@@ -218,7 +218,7 @@ class MLAttention(nn.Module):
             absorb_q, absorb_o = mla_absorb.absorb_q_reference, mla_absorb.absorb_o_reference
         q_full = absorb_q(q_nope, q_rope, w_uk, ctx.cos, ctx.sin)  # [t, h, kv_lora_rank + rope]
         if side_reads:
-            torch.ops.minidsa.join_side_stream(topk, side_reads + [q_full])
+            torch.ops.minidsa.join_side_stream([topk], side_reads + [q_full])
         o_latent = ctx.attn.sparse_mla(caches, q_full, topk, self.softmax_scale, self.kv_lora_rank)
         return self.o_proj(absorb_o(o_latent, w_uv)), topk
 
@@ -264,7 +264,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = _fp32_gemv(self.fp32_gemv)(x, self.weight, 1.0)
         route = torch.ops.minidsa.route if self.kernel == "triton" else reference.route
-        return route(logits, self.e_score_correction_bias.float(), self.top_k, self.n_group, self.topk_group,
+        return route(logits, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
                      self.norm_topk_prob, self.scaling)
 
 
@@ -287,14 +287,14 @@ def set_mla_absorb(model: nn.Module, kernel: str) -> None:
             mod.absorb = kernel
 
 
-def set_indexer_stream(model: nn.Module, where: str) -> None:
-    """Where every MLA layer's indexer chain runs ("inline", or "side": on the side stream beside the query's path,
-    `KernelChoice.indexer_stream`), decided once at build."""
+def set_side_stream(model: nn.Module, where: str) -> None:
+    """Where every MLA layer's indexer chain and every MoE layer's router run ("inline", or "side": on the side
+    stream, beside the query's path and the shared expert, `KernelChoice.side_stream`), decided once at build."""
     if where not in ("inline", "side"):
-        raise ValueError(f"indexer_stream {where!r} is not 'inline' or 'side'")
+        raise ValueError(f"side_stream {where!r} is not 'inline' or 'side'")
     for mod in model.modules():
-        if isinstance(mod, MLAttention):
-            mod.indexer_stream = where
+        if isinstance(mod, (MLAttention, MoE)):
+            mod.side_stream = where == "side"
 
 
 def _fp32_gemv(kernel: str) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
@@ -475,13 +475,24 @@ class MoE(nn.Module):
             if config.n_shared_experts > 0 else None
         )
         self.tp = building_tp()
+        self.side_stream = False  # does the router run on the side stream (`set_side_stream`)
 
     def forward(self, x: torch.Tensor, x_quantized: QuantizedInput | None = None) -> torch.Tensor:
+        if not self.side_stream or self.shared_experts is None:
+            ids, weights = self.gate(x)
+            y = self.experts(x, ids, weights, x_quantized)
+            if self.shared_experts is not None:
+                y = y + self.shared_experts(x, x_quantized)
+            return self.tp.all_reduce(y)  # routed and shared partial sums: one all-reduce per MoE layer
+        # The router's gate and selection (small kernels, a few SMs) on the side stream, beside the shared expert's
+        # weight-streaming GEMMs; the routed experts wait for both.
+        inputs = [x, *(x_quantized or ())]
+        torch.ops.minidsa.fork_side_stream([x])
         ids, weights = self.gate(x)
-        y = self.experts(x, ids, weights, x_quantized)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x, x_quantized)
-        return self.tp.all_reduce(y)  # routed and shared partial sums: one all-reduce per MoE layer
+        torch.ops.minidsa.leave_side_stream([ids, weights], inputs)
+        shared = self.shared_experts(x, x_quantized)
+        torch.ops.minidsa.join_side_stream([ids, weights], [x, shared])
+        return self.tp.all_reduce(self.experts(x, ids, weights, x_quantized) + shared)
 
 
 class DecoderLayer(nn.Module):

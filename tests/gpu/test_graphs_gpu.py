@@ -179,7 +179,7 @@ def test_indexer_side_stream_gives_the_inline_results(spec, monkeypatch):
     params = dict(logprobs=True)
 
     def run(where):
-        monkeypatch.setenv("MINIDSA_INDEXER_STREAM", where)
+        monkeypatch.setenv("MINIDSA_SIDE_STREAM", where)
         _, replays, out = _run("tiny", prompts, params, enable_cuda_graph=True, **spec)
         assert replays[StepKind.VERIFY if spec else StepKind.DECODE] > 0, replays
         return [(o.token_ids, o.logprobs) for o in out]
