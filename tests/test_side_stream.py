@@ -1,5 +1,5 @@
-"""The indexer's chain and the MoE router on a side stream (kernels/side_stream.py): when the engine chooses it,
-and where the model places the fork, the leave and the join.
+"""The indexer's chain on a side stream (kernels/side_stream.py): when the engine chooses it, and where the model
+places the fork, the leave and the join.
 
 What runs concurrently on a GPU is checked there (tests/gpu/test_graphs_gpu.py: the same tokens and logits with the
 chain inline and beside). Here: the choice's rule, and the traced layer's order, which is what keeps the two
@@ -28,7 +28,7 @@ from minidsa.attention.select import IndexerShape, KernelChoice, Overrides  # no
 from minidsa.config import ModelConfig  # noqa: E402
 from minidsa.exec.batch import ForwardBatch  # noqa: E402
 from minidsa.kernels import side_stream  # noqa: E402
-from minidsa.models.deepseek_v32 import MLAttention, MoE, set_side_stream  # noqa: E402
+from minidsa.models.deepseek_v32 import MLAttention, set_side_stream  # noqa: E402
 from minidsa.models.loader import build_model  # noqa: E402
 from minidsa.models.presets import preset_config  # noqa: E402
 from minidsa.sched.plan import StepKind  # noqa: E402
@@ -50,13 +50,12 @@ def test_side_stream_in_child_process():
 def test_the_side_stream_is_chosen_only_where_every_op_on_it_is_opaque():
     assert select.side_stream_inline_why(CUDA, GPU_CHOICE, FP8_INDEXER) is None
     assert select._side_stream(CUDA, GPU_CHOICE, FP8_INDEXER, Overrides()) == ("side",
-                                                                                  "every op of both is opaque")
+                                                                                  "every op of the chain is opaque")
     bf16_cache = dataclasses.replace(FP8_INDEXER, fp8_cache=False)
     assert "query rope is a torch op" in select.side_stream_inline_why(CUDA, GPU_CHOICE, bf16_cache)
     assert "query rope is a torch op" in select.side_stream_inline_why(CUDA, GPU_CHOICE, None)
     for field, impl in (("topk", "torch"), ("fp32_gemv", "torch"), ("store_index_k", "torch"),
-                        ("quant_index_q", "torch"), ("index_logits", "torch"), ("fp8_gemm", "torch"),
-                        ("router", "torch")):
+                        ("quant_index_q", "torch"), ("index_logits", "torch"), ("fp8_gemm", "torch")):
         why = select.side_stream_inline_why(CUDA, dataclasses.replace(GPU_CHOICE, **{field: impl}), FP8_INDEXER)
         assert why is not None and "torch" in why, (field, why)
     # one stream off CUDA; the override can keep it inline, never force the side stream where it is unsafe
@@ -116,7 +115,7 @@ def test_each_layer_forks_after_the_branchs_inputs_and_joins_before_its_results_
     with torch.no_grad():
         inline = model.forward(decode, d.attn).logits
         set_side_stream(model, "side")
-        assert {m.side_stream for m in model.modules() if isinstance(m, (MLAttention, MoE))} == {True}
+        assert {m.side_stream for m in model.modules() if isinstance(m, MLAttention)} == {True}
         ex = torch._dynamo.explain(model.forward)(decode, d.attn)
         beside = model.forward(decode, d.attn).logits
     assert ex.graph_break_count == 0, [r.reason for r in ex.break_reasons]
@@ -124,35 +123,24 @@ def test_each_layer_forks_after_the_branchs_inputs_and_joins_before_its_results_
     calls = [c for gm in ex.graphs for c in _call_order(gm)]
     main = model.main_layers
     indexers = sum(1 for layer in main if layer.self_attn.computes_topk)
-    routers = sum(1 for layer in main if isinstance(layer.mlp, MoE) and layer.mlp.shared_experts is not None)
-    assert indexers >= 1 and routers >= 1
+    assert indexers >= 1
     for step in ("fork_side_stream", "leave_side_stream", "join_side_stream"):
-        assert calls.count(step) == indexers + routers, (step, calls)
-    seen = {"indexer": 0, "router": 0}
+        assert calls.count(step) == indexers, (step, calls)
     start = 0
-    for _ in range(indexers + routers):
+    for _ in range(indexers):
         fork = calls.index("fork_side_stream", start)
         leave = calls.index("leave_side_stream", fork)
         join = calls.index("join_side_stream", leave)
         chain = [c for c in calls[fork + 1:leave] if c not in ("getitem", "view")]
         between = calls[leave + 1:join]
-        if "topk_slots" in chain:
-            # the indexer's whole chain, from its query projection and key store to its top-k, and only opaque ops
-            # (an F.linear here: the tiny model's weights are not FP8); the query's path between leave and join; the
-            # sparse attention (the top-k's first reader) after
-            assert chain == ["linear", "norm_rope_store_index_k", "fp32_gemv", "quant_index_q", "index_logits",
-                             "topk_slots"], chain
-            assert "norm_rope_store_mla" in between and "absorb_q" in between, between
-            assert calls.index("sparse_mla", join) > join and "sparse_mla" not in calls[fork:join]
-            seen["indexer"] += 1
-        else:
-            # the router's gate and selection; the shared expert between leave and join; the routed experts after
-            assert chain == ["fp32_gemv", "route"], chain
-            assert between.count("linear") == 2 and "fused_moe" not in calls[fork:join], between
-            assert calls.index("fused_moe", join) > join
-            seen["router"] += 1
+        # the indexer's whole chain, from its query projection and key store to its top-k, and only opaque ops (an
+        # F.linear here: the tiny model's weights are not FP8); the query's path between leave and join; the sparse
+        # attention (the top-k's first reader) after
+        assert chain == ["linear", "norm_rope_store_index_k", "fp32_gemv", "quant_index_q", "index_logits",
+                         "topk_slots"], chain
+        assert "norm_rope_store_mla" in between and "absorb_q" in between, between
+        assert calls.index("sparse_mla", join) > join and "sparse_mla" not in calls[fork:join]
         start = join + 1
-    assert seen == {"indexer": indexers, "router": routers}
     d.release_all()
 
 
@@ -185,8 +173,8 @@ def test_inductor_keeps_the_main_path_between_leave_and_join():
     """The order that matters is the one inductor's wrapper launches in (its scheduler may move a node as early as
     its inputs allow: a join with nothing of the query's path among its inputs went up right after the leave, and
     q_b and W_UK waited for the side branch). Compiled here with inductor for the CPU, the same scheduler: the
-    indexer's chain between fork and leave, the query's q_b, key store and W_UK between leave and join; the router's
-    gate and selection, then the shared expert; no inductor kernel between a fork and its leave."""
+    indexer's chain between fork and leave, the query's q_b, key store and W_UK between leave and join; no inductor
+    kernel between a fork and its leave."""
     import shutil
 
     from torch._inductor.utils import run_and_get_code
@@ -202,7 +190,7 @@ def test_inductor_keeps_the_main_path_between_leave_and_join():
     with torch.no_grad():
         _, codes = run_and_get_code(lambda: model.forward(decode, d.attn, layer))
     torch._dynamo.reset()
-    checked = {"indexer": 0, "router": 0}
+    checked = 0
     for code in codes:
         calls = [line.strip() for line in code.splitlines()
                  if "torch.ops.minidsa." in line or "extern_kernels." in line or line.strip().startswith("cpp_fused")]
@@ -217,16 +205,10 @@ def test_inductor_keeps_the_main_path_between_leave_and_join():
             assert fork < leave < join, calls
             # nothing inductor generated between fork and leave: its kernels launch on the main stream
             assert not any(c.startswith("cpp_fused") for c in calls[fork:leave]), calls[fork:leave]
-            if "topk_slots" in "".join(calls[fork:leave]):
-                q_b = at("extern_kernels.mm", leave)
-                assert max(at("norm_rope_store_mla", leave), q_b, at("absorb_q", leave)) < join, calls
-                assert join < at("sparse_mla", fork), calls
-                checked["indexer"] += 1
-            else:  # the router: gate and selection on the side, the shared expert's two GEMMs on the main stream
-                assert at("fp32_gemv", fork) < at("route", fork) < leave, calls
-                first_mm = at("extern_kernels.mm", leave)
-                assert at("extern_kernels.mm", first_mm) < join, calls
-                assert join < at("fused_moe", fork), calls
-                checked["router"] += 1
-    assert checked["indexer"] >= 1 and checked["router"] >= 1, checked
+            assert "topk_slots" in "".join(calls[fork:leave]), calls[fork:leave]
+            q_b = at("extern_kernels.mm", leave)
+            assert max(at("norm_rope_store_mla", leave), q_b, at("absorb_q", leave)) < join, calls
+            assert join < at("sparse_mla", fork), calls
+            checked += 1
+    assert checked >= 1
     d.release_all()

@@ -42,11 +42,10 @@ What the choice says, per kernel:
 - fp32_gemv (the fp32 GEMVs: the indexer's head weights, the MoE router's gate): one Triton launch each at decode
   sizes (kernels/gemv.py; above them the op runs cuBLAS's GEMM) wherever Triton runs, else F.linear
   (`models.deepseek_v32.set_fp32_gemv`);
-- side_stream (where the indexer's chain, its query projection to its top-k, and the MoE router run): "side", on a
-  second CUDA stream, concurrently with the query's own path until the sparse attention needs the top-k, and with
-  the shared expert until the routed experts need the choice (kernels/side_stream.py), where every op of both is
-  opaque (an FP8 indexer cache, the Triton / DeepGEMM ops), else "inline"; MINIDSA_SIDE_STREAM (inline | side)
-  overrides (`models.deepseek_v32.set_side_stream`).
+- side_stream (where the indexer's chain, its query projection to its top-k, runs): "side", on a second CUDA
+  stream, concurrently with the query's own path until the sparse attention needs the top-k (kernels/side_stream.py),
+  where every op of the chain is opaque (an FP8 indexer cache, the Triton / DeepGEMM ops), else "inline";
+  MINIDSA_SIDE_STREAM (inline | side) overrides (`models.deepseek_v32.set_side_stream`).
 
 Per-shape decisions stay inside the custom ops, from pure functions of the concrete sizes: compiled code sees
 the choice as constants and gets no guards. Nothing here is called from a traced step.
@@ -104,7 +103,7 @@ LABELS = MappingProxyType({
     "norm_quant": "RMSNorm + FP8 input quantisation",
     "mla_absorb": "MLA absorbed W_UK / W_UV",
     "fp32_gemv": "fp32 GEMVs (indexer head weights, MoE gate)",
-    "side_stream": "DSA indexer chain, MoE router",
+    "side_stream": "DSA indexer chain",
 })
 SERVED = MappingProxyType({  # what an implementation does for a kernel, where it is more than its name
     ("index_logits", "deepgemm"): "DeepGEMM where measured faster, else Triton",
@@ -139,9 +138,8 @@ class KernelChoice:
     norm_quant: str = "torch"  # RMSNorm + FP8 quantisation of its output (models.deepseek_v32.set_norm_quant)
     mla_absorb: str = "torch"  # MLA's per-head W_UK / W_UV products (models.deepseek_v32.set_mla_absorb)
     fp32_gemv: str = "torch"  # the indexer's head weights and the router's gate (models.deepseek_v32.set_fp32_gemv)
-    # where the indexer's chain (q projection to top-k) and the MoE router run: "side" on a second CUDA stream,
-    # concurrently with the query's own path and the shared expert, only where every op of both is opaque
-    # (models.deepseek_v32.set_side_stream)
+    # where the indexer's chain (q projection to top-k) runs: "side" on a second CUDA stream, concurrently with the
+    # query's own path, only where every op of the chain is opaque (models.deepseek_v32.set_side_stream)
     side_stream: str = "inline"
 
     def __post_init__(self):
@@ -270,15 +268,14 @@ def select_kernels(device: torch.device | str, kernel_backend: str = "auto", use
 
 
 def side_stream_inline_why(device: torch.device, choice: KernelChoice, indexer: IndexerShape | None) -> str | None:
-    """Why the indexer's chain and the router must run inline (None: they may run on the side stream). Between the
-    side stream's fork and leave every op must be opaque (kernels/side_stream.py): a reference op there would
-    compile to an inductor kernel launched on the main stream."""
+    """Why the indexer's chain must run inline (None: it may run on the side stream). Between the side stream's fork
+    and leave every op must be opaque (kernels/side_stream.py): a reference op there would compile to an inductor
+    kernel launched on the main stream."""
     if device.type != "cuda":
         return f"one stream on {device}"
     if indexer is None or not indexer.fp8_cache:
         return "the model-dtype indexer cache's query rope is a torch op"
-    opaque = {"store_index_k": "triton", "quant_index_q": "triton", "topk": "triton", "fp32_gemv": "triton",
-              "router": "triton"}
+    opaque = {"store_index_k": "triton", "quant_index_q": "triton", "topk": "triton", "fp32_gemv": "triton"}
     for name, impl in opaque.items():
         if getattr(choice, name) != impl:
             return f"{LABELS[name]} is the {NAMES[getattr(choice, name)]}"
@@ -291,13 +288,12 @@ def _side_stream(device: torch.device, choice: KernelChoice, indexer: IndexerSha
                  env: Overrides) -> tuple[str, str]:
     why_inline = side_stream_inline_why(device, choice, indexer)
     if env.side_stream == "side" and why_inline is not None:
-        raise ValueError(f"MINIDSA_SIDE_STREAM=side: the indexer's chain and the router cannot leave the main "
-                         f"stream: {why_inline}")
+        raise ValueError(f"MINIDSA_SIDE_STREAM=side: the indexer's chain cannot leave the main stream: {why_inline}")
     if env.side_stream is not None:
         return env.side_stream, "MINIDSA_SIDE_STREAM"
     if why_inline is not None:
         return "inline", why_inline
-    return "side", "every op of both is opaque"
+    return "side", "every op of the chain is opaque"
 
 
 def _index_logits(device: torch.device, use_deep_gemm: bool, indexer: IndexerShape | None) -> tuple[str, str]:

@@ -1,11 +1,14 @@
-"""A second CUDA stream for work that can run beside a layer's main path: the indexer's chain, the MoE router.
+"""A second CUDA stream for work that can run beside a layer's main path: the indexer's chain.
 
 At small batches most of a decode layer is one kernel after another, each either streaming weights over the whole
 GPU or running on a few SMs. The indexer's chain (its query projection, key store, head weights, query
 quantisation, logits and top-k: ~40 us a layer at batch 1 on an H100, the top-k on one SM) needs nothing of the
-query's own path (q_b, the MLA key store, the absorbed W_UK) and is needed only by the sparse attention; the
-router's gate and selection need nothing of the shared expert and are needed only by the routed experts. Launched on
-a second stream, a CUDA graph captures each pair as parallel branches and replays them side by side.
+query's own path (q_b, the MLA key store, the absorbed W_UK) and is needed only by the sparse attention. Launched on
+a second stream, a CUDA graph captures the two as parallel branches and replays them side by side.
+
+Not every pair gains: kernels on the two streams share the SMs and the memory bandwidth, so a weight-streaming GEMM
+sized to fill every SM gets a tail when the other branch holds some. The MoE router beside the shared expert was
+tried (H100, bench-dsv32:6, benchmarks/TAIL.md section 7) and not kept.
 
 Three steps, each a custom op (`torch.ops.minidsa.*_side_stream`) so that they run where they stand inside a
 compiled layer:

@@ -288,12 +288,12 @@ def set_mla_absorb(model: nn.Module, kernel: str) -> None:
 
 
 def set_side_stream(model: nn.Module, where: str) -> None:
-    """Where every MLA layer's indexer chain and every MoE layer's router run ("inline", or "side": on the side
-    stream, beside the query's path and the shared expert, `KernelChoice.side_stream`), decided once at build."""
+    """Where every MLA layer's indexer chain runs ("inline", or "side": on the side stream, beside the query's path,
+    `KernelChoice.side_stream`), decided once at build."""
     if where not in ("inline", "side"):
         raise ValueError(f"side_stream {where!r} is not 'inline' or 'side'")
     for mod in model.modules():
-        if isinstance(mod, (MLAttention, MoE)):
+        if isinstance(mod, MLAttention):
             mod.side_stream = where == "side"
 
 
@@ -475,24 +475,13 @@ class MoE(nn.Module):
             if config.n_shared_experts > 0 else None
         )
         self.tp = building_tp()
-        self.side_stream = False  # does the router run on the side stream (`set_side_stream`)
 
     def forward(self, x: torch.Tensor, x_quantized: QuantizedInput | None = None) -> torch.Tensor:
-        if not self.side_stream or self.shared_experts is None:
-            ids, weights = self.gate(x)
-            y = self.experts(x, ids, weights, x_quantized)
-            if self.shared_experts is not None:
-                y = y + self.shared_experts(x, x_quantized)
-            return self.tp.all_reduce(y)  # routed and shared partial sums: one all-reduce per MoE layer
-        # The router's gate and selection (small kernels, a few SMs) on the side stream, beside the shared expert's
-        # weight-streaming GEMMs; the routed experts wait for both.
-        inputs = [x, *(x_quantized or ())]
-        torch.ops.minidsa.fork_side_stream([x])
         ids, weights = self.gate(x)
-        torch.ops.minidsa.leave_side_stream([ids, weights], inputs)
-        shared = self.shared_experts(x, x_quantized)
-        torch.ops.minidsa.join_side_stream([ids, weights], [x, shared])
-        return self.tp.all_reduce(self.experts(x, ids, weights, x_quantized) + shared)
+        y = self.experts(x, ids, weights, x_quantized)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x, x_quantized)
+        return self.tp.all_reduce(y)  # routed and shared partial sums: one all-reduce per MoE layer
 
 
 class DecoderLayer(nn.Module):
