@@ -208,6 +208,7 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or limit
         row_align = math.lcm(self.page_size, KEY_ALIGN)  # every key width the compiled layer sees fits a row
         table_width = -(-(self.max_model_len + decode_reserve) // row_align) * row_align
+        self.model.rotary.cover(table_width)  # every row position a step can have (draft tokens past max_model_len)
         self.req_to_token_table = ReqToTokenTable(config.max_running_requests, table_width, self.device)
         self.kv_cache = KVCache(num_layers, num_pages, self.mla_layout, self.index_layout, self.device,
                                 indexer_layers)

@@ -77,17 +77,38 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """cos/sin tables by position (YaRN attention factor folded in); rotation in fp32."""
+    """cos/sin by position (YaRN attention factor folded in, fp32), read from a table built once per position.
 
-    def __init__(self, config: ModelConfig):
+    A step gathers its positions' rows, one kernel, where computing them took six (cast, multiply, cos, sin, two
+    scalings) in every CUDA graph. The table is built on the model's device by the same elementwise ops a step ran
+    on its positions, so its rows are the values a step computed, bit for bit. It covers the model's
+    max_position_embeddings; an engine whose rows reach further (decode positions past max_model_len) extends it
+    once at start-up (`cover`): positions are never checked against it inside a step.
+    """
+
+    def __init__(self, config: ModelConfig, device: torch.device | str | None = None):
         super().__init__()
         inv_freq, attention_factor = config.rope.inv_freq(config.qk_rope_head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.attention_factor = attention_factor
+        self.half = inv_freq.numel()  # rope / 2
+        self.register_buffer("table", self.compute(torch.arange(config.max_position_embeddings, device=device)),
+                             persistent=False)
+
+    def compute(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T, rope] fp32: cos of each position's angles, then their sin (the table's rows; the reference)."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        return torch.cat([freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor], dim=-1)
+
+    def cover(self, num_positions: int) -> None:
+        """Extend the table to positions [0, num_positions) (start-up only)."""
+        if num_positions > self.table.shape[0]:
+            self.table = self.compute(torch.arange(num_positions, device=self.table.device))
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
-        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+        """cos, sin [T, rope / 2]: views of one gathered [T, rope] block (the kernels read both by one row stride)."""
+        rows = self.table[positions]
+        return rows[:, : self.half], rows[:, self.half :]
 
 
 def _fused(module: nn.Module, name: str) -> FusedLinear:

@@ -381,7 +381,7 @@ def build_model(config: ModelConfig, path: str | None, dtype: torch.dtype, devic
             for p in model.parameters():
                 if getattr(p, "read_in_fp32", False) and dtype != torch.float32:
                     p.copy_(p.to(dtype))  # the serving dtype's values, as every other high-precision weight holds
-    model.rotary = Rotary(config).to(device)
+    model.rotary = Rotary(config, device)
     set_gemm(model, gemm, moe_gemm)
     set_router(model, router)
     set_norm_quant(model, norm_quant)
