@@ -40,7 +40,11 @@ What the choice says, per kernel:
   else the torch bmm (`models.deepseek_v32.set_mla_absorb`);
 - fp32_gemv (the fp32 GEMVs: the indexer's head weights, the MoE router's gate): one Triton launch each at decode
   sizes (kernels/gemv.py; above them the op runs cuBLAS's GEMM) wherever Triton runs, else F.linear
-  (`models.deepseek_v32.set_fp32_gemv`).
+  (`models.deepseek_v32.set_fp32_gemv`);
+- head_norm (the RMSNorms outside the decoder layers, which run eagerly: the final norm over the logits rows, the
+  MTP layer's input and head norms): one Triton launch each (kernels/norm_quant.py `rmsnorm_rows`, the logits rows'
+  gather inside it) wherever Triton runs, else the torch reference's chain of kernels
+  (`models.deepseek_v32.set_head_norm`).
 
 Per-shape decisions stay inside the custom ops, from pure functions of the concrete sizes: compiled code sees
 the choice as constants and gets no guards. Nothing here is called from a traced step.
@@ -78,6 +82,7 @@ IMPLS = MappingProxyType({
     "norm_quant": ("torch", "triton"),
     "mla_absorb": ("torch", "triton"),
     "fp32_gemv": ("torch", "triton"),
+    "head_norm": ("torch", "triton"),
 })
 DSA_OPS = ("store_index_k", "index_logits", "topk", "sparse_mla", "kv_move", "store_mla", "quant_index_q")
 # How each decision is named in the start-up log.
@@ -96,6 +101,7 @@ LABELS = MappingProxyType({
     "norm_quant": "RMSNorm + FP8 input quantisation",
     "mla_absorb": "MLA absorbed W_UK / W_UV",
     "fp32_gemv": "fp32 GEMVs (indexer head weights, MoE gate)",
+    "head_norm": "RMSNorms outside the decoder layers",
 })
 SERVED = MappingProxyType({  # what an implementation does for a kernel, where it is more than its name
     ("index_logits", "deepgemm"): "DeepGEMM where measured faster, else Triton",
@@ -129,6 +135,7 @@ class KernelChoice:
     norm_quant: str = "torch"  # RMSNorm + FP8 quantisation of its output (models.deepseek_v32.set_norm_quant)
     mla_absorb: str = "torch"  # MLA's per-head W_UK / W_UV products (models.deepseek_v32.set_mla_absorb)
     fp32_gemv: str = "torch"  # the indexer's head weights and the router's gate (models.deepseek_v32.set_fp32_gemv)
+    head_norm: str = "torch"  # the final norm and the MTP layer's norms (models.deepseek_v32.set_head_norm)
 
     def __post_init__(self):
         for name, impl in self.__dict__.items():
@@ -238,7 +245,7 @@ def select_kernels(device: torch.device | str, kernel_backend: str = "auto", use
                           kv_move="triton", store_mla="triton", quant_index_q="triton", sample=env.sample,
                           fp8_gemm=fp8_gemm, moe_gemm=moe_gemm, router="torch" if route_why else "triton",
                           norm_quant="torch" if norm_quant_why else "triton", mla_absorb="triton",
-                          fp32_gemv="triton")
+                          fp32_gemv="triton", head_norm="triton")
     why = dict.fromkeys(IMPLS, triton_why)
     why.update(index_logits=index_why, sparse_mla=sparse_why, fp8_gemm=fp8_why, moe_gemm=moe_why,
                router=route_why or triton_why, norm_quant=norm_quant_why or triton_why,

@@ -156,7 +156,8 @@ class ModelRunner:
                                      init_std=resolved.init_std, progress=progress, quantization=config.quantization,
                                      gemm=self.kernels.fp8_gemm, moe_gemm=self.kernels.moe_gemm,
                                      router=self.kernels.router, norm_quant=self.kernels.norm_quant,
-                                     mla_absorb=self.kernels.mla_absorb, fp32_gemv=self.kernels.fp32_gemv)
+                                     mla_absorb=self.kernels.mla_absorb, fp32_gemv=self.kernels.fp32_gemv,
+                                     head_norm=self.kernels.head_norm)
             phase.detail = _weights_detail(self.model, resolved.model_path)
         if root is not None:
             self.compile_cache = CompileCache.for_engine(config, model_config, self.device, root)

@@ -48,16 +48,27 @@ logger = logging.getLogger(__name__)
 
 class RMSNorm(nn.Module):
     """`reference.rms_norm`. Where FP8 linears read the output (`set_norm_quant`, at build), `normed` and
-    `add_normed` also quantise it for them in the same Triton launch (`torch.ops.minidsa.rmsnorm_quant`)."""
+    `add_normed` also quantise it for them in the same Triton launch (`torch.ops.minidsa.rmsnorm_quant`). The norms
+    outside the decoder layers run eagerly, uncompiled: where the engine chose it (`set_head_norm`, at build) each
+    is one Triton launch (`torch.ops.minidsa.rmsnorm_rows`) instead of the reference's chain of kernels."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.quantizes_output = False
+        self.kernel = "torch"  # who runs `forward` / `rows` (`set_head_norm`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "triton":
+            return torch.ops.minidsa.rmsnorm_rows(x, self.weight, self.eps)
         return reference.rms_norm(x, self.weight, self.eps)
+
+    def rows(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(x[rows]); with the kernel, the gather is in its launch."""
+        if self.kernel == "triton":
+            return torch.ops.minidsa.rmsnorm_rows(x, self.weight, self.eps, rows)
+        return self(x[rows])
 
     def normed(self, x: torch.Tensor) -> tuple[torch.Tensor, QuantizedInput | None]:
         """(RMSNorm(x), its FP8 quantisation where this norm makes one, else None)."""
@@ -331,6 +342,21 @@ def set_norm_quant(model: nn.Module, kernel: str) -> list[RMSNorm]:
             if norm.quantizes_output:
                 fused.append(norm)
     return fused
+
+
+def set_head_norm(model: "DeepseekV32ForCausalLM", kernel: str) -> list[RMSNorm]:
+    """Who runs the RMSNorms outside the decoder layers: the final norm (over the logits rows, gathered in its
+    launch) and the MTP layer's input and head norms ("torch": the reference's chain of eager kernels; "triton": one
+    launch each, `KernelChoice.head_norm`), decided once at build; returns the norms the kernel runs (those whose
+    width and dtype it takes, `norm_quant.supported`). The decoder layers' norms are compiled with their layer."""
+    if kernel not in ("torch", "triton"):
+        raise ValueError(f"head_norm kernel {kernel!r} is not 'torch' or 'triton'")
+    mtp = model.mtp_layer
+    norms = [model.model.norm] + ([] if mtp is None else [mtp.enorm, mtp.hnorm, mtp.shared_head.norm])
+    for norm in norms:
+        norm.kernel = ("triton" if kernel == "triton" and norm_quant.supported(norm.weight.shape[0],
+                                                                              norm.weight.dtype) is None else "torch")
+    return [n for n in norms if n.kernel == "triton"]
 
 
 def deepgemm_experts(model: nn.Module) -> list[tuple[tuple[torch.Tensor, torch.Tensor],
@@ -641,7 +667,7 @@ class DeepseekV32ForCausalLM(nn.Module):
         main = self.main_layers
         for i in range(len(main)) if layers is None else layers:
             h, topk = run_layer(main[i], h, ctx, topk, attn.layer_caches[i])
-        normed = self.model.norm(h[batch.logits_indices])
+        normed = self.model.norm.rows(h, batch.logits_indices)
         return ModelOutput(hidden=h, logits=self.logits(normed), topk=topk)
 
     def forward_mtp(self, batch: ForwardBatch, attn: DSABackend, hidden_prev: torch.Tensor,
@@ -654,5 +680,5 @@ class DeepseekV32ForCausalLM(nn.Module):
         e = mtp.enorm(self.model.embed_tokens(batch.input_ids))
         h = mtp.eh_proj(torch.cat([e, mtp.hnorm(hidden_prev)], dim=-1))
         h, topk = (run_layer or call_layer)(mtp, h, ctx, prev_topk, attn.layer_caches[self.config.num_hidden_layers])
-        normed = mtp.shared_head.norm(h[batch.logits_indices])
+        normed = mtp.shared_head.norm.rows(h, batch.logits_indices)
         return ModelOutput(hidden=h, logits=self.logits(normed), topk=topk)
