@@ -25,8 +25,8 @@ import torch._dynamo  # noqa: F401
 if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu/test_kernels_gpu.py checks the compiled kernels", allow_module_level=True)
 
-from triton_interp import (compile_for_h100, import_kernels_interpreted, poison_new_tensors,  # noqa: E402
-                           run_file_interpreted, torch_rounded_casts)
+from triton_interp import (SPILL_CHECK, compile_for_h100, import_kernels_interpreted,  # noqa: E402
+                           poison_new_tensors, run_file_interpreted, torch_rounded_casts)
 
 INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
@@ -399,3 +399,79 @@ def test_fp8_model_with_fused_norms_traces_whole_and_decodes_like_the_unfused_on
     err = (logits[0] - logits[1]).norm() / logits[1].norm()
     assert err < 2e-2, err
     d.release_all()
+
+
+# ---------------------------------------------------------------------------
+# the plain RMSNorm of some rows (`rmsnorm_rows`): the norms outside the decoder layers
+# ---------------------------------------------------------------------------
+@in_this_process
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,k,stride_pad", [(3, 7168, 0), (5, 300, 40), (1, 128, 0)])
+@pytest.mark.parametrize("gather", [False, True])
+def test_rmsnorm_rows_matches_reference(dtype, m, k, stride_pad, gather):
+    """The normed rows (gathered in the launch where `rows` is given, repeated and out of order) within a few ulps
+    of the reference, in bf16 mostly equal; exactly `rmsnorm_quant`'s normed rows (the layers' norms)."""
+    x, _, weight = _rows(m, k, dtype, seed=m * k + stride_pad + 1)
+    rows = torch.tensor([m - 1, 0, m - 1][: 1 if m == 1 else 3]) if gather else None
+    with torch_rounded_casts():
+        got = norm_quant.rmsnorm_rows(x, weight, 1e-6, rows)
+        op = torch.ops.minidsa.rmsnorm_rows(x, weight, 1e-6, rows)
+        fused = norm_quant.rmsnorm_quant(x, weight, 1e-6)[1]
+    want = norm_quant.rmsnorm_rows_reference(x, weight, 1e-6, rows)
+    assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, op)
+    apart = _ulps_apart(got, want)
+    assert apart.max() <= 4.0, apart.max()
+    if dtype.itemsize == 2:
+        assert (apart == 0).float().mean() >= 0.98, (apart == 0).float().mean()
+    assert torch.equal(got, fused if rows is None else fused[rows])
+
+
+@in_this_process
+def test_head_norms_take_the_kernel_where_chosen():
+    """`set_head_norm("triton")`: the final norm and the MTP layer's norms run the one-launch kernel (the logits
+    rows gathered in it), the decoder layers' norms stay the reference their compiled graph fuses; the model's
+    logits stay within the norm's rounding of the reference's, the same tokens."""
+    from hf_tiny import tiny_kwargs
+    from harness import PagedDriver
+    from minidsa.config import ModelConfig
+    from minidsa.models.deepseek_v32 import RMSNorm, set_head_norm
+    from minidsa.models.loader import build_model
+
+    raw = tiny_kwargs("deepseek_v32", num_nextn_predict_layers=1)
+    raw["architectures"] = ["DeepseekV32ForCausalLM"]
+    config = ModelConfig.from_dict(raw)
+    model = build_model(config, None, torch.float32, torch.device("cpu"), seed=0, init_std=0.1)
+    d = PagedDriver(model, config, page_size=1, max_len=64)
+    d.add(list(range(3, 40)), reserve=2)
+    (_, want, _, _), = d.prefill([0], logits="all")
+    d.release_all()
+    chosen = set_head_norm(model, "triton")
+    assert [id(n) for n in chosen] == [id(n) for n in (model.model.norm, model.mtp_layer.enorm,
+                                                        model.mtp_layer.hnorm, model.mtp_layer.shared_head.norm)]
+    assert all(m.kernel == "torch" for layer in model.main_layers for m in layer.modules() if isinstance(m, RMSNorm))
+    d.add(list(range(3, 40)), reserve=2)
+    (_, got, _, _), = d.prefill([0], logits="all")
+    d.release_all()
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+    with pytest.raises(ValueError, match="head_norm kernel"):
+        set_head_norm(model, "cuda")
+
+
+_ROWS_COMPILE_FOR_H100 = SPILL_CHECK + """
+from minidsa.kernels import norm_quant
+sig = {"x_ptr": "*bf16", "rows_ptr": "*i64", "w_ptr": "*bf16", "out_ptr": "*bf16", "K": "i32", "stride_x": "i32",
+       "stride_out": "i32", "eps": "fp32", "BLOCK": "constexpr", "GATHER": "constexpr"}
+for block in (2048, 4096, 8192, 16384):
+    for gather in (False, True):
+        compile_without_spills(ASTSource(norm_quant._rmsnorm_rows_kernel, sig,
+                                         constexprs={"BLOCK": block, "GATHER": gather}),
+                               norm_quant.rows_num_warps(block))
+print("compiled")
+"""
+
+
+def test_rmsnorm_rows_kernel_compiles_for_h100_without_spills():
+    """The kernel compiled for sm_90 at the widths it serves (DeepSeek-V3.2's 7168 in 8192 lanes, up to MAX_HIDDEN),
+    0 spill bytes."""
+    compile_for_h100(_ROWS_COMPILE_FOR_H100, "_rmsnorm_rows_kernel")

@@ -39,6 +39,31 @@ def compile_for_h100(script: str, kernel: str) -> str:
     return r.stdout
 
 
+# Python for `compile_for_h100` scripts: `compile_without_spills(src, num_warps)` compiles an ASTSource for sm_90
+# and asserts that ptxas (-v, sm_90a) reports 0 spill bytes for it.
+SPILL_CHECK = """
+import re, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+target = GPUTarget("cuda", 90, 32)
+ptxas = get_ptxas(90)
+ptxas = getattr(ptxas, "path", ptxas)
+
+
+def compile_without_spills(src, num_warps):
+    kernel = triton.compile(src, target=target, options={"num_warps": num_warps})
+    assert kernel.asm["cubin"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"], capture_output=True,
+                              text=True).stderr
+    spills = [int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)]
+    assert spills and not any(spills), info
+"""
+
 _real_empty, _real_empty_like = torch.empty, torch.empty_like
 
 

@@ -21,7 +21,7 @@ import torch
 from minidsa.attention.select import KernelChoice, Libraries
 from minidsa.exec.batch import ForwardBatch
 from minidsa.exec.kv_cache import KVCache
-from minidsa.kernels import deepgemm, num_sms
+from minidsa.kernels import num_sms
 from minidsa.kernels import reference as ref
 
 logger = logging.getLogger(__name__)
@@ -69,9 +69,10 @@ class DSAOps:
     #  num_requests=0, step_meta=None): `num_requests` = requests the tokens come from (0 = unknown);
     # `step_meta` = `index_metadata`'s result for the step
     index_logits: Callable[..., torch.Tensor]
-    # (req_to_token, token_rows, kv_lens, max_kv_len, tree_mask, page_size, num_sms) -> what DeepGEMM's paged
-    # kernel needs per step (context lens, block table, schedule or None), or None when DeepGEMM was not chosen
-    index_metadata: Callable[..., tuple | None]
+    # (req_to_token, req_pool_indices, token_req, kv_lens, max_kv_len, tree_mask, page_size, num_sms) -> (the
+    # tokens' req_to_token rows, what DeepGEMM's paged kernel needs per step: context lens, block table, schedule or
+    # None; or None when DeepGEMM was not chosen)
+    index_metadata: Callable[..., tuple[torch.Tensor, tuple | None]]
     topk: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (logits, topk, req_to_token, token_rows)
     sparse_mla: Callable[..., torch.Tensor]  # (q, kv_cache, topk_slots, sm_scale, v_dim)
     # (mla_buffer, index_buffer, src, dst, page_size, index_head_dim): every layer of both whole-model buffers
@@ -96,8 +97,9 @@ def bind_ops(choice: KernelChoice, libraries: Libraries | None = None, page_size
         return ops.index_logits(q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_len,
                                 tree_mask, num_requests)
 
-    def no_index_metadata(req_to_token, token_rows, kv_lens, max_kv_len, tree_mask, page_size, num_sms):
-        return None
+    def no_index_metadata(req_to_token, req_pool_indices, token_req, kv_lens, max_kv_len, tree_mask, page_size,
+                          num_sms):
+        return req_pool_indices[token_req], None
 
     if choice.index_logits == "deepgemm":
         index_logits, index_metadata = _bind_deepgemm(libraries, page_size)
@@ -156,11 +158,14 @@ def _bind_deepgemm(libraries: Libraries | None, page_size: int):
                                          max_kv_len, sm_major, own_schedule, tree_mask, num_requests,
                                          *(step_meta or (None, None, None)))
 
-    def index_metadata(req_to_token, token_rows, kv_lens, max_kv_len, tree_mask, page_size, num_sms):
-        ctx = deepgemm.step_context_lens(kv_lens, tree_mask, max_kv_len)
-        table = deepgemm.block_table(req_to_token, token_rows, max_kv_len, page_size)
+    def index_metadata(req_to_token, req_pool_indices, token_req, kv_lens, max_kv_len, tree_mask, page_size,
+                       num_sms):
+        # One launch (kernels/deepgemm_step.py) where torch ran ~30 small kernels per step.
+        rows, ctx, table, schedule = ops.deepgemm_step_inputs(
+            req_to_token, req_pool_indices, token_req, kv_lens, 0 if tree_mask is None else tree_mask.shape[1],
+            max_kv_len, page_size, num_sms)
         # Where the build's schedule differs from minidsa's, its metadata kernel runs inside each layer's op.
-        return ctx, table, ops.deepgemm_schedule(ctx, num_sms) if own_schedule else None
+        return rows, (ctx, table, schedule if own_schedule else None)
 
     return index_logits, index_metadata
 
@@ -213,11 +218,11 @@ class DSABackend:
     def index_metadata(self, batch: ForwardBatch) -> IndexStep:
         """Per-step indexer inputs shared by every layer (token rows; DeepGEMM's context lens, block table and
         schedule when a kernel needs them): made once per forward instead of once per layer."""
-        rows = batch.token_rows
-        deepgemm = None
-        if self.kv_cache.indexer_fp8:
-            deepgemm = self.ops.index_metadata(self.req_to_token, rows, batch.kv_lens, batch.max_kv_len,
-                                               batch.tree_mask, self.page_size, self._num_sms)
+        if not self.kv_cache.indexer_fp8:
+            return IndexStep(batch.token_rows, batch.batch_size)
+        rows, deepgemm = self.ops.index_metadata(self.req_to_token, batch.req_pool_indices, batch.token_req,
+                                                 batch.kv_lens, batch.max_kv_len, batch.tree_mask, self.page_size,
+                                                 self._num_sms)
         return IndexStep(rows, batch.batch_size, deepgemm)
 
     def index_topk(self, layer: LayerCaches, batch: ForwardBatch, q: torch.Tensor, weights: torch.Tensor,

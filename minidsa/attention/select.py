@@ -46,6 +46,10 @@ What the choice says, per kernel:
   stream, concurrently with the query's own path until the sparse attention needs the top-k (kernels/side_stream.py),
   where every op of the chain is opaque (an FP8 indexer cache, the Triton / DeepGEMM ops), else "inline";
   MINIDSA_SIDE_STREAM (inline | side) overrides (`models.deepseek_v32.set_side_stream`).
+- head_norm (the RMSNorms outside the decoder layers, which run eagerly: the final norm over the logits rows, the
+  MTP layer's input and head norms): one Triton launch each (kernels/norm_quant.py `rmsnorm_rows`, the logits rows'
+  gather inside it) wherever Triton runs, else the torch reference's chain of kernels
+  (`models.deepseek_v32.set_head_norm`).
 
 Per-shape decisions stay inside the custom ops, from pure functions of the concrete sizes: compiled code sees
 the choice as constants and gets no guards. Nothing here is called from a traced step.
@@ -85,6 +89,7 @@ IMPLS = MappingProxyType({
     "mla_absorb": ("torch", "triton"),
     "fp32_gemv": ("torch", "triton"),
     "side_stream": ("inline", "side"),
+    "head_norm": ("torch", "triton"),
 })
 DSA_OPS = ("store_index_k", "index_logits", "topk", "sparse_mla", "kv_move", "store_mla", "quant_index_q")
 # How each decision is named in the start-up log.
@@ -104,6 +109,7 @@ LABELS = MappingProxyType({
     "mla_absorb": "MLA absorbed W_UK / W_UV",
     "fp32_gemv": "fp32 GEMVs (indexer head weights, MoE gate)",
     "side_stream": "DSA indexer chain",
+    "head_norm": "RMSNorms outside the decoder layers",
 })
 SERVED = MappingProxyType({  # what an implementation does for a kernel, where it is more than its name
     ("index_logits", "deepgemm"): "DeepGEMM where measured faster, else Triton",
@@ -141,6 +147,7 @@ class KernelChoice:
     # where the indexer's chain (q projection to top-k) runs: "side" on a second CUDA stream, concurrently with the
     # query's own path, only where every op of the chain is opaque (models.deepseek_v32.set_side_stream)
     side_stream: str = "inline"
+    head_norm: str = "torch"  # the final norm and the MTP layer's norms (models.deepseek_v32.set_head_norm)
 
     def __post_init__(self):
         for name, impl in self.__dict__.items():
@@ -254,7 +261,7 @@ def select_kernels(device: torch.device | str, kernel_backend: str = "auto", use
                           kv_move="triton", store_mla="triton", quant_index_q="triton", sample=env.sample,
                           fp8_gemm=fp8_gemm, moe_gemm=moe_gemm, router="torch" if route_why else "triton",
                           norm_quant="torch" if norm_quant_why else "triton", mla_absorb="triton",
-                          fp32_gemv="triton")
+                          fp32_gemv="triton", head_norm="triton")
     stream, stream_why = _side_stream(device, choice, indexer, env)
     choice = dataclasses.replace(choice, side_stream=stream)
     why = dict.fromkeys(IMPLS, triton_why)

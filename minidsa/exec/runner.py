@@ -157,7 +157,7 @@ class ModelRunner:
                                      gemm=self.kernels.fp8_gemm, moe_gemm=self.kernels.moe_gemm,
                                      router=self.kernels.router, norm_quant=self.kernels.norm_quant,
                                      mla_absorb=self.kernels.mla_absorb, fp32_gemv=self.kernels.fp32_gemv,
-                                     side_stream=self.kernels.side_stream)
+                                     side_stream=self.kernels.side_stream, head_norm=self.kernels.head_norm)
             phase.detail = _weights_detail(self.model, resolved.model_path)
         if root is not None:
             self.compile_cache = CompileCache.for_engine(config, model_config, self.device, root)
@@ -209,6 +209,7 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or limit
         row_align = math.lcm(self.page_size, KEY_ALIGN)  # every key width the compiled layer sees fits a row
         table_width = -(-(self.max_model_len + decode_reserve) // row_align) * row_align
+        self.model.rotary.cover(table_width)  # every row position a step can have (draft tokens past max_model_len)
         self.req_to_token_table = ReqToTokenTable(config.max_running_requests, table_width, self.device)
         self.kv_cache = KVCache(num_layers, num_pages, self.mla_layout, self.index_layout, self.device,
                                 indexer_layers)

@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from minidsa.kernels import deepgemm, flashmla, fp8_gemm as fp8_gemm_mod, fused_moe as fused_moe_mod, indexer
+from minidsa.kernels import deepgemm, deepgemm_step, flashmla, fp8_gemm as fp8_gemm_mod, fused_moe as fused_moe_mod
+from minidsa.kernels import indexer
 from minidsa.kernels import kv_move as kv_move_mod, log_once, mla_store, reference, sparse_mla as sparse_mla_mod
 from minidsa.kernels import norm_quant as norm_quant_mod, router as router_mod, topk as topk_mod
 from minidsa.kernels import gemv, mla_absorb, side_stream as side_stream_mod
@@ -97,17 +98,23 @@ def _(q, weights, index_k, page_size, req_to_token, token_rows, kv_lens, max_kv_
     return q.new_empty(q.shape[0], max_kv_len, dtype=torch.float32)
 
 
-@torch.library.custom_op("minidsa::deepgemm_schedule", mutates_args=())
-def deepgemm_schedule(context_lens: Tensor, num_sms: int) -> Tensor:
-    """DeepGEMM's paged-kernel schedule for this step's context lengths, as minidsa computes it
-    (`deepgemm.paged_schedule`, where the start-up check found it equal to the build's): one per forward, every
-    layer uses it."""
-    return deepgemm.paged_schedule(context_lens, num_sms)
+@torch.library.custom_op("minidsa::deepgemm_step_inputs", mutates_args=())
+def deepgemm_step_inputs(req_to_token: Tensor, req_pool_indices: Tensor, token_req: Tensor, kv_lens: Tensor,
+                         tree_width: int, max_kv_len: int, page_size: int,
+                         num_sms: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """This step's (token rows, context lengths, block table, schedule) for DeepGEMM's paged kernel in one Triton
+    launch (kernels/deepgemm_step.py, `deepgemm_step.step_inputs_reference`): one per forward, every layer uses
+    them."""
+    return deepgemm_step.step_inputs(req_to_token, req_pool_indices, token_req, kv_lens, tree_width, max_kv_len,
+                                     page_size, num_sms)
 
 
-@deepgemm_schedule.register_fake
-def _(context_lens, num_sms):
-    return context_lens.new_empty(num_sms + 1, 2)
+@deepgemm_step_inputs.register_fake
+def _(req_to_token, req_pool_indices, token_req, kv_lens, tree_width, max_kv_len, page_size, num_sms):
+    t = token_req.shape[0]
+    return (token_req.new_empty(t, dtype=torch.int64), token_req.new_empty(t, 1, dtype=torch.int32),
+            token_req.new_empty(t, -(-max_kv_len // page_size), dtype=torch.int32),
+            token_req.new_empty(num_sms + 1, 2, dtype=torch.int32))
 
 
 @torch.library.custom_op("minidsa::deepgemm_index_logits", mutates_args=())
@@ -337,6 +344,19 @@ def add_rmsnorm_quant(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -
 @add_rmsnorm_quant.register_fake
 def _(x, residual, weight, eps):
     return (x.new_empty(x.shape), *_norm_quant_fakes(x, weight))
+
+
+@torch.library.custom_op("minidsa::rmsnorm_rows", mutates_args=())
+def rmsnorm_rows(x: Tensor, weight: Tensor, eps: float, rows: Optional[Tensor] = None) -> Tensor:
+    """RMSNorm of x (or of its rows `rows`, gathered in the same launch): kernels/norm_quant.py,
+    `norm_quant.rmsnorm_rows_reference`."""
+    return norm_quant_mod.rmsnorm_rows(x, weight, eps, rows)
+
+
+@rmsnorm_rows.register_fake
+def _(x, weight, eps, rows=None):
+    return x.new_empty(x.shape[0] if rows is None else rows.shape[0], x.shape[1],
+                       dtype=torch.promote_types(weight.dtype, x.dtype))
 
 
 @torch.library.custom_op("minidsa::route", mutates_args=())

@@ -492,8 +492,10 @@ def mask_invisible(logits: torch.Tensor, kv_lens: torch.Tensor, tree_mask: torch
 
 
 def _tree_arg(tree_mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The tree mask as the kernels read it (uint8 bytes); without one, `like`: any valid pointer, unread without
+    HAS_TREE (a fresh zero tensor here was one fill kernel per indexer layer of every step)."""
     if tree_mask is None:
-        return like.new_zeros(1, 1, dtype=torch.uint8)
+        return like
     return tree_mask.contiguous().view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask.contiguous()
 
 

@@ -1,4 +1,5 @@
-"""RMSNorm (optionally after a residual add) and the FP8 per-token-group quantisation of its output, in one launch.
+"""RMSNorm (optionally after a residual add) and the FP8 per-token-group quantisation of its output, in one launch;
+and the plain RMSNorm of some rows (`rmsnorm_rows`), for the norms outside the decoder layers.
 
 `reference.rmsnorm_quant` is the contract: `h = x + residual` (rounded to x's dtype, as the model's `h = h + a`),
 `normed = weight * (h * rsqrt(mean(h^2) + eps)).to(x.dtype)` (the model's RMSNorm), and the e4m3 values + fp32
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from minidsa.kernels import reference
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE
 from minidsa.kernels.fp8_gemm import EMULATE_CAST, _quant_tile
 from minidsa.kernels.triton_compat import tl, triton
@@ -96,3 +98,58 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
         num_warps=8 if block >= 4096 else 4,
     )
     return out_sum, normed, q, scales
+
+
+@triton.jit
+def _rmsnorm_rows_kernel(x_ptr, rows_ptr, w_ptr, out_ptr, K, stride_x, stride_out, eps,
+                         BLOCK: tl.constexpr, GATHER: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    if GATHER:
+        src = tl.load(rows_ptr + m).to(tl.int64)
+    else:
+        src = m
+    offs = tl.arange(0, BLOCK)
+    ok = offs < K
+    x = tl.load(x_ptr + src * stride_x + offs, mask=ok, other=0.0)
+    xf = x.to(tl.float32)
+    # `_rmsnorm_quant_kernel`'s norm, op for op: the decoder layers' norms and these round alike.
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
+    xn = (xf * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_out + offs, (w * xn).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def rmsnorm_rows_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                           rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's RMSNorm (`reference.rms_norm`) of x [M, K], or of its rows `rows` [N]."""
+    return reference.rms_norm(x if rows is None else x[rows], weight, eps)
+
+
+def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """`rmsnorm_rows_reference` in one launch, the gather of `rows` included. Why: the final norm outside the layers
+    ran eagerly as the reference's chain (index, cast, pow, mean, add, rsqrt, multiply, cast, multiply: nine kernels
+    per step in the CUDA graph) where the layers' norms are one fused kernel. The sum of squares runs in another
+    order than torch's mean: the same values within an ulp of the rounding, not bit for bit."""
+    if x.dim() != 2 or weight.shape != (x.shape[1],):
+        raise ValueError(f"rmsnorm_rows: x {tuple(x.shape)}, weight {tuple(weight.shape)} do not fit")
+    m, k = x.shape
+    why_not = supported(k, x.dtype)
+    if why_not is not None:
+        raise ValueError(why_not)
+    n = m if rows is None else rows.shape[0]
+    out = torch.empty(n, k, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if n == 0:
+        return out
+    x = x if x.stride(1) == 1 else x.contiguous()
+    block = triton.next_power_of_2(k)
+    _rmsnorm_rows_kernel[(n,)](
+        x, x if rows is None else rows, weight.contiguous(), out, k, x.stride(0), out.stride(0), float(eps),
+        BLOCK=block, GATHER=rows is not None, num_warps=rows_num_warps(block),
+    )
+    return out
+
+
+def rows_num_warps(block: int) -> int:
+    """Warps of `_rmsnorm_rows_kernel` for a row block: 16 values a thread (8192 lanes on 8 warps spilled 4 bytes
+    on sm_90a; tests/test_norm_quant.py checks ptxas's count)."""
+    return min(16, max(4, block // 512))

@@ -48,16 +48,27 @@ logger = logging.getLogger(__name__)
 
 class RMSNorm(nn.Module):
     """`reference.rms_norm`. Where FP8 linears read the output (`set_norm_quant`, at build), `normed` and
-    `add_normed` also quantise it for them in the same Triton launch (`torch.ops.minidsa.rmsnorm_quant`)."""
+    `add_normed` also quantise it for them in the same Triton launch (`torch.ops.minidsa.rmsnorm_quant`). The norms
+    outside the decoder layers run eagerly, uncompiled: where the engine chose it (`set_head_norm`, at build) each
+    is one Triton launch (`torch.ops.minidsa.rmsnorm_rows`) instead of the reference's chain of kernels."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.quantizes_output = False
+        self.kernel = "torch"  # who runs `forward` / `rows` (`set_head_norm`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "triton":
+            return torch.ops.minidsa.rmsnorm_rows(x, self.weight, self.eps)
         return reference.rms_norm(x, self.weight, self.eps)
+
+    def rows(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(x[rows]); with the kernel, the gather is in its launch."""
+        if self.kernel == "triton":
+            return torch.ops.minidsa.rmsnorm_rows(x, self.weight, self.eps, rows)
+        return self(x[rows])
 
     def normed(self, x: torch.Tensor) -> tuple[torch.Tensor, QuantizedInput | None]:
         """(RMSNorm(x), its FP8 quantisation where this norm makes one, else None)."""
@@ -77,17 +88,38 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """cos/sin tables by position (YaRN attention factor folded in); rotation in fp32."""
+    """cos/sin by position (YaRN attention factor folded in, fp32), read from a table built once per position.
 
-    def __init__(self, config: ModelConfig):
+    A step gathers its positions' rows, one kernel, where computing them took six (cast, multiply, cos, sin, two
+    scalings) in every CUDA graph. The table is built on the model's device by the same elementwise ops a step ran
+    on its positions, so its rows are the values a step computed, bit for bit. It covers the model's
+    max_position_embeddings; an engine whose rows reach further (decode positions past max_model_len) extends it
+    once at start-up (`cover`): positions are never checked against it inside a step.
+    """
+
+    def __init__(self, config: ModelConfig, device: torch.device | str | None = None):
         super().__init__()
         inv_freq, attention_factor = config.rope.inv_freq(config.qk_rope_head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.attention_factor = attention_factor
+        self.half = inv_freq.numel()  # rope / 2
+        self.register_buffer("table", self.compute(torch.arange(config.max_position_embeddings, device=device)),
+                             persistent=False)
+
+    def compute(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T, rope] fp32: cos of each position's angles, then their sin (the table's rows; the reference)."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        return torch.cat([freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor], dim=-1)
+
+    def cover(self, num_positions: int) -> None:
+        """Extend the table to positions [0, num_positions) (start-up only)."""
+        if num_positions > self.table.shape[0]:
+            self.table = self.compute(torch.arange(num_positions, device=self.table.device))
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
-        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+        """cos, sin [T, rope / 2]: views of one gathered [T, rope] block (the kernels read both by one row stride)."""
+        rows = self.table[positions]
+        return rows[:, : self.half], rows[:, self.half :]
 
 
 def _fused(module: nn.Module, name: str) -> FusedLinear:
@@ -328,6 +360,21 @@ def set_norm_quant(model: nn.Module, kernel: str) -> list[RMSNorm]:
             if norm.quantizes_output:
                 fused.append(norm)
     return fused
+
+
+def set_head_norm(model: "DeepseekV32ForCausalLM", kernel: str) -> list[RMSNorm]:
+    """Who runs the RMSNorms outside the decoder layers: the final norm (over the logits rows, gathered in its
+    launch) and the MTP layer's input and head norms ("torch": the reference's chain of eager kernels; "triton": one
+    launch each, `KernelChoice.head_norm`), decided once at build; returns the norms the kernel runs (those whose
+    width and dtype it takes, `norm_quant.supported`). The decoder layers' norms are compiled with their layer."""
+    if kernel not in ("torch", "triton"):
+        raise ValueError(f"head_norm kernel {kernel!r} is not 'torch' or 'triton'")
+    mtp = model.mtp_layer
+    norms = [model.model.norm] + ([] if mtp is None else [mtp.enorm, mtp.hnorm, mtp.shared_head.norm])
+    for norm in norms:
+        norm.kernel = ("triton" if kernel == "triton" and norm_quant.supported(norm.weight.shape[0],
+                                                                              norm.weight.dtype) is None else "torch")
+    return [n for n in norms if n.kernel == "triton"]
 
 
 def deepgemm_experts(model: nn.Module) -> list[tuple[tuple[torch.Tensor, torch.Tensor],
@@ -639,7 +686,7 @@ class DeepseekV32ForCausalLM(nn.Module):
         with side_stream.main_stream_after_errors(h.device):
             for i in range(len(main)) if layers is None else layers:
                 h, topk = run_layer(main[i], h, ctx, topk, attn.layer_caches[i])
-        normed = self.model.norm(h[batch.logits_indices])
+        normed = self.model.norm.rows(h, batch.logits_indices)
         return ModelOutput(hidden=h, logits=self.logits(normed), topk=topk)
 
     def forward_mtp(self, batch: ForwardBatch, attn: DSABackend, hidden_prev: torch.Tensor,
@@ -654,5 +701,5 @@ class DeepseekV32ForCausalLM(nn.Module):
         with side_stream.main_stream_after_errors(h.device):
             h, topk = (run_layer or call_layer)(mtp, h, ctx, prev_topk,
                                                 attn.layer_caches[self.config.num_hidden_layers])
-        normed = mtp.shared_head.norm(h[batch.logits_indices])
+        normed = mtp.shared_head.norm.rows(h, batch.logits_indices)
         return ModelOutput(hidden=h, logits=self.logits(normed), topk=topk)

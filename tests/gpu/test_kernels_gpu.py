@@ -564,3 +564,47 @@ def test_fp32_gemv_real_size(tokens, n):
     check(g_y)
     assert torch.equal(g_y, torch.ops.minidsa.fp32_gemv(x, w, scale))
     assert int(fp8_gemm.arrival_counts(DEV).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("tokens,requests,tree_width", [(1, 1, 0), (64, 64, 0), (256, 64, 4), (4099, 3, 0)])
+def test_deepgemm_step_inputs_real_size(tokens, requests, tree_width):
+    """DeepGEMM's per-step inputs in one launch (kernels/deepgemm_step.py) equal the torch reference (rows, lengths,
+    block table, schedule) at an H100's SM count and contexts up to 128k, in a CUDA graph too."""
+    from minidsa.kernels import deepgemm_step
+
+    g = _gen(tokens + requests)
+    width = 131072
+    r2t = torch.randint(0, 1 << 22, (requests + 2, width), device=DEV, generator=g, dtype=torch.int32)
+    req_pool_indices = torch.randperm(requests + 2, device=DEV, generator=g)[:requests]
+    token_req = torch.randint(0, requests, (tokens,), device=DEV, generator=g).sort().values
+    kv_lens = torch.randint(1, width, (tokens,), device=DEV, generator=g)
+    num_sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    args = (r2t, req_pool_indices, token_req, kv_lens, tree_width, width, PAGE, num_sms)
+    want = deepgemm_step.step_inputs_reference(*args)
+    for got in (deepgemm_step.step_inputs(*args), torch.ops.minidsa.deepgemm_step_inputs(*args)):
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.ops.minidsa.deepgemm_step_inputs(*args)
+    kv_lens.copy_(torch.randint(1, width, (tokens,), device=DEV, generator=g))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, deepgemm_step.step_inputs_reference(*args)))
+
+
+@pytest.mark.parametrize("hidden", [7168, 6144])
+@pytest.mark.parametrize("rows", [None, [0], [5, 1, 5]])
+def test_rmsnorm_rows_real_size(hidden, rows):
+    """The norms outside the layers in one launch: the layers' fused norm's values (`rmsnorm_quant`), within the
+    rounding of the reference's."""
+    from minidsa.kernels import norm_quant
+
+    g = _gen(hidden)
+    x = torch.randn(8, hidden, device=DEV, generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(hidden, device=DEV, generator=g)).bfloat16()
+    idx = None if rows is None else torch.tensor(rows, device=DEV)
+    got = torch.ops.minidsa.rmsnorm_rows(x, w, 1e-6, idx)
+    fused = norm_quant.rmsnorm_quant(x, w, 1e-6)[1]
+    assert torch.equal(got, fused if idx is None else fused[idx])
+    want = norm_quant.rmsnorm_rows_reference(x, w, 1e-6, idx)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
