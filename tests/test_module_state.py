@@ -17,10 +17,7 @@ CACHES = {
     ("kernels/__init__.py", "_NUM_SMS"): "the device",
     ("kernels/__init__.py", "_LOGGED_MESSAGES"): "the message (log_once)",
     ("kernels/flashmla.py", "_SCHED_META"): "the library module and the decode shape",
-    ("kernels/fp8_gemm.py", "_arrivals"): "the device (split-K's per-tile arrival counts of its main and side streams, "
-                                          "all 0 between calls)",
-    ("kernels/side_stream.py", "_side"): "the device (its side stream, and between a fork and a leave the main stream "
-                                         "to go back to)",
+    ("kernels/fp8_gemm.py", "_arrivals"): "the device (split-K's per-tile arrival counts, all 0 between calls)",
     # process-wide like DeepGEMM's own JIT cache, which it describes: the classes a start-up pool is still adding
     ("kernels/deepgemm.py", "BUILDING"): "the GEMM class: dense (rows, N, K), grouped (rows, N, K, groups)",
 }

@@ -4,8 +4,7 @@ Two steps:
 - `select_kernels(device, kernel_backend, use_deep_gemm, use_flash_mla, indexer, router)` -> `KernelChoice`, a frozen,
   picklable record of one implementation per kernel (tensor-parallel ranks receive it with the engine's
   config). It probes DeepGEMM and FlashMLA (import, GPU generation, every function called) and reads the
-  environment overrides MINIDSA_TOPK, MINIDSA_SAMPLE, MINIDSA_FP8_GEMM and MINIDSA_SIDE_STREAM, here and
-  nowhere else.
+  environment overrides MINIDSA_TOPK, MINIDSA_SAMPLE and MINIDSA_FP8_GEMM, here and nowhere else.
 - `load_libraries(choice, device)` -> `Libraries`: the handles of the optional libraries the choice names
   (`kernels.deepgemm.DeepGEMM`, `kernels.flashmla.FlashMLA`: the module, its status, DeepGEMM's checked
   schedule page sizes, the failures of start-up calls), made on each rank that serves with them.
@@ -42,10 +41,6 @@ What the choice says, per kernel:
 - fp32_gemv (the fp32 GEMVs: the indexer's head weights, the MoE router's gate): one Triton launch each at decode
   sizes (kernels/gemv.py; above them the op runs cuBLAS's GEMM) wherever Triton runs, else F.linear
   (`models.deepseek_v32.set_fp32_gemv`);
-- side_stream (where the indexer's chain, its query projection to its top-k, runs): "side", on a second CUDA
-  stream, concurrently with the query's own path until the sparse attention needs the top-k (kernels/side_stream.py),
-  where every op of the chain is opaque (an FP8 indexer cache, the Triton / DeepGEMM ops), else "inline";
-  MINIDSA_SIDE_STREAM (inline | side) overrides (`models.deepseek_v32.set_side_stream`).
 - head_norm (the RMSNorms outside the decoder layers, which run eagerly: the final norm over the logits rows, the
   MTP layer's input and head norms): one Triton launch each (kernels/norm_quant.py `rmsnorm_rows`, the logits rows'
   gather inside it) wherever Triton runs, else the torch reference's chain of kernels
@@ -57,7 +52,6 @@ the choice as constants and gets no guards. Nothing here is called from a traced
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from dataclasses import dataclass, fields
@@ -88,7 +82,6 @@ IMPLS = MappingProxyType({
     "norm_quant": ("torch", "triton"),
     "mla_absorb": ("torch", "triton"),
     "fp32_gemv": ("torch", "triton"),
-    "side_stream": ("inline", "side"),
     "head_norm": ("torch", "triton"),
 })
 DSA_OPS = ("store_index_k", "index_logits", "topk", "sparse_mla", "kv_move", "store_mla", "quant_index_q")
@@ -108,7 +101,6 @@ LABELS = MappingProxyType({
     "norm_quant": "RMSNorm + FP8 input quantisation",
     "mla_absorb": "MLA absorbed W_UK / W_UV",
     "fp32_gemv": "fp32 GEMVs (indexer head weights, MoE gate)",
-    "side_stream": "DSA indexer chain",
     "head_norm": "RMSNorms outside the decoder layers",
 })
 SERVED = MappingProxyType({  # what an implementation does for a kernel, where it is more than its name
@@ -122,8 +114,7 @@ SERVED = MappingProxyType({  # what an implementation does for a kernel, where i
     ("fp32_gemv", "triton"): f"Triton up to {gemv.MAX_TOKENS} tokens, else cuBLAS",
 })
 NAMES = MappingProxyType({"torch": "torch reference", "triton": "Triton", "deepgemm": "DeepGEMM",
-                          "flashmla": "FlashMLA", "inline": "on the layer's stream, in program order",
-                          "side": "on a second stream, beside the query's path (kernels/side_stream.py)"})
+                          "flashmla": "FlashMLA"})
 
 
 @dataclass(frozen=True)
@@ -144,9 +135,6 @@ class KernelChoice:
     norm_quant: str = "torch"  # RMSNorm + FP8 quantisation of its output (models.deepseek_v32.set_norm_quant)
     mla_absorb: str = "torch"  # MLA's per-head W_UK / W_UV products (models.deepseek_v32.set_mla_absorb)
     fp32_gemv: str = "torch"  # the indexer's head weights and the router's gate (models.deepseek_v32.set_fp32_gemv)
-    # where the indexer's chain (q projection to top-k) runs: "side" on a second CUDA stream, concurrently with the
-    # query's own path, only where every op of the chain is opaque (models.deepseek_v32.set_side_stream)
-    side_stream: str = "inline"
     head_norm: str = "torch"  # the final norm and the MTP layer's norms (models.deepseek_v32.set_head_norm)
 
     def __post_init__(self):
@@ -196,7 +184,6 @@ class Overrides:
     topk: str = TOPK_IMPL  # MINIDSA_TOPK: torch | triton
     sample: str = "triton"  # MINIDSA_SAMPLE: torch | triton
     fp8_gemm: str | None = None  # MINIDSA_FP8_GEMM: torch | triton | deepgemm
-    side_stream: str | None = None  # MINIDSA_SIDE_STREAM: inline | side
 
     @classmethod
     def from_environment(cls) -> "Overrides":
@@ -209,10 +196,7 @@ class Overrides:
         gemm = os.environ.get("MINIDSA_FP8_GEMM")
         if gemm is not None and gemm not in ("torch", "triton", "deepgemm"):
             raise ValueError(f"MINIDSA_FP8_GEMM must be torch, triton or deepgemm, got {gemm!r}")
-        stream = os.environ.get("MINIDSA_SIDE_STREAM")
-        if stream is not None and stream not in IMPLS["side_stream"]:
-            raise ValueError(f"MINIDSA_SIDE_STREAM must be 'inline' or 'side', got {stream!r}")
-        return cls(topk, sample, gemm, stream)
+        return cls(topk, sample, gemm)
 
 
 def triton_usable(device: torch.device | str) -> tuple[bool, str]:
@@ -262,45 +246,13 @@ def select_kernels(device: torch.device | str, kernel_backend: str = "auto", use
                           fp8_gemm=fp8_gemm, moe_gemm=moe_gemm, router="torch" if route_why else "triton",
                           norm_quant="torch" if norm_quant_why else "triton", mla_absorb="triton",
                           fp32_gemv="triton", head_norm="triton")
-    stream, stream_why = _side_stream(device, choice, indexer, env)
-    choice = dataclasses.replace(choice, side_stream=stream)
     why = dict.fromkeys(IMPLS, triton_why)
     why.update(index_logits=index_why, sparse_mla=sparse_why, fp8_gemm=fp8_why, moe_gemm=moe_why,
                router=route_why or triton_why, norm_quant=norm_quant_why or triton_why,
                topk="MINIDSA_TOPK" if "MINIDSA_TOPK" in os.environ else triton_why,
-               sample="MINIDSA_SAMPLE" if "MINIDSA_SAMPLE" in os.environ else triton_why,
-               side_stream=stream_why)
+               sample="MINIDSA_SAMPLE" if "MINIDSA_SAMPLE" in os.environ else triton_why)
     _log(choice, why)
     return choice
-
-
-def side_stream_inline_why(device: torch.device, choice: KernelChoice, indexer: IndexerShape | None) -> str | None:
-    """Why the indexer's chain must run inline (None: it may run on the side stream). Between the side stream's fork
-    and leave every op must be opaque (kernels/side_stream.py): a reference op there would compile to an inductor
-    kernel launched on the main stream."""
-    if device.type != "cuda":
-        return f"one stream on {device}"
-    if indexer is None or not indexer.fp8_cache:
-        return "the model-dtype indexer cache's query rope is a torch op"
-    opaque = {"store_index_k": "triton", "quant_index_q": "triton", "topk": "triton", "fp32_gemv": "triton"}
-    for name, impl in opaque.items():
-        if getattr(choice, name) != impl:
-            return f"{LABELS[name]} is the {NAMES[getattr(choice, name)]}"
-    if choice.index_logits == "torch" or choice.fp8_gemm == "torch":
-        return "the indexer's logits or query projection is a torch reference"
-    return None
-
-
-def _side_stream(device: torch.device, choice: KernelChoice, indexer: IndexerShape | None,
-                 env: Overrides) -> tuple[str, str]:
-    why_inline = side_stream_inline_why(device, choice, indexer)
-    if env.side_stream == "side" and why_inline is not None:
-        raise ValueError(f"MINIDSA_SIDE_STREAM=side: the indexer's chain cannot leave the main stream: {why_inline}")
-    if env.side_stream is not None:
-        return env.side_stream, "MINIDSA_SIDE_STREAM"
-    if why_inline is not None:
-        return "inline", why_inline
-    return "side", "every op of the chain is opaque"
 
 
 def _index_logits(device: torch.device, use_deep_gemm: bool, indexer: IndexerShape | None) -> tuple[str, str]:

@@ -157,7 +157,7 @@ class ModelRunner:
                                      gemm=self.kernels.fp8_gemm, moe_gemm=self.kernels.moe_gemm,
                                      router=self.kernels.router, norm_quant=self.kernels.norm_quant,
                                      mla_absorb=self.kernels.mla_absorb, fp32_gemv=self.kernels.fp32_gemv,
-                                     side_stream=self.kernels.side_stream, head_norm=self.kernels.head_norm)
+                                     head_norm=self.kernels.head_norm)
             phase.detail = _weights_detail(self.model, resolved.model_path)
         if root is not None:
             self.compile_cache = CompileCache.for_engine(config, model_config, self.device, root)

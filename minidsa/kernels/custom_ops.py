@@ -24,7 +24,7 @@ from minidsa.kernels import deepgemm, deepgemm_step, flashmla, fp8_gemm as fp8_g
 from minidsa.kernels import indexer
 from minidsa.kernels import kv_move as kv_move_mod, log_once, mla_store, reference, sparse_mla as sparse_mla_mod
 from minidsa.kernels import norm_quant as norm_quant_mod, router as router_mod, topk as topk_mod
-from minidsa.kernels import gemv, mla_absorb, side_stream as side_stream_mod
+from minidsa.kernels import gemv, mla_absorb
 from minidsa.kernels.optional_lib import LibraryCallFailed
 
 logger = logging.getLogger(__name__)
@@ -418,43 +418,3 @@ def fp32_gemv(x: Tensor, weight: Tensor, scale: float) -> Tensor:
 @fp32_gemv.register_fake
 def _(x, weight, scale):
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-
-
-# The side stream's three steps (kernels/side_stream.py). Each declares writes to the tensors it orders by, so that
-# no compiler pass drops it (it returns nothing) or moves it past their users; the writes are declared only.
-@torch.library.custom_op("minidsa::fork_side_stream", mutates_args=("inputs",))
-def fork_side_stream(inputs: list[Tensor]) -> None:
-    """Launches from here go to the side stream, after everything launched before. `inputs`: what the side branch
-    reads, so that this comes after their producers and before their readers."""
-    side_stream_mod.fork(inputs[0].device)
-
-
-@fork_side_stream.register_fake
-def _(inputs):
-    return None
-
-
-@torch.library.custom_op("minidsa::leave_side_stream", mutates_args=("results", "main_reads"))
-def leave_side_stream(results: list[Tensor], main_reads: list[Tensor]) -> None:
-    """Launches from here go to the main stream again, not waiting for the side branch. `results`: the branch's
-    outputs, so that this comes after its launches; `main_reads`: what the main path reads next, so that its
-    readers come after (launched before, they would run on the side stream, in series)."""
-    side_stream_mod.leave(results[0].device)
-
-
-@leave_side_stream.register_fake
-def _(results, main_reads):
-    return None
-
-
-@torch.library.custom_op("minidsa::join_side_stream", mutates_args=("results",))
-def join_side_stream(results: list[Tensor], keep: list[Tensor]) -> None:
-    """The main stream waits for the side branch; `results`' users come after. `keep`: main-stream tensors the side
-    branch read, held until here so their memory is not reused while it may still read them, and the main path's
-    last output before the join, so that this comes after it (earlier, the main path would wait)."""
-    side_stream_mod.join(results[0].device)
-
-
-@join_side_stream.register_fake
-def _(results, keep):
-    return None

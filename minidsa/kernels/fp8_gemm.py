@@ -28,7 +28,6 @@ import torch
 
 from minidsa.kernels import num_sms
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, FP8_MAX
-from minidsa.kernels.side_stream import on_side_stream
 from minidsa.kernels.triton_compat import JITFunction, tl, triton
 
 
@@ -142,27 +141,23 @@ def _w8a8_gemm_kernel(
 
 
 EMULATE_CAST = not isinstance(_w8a8_gemm_kernel, JITFunction)  # imported under TRITON_INTERPRET=1
-# Split-K's per-tile arrival counts: zeroed once per device and stream role, every count back to 0 when its call
-# ends. Shared with the fp32 GEMV (kernels/gemv.py): the GEMMs of one stream run one after another (exec/graphs.py
-# joins its warm-up stream before and after), so one call's counts are all 0 again before the next call starts;
-# the indexer's side stream (kernels/side_stream.py) runs GEMMs concurrently with the main one, so it has its own
-# set. Split-K runs at most ~4 x 132 tiles.
+# Split-K's per-tile arrival counts: zeroed once per device, every count back to 0 when its call ends. One set per
+# device, shared with the fp32 GEMV (kernels/gemv.py): the engine runs its GEMMs on one stream at a time
+# (exec/graphs.py joins its warm-up stream before and after), so one call's counts are all 0 again before the next
+# call starts. Split-K runs at most ~4 x 132 tiles.
 ARRIVAL_SLOTS = 4096
-_arrivals: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+_arrivals: dict[str, torch.Tensor] = {}
 
 
 def arrival_counts(device: torch.device) -> torch.Tensor | None:
-    """The zeroed counts of the stream launches go to now (the device's main or side stream); None while a CUDA
-    graph is being captured and none were made before (allocated there, they would live in the graph's memory
-    pool, not for the process). Both streams' sets are made together: a graph captured before the side stream
-    ever ran a split GEMM still reduces in the kernel, in K order, as the main stream does (the fallback's torch
-    sum rounds differently)."""
+    """The device's zeroed counts; None while a CUDA graph is being captured and none were made before (allocated
+    there, they would live in the graph's memory pool, not for the process)."""
     key = str(device)
     if key not in _arrivals:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        _arrivals[key] = tuple(torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device) for _ in range(2))
-    return _arrivals[key][on_side_stream(device)]
+        _arrivals[key] = torch.zeros(ARRIVAL_SLOTS, dtype=torch.int32, device=device)
+    return _arrivals[key]
 
 
 def pick_tiles(m: int, n: int, k: int, num_sms: int) -> GemmTiles:

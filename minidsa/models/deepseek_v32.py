@@ -34,7 +34,7 @@ from minidsa.attention.backend import DSABackend, IndexStep, LayerCaches
 from minidsa.exec.batch import ForwardBatch
 from minidsa.config import ModelConfig
 from minidsa.parallel.state import building_tp
-from minidsa.kernels import gemv, mla_absorb, norm_quant, reference, side_stream
+from minidsa.kernels import gemv, mla_absorb, norm_quant, reference
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape
 from minidsa.kernels.fused_moe import SKIP
 from minidsa.models.layers.linear import (FusedLinear, Linear, QuantizedInput, WeightLoadError, as_tensor,
@@ -203,7 +203,6 @@ class MLAttention(nn.Module):
         # Decided once: does this layer run its own indexer, or reuse the top-k it is handed?
         self.computes_topk = computes_topk
         self.absorb = "torch"  # who runs the W_UK / W_UV products (`set_mla_absorb`)
-        self.side_stream = False  # does the indexer's chain run on the side stream (`set_side_stream`)
 
     def _kv_b_halves(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
@@ -223,34 +222,27 @@ class MLAttention(nn.Module):
         q_in, kv = parts[0], parts[-1]
         index_k = parts[1] if len(parts) == 3 else None
         qr, qr_quantized = self.q_a_layernorm.normed(q_in)
+        q = self.q_b_proj(qr, qr_quantized).view(num_tokens, self.num_heads, self.nope + self.rope)
+        q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]  # q_rope rotated by absorb_q
 
-        side_reads: list[torch.Tensor] = []
+        ctx.attn.store_kv(caches, ctx.batch, kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, ctx.cos,
+                          ctx.sin)
+
         if self.computes_topk or prev_topk is None:
             if self.indexer is None:
                 raise RuntimeError(
                     f"layer {self.layer_id} shares the previous layer's top-k but was handed none"
                 )
-            if self.side_stream:  # the chain runs beside q_b, the MLA key store and W_UK
-                side_reads = [x, qr, index_k, *(qr_quantized or ())]
-                torch.ops.minidsa.fork_side_stream(side_reads)
             topk = self.indexer(caches, x, qr, index_k, ctx, qr_quantized)
-            if side_reads:
-                torch.ops.minidsa.leave_side_stream([topk], [qr, kv])
         else:
             topk = prev_topk
 
-        q = self.q_b_proj(qr, qr_quantized).view(num_tokens, self.num_heads, self.nope + self.rope)
-        q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]  # q_rope rotated by absorb_q
-        ctx.attn.store_kv(caches, ctx.batch, kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, ctx.cos,
-                          ctx.sin)
         w_uk, w_uv = self._kv_b_halves()
         if self.absorb == "triton":
             absorb_q, absorb_o = torch.ops.minidsa.absorb_q, torch.ops.minidsa.absorb_o
         else:
             absorb_q, absorb_o = mla_absorb.absorb_q_reference, mla_absorb.absorb_o_reference
         q_full = absorb_q(q_nope, q_rope, w_uk, ctx.cos, ctx.sin)  # [t, h, kv_lora_rank + rope]
-        if side_reads:
-            torch.ops.minidsa.join_side_stream([topk], side_reads + [q_full])
         o_latent = ctx.attn.sparse_mla(caches, q_full, topk, self.softmax_scale, self.kv_lora_rank)
         return self.o_proj(absorb_o(o_latent, w_uv)), topk
 
@@ -296,7 +288,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = _fp32_gemv(self.fp32_gemv)(x, self.weight, 1.0)
         route = torch.ops.minidsa.route if self.kernel == "triton" else reference.route
-        return route(logits, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
+        return route(logits, self.e_score_correction_bias.float(), self.top_k, self.n_group, self.topk_group,
                      self.norm_topk_prob, self.scaling)
 
 
@@ -317,16 +309,6 @@ def set_mla_absorb(model: nn.Module, kernel: str) -> None:
     for mod in model.modules():
         if isinstance(mod, MLAttention):
             mod.absorb = kernel
-
-
-def set_side_stream(model: nn.Module, where: str) -> None:
-    """Where every MLA layer's indexer chain runs ("inline", or "side": on the side stream, beside the query's path,
-    `KernelChoice.side_stream`), decided once at build."""
-    if where not in ("inline", "side"):
-        raise ValueError(f"side_stream {where!r} is not 'inline' or 'side'")
-    for mod in model.modules():
-        if isinstance(mod, MLAttention):
-            mod.side_stream = where == "side"
 
 
 def _fp32_gemv(kernel: str) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
@@ -683,9 +665,8 @@ class DeepseekV32ForCausalLM(nn.Module):
         h = self.model.embed_tokens(batch.input_ids)
         topk = None
         main = self.main_layers
-        with side_stream.main_stream_after_errors(h.device):
-            for i in range(len(main)) if layers is None else layers:
-                h, topk = run_layer(main[i], h, ctx, topk, attn.layer_caches[i])
+        for i in range(len(main)) if layers is None else layers:
+            h, topk = run_layer(main[i], h, ctx, topk, attn.layer_caches[i])
         normed = self.model.norm.rows(h, batch.logits_indices)
         return ModelOutput(hidden=h, logits=self.logits(normed), topk=topk)
 
@@ -698,8 +679,6 @@ class DeepseekV32ForCausalLM(nn.Module):
         ctx = self._context(batch, attn)
         e = mtp.enorm(self.model.embed_tokens(batch.input_ids))
         h = mtp.eh_proj(torch.cat([e, mtp.hnorm(hidden_prev)], dim=-1))
-        with side_stream.main_stream_after_errors(h.device):
-            h, topk = (run_layer or call_layer)(mtp, h, ctx, prev_topk,
-                                                attn.layer_caches[self.config.num_hidden_layers])
+        h, topk = (run_layer or call_layer)(mtp, h, ctx, prev_topk, attn.layer_caches[self.config.num_hidden_layers])
         normed = mtp.shared_head.norm.rows(h, batch.logits_indices)
         return ModelOutput(hidden=h, logits=self.logits(normed), topk=topk)

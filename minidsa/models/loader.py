@@ -34,8 +34,8 @@ from torch import nn
 from minidsa.config import QUANTIZATIONS, ConfigError, ModelConfig
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape, quant_block
 from minidsa.models.layers.linear import WeightLoadError, default_weight_loader, set_gemm
-from minidsa.models.deepseek_v32 import (DeepseekV32ForCausalLM, RMSNorm, Rotary, set_fp32_gemv, set_head_norm,
-                                         set_mla_absorb, set_norm_quant, set_router, set_side_stream)
+from minidsa.models.deepseek_v32 import (DeepseekV32ForCausalLM, RMSNorm, Rotary, set_fp32_gemv, set_mla_absorb,
+                                         set_head_norm, set_norm_quant, set_router)
 
 logger = logging.getLogger(__name__)
 
@@ -356,8 +356,7 @@ def build_model(config: ModelConfig, path: str | None, dtype: torch.dtype, devic
                 seed: int = 0, init_std: float = 0.02, progress: bool = True, quantization: str = "auto",
                 gemm: str = "torch", moe_gemm: str | None = None, router: str = "torch",
                 norm_quant: str = "torch", mla_absorb: str = "torch",
-                fp32_gemv: str = "torch", side_stream: str = "inline",
-                head_norm: str = "torch") -> DeepseekV32ForCausalLM:
+                fp32_gemv: str = "torch", head_norm: str = "torch") -> DeepseekV32ForCausalLM:
     """A model with weights from `path`, or random weights (deterministic in `seed`) when path is None.
 
     Built on the meta device, given its serving formats (FP8 per `quantization`, see `fp8_modules`; the rest
@@ -366,9 +365,8 @@ def build_model(config: ModelConfig, path: str | None, dtype: torch.dtype, devic
     experts (`layers.linear.set_gemm`); `router` ("torch" or "triton") selects the experts (`set_router`);
     `norm_quant` ("torch" or "triton"): whether the norms before FP8 linears quantise for them (`set_norm_quant`);
     `mla_absorb` ("torch" or "triton") runs the attention's W_UK / W_UV products (`set_mla_absorb`); `fp32_gemv`
-    ("torch" or "triton") the indexers' head weights and the routers' gates (`set_fp32_gemv`); `side_stream`
-    ("inline" or "side") where the indexers' chains run (`set_side_stream`); `head_norm` ("torch" or "triton") the
-    norms outside the decoder layers (`set_head_norm`).
+    ("torch" or "triton") the indexers' head weights and the routers' gates (`set_fp32_gemv`); `head_norm` ("torch"
+    or "triton") the norms outside the decoder layers (`set_head_norm`).
     """
     files = checkpoint_files(path) if path is not None else None
     with torch.device("meta"):
@@ -390,7 +388,6 @@ def build_model(config: ModelConfig, path: str | None, dtype: torch.dtype, devic
     set_norm_quant(model, norm_quant)
     set_mla_absorb(model, mla_absorb)
     set_fp32_gemv(model, fp32_gemv)
-    set_side_stream(model, side_stream)
     set_head_norm(model, head_norm)
     model.fuse_projections()
     if fp8:
