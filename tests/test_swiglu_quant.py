@@ -37,8 +37,10 @@ def test_swiglu_quant_in_child_process():
     run_file_interpreted(__file__)
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def poisoned_outputs(monkeypatch):
+    """For the kernel tests only: Dynamo builds its tables of torch functions on first use, and would take the
+    patched torch.empty for an untraceable function if that use came under the patch (the tracing tests here)."""
     poison_new_tensors(monkeypatch)
 
 
@@ -57,7 +59,7 @@ def _bytes(q: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 5, 16, 33])
 @pytest.mark.parametrize("inter", [384, 200])
 @pytest.mark.parametrize("deep_gemm_layout", [False, True])
-def test_kernel_matches_reference_bit_for_bit(rows, inter, deep_gemm_layout):
+def test_kernel_matches_reference_bit_for_bit(rows, inter, deep_gemm_layout, poisoned_outputs):
     gate, up = _halves(rows, inter, torch.bfloat16, rows * inter)
     with torch_rounded_casts():
         mid, q, s = swiglu_quant.swiglu_quant(gate, up, deep_gemm_layout)
@@ -72,7 +74,7 @@ def test_kernel_matches_reference_bit_for_bit(rows, inter, deep_gemm_layout):
 
 
 @in_this_process
-def test_fp32_rows_quantise_the_kernels_own_product():
+def test_fp32_rows_quantise_the_kernels_own_product(poisoned_outputs):
     gate, up = _halves(7, 256, torch.float32, 3)
     with torch_rounded_casts():
         mid, q, s = swiglu_quant.swiglu_quant(gate, up)
@@ -125,7 +127,7 @@ def _recording_deep_gemm(scales_seen: list):
 
 
 @in_this_process
-def test_deepgemm_reads_the_padded_mn_major_input_as_it_is(monkeypatch):
+def test_deepgemm_reads_the_padded_mn_major_input_as_it_is(monkeypatch, poisoned_outputs):
     """Handed `act_buffers`' DeepGEMM layout, `run_fp8_gemm` passes it through (no quantisation launch, no
     transpose inside DeepGEMM); handed rows that are not its row class, it quantises x itself."""
     g = torch.Generator().manual_seed(2)
