@@ -132,6 +132,52 @@ def test_ops_serve_more_tokens_than_the_kernel_with_the_reference(monkeypatch):
 
 
 @in_this_process
+@pytest.mark.parametrize("tokens,heads,v,dtype", [(1, 4, 128, torch.bfloat16), (17, 3, 128, torch.bfloat16),
+                                                  (5, 2, 256, torch.bfloat16), (3, 2, 128, torch.float32)])
+@pytest.mark.parametrize("deep_gemm_layout", [False, True])
+def test_absorb_o_quantises_o_projs_input_bit_for_bit(tokens, heads, v, dtype, deep_gemm_layout):
+    """absorb_o with its output quantised in the same launch: o as absorb_o's reference makes it (within the
+    accumulation-order noise `_check` allows), the e4m3 bytes and scales exactly `quant_act_per_token_group` of that
+    o, in `fp8_gemm.act_buffers`' layout (DeepGEMM's: rows padded to 16, left unwritten, scales MN-major)."""
+    from minidsa.kernels import fp8_gemm
+    from minidsa.kernels.fp8 import quant_act_per_token_group
+
+    _, _, _, w_uv, o_latent, _, _ = _inputs(tokens, heads, 32, v, 64, 16, dtype, tokens + v)
+    with torch_rounded_casts():
+        o, q, s = torch.ops.minidsa.absorb_o_quant(o_latent, w_uv, deep_gemm_layout)
+    _check(o, mla_absorb.absorb_o_reference(o_latent, w_uv))
+    want_q, want_s = quant_act_per_token_group(o)
+    rows = fp8_gemm.deep_gemm_act_rows(tokens) if deep_gemm_layout else tokens
+    assert q.shape == (rows, heads * v) and s.shape == (rows, heads * v // 128)
+    assert s.stride() == ((1, rows) if deep_gemm_layout else (heads * v // 128, 1))
+    assert torch.equal(q[:tokens].view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s[:tokens], want_s)
+    assert torch.isnan(s[tokens:]).all()  # padding rows unwritten
+    ref_o, ref_q, ref_s = mla_absorb.absorb_o_quant_reference(o_latent, w_uv, deep_gemm_layout)
+    assert ref_q.shape == q.shape and ref_s.stride() == s.stride()
+
+
+@in_this_process
+def test_absorb_o_quant_above_max_tokens_is_the_reference_and_refuses_partial_groups(monkeypatch):
+    tokens = mla_absorb.MAX_TOKENS + 1
+    _, _, _, w_uv, o_latent, _, _ = _inputs(tokens, 2, 32, 128, 64, 16, torch.bfloat16, 9)
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("the kernel ran above MAX_TOKENS")
+
+    with torch_rounded_casts():
+        monkeypatch.setattr(mla_absorb, "_launch", no_kernel)
+        got = torch.ops.minidsa.absorb_o_quant(o_latent, w_uv, True)
+    want = mla_absorb.absorb_o_quant_reference(o_latent, w_uv, True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1][:tokens].view(torch.uint8),
+                                                        want[1][:tokens].view(torch.uint8))
+    assert torch.equal(got[2][:tokens], want[2][:tokens]) and got[2].stride() == want[2].stride()
+    _, _, _, w_uv, o_latent, _, _ = _inputs(2, 2, 32, 32, 64, 16, torch.bfloat16, 9)
+    assert mla_absorb.quant_unsupported(32) is not None and mla_absorb.quant_unsupported(256) is None
+    with pytest.raises(ValueError, match="multiple of 128"):
+        mla_absorb.absorb_o_quant(o_latent, w_uv)
+
+
+@in_this_process
 def test_bad_shapes_are_refused():
     q_nope, q_rope, w_uk, w_uv, o_latent, cos, sin = _inputs(3, 2, 32, 32, 64, 16, torch.float32, 1)
     with pytest.raises(ValueError, match="does not fit the per-head weight"):
@@ -208,29 +254,53 @@ def test_model_with_the_kernels_traces_whole_and_decodes_like_the_torch_products
 
 
 _COMPILE_FOR_H100 = """
+import re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from minidsa.kernels import mla_absorb
 sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "rope_ptr": "*bf16", "cos_ptr": "*fp32",
-       "sin_ptr": "*fp32", "T": "i32", "K": "i32", "N": "i32", "ROPE": "i32", "stride_at": "i32", "stride_ah": "i32",
-       "stride_ak": "i32", "stride_bh": "i32", "stride_bk": "i32", "stride_bn": "i32", "stride_ot": "i32",
-       "stride_oh": "i32", "stride_rt": "i32", "stride_rh": "i32", "stride_ct": "i32", "BLOCK_T": "constexpr",
+       "sin_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "T": "i32", "K": "i32", "N": "i32", "ROPE": "i32",
+       "stride_at": "i32", "stride_ah": "i32", "stride_ak": "i32", "stride_bh": "i32", "stride_bk": "i32",
+       "stride_bn": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_rt": "i32", "stride_rh": "i32",
+       "stride_ct": "i32", "stride_qt": "i32", "stride_st": "i32", "stride_sg": "i32", "BLOCK_T": "constexpr",
        "BLOCK_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_R": "constexpr", "HAS_ROPE": "constexpr",
-       "PRECISION": "constexpr"}
-for q_side in (True, False):  # absorb_q's tiles (with the query rope), absorb_o's
-    t = mla_absorb._tiles(1, 128, 128 if q_side else 512, 512 if q_side else 128, not q_side)
+       "QUANT": "constexpr", "PRECISION": "constexpr", "EMULATE_CAST": "constexpr"}
+ptxas = get_ptxas(90)
+ptxas = getattr(ptxas, "path", ptxas)
+
+
+def spill_bytes(kernel):
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"], capture_output=True,
+                              text=True).stderr
+    spills = [int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)]
+    assert spills, info
+    return max(spills)
+
+
+# absorb_q's tiles (with the query rope), absorb_o's, and absorb_o's quantising its output (1 to 64 tokens)
+for q_side, quant, tokens in ((True, False, 1), (False, False, 1), (False, True, 1), (False, True, 32),
+                              (False, True, 64)):
+    t = mla_absorb._tiles(tokens, 128, 128 if q_side else 512, 512 if q_side else 128, not q_side, quant)
     src = ASTSource(mla_absorb._head_matmul_kernel, sig, constexprs={
         "BLOCK_T": t.block_t, "BLOCK_K": t.block_k, "BLOCK_N": t.block_n, "BLOCK_R": 64, "HAS_ROPE": q_side,
-        "PRECISION": "tf32"})
+        "QUANT": quant, "PRECISION": "tf32", "EMULATE_CAST": False})
     options = {"num_warps": t.num_warps, "num_stages": t.num_stages, "enable_fp_fusion": not q_side}
-    assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    assert kernel.asm["cubin"]
+    if quant:
+        assert spill_bytes(kernel) == 0, (tokens, t)
 print("compiled")
 """
 
 
 def test_head_matmul_kernel_compiles_for_h100():
-    """Both products' tiles compiled for sm_90 without a GPU: what only Triton's compiler refuses fails here."""
+    """Both products' tiles compiled for sm_90 without a GPU: what only Triton's compiler refuses fails here; the
+    quantising absorb_o's with no register spills by ptxas's count at 1, 32 and 64 tokens."""
     from triton_interp import compile_for_h100
 
     compile_for_h100(_COMPILE_FOR_H100, "_head_matmul_kernel")

@@ -34,10 +34,13 @@ What the choice says, per kernel:
 - norm_quant (an RMSNorm whose output FP8 linears read, with the residual add before it where there is one): the
   norm and the FP8 quantisation of its output in one Triton launch (kernels/norm_quant.py), which the GEMMs read
   where they would quantise in a launch of their own, wherever Triton runs and the FP8 linears are not the torch
-  reference (which quantises for itself); else the torch norm (`models.deepseek_v32.set_norm_quant`);
+  reference (which quantises for itself); else the torch norm (`models.deepseek_v32.set_norm_quant`). The same
+  choice has SwiGLU's product quantised for an FP8 down projection in the launch computing it
+  (kernels/swiglu_quant.py, `models.deepseek_v32.set_swiglu_quant`);
 - mla_absorb (MLA's per-head W_UK / W_UV products around the sparse attention): one weight-streaming Triton
   launch each at decode sizes (kernels/mla_absorb.py; above them the op runs cuBLAS's bmm) wherever Triton runs,
-  else the torch bmm (`models.deepseek_v32.set_mla_absorb`);
+  else the torch bmm (`models.deepseek_v32.set_mla_absorb`); absorb_o's launch then also quantises o_proj's
+  input where o_proj's GEMM reads one (`absorb_o_quant`);
 - fp32_gemv (the fp32 GEMVs: the indexer's head weights, the MoE router's gate): one Triton launch each at decode
   sizes (kernels/gemv.py; above them the op runs cuBLAS's GEMM) wherever Triton runs, else F.linear
   (`models.deepseek_v32.set_fp32_gemv`);

@@ -24,7 +24,7 @@ from minidsa.kernels import deepgemm, deepgemm_step, flashmla, fp8_gemm as fp8_g
 from minidsa.kernels import indexer
 from minidsa.kernels import kv_move as kv_move_mod, log_once, mla_store, reference, sparse_mla as sparse_mla_mod
 from minidsa.kernels import norm_quant as norm_quant_mod, router as router_mod, topk as topk_mod
-from minidsa.kernels import gemv, mla_absorb
+from minidsa.kernels import gemv, mla_absorb, swiglu_quant as swiglu_quant_mod
 from minidsa.kernels.optional_lib import LibraryCallFailed
 
 logger = logging.getLogger(__name__)
@@ -403,6 +403,40 @@ def absorb_o(o_latent: Tensor, w_uv: Tensor) -> Tensor:
 @absorb_o.register_fake
 def _(o_latent, w_uv):
     return o_latent.new_empty(o_latent.shape[0], o_latent.shape[1] * w_uv.shape[1])
+
+
+@torch.library.custom_op("minidsa::absorb_o_quant", mutates_args=())
+def absorb_o_quant(o_latent: Tensor, w_uv: Tensor, deep_gemm_layout: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """`absorb_o` and o_proj's FP8 input quantised from it (`mla_absorb.absorb_o_quant_reference`: e4m3 + fp32
+    scales in `fp8_gemm.act_buffers`' layout): at decode sizes in the same launch, above them the reference bmm and
+    one quantisation launch (the one o_proj's GEMM would make there)."""
+    if _absorb_by_kernel(o_latent.shape[0]):
+        return mla_absorb.absorb_o_quant(o_latent, w_uv, deep_gemm_layout)
+    o = mla_absorb.absorb_o_reference(o_latent, w_uv)
+    q, scales = fp8_gemm_mod.act_buffers(o.shape[0], o.shape[1], o.device, deep_gemm_layout)
+    if o.shape[0]:
+        fp8_gemm_mod.quant_act(o, out=(q, scales))
+    return o, q, scales
+
+
+@absorb_o_quant.register_fake
+def _(o_latent, w_uv, deep_gemm_layout):
+    num_tokens, width = o_latent.shape[0], o_latent.shape[1] * w_uv.shape[1]
+    return (o_latent.new_empty(num_tokens, width),
+            *fp8_gemm_mod.act_buffers(num_tokens, width, o_latent.device, deep_gemm_layout))
+
+
+@torch.library.custom_op("minidsa::swiglu_quant", mutates_args=())
+def swiglu_quant(gate: Tensor, up: Tensor, deep_gemm_layout: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """F.silu(gate) * up and its FP8 quantisation for the down projection in one Triton launch
+    (kernels/swiglu_quant.py): (product, e4m3, fp32 scales in `fp8_gemm.act_buffers`' layout)."""
+    return swiglu_quant_mod.swiglu_quant(gate, up, deep_gemm_layout)
+
+
+@swiglu_quant.register_fake
+def _(gate, up, deep_gemm_layout):
+    return (gate.new_empty(gate.shape),
+            *fp8_gemm_mod.act_buffers(gate.shape[0], gate.shape[1], gate.device, deep_gemm_layout))
 
 
 @torch.library.custom_op("minidsa::fp32_gemv", mutates_args=())

@@ -378,18 +378,27 @@ def gemm_row_classes(max_rows: int) -> list[int]:
     return classes
 
 
+def _scales_fit(scales: torch.Tensor, rows: int) -> bool:
+    """Activation scales [rows, groups] in a layout DeepGEMM takes: row-major, or MN-major with the column stride
+    its TMA reads (rows rounded up to 4)."""
+    if scales.shape[0] != rows:
+        return False
+    return scales.is_contiguous() or (scales.stride(0) == 1 and scales.stride(1) == -(-rows // 4) * 4)
+
+
 def run_fp8_gemm(module: ModuleType, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                  act: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`module.fp8_gemm_nt` on x [M, K] bf16 and an e4m3 weight, run with `gemm_rows(M)` rows (the padding rows'
     outputs are never read); raises what DeepGEMM raises. The one way minidsa calls it, so the start-up JIT
     (`DeepGEMM.warm_up_fp8_gemms`, `deepgemm_jit`'s worker processes) compiles exactly the kernels serving asks for.
-    `act`: x already quantised (e4m3 [M, K], fp32 scales [M, K/128]), used when M is its own row class (no
-    padding rows to add); otherwise x is quantised here into `gemm_rows(M)` rows."""
+    `act`: x already quantised (e4m3 [R, K], fp32 scales [R, K/128], rows past M unread), used when it has
+    `gemm_rows(M)` rows, dense e4m3 and scales row-major (which DeepGEMM transposes) or MN-major (read as they are:
+    `fp8_gemm.act_buffers`); otherwise x is quantised here into `gemm_rows(M)` rows."""
     from minidsa.kernels.fp8_gemm import quant_act
 
     m = x.shape[0]
     rows = gemm_rows(m)
-    if act is not None and rows == m and act[0].is_contiguous() and act[1].is_contiguous():
+    if act is not None and act[0].shape[0] == rows and act[0].is_contiguous() and _scales_fit(act[1], rows):
         xq, xs = act
     else:
         xq, xs = quant_act(x.contiguous(), rows, mn_major=True)

@@ -51,6 +51,7 @@ def _to_e4m3(x, EMULATE_CAST: tl.constexpr):
         ulp = ((ulp_exp + 127) << 23).to(tl.float32, bitcast=True)
         r = x / ulp  # |r| < 16: the 1.5 * 2^23 trick rounds it to the nearest even integer
         r = (r + 12582912.0) - 12582912.0
+        r = tl.where(x < 0, -tl.abs(r), r)  # a negative value rounding to zero is -0, as the hardware cast gives
         x = r * ulp
     return x.to(tl.float8e4nv)
 
@@ -193,15 +194,42 @@ def mn_major_scales(rows: int, groups: int, device: torch.device) -> torch.Tenso
     return torch.empty(groups, aligned, dtype=torch.float32, device=device).t()[:rows]
 
 
-def quant_act(x: torch.Tensor, rows: int | None = None, mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def deep_gemm_act_rows(m):
+    """The rows an input quantised for DeepGEMM is made with by the kernels that produce it (the norms' quantisation
+    aside): m rounded up to 16, which is `deepgemm.gemm_rows(m)` (the rows DeepGEMM runs) up to 256 rows, decode
+    sizes. One formula for every m, so a custom op's fake gives the same shape from a symbolic m with no guard;
+    above 256 rows the two differ and DeepGEMM quantises x again itself (prefill: one launch more)."""
+    return -(-m // 16) * 16
+
+
+def act_buffers(m, k, device: torch.device, deep_gemm_layout: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (e4m3, fp32 scales) for an [m, k] input quantised for an FP8 GEMM: with `deep_gemm_layout`,
+    `deep_gemm_act_rows(m)` rows (those past m left unwritten) and MN-major scales (`mn_major_scales`), which
+    DeepGEMM reads as they are and the Triton GEMM in any strides; else m rows, row-major scales. Works on symbolic
+    sizes too (the custom ops' fakes)."""
+    rows = deep_gemm_act_rows(m) if deep_gemm_layout else m
+    groups = -(-k // FP8_BLOCK)
+    q = torch.empty(rows, k, dtype=FP8_DTYPE, device=device)
+    # MN-major: rows (a multiple of 16) needs no padding to 4, so no slice (which would guard a symbolic size)
+    s = (torch.empty(groups, rows, dtype=torch.float32, device=device).t() if deep_gemm_layout
+         else torch.empty(rows, groups, dtype=torch.float32, device=device))
+    return q, s
+
+
+def quant_act(x: torch.Tensor, rows: int | None = None, mn_major: bool = False,
+              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K/128)]): `fp8.quant_act_per_token_group` on the GPU.
     `rows` >= M: the outputs have that many rows, those past M left unwritten (a GEMM's padding rows).
-    `mn_major`: the scales in DeepGEMM's layout (`mn_major_scales`), else row-major."""
+    `mn_major`: the scales in DeepGEMM's layout (`mn_major_scales`), else row-major. `out`: (e4m3, scales) to write
+    instead (at least M rows, dense e4m3 rows, scales in any strides; `act_buffers`)."""
     m, k = x.shape
     num_kb = -(-k // FP8_BLOCK)
-    q = torch.empty(rows or m, k, dtype=FP8_DTYPE, device=x.device)
-    s = (mn_major_scales(rows or m, num_kb, x.device) if mn_major
-         else torch.empty(rows or m, num_kb, dtype=torch.float32, device=x.device))
+    if out is not None:
+        q, s = out
+    else:
+        q = torch.empty(rows or m, k, dtype=FP8_DTYPE, device=x.device)
+        s = (mn_major_scales(rows or m, num_kb, x.device) if mn_major
+             else torch.empty(rows or m, num_kb, dtype=torch.float32, device=x.device))
     block_rows = 16
     _act_quant_kernel[(triton.cdiv(m, block_rows), num_kb)](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0),
                                                              s.stride(1), ROWS=block_rows, BLOCK_K=FP8_BLOCK,
@@ -259,4 +287,4 @@ def w8a8_block_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tens
     return out
 
 
-__all__ = ["GemmTiles", "pick_tiles", "quant_act", "w8a8_block_gemm", "FP8_MAX"]
+__all__ = ["GemmTiles", "act_buffers", "pick_tiles", "quant_act", "w8a8_block_gemm", "FP8_MAX"]

@@ -203,6 +203,9 @@ class MLAttention(nn.Module):
         # Decided once: does this layer run its own indexer, or reuse the top-k it is handed?
         self.computes_topk = computes_topk
         self.absorb = "torch"  # who runs the W_UK / W_UV products (`set_mla_absorb`)
+        # Does absorb_o also quantise o_proj's input, and in DeepGEMM's layout? (`set_mla_absorb`, at build)
+        self.quantizes_o = False
+        self.o_quant_for_deep_gemm = False
 
     def _kv_b_halves(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
@@ -244,23 +247,33 @@ class MLAttention(nn.Module):
             absorb_q, absorb_o = mla_absorb.absorb_q_reference, mla_absorb.absorb_o_reference
         q_full = absorb_q(q_nope, q_rope, w_uk, ctx.cos, ctx.sin)  # [t, h, kv_lora_rank + rope]
         o_latent = ctx.attn.sparse_mla(caches, q_full, topk, self.softmax_scale, self.kv_lora_rank)
+        if self.quantizes_o:
+            o, o_q, o_scales = torch.ops.minidsa.absorb_o_quant(o_latent, w_uv, self.o_quant_for_deep_gemm)
+            return self.o_proj(o, (o_q, o_scales)), topk
         return self.o_proj(absorb_o(o_latent, w_uv)), topk
 
 
 class MLP(nn.Module):
-    """SwiGLU; column / row parallel under TP. `reduce_output=False`: the caller sums the partial output."""
+    """SwiGLU; column / row parallel under TP. `reduce_output=False`: the caller sums the partial output.
+    Where down_proj is FP8 (`set_swiglu_quant`, at build) the product is quantised for it in the launch that
+    computes it (`torch.ops.minidsa.swiglu_quant`)."""
 
     def __init__(self, hidden: int, inter: int, reduce_output: bool = True, what: str = "intermediate_size"):
         super().__init__()
         self.gate_proj = ColumnParallelLinear(hidden, inter, what=what)
         self.up_proj = ColumnParallelLinear(hidden, inter, what=what)
         self.down_proj = RowParallelLinear(inter, hidden, what=what, reduce_output=reduce_output)
+        self.quantizes_product = False
+        self.product_for_deep_gemm = False  # the quantised product in DeepGEMM's layout
 
     def fuse(self) -> None:
         self.gate_up = FusedLinear(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor, x_quantized: QuantizedInput | None = None) -> torch.Tensor:
         gate, up = _fused(self, "gate_up")(x, x_quantized)
+        if self.quantizes_product:
+            mid, q, scales = torch.ops.minidsa.swiglu_quant(gate, up, self.product_for_deep_gemm)
+            return self.down_proj(mid, (q, scales))
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -301,14 +314,42 @@ def set_router(model: nn.Module, kernel: str) -> None:
             mod.kernel = kernel
 
 
+def _reads_quantized_input(linear: Linear) -> bool:
+    """Does this linear's GEMM read an input quantised for it (the FP8 Triton GEMM and DeepGEMM; not the torch
+    reference, which quantises for itself)?"""
+    return linear.is_fp8 and linear.gemm in ("triton", "deepgemm")
+
+
 def set_mla_absorb(model: nn.Module, kernel: str) -> None:
     """Which implementation runs every MLA layer's absorbed W_UK / W_UV products ("torch": per-head bmm, or
-    "triton": `torch.ops.minidsa.absorb_q` / `absorb_o`, `KernelChoice.mla_absorb`), decided once at build."""
+    "triton": `torch.ops.minidsa.absorb_q` / `absorb_o`, `KernelChoice.mla_absorb`), decided once at build, after
+    `set_gemm`. With "triton", absorb_o also quantises o_proj's input where o_proj's GEMM reads one
+    (`torch.ops.minidsa.absorb_o_quant`; heads of v_head_dim 128 or 256), in DeepGEMM's layout where DeepGEMM
+    serves it."""
     if kernel not in ("torch", "triton"):
         raise ValueError(f"mla_absorb kernel {kernel!r} is not 'torch' or 'triton'")
     for mod in model.modules():
         if isinstance(mod, MLAttention):
             mod.absorb = kernel
+            mod.quantizes_o = (kernel == "triton" and _reads_quantized_input(mod.o_proj)
+                               and mla_absorb.quant_unsupported(mod.v_dim) is None)
+            mod.o_quant_for_deep_gemm = mod.quantizes_o and mod.o_proj.gemm == "deepgemm"
+
+
+def set_swiglu_quant(model: nn.Module, kernel: str) -> list[MLP]:
+    """Whether each SwiGLU MLP (dense, shared experts) quantises its product for an FP8 down_proj in the launch
+    that computes it ("triton", `KernelChoice.norm_quant`: activations quantised by the kernels producing them) or
+    leaves it to the GEMM ("torch"), decided once at build, after `set_gemm`; returns the MLPs that do."""
+    if kernel not in ("torch", "triton"):
+        raise ValueError(f"swiglu_quant kernel {kernel!r} is not 'torch' or 'triton'")
+    fused = []
+    for mod in model.modules():
+        if isinstance(mod, MLP):
+            mod.quantizes_product = kernel == "triton" and _reads_quantized_input(mod.down_proj)
+            mod.product_for_deep_gemm = mod.quantizes_product and mod.down_proj.gemm == "deepgemm"
+            if mod.quantizes_product:
+                fused.append(mod)
+    return fused
 
 
 def _fp32_gemv(kernel: str) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:

@@ -35,7 +35,7 @@ from minidsa.config import QUANTIZATIONS, ConfigError, ModelConfig
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape, quant_block
 from minidsa.models.layers.linear import WeightLoadError, default_weight_loader, set_gemm
 from minidsa.models.deepseek_v32 import (DeepseekV32ForCausalLM, RMSNorm, Rotary, set_fp32_gemv, set_mla_absorb,
-                                         set_head_norm, set_norm_quant, set_router)
+                                         set_head_norm, set_norm_quant, set_router, set_swiglu_quant)
 
 logger = logging.getLogger(__name__)
 
@@ -363,7 +363,8 @@ def build_model(config: ModelConfig, path: str | None, dtype: torch.dtype, devic
     in `dtype`), then allocated on `device` and filled: never a full high-precision copy of an FP8 weight.
     `gemm` (one of `layers.linear.GEMMS`) serves the FP8 projections, `moe_gemm` (default: `gemm`) the routed
     experts (`layers.linear.set_gemm`); `router` ("torch" or "triton") selects the experts (`set_router`);
-    `norm_quant` ("torch" or "triton"): whether the norms before FP8 linears quantise for them (`set_norm_quant`);
+    `norm_quant` ("torch" or "triton"): whether the norms before FP8 linears quantise for them (`set_norm_quant`),
+    and SwiGLU's product for an FP8 down projection (`set_swiglu_quant`);
     `mla_absorb` ("torch" or "triton") runs the attention's W_UK / W_UV products (`set_mla_absorb`); `fp32_gemv`
     ("torch" or "triton") the indexers' head weights and the routers' gates (`set_fp32_gemv`); `head_norm` ("torch"
     or "triton") the norms outside the decoder layers (`set_head_norm`).
@@ -387,6 +388,7 @@ def build_model(config: ModelConfig, path: str | None, dtype: torch.dtype, devic
     set_router(model, router)
     set_norm_quant(model, norm_quant)
     set_mla_absorb(model, mla_absorb)
+    set_swiglu_quant(model, norm_quant)
     set_fp32_gemv(model, fp32_gemv)
     set_head_norm(model, head_norm)
     model.fuse_projections()

@@ -101,8 +101,9 @@ class RowParallelLinear(Linear):
                                              self.full_in_features, name or "weight")
         super().load_weight(param, loaded, scale_inv, name)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
+    def forward(self, x: torch.Tensor, x_quantized=None) -> torch.Tensor:
+        """`x_quantized`: as `Linear.forward`'s."""
+        y = super().forward(x, x_quantized)
         return self.tp.all_reduce(y) if self.reduce_output else y
 
 
