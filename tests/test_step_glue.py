@@ -89,3 +89,15 @@ def test_decode_step_runs_few_kernels_outside_the_layers(monkeypatch, fresh_log_
     assert len(layers) == runner.model_config.num_hidden_layers
     for place in layers:  # no fill of a fresh tensor per layer (the indexer's tree argument was one)
         assert not {"new_zeros", "zeros", "zero_", "fill_", "full"} & set(census.ops[place]), census.describe()
+
+
+def test_the_rope_table_covers_every_position_a_start_up_step_uses():
+    """The activation profile and the warm-up (GPU start-up) put a step's tokens at positions 0 .. step_tokens - 1;
+    a tiny model has fewer positions (4096) than a step can hold, and a position past the table reads out of bounds
+    on the GPU (a device-side assert: the speculative engines' start-up at 60ef087)."""
+    from minidsa import LLM
+
+    llm = LLM(model="tiny", progress=False, chunked_prefill_size=6000, max_prefill_tokens=6000)
+    runner = llm.engine.runner
+    assert runner.step_tokens > runner.model_config.max_position_embeddings
+    assert runner.model.rotary.table.shape[0] >= max(runner.step_tokens, runner.req_to_token.shape[1])

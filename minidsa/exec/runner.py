@@ -159,6 +159,9 @@ class ModelRunner:
                                      mla_absorb=self.kernels.mla_absorb, fp32_gemv=self.kernels.fp32_gemv,
                                      head_norm=self.kernels.head_norm)
             phase.detail = _weights_detail(self.model, resolved.model_path)
+        # The start-up's scratch steps (activation profile, warm-up) put their tokens at positions 0 .. step_tokens - 1,
+        # past max_position_embeddings where a step holds more tokens than the model has positions (a tiny model).
+        self.model.rotary.cover(self.step_tokens)
         if root is not None:
             self.compile_cache = CompileCache.for_engine(config, model_config, self.device, root)
         # The engine's compiled decoder layer (a GPU, compile and graphs on). The activation profile below runs
