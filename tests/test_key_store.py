@@ -20,8 +20,8 @@ import torch
 if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu/test_kernels_gpu.py checks the compiled kernels", allow_module_level=True)
 
-from triton_interp import (import_kernels_interpreted, poison_new_tensors, run_file_interpreted,  # noqa: E402
-                           torch_rounded_casts)
+from triton_interp import (SPILL_CHECK, import_kernels_interpreted, poison_new_tensors,  # noqa: E402
+                           run_file_interpreted, torch_rounded_casts)
 
 INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
@@ -252,28 +252,8 @@ def test_store_ops_trace_opaquely_under_compile(fp8):
     assert torch.equal(mla, want_mla) and torch.equal(index, want_index)
 
 
-_COMPILE_FOR_H100 = """
-import re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import ASTSource
+_COMPILE_FOR_H100 = SPILL_CHECK + """
 from minidsa.kernels import indexer, mla_store
-target = GPUTarget("cuda", 90, 32)
-ptxas = get_ptxas(90)
-ptxas = getattr(ptxas, "path", ptxas)
-
-
-def compile_without_spills(src, num_warps):
-    kernel = triton.compile(src, target=target, options={"num_warps": num_warps})
-    assert kernel.asm["cubin"]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(kernel.asm["ptx"])
-        f.flush()
-        info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"], capture_output=True,
-                              text=True).stderr
-    spills = [int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)]
-    assert spills and not any(spills), info
 for fp8 in (True, False):
     src = ASTSource(mla_store._norm_rope_store_mla_kernel, {
         "kv_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "loc_ptr": "*i64",

@@ -21,8 +21,8 @@ import torch._dynamo  # noqa: F401  (before torch.empty is patched: see tests/te
 if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu/test_kernels_gpu.py checks the compiled kernels", allow_module_level=True)
 
-from triton_interp import (compile_for_h100, import_kernels_interpreted, poison_new_tensors,  # noqa: E402
-                           run_file_interpreted, torch_rounded_casts)
+from triton_interp import (SPILL_CHECK, compile_for_h100, import_kernels_interpreted,  # noqa: E402
+                           poison_new_tensors, run_file_interpreted, torch_rounded_casts)
 
 INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
@@ -254,30 +254,15 @@ def test_decode_with_deepgemm_launches_no_quantisation_for_o_proj_and_down_proje
     assert err < 2e-2, err
 
 
-_COMPILE_FOR_H100 = """
-import re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import ASTSource
+_COMPILE_FOR_H100 = SPILL_CHECK + """
 from minidsa.kernels import swiglu_quant
-ptxas = get_ptxas(90)
-ptxas = getattr(ptxas, "path", ptxas)
 src = ASTSource(swiglu_quant._swiglu_quant_kernel, {
     "gate_ptr": "*bf16", "up_ptr": "*bf16", "mid_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32",
     "inter": "i32", "stride_g": "i32", "stride_u": "i32", "stride_m": "i32", "stride_q": "i32", "stride_sm": "i32",
     "stride_sg": "i32", "ROWS": "constexpr", "GROUP": "constexpr", "EMULATE_CAST": "constexpr"},
     constexprs={"ROWS": swiglu_quant.ROWS, "GROUP": 128, "EMULATE_CAST": False})
-kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-ptx = kernel.asm["ptx"]
-assert "div.rn.f32" in ptx  # silu's IEEE division and the quantisation's exact reciprocal
-with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-    f.write(ptx)
-    f.flush()
-    info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"], capture_output=True,
-                          text=True).stderr
-spills = [int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)]
-assert spills and not any(spills), info
+kernel = compile_without_spills(src, 4)
+assert "div.rn.f32" in kernel.asm["ptx"]  # silu's IEEE division and the quantisation's exact reciprocal
 print("compiled")
 """
 

@@ -17,8 +17,8 @@ if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu/test_kernels_gpu.py checks the compiled kernels", allow_module_level=True)
 
 
-from triton_interp import (compile_for_h100, import_kernels_interpreted, poison_new_tensors,  # noqa: E402
-                           run_file_interpreted)
+from triton_interp import (SPILL_CHECK, compile_for_h100, import_kernels_interpreted,  # noqa: E402
+                           poison_new_tensors, run_file_interpreted)
 
 INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
@@ -298,15 +298,8 @@ def test_register_select_refuses_what_it_cannot_take():
         topk_mod.topk_slots(logits, 16, r2t, rows, method="heap")
 
 
-_COMPILE_FOR_H100 = """
-import re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import ASTSource
+_COMPILE_FOR_H100 = SPILL_CHECK + """
 from minidsa.kernels import topk
-ptxas = get_ptxas(90)
-ptxas = getattr(ptxas, "path", ptxas)
 sig = {"logits_ptr": "*fp32", "r2t_ptr": "*i32", "rows_ptr": "*i64", "slots_ptr": "*i32", "pos_ptr": "*i32",
        "width": "i32", "k": "i32", "stride_l": "i32", "stride_r2t": "i32", "stride_o": "i32",
        "HEAD": "constexpr", "TAIL": "constexpr", "RADIX_BITS": "constexpr", "EARLY_EXIT": "constexpr"}
@@ -315,18 +308,13 @@ for head, tail in decode + ((4096, 0), (8192, 2048), (topk.REGISTER_MAX_BLOCK, 0
     for bits, early_exit in ((2, True), (2, False), (8, False)):
         src = ASTSource(topk._register_topk_kernel, sig,
                         constexprs={"HEAD": head, "TAIL": tail, "RADIX_BITS": bits, "EARLY_EXIT": early_exit})
-        options = {"num_warps": topk.register_warps(head + tail)}
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-        assert kernel.asm["cubin"], (head, tail, bits, early_exit)
+        num_warps = topk.register_warps(head + tail)
         if (head, tail) in decode and bits == 2:
-            assert options["num_warps"] == 8
-            with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-                f.write(kernel.asm["ptx"])
-                f.flush()
-                info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"],
-                                      capture_output=True, text=True).stderr
-            spills = [int(n) for n in re.findall(r"(\\d+) bytes spill stores", info)]
-            assert spills and not any(spills), (head, tail, early_exit, info)
+            assert num_warps == 8
+            compile_without_spills(src, num_warps)
+        else:
+            assert triton.compile(src, target=target, options={"num_warps": num_warps}).asm["cubin"], \
+                (head, tail, bits, early_exit)
 print("compiled")
 """
 
