@@ -72,10 +72,10 @@ sig = {"r2t_ptr": "*i32", "req_idx_ptr": "*i64", "token_req_ptr": "*i64", "kv_le
        "ctx_ptr": "*i32", "table_ptr": "*i32", "sched_ptr": "*i32", "num_tokens": "i32", "num_blocks": "i32",
        "stride_r2t": "i32", "stride_table": "i32", "tree_width": "i32", "max_kv_len": "i32", "page_size": "i32",
        "num_sms": "i32", "SPLIT": "constexpr", "BLOCK_PAGES": "constexpr", "BLOCK_TOKENS": "constexpr",
-       "BLOCK_SMS": "constexpr"}
+       "BLOCK_SMS": "constexpr", "PDL": "constexpr"}
 compile_without_spills(ASTSource(deepgemm_step._step_inputs_kernel, sig, constexprs={
     "SPLIT": 256, "BLOCK_PAGES": deepgemm_step.BLOCK_PAGES, "BLOCK_TOKENS": deepgemm_step.BLOCK_TOKENS,
-    "BLOCK_SMS": 256}), 4)
+    "BLOCK_SMS": 256, "PDL": True}), 4)
 print("compiled")
 """
 

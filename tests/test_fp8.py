@@ -518,19 +518,19 @@ sig = {"a_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_p
        "stride_asm": "i32", "stride_ask": "i32", "stride_wn": "i32", "stride_wsn": "i32", "stride_om": "i32",
        "num_kb": "i32", "kb_per_split": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
        "FUSE_ACT_QUANT": "constexpr", "EMULATE_CAST": "constexpr", "NUM_STAGES": "constexpr", "SPLIT_K": "constexpr",
-       "REDUCE_IN_KERNEL": "constexpr"}
+       "REDUCE_IN_KERNEL": "constexpr", "PDL": "constexpr"}
 for fuse in (True, False):
     for split, in_kernel in ((False, False), (True, False), (True, True)):
         src = ASTSource(fp8_gemm._w8a8_gemm_kernel, dict(sig, a_ptr="*bf16" if fuse else "*fp8e4nv"), constexprs={
             "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "FUSE_ACT_QUANT": fuse, "EMULATE_CAST": False,
-            "NUM_STAGES": 3, "SPLIT_K": split, "REDUCE_IN_KERNEL": in_kernel})
+            "NUM_STAGES": 3, "SPLIT_K": split, "REDUCE_IN_KERNEL": in_kernel, "PDL": True})
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
         if in_kernel:  # the arrival count orders the partials' stores and loads device-wide
             assert "atom.global.gpu.acq_rel.add" in ptx and "bar.sync" in ptx, ptx[-2000:]
 src = ASTSource(fp8_gemm._act_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32",
                 "K": "i32", "stride_xm": "i32", "stride_qm": "i32", "stride_sm": "i32", "stride_sk": "i32",
-                "ROWS": "constexpr", "BLOCK_K": "constexpr", "EMULATE_CAST": "constexpr"},
-                constexprs={"ROWS": 16, "BLOCK_K": 128, "EMULATE_CAST": False})
+                "ROWS": "constexpr", "BLOCK_K": "constexpr", "EMULATE_CAST": "constexpr", "PDL": "constexpr"},
+                constexprs={"ROWS": 16, "BLOCK_K": 128, "EMULATE_CAST": False, "PDL": True})
 ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
 assert "div.rn.f32" in ptx and "fma.rn.f32" in ptx  # the exact reciprocal per row and the quotient's correction
 print("compiled")

@@ -218,14 +218,14 @@ sig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "part_ptr": "*fp3
        "T": "i32", "N": "i32", "K": "i32", "stride_xt": "i32", "stride_xk": "i32", "stride_wn": "i32",
        "stride_wk": "i32", "k_per_split": "i32", "scale": "fp32", "BLOCK_T": "constexpr", "BLOCK_N": "constexpr",
        "BLOCK_K": "constexpr", "SPLIT": "constexpr", "REDUCE_IN_KERNEL": "constexpr",
-       "NUM_STAGES": "constexpr"}
+       "NUM_STAGES": "constexpr", "PDL": "constexpr"}
 for tokens, n in ((1, 64), (1, 256), (3, 256), (4, 64), (16, 256)):  # V3.2's shapes
     t = gemv.pick_tiles(tokens, n, 7168)
     chunks = -(-7168 // t.block_k)
     split = -(-7168 // (-(-chunks // t.split_k) * t.block_k))
     src = ASTSource(gemv._gemv_kernel, sig, constexprs={
         "BLOCK_T": t.block_t, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "SPLIT": split,
-        "REDUCE_IN_KERNEL": True, "NUM_STAGES": t.num_stages})
+        "REDUCE_IN_KERNEL": True, "NUM_STAGES": t.num_stages, "PDL": True})
     options = {"num_warps": t.num_warps, "num_stages": t.num_stages}
     assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
 print("compiled")

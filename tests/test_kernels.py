@@ -479,8 +479,8 @@ for block_m, interleave in ((16, False), (64, False), (16, True)):
         "q_ptr": "*bf16", "w_ptr": "*fp32", "had_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
         "q8_ptr": "*u8", "w_out_ptr": "*fp32", "num_rows": "i32", "stride_qt": "i32", "stride_qh": "i32",
         "stride_wt": "i32", "stride_wh": "i32", "stride_ct": "i32", "H": "constexpr", "D": "constexpr",
-        "ROPE": "constexpr", "INTERLEAVE": "constexpr", "BLOCK_M": "constexpr"},
-        constexprs={"H": 64, "D": 128, "ROPE": 64, "INTERLEAVE": interleave, "BLOCK_M": block_m})
+        "ROPE": "constexpr", "INTERLEAVE": "constexpr", "BLOCK_M": "constexpr", "PDL": "constexpr"},
+        constexprs={"H": 64, "D": 128, "ROPE": 64, "INTERLEAVE": interleave, "BLOCK_M": block_m, "PDL": True})
     assert triton.compile(src, target=target, options={"num_warps": 8, "enable_fp_fusion": False}).asm["cubin"]
 print("compiled")
 """

@@ -261,9 +261,10 @@ for fp8 in (True, False):
         "rope_ptr": "*bf16", "num_tokens": "i32", "stride_kv": "i32", "stride_cs": "i32", "stride_cache": "i32",
         "eps": "fp32", "L": "constexpr", "R": "constexpr", "R_BLOCK": "constexpr", "CHUNK": "constexpr",
         "FP8": "constexpr", "ROUND_KV": "constexpr", "ROUND_LATENT": "constexpr", "ROUND_CACHE": "constexpr",
-        "BLOCK_T": "constexpr"}, constexprs={"L": 512, "R": 64, "R_BLOCK": 64, "CHUNK": 128, "FP8": fp8,
-                                             "ROUND_KV": 1, "ROUND_LATENT": 1, "ROUND_CACHE": 0 if fp8 else 1,
-                                             "BLOCK_T": 16})
+        "BLOCK_T": "constexpr", "PDL": "constexpr"}, constexprs={"L": 512, "R": 64, "R_BLOCK": 64, "CHUNK": 128,
+                                             "FP8": fp8, "ROUND_KV": 1, "ROUND_LATENT": 1,
+                                             "ROUND_CACHE": 0 if fp8 else 1,
+                                             "BLOCK_T": 16, "PDL": True})
     compile_without_spills(src, 4)
     for interleaved in (True, False):
         src = ASTSource(indexer._norm_rope_store_index_k_kernel, {
@@ -272,9 +273,10 @@ for fp8 in (True, False):
             "scale_ptr": "*fp32" if fp8 else "*bf16", "num_tokens": "i32", "stride_k": "i32", "stride_cs": "i32",
             "stride_cache": "i32", "eps": "fp32", "D": "constexpr", "R": "constexpr", "INTERLEAVED": "constexpr",
             "ROUND_K": "constexpr", "FP8": "constexpr", "ROUND_CACHE": "constexpr", "PAGE_SIZE": "constexpr",
-            "BLOCK_T": "constexpr"}, constexprs={"D": 128, "R": 64, "INTERLEAVED": interleaved, "ROUND_K": 1,
+            "BLOCK_T": "constexpr", "PDL": "constexpr"}, constexprs={"D": 128, "R": 64, "INTERLEAVED": interleaved,
+                                                 "ROUND_K": 1,
                                                  "FP8": fp8, "ROUND_CACHE": 0 if fp8 else 1, "PAGE_SIZE": 64,
-                                                 "BLOCK_T": 16})
+                                                 "BLOCK_T": 16, "PDL": True})
         compile_without_spills(src, 8)
 print("compiled")
 """

@@ -261,14 +261,14 @@ sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "rope_ptr": "*bf1
        "stride_bn": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_rt": "i32", "stride_rh": "i32",
        "stride_ct": "i32", "stride_qt": "i32", "stride_st": "i32", "stride_sg": "i32", "BLOCK_T": "constexpr",
        "BLOCK_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_R": "constexpr", "HAS_ROPE": "constexpr",
-       "QUANT": "constexpr", "PRECISION": "constexpr", "EMULATE_CAST": "constexpr"}
+       "QUANT": "constexpr", "PRECISION": "constexpr", "EMULATE_CAST": "constexpr", "PDL": "constexpr"}
 # absorb_q's tiles (with the query rope), absorb_o's, and absorb_o's quantising its output (1 to 64 tokens)
 for q_side, quant, tokens in ((True, False, 1), (False, False, 1), (False, True, 1), (False, True, 32),
                               (False, True, 64)):
     t = mla_absorb._tiles(tokens, 128, 128 if q_side else 512, 512 if q_side else 128, not q_side, quant)
     src = ASTSource(mla_absorb._head_matmul_kernel, sig, constexprs={
         "BLOCK_T": t.block_t, "BLOCK_K": t.block_k, "BLOCK_N": t.block_n, "BLOCK_R": 64, "HAS_ROPE": q_side,
-        "QUANT": quant, "PRECISION": "tf32", "EMULATE_CAST": False})
+        "QUANT": quant, "PRECISION": "tf32", "EMULATE_CAST": False, "PDL": True})
     options = {"num_stages": t.num_stages, "enable_fp_fusion": not q_side}
     if quant:
         compile_without_spills(src, t.num_warps, **options)

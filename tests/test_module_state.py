@@ -16,6 +16,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "minidsa"
 CACHES = {
     ("kernels/__init__.py", "_NUM_SMS"): "the device",
     ("kernels/__init__.py", "_LOGGED_MESSAGES"): "the message (log_once)",
+    ("kernels/launch.py", "_LAUNCH"): "the device (programmatic dependent launch on or off)",
     ("kernels/flashmla.py", "_SCHED_META"): "the library module and the decode shape",
     ("kernels/fp8_gemm.py", "_arrivals"): "the device (split-K's per-tile arrival counts, all 0 between calls)",
     # process-wide like DeepGEMM's own JIT cache, which it describes: the classes a start-up pool is still adding

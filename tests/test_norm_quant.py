@@ -348,11 +348,11 @@ from minidsa.kernels import norm_quant
 sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16", "normed_ptr": "*bf16",
        "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "stride_x": "i32", "stride_r": "i32", "stride_sum": "i32",
        "stride_n": "i32", "stride_q": "i32", "num_groups": "i32", "eps": "fp32", "BLOCK": "constexpr",
-       "GROUP": "constexpr", "HAS_RESIDUAL": "constexpr", "EMULATE_CAST": "constexpr"}
+       "GROUP": "constexpr", "HAS_RESIDUAL": "constexpr", "EMULATE_CAST": "constexpr", "PDL": "constexpr"}
 for block in (2048, 8192):
     for residual in (False, True):
         src = ASTSource(norm_quant._rmsnorm_quant_kernel, sig, constexprs={
-            "BLOCK": block, "GROUP": 128, "HAS_RESIDUAL": residual, "EMULATE_CAST": False})
+            "BLOCK": block, "GROUP": 128, "HAS_RESIDUAL": residual, "EMULATE_CAST": False, "PDL": True})
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
         assert kernel.asm["cubin"], (block, residual)
 print("compiled")
@@ -461,11 +461,11 @@ def test_head_norms_take_the_kernel_where_chosen():
 _ROWS_COMPILE_FOR_H100 = SPILL_CHECK + """
 from minidsa.kernels import norm_quant
 sig = {"x_ptr": "*bf16", "rows_ptr": "*i64", "w_ptr": "*bf16", "out_ptr": "*bf16", "K": "i32", "stride_x": "i32",
-       "stride_out": "i32", "eps": "fp32", "BLOCK": "constexpr", "GATHER": "constexpr"}
+       "stride_out": "i32", "eps": "fp32", "BLOCK": "constexpr", "GATHER": "constexpr", "PDL": "constexpr"}
 for block in (2048, 4096, 8192, 16384):
     for gather in (False, True):
         compile_without_spills(ASTSource(norm_quant._rmsnorm_rows_kernel, sig,
-                                         constexprs={"BLOCK": block, "GATHER": gather}),
+                                         constexprs={"BLOCK": block, "GATHER": gather, "PDL": True}),
                                norm_quant.rows_num_warps(block))
 print("compiled")
 """

@@ -259,8 +259,8 @@ from minidsa.kernels import swiglu_quant
 src = ASTSource(swiglu_quant._swiglu_quant_kernel, {
     "gate_ptr": "*bf16", "up_ptr": "*bf16", "mid_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32",
     "inter": "i32", "stride_g": "i32", "stride_u": "i32", "stride_m": "i32", "stride_q": "i32", "stride_sm": "i32",
-    "stride_sg": "i32", "ROWS": "constexpr", "GROUP": "constexpr", "EMULATE_CAST": "constexpr"},
-    constexprs={"ROWS": swiglu_quant.ROWS, "GROUP": 128, "EMULATE_CAST": False})
+    "stride_sg": "i32", "ROWS": "constexpr", "GROUP": "constexpr", "EMULATE_CAST": "constexpr", "PDL": "constexpr"},
+    constexprs={"ROWS": swiglu_quant.ROWS, "GROUP": 128, "EMULATE_CAST": False, "PDL": True})
 kernel = compile_without_spills(src, 4)
 assert "div.rn.f32" in kernel.asm["ptx"]  # silu's IEEE division and the quantisation's exact reciprocal
 print("compiled")

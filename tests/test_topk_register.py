@@ -302,12 +302,14 @@ _COMPILE_FOR_H100 = SPILL_CHECK + """
 from minidsa.kernels import topk
 sig = {"logits_ptr": "*fp32", "r2t_ptr": "*i32", "rows_ptr": "*i64", "slots_ptr": "*i32", "pos_ptr": "*i32",
        "width": "i32", "k": "i32", "stride_l": "i32", "stride_r2t": "i32", "stride_o": "i32",
-       "HEAD": "constexpr", "TAIL": "constexpr", "RADIX_BITS": "constexpr", "EARLY_EXIT": "constexpr"}
+       "HEAD": "constexpr", "TAIL": "constexpr", "RADIX_BITS": "constexpr", "EARLY_EXIT": "constexpr",
+       "PDL": "constexpr"}
 decode = ((4096, 1024), (2048, 512), (8192, 0))  # contexts 4096, 2048, 8192 plus decode tokens; 8 warps each
 for head, tail in decode + ((4096, 0), (8192, 2048), (topk.REGISTER_MAX_BLOCK, 0)):
     for bits, early_exit in ((2, True), (2, False), (8, False)):
         src = ASTSource(topk._register_topk_kernel, sig,
-                        constexprs={"HEAD": head, "TAIL": tail, "RADIX_BITS": bits, "EARLY_EXIT": early_exit})
+                        constexprs={"HEAD": head, "TAIL": tail, "RADIX_BITS": bits, "EARLY_EXIT": early_exit,
+                                    "PDL": True})
         num_warps = topk.register_warps(head + tail)
         if (head, tail) in decode and bits == 2:
             assert num_warps == 8

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from minidsa.kernels import deepgemm
+from minidsa.kernels.launch import pdl_launch, wait_for_producers
 from minidsa.kernels.triton_compat import tl, triton
 
 BLOCK_PAGES = 256  # block table columns per loop iteration of a token's program
@@ -45,7 +46,9 @@ def _step_inputs_kernel(
     r2t_ptr, req_idx_ptr, token_req_ptr, kv_lens_ptr, rows_ptr, ctx_ptr, table_ptr, sched_ptr,
     num_tokens, num_blocks, stride_r2t, stride_table, tree_width, max_kv_len, page_size, num_sms,
     SPLIT: tl.constexpr, BLOCK_PAGES: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_SMS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_producers(PDL)
     pid = tl.program_id(0)
     if pid < num_tokens:
         t = pid.to(tl.int64)
@@ -105,6 +108,6 @@ def step_inputs(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, toke
         req_to_token, req_pool_indices, token_req, kv_lens, rows, ctx, table, schedule,
         num_tokens, num_blocks, req_to_token.stride(0), table.stride(0), tree_width, max_kv_len, page_size, num_sms,
         SPLIT=deepgemm.SCHEDULE_SPLIT_KV, BLOCK_PAGES=BLOCK_PAGES, BLOCK_TOKENS=BLOCK_TOKENS,
-        BLOCK_SMS=triton.next_power_of_2(num_sms + 1), num_warps=4,
+        BLOCK_SMS=triton.next_power_of_2(num_sms + 1), num_warps=4, **pdl_launch(req_to_token.device),
     )
     return rows, ctx, table, schedule

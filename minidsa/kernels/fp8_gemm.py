@@ -28,6 +28,7 @@ import torch
 
 from minidsa.kernels import num_sms
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, FP8_MAX
+from minidsa.kernels.launch import pdl_launch, wait_for_producers
 from minidsa.kernels.triton_compat import JITFunction, tl, triton
 
 
@@ -79,7 +80,8 @@ def _quant_tile(a, EMULATE_CAST: tl.constexpr):
 # Row / pair counts are not specialised on: each divisibility class would be a variant compiled at start-up.
 @triton.jit(do_not_specialize=["M"])
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sk,
-                      ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE_CAST: tl.constexpr):
+                      ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE_CAST: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     rm = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     kb = tl.program_id(1)
     rk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -97,8 +99,9 @@ def _w8a8_gemm_kernel(
     M, N, K, stride_am, stride_asm, stride_ask, stride_wn, stride_wsn, stride_om, num_kb, kb_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FUSE_ACT_QUANT: tl.constexpr, EMULATE_CAST: tl.constexpr, NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr,
-    REDUCE_IN_KERNEL: tl.constexpr,
+    REDUCE_IN_KERNEL: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_producers(PDL)
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -233,7 +236,7 @@ def quant_act(x: torch.Tensor, rows: int | None = None, mn_major: bool = False,
     block_rows = 16
     _act_quant_kernel[(triton.cdiv(m, block_rows), num_kb)](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0),
                                                              s.stride(1), ROWS=block_rows, BLOCK_K=FP8_BLOCK,
-                                                             EMULATE_CAST=EMULATE_CAST)
+                                                             EMULATE_CAST=EMULATE_CAST, **pdl_launch(x.device))
     return q, s
 
 
@@ -280,7 +283,7 @@ def w8a8_block_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tens
         out.stride(0), num_kb, kb_per_split,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=FP8_BLOCK,
         FUSE_ACT_QUANT=fuse_act_quant, EMULATE_CAST=EMULATE_CAST, NUM_STAGES=tiles.num_stages,
-        SPLIT_K=split > 1, REDUCE_IN_KERNEL=arrivals is not None, num_warps=tiles.num_warps,
+        SPLIT_K=split > 1, REDUCE_IN_KERNEL=arrivals is not None, num_warps=tiles.num_warps, **pdl_launch(a.device),
     )
     if split > 1 and arrivals is None:
         torch.sum(partials, dim=0, out=out) if out.dtype == torch.float32 else out.copy_(partials.sum(0))

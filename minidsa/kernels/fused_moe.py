@@ -47,6 +47,7 @@ from minidsa.kernels import fp8
 from minidsa.kernels.fp8_gemm import EMULATE_CAST, _quant_tile, quant_act
 from minidsa.kernels.fp8_gemm import mn_major_scales as mn_major_scales_of
 from minidsa.kernels.moe_layout import expert_rows, max_padded_rows
+from minidsa.kernels.launch import pdl_launch, wait_for_producers
 from minidsa.kernels.triton_compat import tl, triton
 
 SKIP = -1  # a topk id meaning "this pair's expert is on another rank" (expert parallelism): computed nowhere here
@@ -149,12 +150,13 @@ ALIGN_KERNEL_MAX_PAIRS = 1024  # up to here one Triton program aligns the pairs 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _align_kernel(
     ids_ptr, sorted_pair_ptr, block_expert_ptr, num_padded_ptr, num_pairs, n_experts, max_rows,
-    BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, TAIL: tl.constexpr,
+    BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """align_pairs_to_blocks in one program (one launch instead of ~30 small torch ops: decode runs in graphs).
 
     Same output, element for element: pairs of one expert in pair order, padding and tail = num_pairs.
     """
+    wait_for_producers(PDL)
     e = tl.arange(0, E_POW2)
     e_ok = e < n_experts
     q = tl.arange(0, CHUNK)
@@ -205,7 +207,7 @@ def align_pairs_to_blocks_triton(topk_ids: torch.Tensor, n_experts: int, block_m
     num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
     _align_kernel[(1,)](ids, sorted_pair_ids, block_expert, num_padded, num_pairs, n_experts, max_rows,
                         BLOCK_M=block_m, E_POW2=triton.next_power_of_2(n_experts), CHUNK=32, TAIL=1024,
-                        num_warps=8)
+                        num_warps=8, **pdl_launch(ids.device))
     return ExpertBlocks(sorted_pair_ids, block_expert, num_padded, num_pairs, block_m)
 
 
@@ -230,7 +232,7 @@ def _expert_gemm_kernel(
     stride_am, stride_asm, stride_be, stride_bn, stride_cm, stride_se, stride_sn, stride_sk,
     GATED: tl.constexpr, APPLY_ROUTE_W: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """C[pair, n] = sum_k A[pair // pairs_per_a_row, k] * B[expert, n, k] for the pairs of one M-block.
 
@@ -239,6 +241,7 @@ def _expert_gemm_kernel(
     block scales; A is e4m3 too, quantised beforehand per row per 128 channels (scales [rows, K/128];
     BLOCK_K == 128 == the quantisation group).
     """
+    wait_for_producers(PDL)
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     # GROUP_M M-blocks (mostly one expert's) take each N-block in turn: its weight tile stays in L2.
@@ -378,10 +381,11 @@ def fused_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, scale_ptr, row_expert_ptr, rows, inter, stride_g, stride_o, stride_s_row,
                      stride_s_group, ROWS: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr,
-                     SKIP_PADDING: tl.constexpr, EMULATE_CAST: tl.constexpr):
+                     SKIP_PADDING: tl.constexpr, EMULATE_CAST: tl.constexpr, PDL: tl.constexpr = False):
     """out[r, c] = silu(gu[r, c]) * gu[r, inter + c] for one [ROWS, GROUP] tile, rounded to gu's dtype (as the
     fused epilogue stores it); QUANT: then e4m3 per row per GROUP channels, one fp32 scale each. SKIP_PADDING: rows
     whose row_expert is negative (padding of a grouped GEMM's layout) are neither read nor written."""
+    wait_for_producers(PDL)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     c = g * GROUP + tl.arange(0, GROUP)
@@ -425,15 +429,17 @@ def silu_mul(gate_up: torch.Tensor, quantise: bool, row_expert: torch.Tensor | N
             gate_up, out, s, row_expert if row_expert is not None else out, rows, inter, gate_up.stride(0),
             out.stride(0), s.stride(0), s.stride(1) if quantise else 0,
             ROWS=rows_per_program, GROUP=fp8.FP8_BLOCK, QUANT=quantise, SKIP_PADDING=row_expert is not None,
-            EMULATE_CAST=EMULATE_CAST)
+            EMULATE_CAST=EMULATE_CAST, **pdl_launch(gate_up.device))
     return out, scales
 
 
 @triton.jit
 def _combine_rows_kernel(rows_ptr, row_of_pair_ptr, weight_ptr, out_ptr, hidden, stride_r, stride_o,
-                         TOP_K: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr, WEIGHTED: tl.constexpr):
+                         TOP_K: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr, WEIGHTED: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """out[t, h-block] = sum_j weight[t, j] * rows[row_of_pair[t, j], h-block], accumulated in fp32; a row index
     of -1 adds nothing. Without GATHER pair (t, j) is row t * TOP_K + j; without WEIGHTED every weight is 1."""
+    wait_for_producers(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = h < hidden
@@ -474,7 +480,7 @@ def combine_rows(rows: torch.Tensor, row_of_pair: torch.Tensor | None, weights: 
     block = 1024
     _combine_rows_kernel[(num_tokens, triton.cdiv(hidden, block))](
         rows, index, w, out, hidden, rows.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
-        GATHER=row_of_pair is not None, WEIGHTED=weights is not None)
+        GATHER=row_of_pair is not None, WEIGHTED=weights is not None, **pdl_launch(rows.device))
     return out
 
 
@@ -544,6 +550,7 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         a.stride(0), a_scale.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gu_out.stride(0),
         gu_se, gu_sn, gu_sk,
         GATED=not cfg.split_gate_up, APPLY_ROUTE_W=False, EVEN_K=hidden % cfg.block_k == 0, **launch,
+        **pdl_launch(a.device),
     )
     dn_scale, dn_se, dn_sn, dn_sk = scale_args(down_scale_inv)
     if cfg.split_gate_up:
@@ -558,7 +565,7 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         hidden, inter, blocks.num_pairs, 1, num_m_blocks,
         a.stride(0), a_scale.stride(0), down_proj.stride(0), down_proj.stride(1), per_pair.stride(0),
         dn_se, dn_sn, dn_sk,
-        GATED=False, APPLY_ROUTE_W=True, EVEN_K=inter % cfg.block_k == 0, **launch,
+        GATED=False, APPLY_ROUTE_W=True, EVEN_K=inter % cfg.block_k == 0, **launch, **pdl_launch(a.device),
     )
     # each token's k rows (routing weights applied in the down GEMM) summed in fp32, in one pass
     return combine_rows(per_pair, None, None, top_k)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from minidsa.kernels import fp8_gemm
+from minidsa.kernels.launch import pdl_launch, wait_for_producers
 from minidsa.kernels.triton_compat import tl, triton
 
 # Measured on an H100 (benchmarks/bench_gemv.py, 2026-11-27, us per call in CUDA graphs, torch / Triton): indexer
@@ -52,7 +53,9 @@ def fp32_gemv_reference(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, arrivals_ptr, T, N, K, stride_xt, stride_xk, stride_wn, stride_wk,
                  k_per_split, scale,
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT: tl.constexpr, REDUCE_IN_KERNEL: tl.constexpr, NUM_STAGES: tl.constexpr):
+                 SPLIT: tl.constexpr, REDUCE_IN_KERNEL: tl.constexpr, NUM_STAGES: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     rt = tl.arange(0, BLOCK_T)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -142,6 +145,7 @@ def fp32_gemv(x: torch.Tensor, weight: torch.Tensor, scale: float = 1.0,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), k_per_split, float(scale),
         BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT=split,
         REDUCE_IN_KERNEL=arrivals is not None, NUM_STAGES=tiles.num_stages, num_warps=tiles.num_warps,
+        **pdl_launch(x.device),
     )
     if split > 1 and arrivals is None:  # no counts yet in a CUDA graph capture: torch adds the ranges
         torch.sum(partials, dim=0, out=out)

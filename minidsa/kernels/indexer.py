@@ -23,6 +23,7 @@ import torch
 
 from minidsa.kernels import reference as ref
 from minidsa.kernels.rope import load_rope_leading, rope_sources, rotate_pairs
+from minidsa.kernels.launch import pdl_launch, wait_for_producers
 from minidsa.kernels.triton_compat import tl, triton
 
 FP8_MAX = ref.FP8_MAX
@@ -121,10 +122,11 @@ def _norm_rope_store_index_k_kernel(
     k_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, loc_ptr, had_ptr, cache_ptr, scale_ptr,
     num_tokens, stride_k, stride_cs, stride_cache, eps,
     D: tl.constexpr, R: tl.constexpr, INTERLEAVED: tl.constexpr, ROUND_K: tl.constexpr, FP8: tl.constexpr,
-    ROUND_CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+    ROUND_CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """BLOCK_T keys: LayerNorm, rope on the first R dims, then Hadamard + e4m3 into the paged fp8 cache (FP8), or
     the key as is into a [slots, D] cache. stride_cache: the cache's row (page or slot) stride, in its elements."""
+    wait_for_producers(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < num_tokens
     d = tl.arange(0, D)
@@ -206,7 +208,7 @@ def norm_rope_store_index_k(index_k: torch.Tensor, loc: torch.Tensor, k: torch.T
         num_tokens, k.stride(0), cos.stride(0), index_k.stride(0), eps,
         D=d, R=rope, INTERLEAVED=interleaved, ROUND_K=rounding(k.dtype, "norm_rope_store_index_k"), FP8=fp8,
         ROUND_CACHE=0 if fp8 else rounding(index_k.dtype, "norm_rope_store_index_k"), PAGE_SIZE=page_size,
-        BLOCK_T=block_t, num_warps=8,
+        BLOCK_T=block_t, num_warps=8, **pdl_launch(k.device),
     )
 
 
@@ -219,8 +221,10 @@ def _quant_index_q_kernel(
     q_ptr, w_ptr, had_ptr, cos_ptr, sin_ptr, q8_ptr, w_out_ptr,
     num_rows, stride_qt, stride_qh, stride_wt, stride_wh, stride_ct,
     H: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_M: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program: BLOCK_M (token, head) rows of q, row r = token r // H, head r % H (tiles may span tokens)."""
+    wait_for_producers(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < num_rows
     t = (rows // H).to(tl.int64)
@@ -301,7 +305,7 @@ def quant_index_q(q: torch.Tensor, weights: torch.Tensor, hadamard: torch.Tensor
         scaled_weights, num_rows, q.stride(0), q.stride(1), weights.stride(0), weights.stride(1),
         0 if cos is None else cos.stride(0),
         H=num_heads, D=head_dim, ROPE=rope_dim, INTERLEAVE=rope_interleave, BLOCK_M=block_m, num_warps=num_warps,
-        enable_fp_fusion=False,  # the rope as torch rounds it (kernels/rope.py)
+        enable_fp_fusion=False, **pdl_launch(q.device),  # the rope as torch rounds it (kernels/rope.py)
     )
     return q8, scaled_weights
 
@@ -350,6 +354,7 @@ def _paged_logits_kernel(
     key_stride, page_words,
     H: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr, IS_FP8: tl.constexpr,
     HAS_TREE: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program: GROUP consecutive query tokens x one chunk of key positions.
 
@@ -358,6 +363,7 @@ def _paged_logits_kernel(
     req_to_token row (prefill, verify), each key tile is loaded once for all of
     them; otherwise (decode) the tokens are done one after another.
     """
+    wait_for_producers(PDL)
     t0 = tl.program_id(0) * GROUP
     c_start = tl.program_id(1) * chunk_len
     c_end = tl.minimum(c_start + chunk_len, max_kv_len)
@@ -431,9 +437,10 @@ def _paged_logits_kernel(
 @triton.jit
 def _mask_logits_kernel(
     src_ptr, out_ptr, kv_lens_ptr, tree_ptr, width, stride_src, stride_out, stride_tree, tree_w,
-    HAS_TREE: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_TREE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """out[t, p] = src[t, p] where visible, else -inf (for kernels that leave invisible logits undefined)."""
+    wait_for_producers(PDL)
     t = tl.program_id(0)
     pos = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inb = pos < width
@@ -446,9 +453,10 @@ def _mask_logits_kernel(
 @triton.jit
 def _mask_invisible_inplace_kernel(
     logits_ptr, kv_lens_ptr, tree_ptr, width, stride_l, stride_tree, tree_w,
-    HAS_TREE: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_TREE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """logits[t, p] = -inf where p is invisible to token t; blocks wholly inside the visible prefix touch nothing."""
+    wait_for_producers(PDL)
     t = tl.program_id(0)
     start = tl.program_id(1) * BLOCK
     kv_len = tl.load(kv_lens_ptr + t)
@@ -471,6 +479,7 @@ def mask_invisible_(logits: torch.Tensor, kv_lens: torch.Tensor, tree_mask: torc
     _mask_invisible_inplace_kernel[(num_tokens, triton.cdiv(width, block))](
         logits, kv_lens, tree, width, logits.stride(0), tree.stride(0),
         0 if tree_mask is None else tree_mask.shape[1], HAS_TREE=tree_mask is not None, BLOCK=block, num_warps=4,
+        **pdl_launch(logits.device),
     )
     return logits
 
@@ -486,7 +495,7 @@ def mask_invisible(logits: torch.Tensor, kv_lens: torch.Tensor, tree_mask: torch
     _mask_logits_kernel[(num_tokens, triton.cdiv(width, block))](
         logits, out, kv_lens, tree, width, logits.stride(0), out.stride(0),
         tree.stride(0), 0 if tree_mask is None else tree_mask.shape[1],
-        HAS_TREE=tree_mask is not None, BLOCK=block, num_warps=4,
+        HAS_TREE=tree_mask is not None, BLOCK=block, num_warps=4, **pdl_launch(logits.device),
     )
     return out
 
@@ -582,7 +591,7 @@ def index_logits(
         index_k.stride(0), index_k.stride(0) // 4 if is_fp8 else 0,
         H=num_heads, D=head_dim, PAGE_SIZE=page_size, IS_FP8=is_fp8, HAS_TREE=tree_mask is not None,
         GROUP=group, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, **pdl_launch(q.device),
     )
     return out
 
@@ -595,9 +604,10 @@ def _ragged_logits_kernel(
     q_ptr, w_ptr, k_ptr, ks_scale_ptr, ks_ptr, ke_ptr, out_ptr,
     num_q, num_kv, stride_qt, stride_qh, stride_wt, stride_k, stride_ot, chunk_len,
     H: tl.constexpr, D: tl.constexpr, IS_FP8: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program: GROUP query rows x one chunk of keys; each key tile serves all GROUP rows."""
+    wait_for_producers(PDL)
     t0 = tl.program_id(0) * GROUP
     c_start = tl.program_id(1) * chunk_len
     c_end = tl.minimum(c_start + chunk_len, num_kv)
@@ -680,7 +690,7 @@ def ragged_index_logits(
         key_scales if fp8 else weights, ks.int(), ke.int(), out,
         num_q, num_kv, q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), out.stride(0), chunk_len,
         H=num_heads, D=head_dim, IS_FP8=fp8, GROUP=group, BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, **pdl_launch(q.device),
     )
     return out
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from minidsa.kernels.launch import pdl_launch, wait_for_producers
 from minidsa.kernels.triton_compat import tl, triton
 
 MAX_WORDS_PER_PROGRAM = 4096  # registers per program: moves x column chunk
@@ -47,8 +48,9 @@ def _kv_move_kernel(
     a_ptr, a_layers, a_chunks, a_layer_words, a_page_size, a_page_words, a_row_words, a_col0, a_ncols,
     b_ptr, b_layers, b_chunks, b_layer_words, b_page_size, b_page_words, b_row_words, b_col0, b_ncols,
     c_ptr, c_layers, c_chunks, c_layer_words, c_page_size, c_page_words, c_row_words, c_col0, c_ncols,
-    BLOCK_M: tl.constexpr, COLS: tl.constexpr,
+    BLOCK_M: tl.constexpr, COLS: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_producers(PDL)
     pid = tl.program_id(0)
     n_a = a_layers * a_chunks
     n_b = b_layers * b_chunks
@@ -117,4 +119,4 @@ def kv_move(
         chunks = triton.cdiv(ncols, cols)
         total += layers * chunks
         args += [ptr, layers, chunks, layer_words, ps, page_words, row_words, col0, ncols]
-    _kv_move_kernel[(total,)](src, dst, n, *args, BLOCK_M=block_m, COLS=cols, num_warps=4)
+    _kv_move_kernel[(total,)](src, dst, n, *args, BLOCK_M=block_m, COLS=cols, num_warps=4, **pdl_launch(src.device))

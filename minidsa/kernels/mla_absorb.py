@@ -39,6 +39,7 @@ from minidsa.kernels import reference as ref
 from minidsa.kernels.fp8 import FP8_BLOCK, quant_act_per_token_group
 from minidsa.kernels.fp8_gemm import EMULATE_CAST, _quant_tile, act_buffers
 from minidsa.kernels.rope import load_rope_leading
+from minidsa.kernels.launch import pdl_launch, wait_for_producers
 from minidsa.kernels.triton_compat import tl, triton
 
 MAX_TOKENS = 64  # the kernel reads all of a head's rows against one weight tile: decode and small batches
@@ -83,11 +84,13 @@ def _head_matmul_kernel(
     stride_ct, stride_qt, stride_st, stride_sg,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_ROPE: tl.constexpr, QUANT: tl.constexpr, PRECISION: tl.constexpr, EMULATE_CAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # out[t, h, n] = sum_k a[t, h, k] * b[h, k, n]; with HAS_ROPE, out[t, h, N:] = rope_interleaved(rope[t, h])
     # too. QUANT (N and BLOCK_N multiples of 128: the program's columns are whole quantisation groups of the flat
     # [T, H * N] row): out quantised per token per 128 columns too, e4m3 into q (row stride stride_qt, head stride
     # N) and fp32 scales into s (group (h * N + column) / 128).
+    wait_for_producers(PDL)
     h = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -200,7 +203,7 @@ def _launch(a: torch.Tensor, b_strides: tuple[int, int, int], w: torch.Tensor, o
         BLOCK_R=triton.next_power_of_2(max(rope_dim, 1)), HAS_ROPE=rope is not None, QUANT=quant is not None,
         PRECISION=precision, EMULATE_CAST=EMULATE_CAST,
         num_warps=t.num_warps, num_stages=t.num_stages,
-        enable_fp_fusion=rope is None,  # the rope as torch rounds it (kernels/rope.py)
+        enable_fp_fusion=rope is None, **pdl_launch(a.device),  # the rope as torch rounds it (kernels/rope.py)
     )
 
 

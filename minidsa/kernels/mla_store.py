@@ -15,6 +15,7 @@ import torch
 from minidsa.kernels import reference as ref
 from minidsa.kernels.indexer import _pow2_scale, _round_to, _round_to_bf16, _round_to_e4m3, rounding
 from minidsa.kernels.rope import rope_sources, rotate_pairs
+from minidsa.kernels.launch import pdl_launch, wait_for_producers
 from minidsa.kernels.triton_compat import tl, triton
 
 
@@ -25,9 +26,11 @@ def _norm_rope_store_mla_kernel(
     num_tokens, stride_kv, stride_cs, stride_cache, eps,
     L: tl.constexpr, R: tl.constexpr, R_BLOCK: tl.constexpr, CHUNK: tl.constexpr, FP8: tl.constexpr,
     ROUND_KV: tl.constexpr, ROUND_LATENT: tl.constexpr, ROUND_CACHE: tl.constexpr, BLOCK_T: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """FP8: cache_ptr / scale_ptr / rope_ptr are the layout's latent bytes, scales and rope views of the uint8 cache
     (stride_cache: its row bytes); else cache_ptr is the [slots, L + R] cache (stride_cache: its row stride)."""
+    wait_for_producers(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < num_tokens
     loc = tl.load(loc_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -126,4 +129,5 @@ def norm_rope_store_mla(cache: torch.Tensor, loc: torch.Tensor, kv: torch.Tensor
         L=latent_dim, R=rope, R_BLOCK=triton.next_power_of_2(rope), CHUNK=chunk, FP8=fp8,
         ROUND_KV=rounding(kv.dtype, "norm_rope_store_mla"), ROUND_LATENT=rounding(latent_out, "norm_rope_store_mla"),
         ROUND_CACHE=0 if fp8 else rounding(cache.dtype, "norm_rope_store_mla"), BLOCK_T=block_t, num_warps=4,
+        **pdl_launch(kv.device),
     )

@@ -25,6 +25,7 @@ import torch
 
 from minidsa.kernels import fp8
 from minidsa.kernels.fp8_gemm import EMULATE_CAST, _quant_tile, mn_major_scales
+from minidsa.kernels.launch import pdl_launch, wait_for_producers
 from minidsa.kernels.triton_compat import tl, triton
 
 CHUNK = 128  # pairs per program of the count and place kernels: a [CHUNK, E] one-hot and a [CHUNK, CHUNK] compare
@@ -57,8 +58,9 @@ class ExpertRows:
 # The token counts below are not specialised on (Triton would compile a variant per divisibility by 16 / equality to
 # 1 of each): these small kernels lose nothing by it, and start-up compiles each once instead of per size class.
 @triton.jit(do_not_specialize=["num_pairs"])
-def _count_kernel(ids_ptr, counts_ptr, num_pairs, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
+def _count_kernel(ids_ptr, counts_ptr, num_pairs, E_POW2: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """counts[c, e] = pairs of chunk c routed to expert e (SKIP ids, -1, match none)."""
+    wait_for_producers(PDL)
     c = tl.program_id(0)
     q = tl.arange(0, CHUNK)
     p = c * CHUNK + q
@@ -70,9 +72,10 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, E_POW2: tl.constexpr, CHUNK: t
 
 @triton.jit(do_not_specialize=["num_chunks"])
 def _offsets_kernel(counts_ptr, offsets_ptr, start_ptr, num_rows_ptr, num_chunks, n_experts,
-                    ALIGN: tl.constexpr, E_POW2: tl.constexpr, STEP: tl.constexpr):
+                    ALIGN: tl.constexpr, E_POW2: tl.constexpr, STEP: tl.constexpr, PDL: tl.constexpr = False):
     """One program. offsets[c, e] = pairs of expert e in chunks before c (in place of counts); start[e] = the
     first row of expert e (every expert before it padded to ALIGN); num_rows = all padded rows."""
+    wait_for_producers(PDL)
     e = tl.arange(0, E_POW2)
     e_ok = e < n_experts
     carry = tl.zeros([E_POW2], dtype=tl.int32)
@@ -90,9 +93,10 @@ def _offsets_kernel(counts_ptr, offsets_ptr, start_ptr, num_rows_ptr, num_chunks
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _place_kernel(ids_ptr, offsets_ptr, start_ptr, row_of_pair_ptr, row_expert_ptr, row_pair_ptr, block_expert_ptr,
-                  num_pairs, ALIGN: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
+                  num_pairs, ALIGN: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """Each pair of chunk c to its row: its expert's start + pairs of that expert in earlier chunks + earlier pairs
     of that expert in this chunk (so one expert's pairs keep pair order, as a stable sort keeps them)."""
+    wait_for_producers(PDL)
     c = tl.program_id(0)
     q = tl.arange(0, CHUNK)
     p = c * CHUNK + q
@@ -128,20 +132,22 @@ def expert_rows(topk_ids: torch.Tensor, n_experts: int, alignment: int) -> Exper
     num_chunks = triton.cdiv(num_pairs, CHUNK)
     offsets = torch.empty(num_chunks, e_pow2, dtype=torch.int32, device=device)  # counts, then offsets in place
     start = torch.empty(e_pow2, dtype=torch.int32, device=device)
-    _count_kernel[(num_chunks,)](ids, offsets, num_pairs, E_POW2=e_pow2, CHUNK=CHUNK, num_warps=4)
+    _count_kernel[(num_chunks,)](ids, offsets, num_pairs, E_POW2=e_pow2, CHUNK=CHUNK, num_warps=4,
+                                 **pdl_launch(ids.device))
     _offsets_kernel[(1,)](offsets, offsets, start, num_rows, num_chunks, n_experts, ALIGN=alignment, E_POW2=e_pow2,
-                          STEP=OFFSET_ROWS, num_warps=8)
+                          STEP=OFFSET_ROWS, num_warps=8, **pdl_launch(offsets.device))
     _place_kernel[(num_chunks,)](ids, offsets, start, row_of_pair, row_expert, row_pair, block_expert, num_pairs,
-                                 ALIGN=alignment, E_POW2=e_pow2, CHUNK=CHUNK, num_warps=4)
+                                 ALIGN=alignment, E_POW2=e_pow2, CHUNK=CHUNK, num_warps=4, **pdl_launch(ids.device))
     return ExpertRows(row_expert, row_pair, block_expert, row_of_pair, num_rows, num_pairs, alignment)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _quant_scatter_kernel(x_ptr, row_of_pair_ptr, q_ptr, s_ptr, num_tokens, hidden, stride_x, stride_q,
                           stride_s_row, stride_s_group, TOP_K: tl.constexpr, ROWS: tl.constexpr,
-                          GROUP: tl.constexpr, EMULATE_CAST: tl.constexpr):
+                          GROUP: tl.constexpr, EMULATE_CAST: tl.constexpr, PDL: tl.constexpr = False):
     """One [ROWS tokens, GROUP channels] tile quantised once (e4m3 + one scale per token), stored into the row of
     each of the tokens' TOP_K pairs (none for a pair without a row, -1)."""
+    wait_for_producers(PDL)
     t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     c = g * GROUP + tl.arange(0, GROUP)
@@ -173,5 +179,5 @@ def quant_scatter(x: torch.Tensor, row_of_pair: torch.Tensor, rows: int, mn_majo
         rows_per_program = 16
         _quant_scatter_kernel[(triton.cdiv(num_tokens, rows_per_program), groups)](
             x, row_of_pair.contiguous(), q, s, num_tokens, hidden, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-            TOP_K=top_k, ROWS=rows_per_program, GROUP=fp8.FP8_BLOCK, EMULATE_CAST=EMULATE_CAST)
+            TOP_K=top_k, ROWS=rows_per_program, GROUP=fp8.FP8_BLOCK, EMULATE_CAST=EMULATE_CAST, **pdl_launch(x.device))
     return q, s

@@ -23,6 +23,7 @@ import torch
 from minidsa.kernels import reference
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE
 from minidsa.kernels.fp8_gemm import EMULATE_CAST, _quant_tile
+from minidsa.kernels.launch import pdl_launch, wait_for_producers
 from minidsa.kernels.triton_compat import tl, triton
 
 MAX_HIDDEN = 16384  # one row in one program's registers
@@ -33,7 +34,9 @@ def _rmsnorm_quant_kernel(
     x_ptr, res_ptr, w_ptr, sum_ptr, normed_ptr, q_ptr, s_ptr,
     K, stride_x, stride_r, stride_sum, stride_n, stride_q, num_groups, eps,
     BLOCK: tl.constexpr, GROUP: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE_CAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_producers(PDL)
     m = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < K
@@ -95,14 +98,15 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
         x, res, weight.contiguous(), dst_sum, normed, q, scales,
         k, x.stride(0), res.stride(0), dst_sum.stride(0), normed.stride(0), q.stride(0), num_groups, float(eps),
         BLOCK=block, GROUP=FP8_BLOCK, HAS_RESIDUAL=residual is not None, EMULATE_CAST=EMULATE_CAST,
-        num_warps=8 if block >= 4096 else 4,
+        num_warps=8 if block >= 4096 else 4, **pdl_launch(x.device),
     )
     return out_sum, normed, q, scales
 
 
 @triton.jit
 def _rmsnorm_rows_kernel(x_ptr, rows_ptr, w_ptr, out_ptr, K, stride_x, stride_out, eps,
-                         BLOCK: tl.constexpr, GATHER: tl.constexpr):
+                         BLOCK: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     m = tl.program_id(0).to(tl.int64)
     if GATHER:
         src = tl.load(rows_ptr + m).to(tl.int64)
@@ -144,7 +148,7 @@ def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, rows: torch.
     block = triton.next_power_of_2(k)
     _rmsnorm_rows_kernel[(n,)](
         x, x if rows is None else rows, weight.contiguous(), out, k, x.stride(0), out.stride(0), float(eps),
-        BLOCK=block, GATHER=rows is not None, num_warps=rows_num_warps(block),
+        BLOCK=block, GATHER=rows is not None, num_warps=rows_num_warps(block), **pdl_launch(x.device),
     )
     return out
 

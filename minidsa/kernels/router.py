@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from minidsa.kernels.launch import pdl_launch, wait_for_producers
 from minidsa.kernels.triton_compat import tl, triton
 
 
@@ -30,7 +31,8 @@ def supported(n_experts: int, n_group: int) -> str | None:
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_l, scaling,
                   E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                  BLOCK_K: tl.constexpr, NORM: tl.constexpr):
+                  BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E)
     scores = tl.sigmoid(tl.load(logits_ptr + t * stride_l + offs))
@@ -83,6 +85,6 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, to
     _route_kernel[(num_tokens,)](
         logits, bias.contiguous(), ids, weights, logits.stride(0), float(scaling),
         E=n_experts, G=n_group, TOPK_GROUP=topk_group, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k),
-        NORM=norm, num_warps=max(1, min(8, n_experts // 128)),
+        NORM=norm, num_warps=max(1, min(8, n_experts // 128)), **pdl_launch(logits.device),
     )
     return ids, weights

@@ -25,6 +25,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.runtime.jit import JITFunction
 
+from minidsa.kernels.launch import pdl_launch, wait_for_producers
+
 CHUNK = 4096  # vocab entries per program: [32, 129280] logits -> 1024 programs
 BLOCK = 1024
 
@@ -42,7 +44,8 @@ if not isinstance(_log, JITFunction):  # Triton's CPU interpreter has no libdevi
 
 @triton.jit
 def _race_kernel(x_ptr, stride_x, temperature_ptr, keys_ptr, greedy_ptr, best_ptr, best_id_ptr, vocab,
-                 num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                 num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     key = tl.load(keys_ptr + row)
@@ -87,7 +90,7 @@ def race_argmax(x: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, 
     best = torch.empty(b, num_chunks, dtype=torch.float32, device=x.device)
     best_id = torch.empty(b, num_chunks, dtype=torch.int32, device=x.device)
     _race_kernel[(b, num_chunks)](x, x.stride(0), temperature, keys, greedy, best, best_id, vocab, num_chunks,
-                                  CHUNK=CHUNK, BLOCK=BLOCK)
+                                  CHUNK=CHUNK, BLOCK=BLOCK, **pdl_launch(x.device))
     return best_id.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1).long()
 
 
@@ -95,7 +98,9 @@ MASK_BLOCK = 2048
 
 
 @triton.jit
-def _token_mask_kernel(x_ptr, stride_x, bitmask_ptr, stride_bitmask, rows_ptr, vocab, BLOCK: tl.constexpr):
+def _token_mask_kernel(x_ptr, stride_x, bitmask_ptr, stride_bitmask, rows_ptr, vocab, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     i = tl.program_id(0)
     ids = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inb = ids < vocab
@@ -119,5 +124,6 @@ def apply_token_mask(logits: torch.Tensor, mask) -> torch.Tensor:
     n = rows.numel()
     if n:
         _token_mask_kernel[(n, triton.cdiv(vocab, MASK_BLOCK))](logits, logits.stride(0), bitmask, bitmask.stride(0),
-                                                                rows, vocab, BLOCK=MASK_BLOCK)
+                                                                rows, vocab, BLOCK=MASK_BLOCK,
+                                                                **pdl_launch(logits.device))
     return logits

@@ -20,6 +20,7 @@ import torch
 
 from minidsa.kernels import num_sms
 from minidsa.kernels import reference as ref
+from minidsa.kernels.launch import pdl_launch, wait_for_producers
 from minidsa.kernels.triton_compat import tl, triton
 
 LOG2E = 1.4426950408889634
@@ -31,10 +32,11 @@ def _sparse_mla_kernel(
     num_heads, topk, split_len, qk_scale,
     stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_os, stride_lt, stride_ls,
     DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    OFFSET_64: tl.constexpr, IS_FP8: tl.constexpr, GROUP: tl.constexpr,
+    OFFSET_64: tl.constexpr, IS_FP8: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # IS_FP8: kv_ptr is the cache's bytes (row stride_kv bytes, e4m3 latent first); scale_ptr / rope_ptr are
     # fp32 / bf16 views of the same rows starting at their parts (row strides stride_kv / 4, / 2).
+    wait_for_producers(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     sp = tl.program_id(2)
@@ -100,8 +102,9 @@ def _sparse_mla_kernel(
 def _combine_kernel(
     part_ptr, lse_ptr, out_ptr, num_splits,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_ls, stride_ot, stride_oh,
-    DV: tl.constexpr, SPLITS: tl.constexpr,
+    DV: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_producers(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS)
@@ -218,7 +221,7 @@ def sparse_mla(
             out.stride(0), out.stride(1), 0, 0, 0,
             DV=v_dim, DR=rope, BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=False, OFFSET_64=offset_64,
             IS_FP8=is_fp8, GROUP=group,
-            num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages, **pdl_launch(q.device),
         )
         return out
     part = torch.empty(num_tokens, num_heads, num_splits, v_dim, dtype=torch.float32, device=q.device)
@@ -230,11 +233,11 @@ def sparse_mla(
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         DV=v_dim, DR=rope, BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=True, OFFSET_64=offset_64,
         IS_FP8=is_fp8, GROUP=group,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(q.device),
     )
     _combine_kernel[(num_tokens, num_heads)](
         part, lse, out, num_splits,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        DV=v_dim, SPLITS=triton.next_power_of_2(num_splits), num_warps=4,
+        DV=v_dim, SPLITS=triton.next_power_of_2(num_splits), num_warps=4, **pdl_launch(part.device),
     )
     return out

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from minidsa.kernels.fp8 import FP8_BLOCK, quant_act_per_token_group
 from minidsa.kernels.fp8_gemm import EMULATE_CAST, _quant_tile, act_buffers
+from minidsa.kernels.launch import pdl_launch, wait_for_producers
 from minidsa.kernels.triton_compat import tl, triton
 
 ROWS = 16  # token rows per program (one 128-column group each): one tile shape for decode and prefill
@@ -42,7 +43,9 @@ def swiglu_quant_reference(gate: torch.Tensor, up: torch.Tensor, deep_gemm_layou
 # Row counts are not specialised on: each divisibility class would be a variant compiled at start-up.
 @triton.jit(do_not_specialize=["M"])
 def _swiglu_quant_kernel(gate_ptr, up_ptr, mid_ptr, q_ptr, s_ptr, M, inter, stride_g, stride_u, stride_m, stride_q,
-                         stride_sm, stride_sg, ROWS: tl.constexpr, GROUP: tl.constexpr, EMULATE_CAST: tl.constexpr):
+                         stride_sm, stride_sg, ROWS: tl.constexpr, GROUP: tl.constexpr, EMULATE_CAST: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     c = g * GROUP + tl.arange(0, GROUP)
@@ -75,5 +78,5 @@ def swiglu_quant(gate: torch.Tensor, up: torch.Tensor, deep_gemm_layout: bool = 
     gate, up = (t if t.stride(1) == 1 else t.contiguous() for t in (gate, up))
     _swiglu_quant_kernel[(triton.cdiv(m, ROWS), triton.cdiv(inter, FP8_BLOCK))](
         gate, up, mid, q, s, m, inter, gate.stride(0), up.stride(0), mid.stride(0), q.stride(0), s.stride(0),
-        s.stride(1), ROWS=ROWS, GROUP=FP8_BLOCK, EMULATE_CAST=EMULATE_CAST, num_warps=4)
+        s.stride(1), ROWS=ROWS, GROUP=FP8_BLOCK, EMULATE_CAST=EMULATE_CAST, num_warps=4, **pdl_launch(gate.device))
     return mid, q, s

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from minidsa.kernels import few_rows, num_sms
+from minidsa.kernels.launch import pdl_launch, wait_for_producers
 from minidsa.kernels.triton_compat import tl, triton
 
 
@@ -118,8 +119,9 @@ def _pad_tail(out_slots, out_pos, first, step, total, k, BLOCK: tl.constexpr):
 def _topk_kernel(
     logits_ptr, r2t_ptr, rows_ptr, slots_ptr, pos_ptr,
     width, k, stride_l, stride_r2t, stride_o,
-    BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr,
+    BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_producers(PDL)
     t = tl.program_id(0)
     row_ptr = logits_ptr + t.to(tl.int64) * stride_l
     offs = tl.arange(0, BLOCK)
@@ -225,6 +227,7 @@ def _register_topk_kernel(
     logits_ptr, r2t_ptr, rows_ptr, slots_ptr, pos_ptr,
     width, k, stride_l, stride_r2t, stride_o,
     HEAD: tl.constexpr, TAIL: tl.constexpr, RADIX_BITS: tl.constexpr, EARLY_EXIT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Row t (width <= HEAD + TAIL) loaded once into registers, as a HEAD tile and (TAIL > 0) a TAIL tile after it:
     two powers of two cover a width like 4096 + a few decode tokens with 5120 lanes, not the 8192 of one block.
@@ -235,6 +238,7 @@ def _register_topk_kernel(
     EARLY_EXIT (RADIX_BITS 2): a runtime loop that stops once exactly k keys are >= the bits fixed so far (each step
     costs a cross-warp reduction; distinct logits stop after ~10); off, the 16 steps unrolled, as before.
     RADIX_BITS 8: four tl.histogram passes of the next byte of the keys matching the prefix so far."""
+    wait_for_producers(PDL)
     t = tl.program_id(0)
     tl.static_assert(HEAD + TAIL <= 16384)  # counts fit the 16-bit fields of the packed cumsum
     row_ptr = logits_ptr + t.to(tl.int64) * stride_l
@@ -309,8 +313,10 @@ def _resolve(hist_ptr, k, NPASS: tl.constexpr):
 
 
 @triton.jit
-def _split_hist_kernel(logits_ptr, hist_ptr, width, k, chunk, stride_l, PASS: tl.constexpr, BLOCK: tl.constexpr):
+def _split_hist_kernel(logits_ptr, hist_ptr, width, k, chunk, stride_l, PASS: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """Pass PASS over chunk c of row t: histogram of the next 8 bits of the keys matching the prefix so far."""
+    wait_for_producers(PDL)
     t, c = tl.program_id(0), tl.program_id(1)
     row_ptr = logits_ptr + t.to(tl.int64) * stride_l
     hist_row = hist_ptr + t.to(tl.int64) * 1024
@@ -322,8 +328,9 @@ def _split_hist_kernel(logits_ptr, hist_ptr, width, k, chunk, stride_l, PASS: tl
 
 @triton.jit
 def _split_count_kernel(logits_ptr, hist_ptr, counts_ptr, width, k, chunk, num_chunks, stride_l,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Per chunk: how many visible keys lie above the k-th largest, and how many equal it."""
+    wait_for_producers(PDL)
     t, c = tl.program_id(0), tl.program_id(1)
     row_ptr = logits_ptr + t.to(tl.int64) * stride_l
     _, thr = _resolve(hist_ptr + t.to(tl.int64) * 1024, k, 4)
@@ -347,8 +354,9 @@ def _split_count_kernel(logits_ptr, hist_ptr, counts_ptr, width, k, chunk, num_c
 @triton.jit
 def _split_write_kernel(logits_ptr, hist_ptr, counts_ptr, r2t_ptr, rows_ptr, slots_ptr, pos_ptr,
                         width, k, chunk, num_chunks, stride_l, stride_r2t, stride_o,
-                        BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr):
+                        BLOCK: tl.constexpr, MAX_CHUNKS: tl.constexpr, PDL: tl.constexpr = False):
     """Chunk c writes its taken positions after those of chunks < c (position order), then its share of padding."""
+    wait_for_producers(PDL)
     t, c = tl.program_id(0), tl.program_id(1)
     row_ptr = logits_ptr + t.to(tl.int64) * stride_l
     need_eq, thr = _resolve(hist_ptr + t.to(tl.int64) * 1024, k, 4)
@@ -495,7 +503,7 @@ def topk_slots(
     _topk_kernel[(num_tokens,)](
         logits, req_to_token, token_rows, slots, positions,
         width, topk, logits.stride(0), req_to_token.stride(0), slots.stride(0),
-        BLOCK=block, RADIX_BITS=radix_bits, num_warps=num_warps,
+        BLOCK=block, RADIX_BITS=radix_bits, num_warps=num_warps, **pdl_launch(logits.device),
     )
     return slots, positions
 
@@ -529,6 +537,7 @@ def _register_topk(logits, topk, req_to_token, token_rows, slots, positions,
         width, topk, logits.stride(0), req_to_token.stride(0), slots.stride(0),
         HEAD=head, TAIL=tail, RADIX_BITS=radix_bits,
         EARLY_EXIT=REGISTER_EARLY_EXIT if early_exit is None else early_exit, num_warps=num_warps,
+        **pdl_launch(logits.device),
     )
 
 
@@ -544,13 +553,13 @@ def _split_topk(logits, topk, req_to_token, token_rows, slots, positions, num_ch
     grid = (num_tokens, num_chunks)
     for p in range(4):
         _split_hist_kernel[grid](logits, hist, width, topk, chunk, logits.stride(0), PASS=p, BLOCK=block,
-                                 num_warps=num_warps)
+                                 num_warps=num_warps, **pdl_launch(logits.device))
     _split_count_kernel[grid](logits, hist, counts, width, topk, chunk, num_chunks, logits.stride(0), BLOCK=block,
-                              num_warps=num_warps)
+                              num_warps=num_warps, **pdl_launch(logits.device))
     _split_write_kernel[grid](logits, hist, counts, req_to_token, token_rows, slots, positions,
                               width, topk, chunk, num_chunks, logits.stride(0), req_to_token.stride(0),
                               slots.stride(0), BLOCK=block, MAX_CHUNKS=triton.next_power_of_2(num_chunks),
-                              num_warps=num_warps)
+                              num_warps=num_warps, **pdl_launch(logits.device))
 
 
 def torch_topk_slots(
