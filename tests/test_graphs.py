@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_tiny import tiny_kwargs
 from harness import PagedDriver
 from minidsa.exec.batch import ForwardBatch
 from minidsa.config import ModelConfig
+from minidsa.exec import graphs as graphs_module
 from minidsa.exec.graphs import GraphShape, StepGraphs
+from minidsa.models.deepseek_v32 import ModelOutput
 from minidsa.models.loader import build_model
 from minidsa.sched.plan import StepKind
 
@@ -119,3 +123,167 @@ def test_padded_mixed_step_matches_eager():
                               torch.stack([r2t[r, n].long() for r, n in zip(rows, seq + [0])]), "cpu")
     assert graphs.key_for(four) is None
     d.release_all()
+
+
+# -- the per-step refresh of the static inputs ---------------------------------------------------------------------
+_H, _V, _K = 6, 11, 4  # the recording model's hidden width, vocabulary, top-k width
+
+
+def _recording_graphs(shapes: list[GraphShape]) -> tuple[StepGraphs, list[dict[str, torch.Tensor]]]:
+    """Graphs (eager, static buffers) over a stand-in model that records the static inputs each step sees."""
+    seen: list[dict[str, torch.Tensor]] = []
+
+    def record(batch: ForwardBatch, hidden: torch.Tensor | None = None) -> ModelOutput:
+        inputs = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+        seen.append({k: v.clone() for k, v in (*inputs.items(), ("hidden_in", hidden)) if isinstance(v, torch.Tensor)})
+        t, n = batch.num_tokens, batch.logits_indices.numel()
+        return ModelOutput(hidden=torch.zeros(t, _H), logits=torch.zeros(n, _V),
+                           topk=torch.zeros(t, _K, dtype=torch.int32))
+
+    graphs = StepGraphs(record, record, shapes, [1, 2, 4], max_kv_len=64, hidden_size=_H, dtype=torch.float32,
+                        device=torch.device("cpu"), capture=False, ctx_buckets=[16], extend_buckets=[8, 16],
+                        max_requests=5)
+    return graphs, seen
+
+
+def _legacy_replay(graphs: StepGraphs, batch: ForwardBatch, hidden_in: torch.Tensor | None = None) -> None:
+    """The refresh as it was before the single multi-tensor copy (a copy_ + fill_ per tensor), then the step."""
+    shape = graphs.shapes[batch.kind]
+    g = graphs._graph_for(graphs.key_for(batch))
+    s, t, bs = g.batch, batch.num_tokens, batch.batch_size
+    for name in ("input_ids", "positions", "out_cache_loc", "kv_lens"):
+        dst, src = getattr(s, name), getattr(batch, name)
+        dst[:t].copy_(src)
+        dst[t:].fill_(1 if name == "kv_lens" else 0)
+    s.req_pool_indices[:bs].copy_(batch.req_pool_indices)
+    s.req_pool_indices[bs:].fill_(0)
+    s.seq_lens[:bs].copy_(batch.seq_lens)
+    s.seq_lens[bs:].fill_(1)
+    n = batch.logits_indices.numel()
+    s.logits_indices[:n].copy_(batch.logits_indices)
+    s.logits_indices[n:].fill_(0)
+    if not shape.tokens_per_req:
+        spare = s.batch_size - 1
+        s.token_req[:t].copy_(batch.token_req)
+        s.token_req[t:].fill_(spare)
+        s.extend_lens[:bs].copy_(batch.extend_lens)
+        s.extend_lens[bs:].fill_(0)
+    if shape.tree_width:
+        s.tree_mask[:t].copy_(batch.tree_mask)
+        s.tree_mask[t:].fill_(False)
+    if shape.mtp:
+        g.hidden_in[:t].copy_(hidden_in)
+        g.hidden_in[t:].zero_()
+    graphs._run(shape, g)
+
+
+def _random_batch(shape: GraphShape, bs: int, gen: torch.Generator, tokens: int = 0,
+                  max_kv_len: int = 12) -> tuple[ForwardBatch, torch.Tensor | None]:
+    """A batch of `bs` requests with random values in every field (no model reads them), and a hidden input."""
+    t = tokens or bs * shape.tokens_per_req
+    ints = lambda n: torch.randint(2, 1000, (n,), generator=gen)  # noqa: E731
+    n = bs if shape.logits_per_req or not shape.tokens_per_req else t  # EXTEND: each request's last token
+    batch = ForwardBatch(
+        kind=shape.kind, input_ids=ints(t), positions=ints(t), out_cache_loc=ints(t), req_pool_indices=ints(bs),
+        seq_lens=ints(bs), extend_lens=ints(bs), token_req=ints(t), kv_lens=ints(t), logits_indices=ints(n),
+        max_kv_len=max_kv_len,
+        tree_mask=torch.rand(t, shape.tree_width, generator=gen) < 0.5 if shape.tree_width else None)
+    hidden = torch.randn(t, _H, generator=gen) if shape.mtp else None
+    return batch, hidden
+
+
+# every kind a deployment captures: plain decode, a tree speculator's (tree verify, tree draft with a hidden input,
+# draft extend), a chain draft step, and prefill / mixed steps (token_req padding: the spare row)
+_SHAPE_SETS = [
+    [GraphShape(StepKind.DECODE, 1, 0, logits_per_req=1), GraphShape(StepKind.EXTEND, 0, 0)],
+    [GraphShape(StepKind.VERIFY, 4, 4), GraphShape(StepKind.DRAFT_EXTEND, 4, 0, logits_per_req=1),
+     GraphShape(StepKind.DRAFT, 2, 6)],
+    [GraphShape(StepKind.VERIFY, 3, 0), GraphShape(StepKind.DRAFT, 1, 0)],
+]
+# (requests, tokens for EXTEND, max_kv_len): padded, full and one-request buckets, a larger context bucket, and a
+# padded batch after a full one (its padding rows held real values the step before)
+_SIZES = [(3, 5, 12), (4, 8, 12), (1, 1, 12), (3, 13, 40), (4, 16, 12), (2, 7, 12), (4, 8, 40), (3, 9, 40)]
+
+
+@pytest.mark.parametrize("plans", [graphs_module.REFRESH_PLANS, 2])
+def test_packed_refresh_matches_per_tensor_refresh(plans, monkeypatch):
+    """The one-copy refresh leaves every static input (real rows and padding) as the per-tensor copies did; its
+    per-signature plans are reused (every size twice), or evicted (2 kept)."""
+    monkeypatch.setattr(graphs_module, "REFRESH_PLANS", plans)
+    gen = torch.Generator().manual_seed(0)
+    for shapes in _SHAPE_SETS:
+        (packed, seen), (legacy, legacy_seen) = _recording_graphs(shapes), _recording_graphs(shapes)
+        for shape in shapes:
+            for bs, tokens, ctx in _SIZES * 2:
+                if not shape.tokens_per_req:
+                    bs = min(bs, 5, tokens)
+                batch, hidden = _random_batch(shape, bs, gen, 0 if shape.tokens_per_req else tokens, ctx)
+                assert packed.key_for(batch) is not None
+                packed.replay(batch, hidden)
+                _legacy_replay(legacy, batch, hidden)
+                assert seen[-1].keys() == legacy_seen[-1].keys()
+                for name in seen[-1]:
+                    assert torch.equal(seen[-1][name], legacy_seen[-1][name]), (shape.kind, bs, name)
+                # the padding values themselves, not only agreement with the old code
+                got, t, reqs = seen[-1], batch.num_tokens, batch.batch_size
+                assert torch.equal(got["input_ids"][:t], batch.input_ids)
+                assert (got["kv_lens"][t:] == 1).all() and (got["seq_lens"][reqs:] == 1).all()
+                assert (got["out_cache_loc"][t:] == 0).all() and (got["req_pool_indices"][reqs:] == 0).all()
+                if not shape.tokens_per_req:
+                    assert (got["token_req"][t:] == got["req_pool_indices"].numel() - 1).all()
+                if shape.tree_width:
+                    assert torch.equal(got["tree_mask"][:t], batch.tree_mask) and not got["tree_mask"][t:].any()
+        # every static buffer of every kind ends the same (nothing written outside the graphs' views either)
+        for kind, buffers in packed._buffers.items():
+            for f in dataclasses.fields(buffers.batch):
+                a, b = getattr(buffers.batch, f.name), getattr(legacy._buffers[kind].batch, f.name)
+                assert not isinstance(a, torch.Tensor) or torch.equal(a, b), (kind, f.name)
+
+
+class _Writes(TorchDispatchMode):
+    """The ops (views aside) dispatched until the model runs: what a step's refresh does to device state."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list = []
+        self.model_ran = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        returns = func._schema.returns
+        view = returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+        if not self.model_ran and not view:
+            self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_refresh_is_one_copy():
+    """Every per-step input of a step (integers and the tree mask, real rows and padding) is refreshed by one
+    multi-tensor copy (one launch on CUDA); the MTP kinds add their hidden-state input's copy (and its padding's
+    fill). Nothing else touches device state before the step runs: no allocation, no per-tensor copy or fill."""
+    gen = torch.Generator().manual_seed(1)
+    for shapes in _SHAPE_SETS:
+        graphs, _ = _recording_graphs(shapes)
+        for shape in shapes:
+            for bs, tokens, ctx in _SIZES[:4]:
+                if not shape.tokens_per_req:
+                    bs = min(bs, 5, tokens)
+                batch, hidden = _random_batch(shape, bs, gen, 0 if shape.tokens_per_req else tokens, ctx)
+                graphs.replay(batch, hidden)  # the graph's first step sizes the output buffers
+                writes = _Writes()
+                run_main, run_mtp = graphs.run_main, graphs.run_mtp
+
+                def entered(run):
+                    def step(*args):
+                        writes.model_ran = True
+                        return run(*args)
+                    return step
+
+                graphs.run_main, graphs.run_mtp = entered(run_main), entered(run_mtp)
+                with writes:
+                    graphs.replay(batch, hidden)
+                graphs.run_main, graphs.run_mtp = run_main, run_mtp
+                expected = [torch.ops.aten._foreach_copy_.default]
+                if shape.mtp:
+                    padded = graphs._graph_for(graphs.key_for(batch)).hidden_in.shape[0] > batch.num_tokens
+                    expected += [torch.ops.aten.copy_.default] + [torch.ops.aten.zero_.default] * padded
+                assert writes.model_ran and writes.ops == expected, (shape.kind, bs, writes.ops)

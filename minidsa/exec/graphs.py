@@ -4,8 +4,8 @@ and prefill chunks / mixed steps (EXTEND).
 One graph per (step kind, batch-size bucket, context bucket), all in one shared memory pool. The kind is the batch's
 `StepKind` (sched/plan.py: `replay(batch)` picks the graph from it); each captured kind has a `GraphShape`. Each
 graph reads static input buffers and writes static output buffers; `replay` copies a real batch into the first
-rows, points padding rows at the dummy slot 0 (row 0 of req_to_token, one visible position), replays, and returns
-views of the real rows' outputs. The graph itself never reads host state.
+rows, points padding rows at the dummy slot 0 (row 0 of req_to_token, one visible position), all in one
+multi-tensor copy, replays, and returns views of the real rows' outputs. The graph itself never reads host state.
 
 Buffers are per kind, not per graph: every graph of a kind reads views of one set of input buffers and writes one
 set of output buffers, sized for the kind's largest bucket. A graph's own intermediates live in the shared pool and
@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 256)
 EXTEND_TOKEN_BUCKETS = (32, 64, 128, 192, 256, 384, 512, 768, 1024)
 EXTEND_GRAPH_MAX_LOGITS = 1 << 24  # tokens x context of a captured extend step: 64 MiB of fp32 indexer logits
+REFRESH_PLANS = 512  # (graph, batch signature) refresh plans kept (`StepGraphs._refresh`), a few KiB of views each
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,21 @@ class _Graph:
     batch: ForwardBatch  # views of the kind's input buffers, this graph's shape
     hidden_in: torch.Tensor | None
     graph: object | None = None
+    # What `replay` refreshes: (field, "tokens" / "reqs" / "logits": its real rows, padding value), and each such
+    # field's static tensor as flat bytes.
+    refreshed: tuple[tuple[str, str, int], ...] = ()
+    bytes: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+
+@dataclass
+class _Refresh:
+    """A step's refresh of one graph's inputs for one (tokens, requests, logits rows), all but the batch's own
+    tensors: made once per such signature, so a step slices no static buffer (host time: ~25 python-level tensor
+    ops a step otherwise)."""
+
+    real: list[tuple[str, torch.dtype]]  # the fields with real rows (and their static dtype), in `dst`'s order
+    dst: list[torch.Tensor]  # bytes: those fields' real rows, then every padding region
+    pads: list[torch.Tensor]  # bytes: the padding regions' sources (slices of the fills)
 
 
 class StepGraphs:
@@ -109,6 +125,13 @@ class StepGraphs:
         self.captured_lazily: list[tuple[StepKind, int, int]] = []
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self._buffers = {s.kind: self._kind_buffers(s) for s in shapes}
+        # Padding values `replay` copies from (`_fill`): each as long as the longest static input, in 8-byte words.
+        inputs = [getattr(b.batch, f.name) for b in self._buffers.values() for f in dataclasses.fields(b.batch)]
+        self._fill_len = max((-(-t.nbytes // 8) for t in inputs if isinstance(t, torch.Tensor)), default=0)
+        self._fill_bytes: dict[int, torch.Tensor] = {}
+        for value in (0, 1):
+            self._fill(value)
+        self._refreshes: dict[tuple, _Refresh] = {}  # (graph key, tokens, requests, logits rows), oldest first
         start = time.perf_counter()
         smallest = self.ctx_buckets[0]
         for shape in shapes:
@@ -225,7 +248,23 @@ class StepGraphs:
         hidden_in = None if b.hidden_in is None else b.hidden_in[:t]
         if hidden_in is not None:
             hidden_in.zero_()
-        return _Graph(batch, hidden_in)
+        refreshed = [("input_ids", "tokens", 0), ("positions", "tokens", 0), ("out_cache_loc", "tokens", 0),
+                     ("kv_lens", "tokens", 1), ("req_pool_indices", "reqs", 0), ("seq_lens", "reqs", 1),
+                     ("logits_indices", "logits", 0)]
+        if not shape.tokens_per_req:  # which request each token belongs to; padding tokens: the spare row
+            refreshed += [("token_req", "tokens", self._fill(reqs - 1)), ("extend_lens", "reqs", 0)]
+        if shape.tree_width:
+            refreshed.append(("tree_mask", "tokens", 0))  # zero bytes: False
+        views = {name: getattr(batch, name).view(-1).view(torch.uint8) for name, _, _ in refreshed}
+        return _Graph(batch, hidden_in, refreshed=tuple(refreshed), bytes=views)
+
+    def _fill(self, value: int) -> int:
+        """Makes `value`'s padding source once (at start-up or a graph's capture): int64 `value`s on the device,
+        as bytes. A step's padding is a slice of one, so the refresh allocates and fills nothing."""
+        if value not in self._fill_bytes:
+            words = torch.full((self._fill_len,), value, dtype=torch.int64, device=self.device)
+            self._fill_bytes[value] = words.view(torch.uint8)
+        return value
 
     # -- capture ----------------------------------------------------------------
     def _run(self, shape: GraphShape, g: _Graph) -> ModelOutput:
@@ -272,6 +311,25 @@ class StepGraphs:
                             key[0].name.lower(), key[1], key[2], 1000 * (time.perf_counter() - start))
         return g
 
+    def _refresh(self, key: tuple[StepKind, int, int], g: _Graph, t: int, bs: int, n: int) -> _Refresh:
+        real, real_dst, pad_dst, pads = [], [], [], []
+        rows = {"tokens": t, "reqs": bs, "logits": n}
+        for name, per, pad in g.refreshed:
+            static, whole = getattr(g.batch, name), g.bytes[name]
+            if not whole.numel():
+                continue
+            width = rows[per] * whole.shape[0] // static.shape[0]
+            if width:
+                real.append((name, static.dtype))
+                real_dst.append(whole[:width])
+            if whole.shape[0] > width:
+                pad_dst.append(whole[width:])
+                pads.append(self._fill_bytes[pad][:whole.shape[0] - width])
+        if len(self._refreshes) >= REFRESH_PLANS:  # bounded: extend steps meet many signatures
+            del self._refreshes[next(iter(self._refreshes))]
+        plan = self._refreshes[(key, t, bs, n)] = _Refresh(real, real_dst + pad_dst, pads)
+        return plan
+
     # -- replay -----------------------------------------------------------------
     def replay(self, batch: ForwardBatch, hidden_in: torch.Tensor | None = None) -> ModelOutput:
         """Run `batch` through the graph of its kind (`hidden_in`: the MTP layer's hidden-state input). The outputs
@@ -281,31 +339,28 @@ class StepGraphs:
         assert key is not None, (f"no {batch.kind.name} graph for {batch.num_tokens} tokens of {batch.batch_size} "
                                  f"requests at context {batch.max_kv_len}")
         g = self._graph_for(key)
-        s, t, bs = g.batch, batch.num_tokens, batch.batch_size
-        # Refresh every per-step tensor: real rows, then padding rows at the dummy slot / row 0.
-        for name in ("input_ids", "positions", "out_cache_loc", "kv_lens"):
-            dst, src = getattr(s, name), getattr(batch, name)
-            dst[:t].copy_(src)
-            dst[t:].fill_(1 if name == "kv_lens" else 0)
-        s.req_pool_indices[:bs].copy_(batch.req_pool_indices)
-        s.req_pool_indices[bs:].fill_(0)
-        s.seq_lens[:bs].copy_(batch.seq_lens)
-        s.seq_lens[bs:].fill_(1)
-        n = batch.logits_indices.numel()
-        s.logits_indices[:n].copy_(batch.logits_indices)
-        s.logits_indices[n:].fill_(0)
-        if not shape.tokens_per_req:  # which request each token belongs to
-            spare = s.batch_size - 1  # padding tokens: a request row of its own at the dummy row 0
-            s.token_req[:t].copy_(batch.token_req)
-            s.token_req[t:].fill_(spare)
-            s.extend_lens[:bs].copy_(batch.extend_lens)
-            s.extend_lens[bs:].fill_(0)
-        if shape.tree_width:
-            s.tree_mask[:t].copy_(batch.tree_mask)
-            s.tree_mask[t:].fill_(False)
-        if shape.mtp:
+        t, bs, n = batch.num_tokens, batch.batch_size, batch.logits_indices.numel()
+        # Refresh every per-step tensor, real rows then padding rows (the dummy slot / row 0), in ONE launch: a
+        # multi-tensor copy (`_foreach_copy_`: one kernel on CUDA, where a copy_ + fill_ per tensor was up to 14
+        # launches, each ~1 us of GPU time plus its host-side launch). Its fast path wants one dtype on each side,
+        # so every pair travels as bytes (the bool tree mask too); padding comes from the device-resident fills
+        # (`_fill`). The sources are device tensors already (input ids and cache slots are gathered on the
+        # device: next_input_ids, req_to_token), so a host-packed H2D could not carry them. No host buffer is
+        # read here, so none can be overwritten under an in-flight copy (ForwardBatch.build's one H2D stages
+        # through a fresh pinned tensor, which the caching host allocator does not hand out again before that
+        # copy's stream event completes).
+        plan = self._refreshes.get((key, t, bs, n)) or self._refresh(key, g, t, bs, n)
+        src = []
+        for name, dtype in plan.real:
+            real = getattr(batch, name)
+            if real.dtype != dtype or not real.is_contiguous():  # no batch the engine builds
+                real = real.to(dtype).contiguous()
+            src.append(real.view(torch.uint8) if real.dim() == 1 else real.view(torch.uint8).view(-1))
+        torch._foreach_copy_(plan.dst, src + plan.pads)
+        if shape.mtp:  # activations, not step inputs: a plain device copy moves them fastest
             g.hidden_in[:t].copy_(hidden_in)
-            g.hidden_in[t:].zero_()
+            if g.hidden_in.shape[0] > t:
+                g.hidden_in[t:].zero_()
         if g.graph is not None:
             g.graph.replay()
         else:
