@@ -123,6 +123,56 @@ def test_kernel_fp32_weight_on_bf16_rows_and_custom_ops():
     assert all(torch.equal(a.float(), b.float()) for a, b in zip(op2, got[1:]))  # norm of the sum == the fused one
 
 
+@in_this_process
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_kernel_writes_deep_gemm_layout_bit_for_bit(m, with_residual):
+    """`deep_gemm_layout`: e4m3 rows padded to 16 and MN-major scales (`fp8_gemm.act_buffers`, what DeepGEMM reads
+    as it is), the padding rows unwritten; rows [:m] the same bytes and scales as the row-major output, which are
+    `fp8.quant_act_per_token_group`'s (`_check`)."""
+    from minidsa.kernels import fp8_gemm
+
+    x, residual, weight = _rows(m, 7168, torch.bfloat16, seed=40 + m)
+    res = residual if with_residual else None
+    with torch_rounded_casts():
+        plain = norm_quant.rmsnorm_quant(x, weight, 1e-6, res)
+        deep = norm_quant.rmsnorm_quant(x, weight, 1e-6, res, deep_gemm_layout=True)
+    rows = fp8_gemm.deep_gemm_act_rows(m)
+    assert deep[2].shape == (rows, 7168) and deep[2].is_contiguous()
+    assert deep[3].shape == (rows, 56) and deep[3].stride() == (1, rows)
+    assert torch.equal(deep[2][:m].view(torch.uint8), plain[2].view(torch.uint8))
+    assert torch.equal(deep[3][:m], plain[3])
+    assert torch.isnan(deep[3][m:]).all()  # the padding rows' scales left as allocated (poisoned)
+    assert (deep[0] is None) == (not with_residual) and torch.equal(deep[1], plain[1])
+    if with_residual:
+        assert torch.equal(deep[0], plain[0])
+
+
+@in_this_process
+def test_norm_ops_in_deep_gemm_layout_under_compile():
+    """The norm ops' fakes give the layout the kernel writes (padded rows, MN-major scales) for a symbolic token
+    count: a compiled step returns the eager ops' tensors, strides included."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    def step(a, h, weight):
+        h, normed, q, s = torch.ops.minidsa.add_rmsnorm_quant(a, h, weight, 1e-6, True)
+        return (h, normed, q, s, *torch.ops.minidsa.rmsnorm_quant(h, weight, 1e-6, True))
+
+    compiled = torch.compile(step, backend=aot_eager, fullgraph=True, dynamic=True)
+    for tokens in (3, 20):
+        a, h, weight = _rows(tokens, 256, torch.bfloat16, seed=tokens)
+        with torch_rounded_casts():
+            got, want = compiled(a, h, weight), step(a, h, weight)
+        rows = -(-tokens // 16) * 16
+        for i in (3, 6):  # the two ops' scales
+            assert got[i].stride() == want[i].stride() == (1, rows)
+            assert torch.equal(got[i][:tokens], want[i][:tokens])
+        for i in (2, 5):
+            assert got[i].shape == (rows, 256)
+            assert torch.equal(got[i][:tokens].view(torch.uint8), want[i][:tokens].view(torch.uint8))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got[4], want[4])
+
+
 def test_kernel_refuses_what_it_cannot_take():
     x = torch.zeros(2, norm_quant.MAX_HIDDEN + 1)
     with pytest.raises(ValueError, match="holds rows up to"):
@@ -265,8 +315,26 @@ def test_set_norm_quant_picks_the_norms_fp8_linears_read():
     assert set_norm_quant(model, "torch") == []
     assert not any(layer.input_layernorm.quantizes_output for layer in layers)
     assert len(set_norm_quant(model, "triton")) == 3 * len(layers)
+    assert not any(n.quant_for_deep_gemm for layer in layers for n in layer.modules()
+                   if hasattr(n, "quant_for_deep_gemm"))  # the Triton GEMMs serve every size
     with pytest.raises(ValueError, match="norm_quant kernel"):
         set_norm_quant(model, "cuda")
+
+
+@in_this_process
+def test_set_norm_quant_picks_deep_gemm_layout_where_every_reader_is_deep_gemm():
+    """With DeepGEMM given the linears: the norms read only by linears write DeepGEMM's layout (DeepGEMM reads it as
+    it is, the Triton GEMM serving those linears at other sizes too); the MoE layers' post-attention norm, which
+    the fused MoE reads in plain rows, does not."""
+    from minidsa.models.deepseek_v32 import DecoderLayer, MLP
+
+    model, cfg = _fp8_model("triton", gemm="deepgemm")
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    assert {isinstance(layer.mlp, MLP) for layer in layers} == {True, False}
+    for layer in layers:
+        assert layer.input_layernorm.quant_for_deep_gemm and layer.self_attn.q_a_layernorm.quant_for_deep_gemm
+        assert layer.post_attention_layernorm.quant_for_deep_gemm == isinstance(layer.mlp, MLP)
+        assert layer.post_attention_layernorm.quantizes_output
 
 
 @in_this_process
@@ -340,27 +408,25 @@ def test_attention_input_norms_under_compile_take_the_custom_ops():
     assert all(len(n.args) == 6 and n.args[4] is not None for n in fp8_calls)  # the quantised input handed over
 
 
-_COMPILE_FOR_H100 = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+_COMPILE_FOR_H100 = SPILL_CHECK + """
 from minidsa.kernels import norm_quant
 sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16", "normed_ptr": "*bf16",
        "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "stride_x": "i32", "stride_r": "i32", "stride_sum": "i32",
-       "stride_n": "i32", "stride_q": "i32", "num_groups": "i32", "eps": "fp32", "BLOCK": "constexpr",
-       "GROUP": "constexpr", "HAS_RESIDUAL": "constexpr", "EMULATE_CAST": "constexpr", "PDL": "constexpr"}
+       "stride_n": "i32", "stride_q": "i32", "stride_sm": "i32", "stride_sg": "i32", "num_groups": "i32",
+       "eps": "fp32", "BLOCK": "constexpr", "GROUP": "constexpr", "HAS_RESIDUAL": "constexpr",
+       "EMULATE_CAST": "constexpr", "PDL": "constexpr"}
 for block in (2048, 8192):
     for residual in (False, True):
         src = ASTSource(norm_quant._rmsnorm_quant_kernel, sig, constexprs={
             "BLOCK": block, "GROUP": 128, "HAS_RESIDUAL": residual, "EMULATE_CAST": False, "PDL": True})
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
-        assert kernel.asm["cubin"], (block, residual)
+        compile_without_spills(src, 8 if block >= 4096 else 4)
 print("compiled")
 """
 
 
 def test_norm_quant_kernel_compiles_for_h100():
-    """The interpreter runs Python, not Triton's compiler: compile the kernel for sm_90 (no GPU needed)."""
+    """The interpreter runs Python, not Triton's compiler: compile the kernel for sm_90 (no GPU needed), with the
+    warps `rmsnorm_quant` launches it with, and count ptxas's spill bytes (none)."""
     compile_for_h100(_COMPILE_FOR_H100, "_rmsnorm_quant_kernel")
 
 

@@ -315,35 +315,37 @@ def _(x, weight, scale_inv, use_deep_gemm, x_q=None, x_scale=None):
 
 
 @torch.library.custom_op("minidsa::rmsnorm_quant", mutates_args=())
-def rmsnorm_quant(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+def rmsnorm_quant(x: Tensor, weight: Tensor, eps: float, deep_gemm_layout: bool = False
+                  ) -> tuple[Tensor, Tensor, Tensor]:
     """RMSNorm of x and its FP8 per-token-group quantisation in one Triton launch (kernels/norm_quant.py):
-    (normed, e4m3, fp32 scales), `reference.rmsnorm_quant`."""
-    _, normed, q, scales = norm_quant_mod.rmsnorm_quant(x, weight, eps)
+    (normed, e4m3, fp32 scales in `fp8_gemm.act_buffers`' layout), `reference.rmsnorm_quant`."""
+    _, normed, q, scales = norm_quant_mod.rmsnorm_quant(x, weight, eps, deep_gemm_layout=deep_gemm_layout)
     return normed, q, scales
 
 
-def _norm_quant_fakes(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _norm_quant_fakes(x: Tensor, weight: Tensor, deep_gemm_layout: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(normed, e4m3, fp32 scales) as `norm_quant.rmsnorm_quant` makes them, for the fake kernels below."""
     m, k = x.shape
     return (x.new_empty(m, k, dtype=torch.promote_types(weight.dtype, x.dtype)),
-            x.new_empty(m, k, dtype=torch.float8_e4m3fn), x.new_empty(m, -(-k // 128), dtype=torch.float32))
+            *fp8_gemm_mod.act_buffers(m, k, x.device, deep_gemm_layout))
 
 
 @rmsnorm_quant.register_fake
-def _(x, weight, eps):
-    return _norm_quant_fakes(x, weight)
+def _(x, weight, eps, deep_gemm_layout=False):
+    return _norm_quant_fakes(x, weight, deep_gemm_layout)
 
 
 @torch.library.custom_op("minidsa::add_rmsnorm_quant", mutates_args=())
-def add_rmsnorm_quant(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def add_rmsnorm_quant(x: Tensor, residual: Tensor, weight: Tensor, eps: float, deep_gemm_layout: bool = False
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """h = x + residual, RMSNorm of h and its FP8 per-token-group quantisation in one Triton launch:
-    (h, normed, e4m3, fp32 scales), `reference.rmsnorm_quant` with a residual."""
-    return norm_quant_mod.rmsnorm_quant(x, weight, eps, residual)
+    (h, normed, e4m3, fp32 scales in `fp8_gemm.act_buffers`' layout), `reference.rmsnorm_quant` with a residual."""
+    return norm_quant_mod.rmsnorm_quant(x, weight, eps, residual, deep_gemm_layout)
 
 
 @add_rmsnorm_quant.register_fake
-def _(x, residual, weight, eps):
-    return (x.new_empty(x.shape), *_norm_quant_fakes(x, weight))
+def _(x, residual, weight, eps, deep_gemm_layout=False):
+    return (x.new_empty(x.shape), *_norm_quant_fakes(x, weight, deep_gemm_layout))
 
 
 @torch.library.custom_op("minidsa::rmsnorm_rows", mutates_args=())

@@ -7,9 +7,11 @@ scales `fp8.quant_act_per_token_group(normed)` gives (one scale per token per 12
 
 Why: an FP8 linear after a norm quantises the norm's output again: the fused MoE in a launch of its own at every
 size, the w8a8 GEMM in a launch of its own above 64 rows, DeepGEMM's GEMM always (`fp8_gemm.quant_act`). Here the
-norm's program quantises the row it already holds. The bf16 normed row is written too: the MoE router and the
-indexer's weights read it in high precision, and the Triton GEMM at decode sizes quantises inside itself from it
-(no second GEMM variant for pre-quantised input at those tiles).
+norm's program quantises the row it already holds, in DeepGEMM's layout (`fp8_gemm.act_buffers`: rows padded to
+16, MN-major scales) where DeepGEMM serves the linears reading it, so that it reads them as they are (at decode
+sizes its row class is the padded count; the dense MLP's gate|up at batch 1 of bench-dsv32 re-quantised its input
+in a launch of its own before). The bf16 normed row is written too: the MoE router and the indexer's weights read
+it in high precision.
 
 One program per row holds the row in registers (a power-of-two block: 7168 -> 8192 lanes, 56 groups of 128 + 8
 masked ones); the quantisation is `fp8_gemm._quant_tile`, the same code the GEMM runs on its input, so the bytes
@@ -21,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from minidsa.kernels import reference
-from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE
-from minidsa.kernels.fp8_gemm import EMULATE_CAST, _quant_tile
+from minidsa.kernels.fp8 import FP8_BLOCK
+from minidsa.kernels.fp8_gemm import EMULATE_CAST, _quant_tile, act_buffers
 from minidsa.kernels.launch import pdl_launch, wait_for_producers
 from minidsa.kernels.triton_compat import tl, triton
 
@@ -32,7 +34,7 @@ MAX_HIDDEN = 16384  # one row in one program's registers
 @triton.jit
 def _rmsnorm_quant_kernel(
     x_ptr, res_ptr, w_ptr, sum_ptr, normed_ptr, q_ptr, s_ptr,
-    K, stride_x, stride_r, stride_sum, stride_n, stride_q, num_groups, eps,
+    K, stride_x, stride_r, stride_sum, stride_n, stride_q, stride_sm, stride_sg, num_groups, eps,
     BLOCK: tl.constexpr, GROUP: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE_CAST: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -56,7 +58,7 @@ def _rmsnorm_quant_kernel(
     q, scale = _quant_tile(tl.reshape(y.to(tl.float32), (BLOCK // GROUP, GROUP)), EMULATE_CAST)
     tl.store(q_ptr + m * stride_q + offs, tl.reshape(q, (BLOCK,)), mask=ok)
     g = tl.arange(0, BLOCK // GROUP)
-    tl.store(s_ptr + m * num_groups + g, scale, mask=g < num_groups)
+    tl.store(s_ptr + m * stride_sm + g * stride_sg, scale, mask=g < num_groups)
 
 
 def supported(hidden: int, dtype: torch.dtype) -> str | None:
@@ -68,15 +70,18 @@ def supported(hidden: int, dtype: torch.dtype) -> str | None:
     return None
 
 
-def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                  deep_gemm_layout: bool = False
                   ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] (+ residual [M, K]) -> (x + residual in x's dtype, or None without a residual; normed [M, K] in
-    the dtype of weight * x; e4m3 [M, K]; fp32 scales [M, ceil(K / 128)]): `reference.rmsnorm_quant`.
+    the dtype of weight * x; e4m3 [R, K]; fp32 scales [R, ceil(K / 128)]): `reference.rmsnorm_quant`, R and the
+    scales' layout as `fp8_gemm.act_buffers` makes them (`deep_gemm_layout`: DeepGEMM's padded rows, left unwritten
+    past M, and MN-major scales, which it reads as they are instead of quantising x again in a launch of its own).
     Rows may be strided (a slice of a fused projection's output); the last dim must be dense."""
     if x.dim() != 2 or weight.shape != (x.shape[1],) or (residual is not None and (
             residual.shape != x.shape or residual.dtype != x.dtype)):
-        raise ValueError(f"rmsnorm_quant: x {tuple(x.shape)}, weight {tuple(weight.shape)}"
-                         f"{'' if residual is None else f', residual {residual.dtype} {tuple(residual.shape)}'} do not fit")
+        given = '' if residual is None else f', residual {residual.dtype} {tuple(residual.shape)}'
+        raise ValueError(f"rmsnorm_quant: x {tuple(x.shape)}, weight {tuple(weight.shape)}{given} do not fit")
     m, k = x.shape
     why_not = supported(k, x.dtype)
     if why_not is not None:
@@ -84,8 +89,7 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     num_groups = -(-k // FP8_BLOCK)
     out_sum = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
     normed = torch.empty(m, k, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty(m, num_groups, dtype=torch.float32, device=x.device)
+    q, scales = act_buffers(m, k, x.device, deep_gemm_layout)
     if m == 0:
         return out_sum, normed, q, scales
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -96,7 +100,8 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     dst_sum = out_sum if out_sum is not None else normed
     _rmsnorm_quant_kernel[(m,)](
         x, res, weight.contiguous(), dst_sum, normed, q, scales,
-        k, x.stride(0), res.stride(0), dst_sum.stride(0), normed.stride(0), q.stride(0), num_groups, float(eps),
+        k, x.stride(0), res.stride(0), dst_sum.stride(0), normed.stride(0), q.stride(0), scales.stride(0),
+        scales.stride(1), num_groups, float(eps),
         BLOCK=block, GROUP=FP8_BLOCK, HAS_RESIDUAL=residual is not None, EMULATE_CAST=EMULATE_CAST,
         num_warps=8 if block >= 4096 else 4, **pdl_launch(x.device),
     )

@@ -57,6 +57,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.quantizes_output = False
+        self.quant_for_deep_gemm = False  # the quantised output in DeepGEMM's layout (`set_norm_quant`)
         self.kernel = "torch"  # who runs `forward` / `rows` (`set_head_norm`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,7 +75,7 @@ class RMSNorm(nn.Module):
         """(RMSNorm(x), its FP8 quantisation where this norm makes one, else None)."""
         if not self.quantizes_output:
             return self(x), None
-        normed, q, scales = torch.ops.minidsa.rmsnorm_quant(x, self.weight, self.eps)
+        normed, q, scales = torch.ops.minidsa.rmsnorm_quant(x, self.weight, self.eps, self.quant_for_deep_gemm)
         return normed, (q, scales)
 
     def add_normed(self, x: torch.Tensor, residual: torch.Tensor
@@ -83,7 +84,8 @@ class RMSNorm(nn.Module):
         if not self.quantizes_output:
             h = residual + x
             return h, self(h), None
-        h, normed, q, scales = torch.ops.minidsa.add_rmsnorm_quant(x, residual, self.weight, self.eps)
+        h, normed, q, scales = torch.ops.minidsa.add_rmsnorm_quant(x, residual, self.weight, self.eps,
+                                                                   self.quant_for_deep_gemm)
         return h, normed, (q, scales)
 
 
@@ -369,8 +371,11 @@ def set_fp32_gemv(model: nn.Module, kernel: str) -> None:
 
 def set_norm_quant(model: nn.Module, kernel: str) -> list[RMSNorm]:
     """Whether each RMSNorm feeding FP8 linears quantises its output for them in its own launch ("triton",
-    `KernelChoice.norm_quant`) or leaves it to them ("torch"), decided once at build; returns the norms that do.
-    Only norms whose width and dtype the kernel takes (`norm_quant.supported`) and that some FP8 consumer reads."""
+    `KernelChoice.norm_quant`) or leaves it to them ("torch"), decided once at build, after `set_gemm`; returns the
+    norms that do. Only norms whose width and dtype the kernel takes (`norm_quant.supported`) and that some FP8
+    consumer reads. Where every FP8 consumer is a linear given to DeepGEMM, the output comes in DeepGEMM's layout
+    (padded rows, MN-major scales: `fp8_gemm.act_buffers`), which DeepGEMM reads as it is and the Triton GEMM
+    serving the same linear at other sizes reads too; the fused MoE reads plain rows only."""
     if kernel not in ("torch", "triton"):
         raise ValueError(f"norm_quant kernel {kernel!r} is not 'torch' or 'triton'")
     fused = []
@@ -378,8 +383,11 @@ def set_norm_quant(model: nn.Module, kernel: str) -> list[RMSNorm]:
         if not isinstance(layer, DecoderLayer):
             continue
         for norm, consumers in layer.norm_consumers():
-            norm.quantizes_output = (kernel == "triton" and any(c.is_fp8 for c in consumers)
+            fp8_consumers = [c for c in consumers if c.is_fp8]
+            norm.quantizes_output = (kernel == "triton" and bool(fp8_consumers)
                                      and norm_quant.supported(norm.weight.shape[0], norm.weight.dtype) is None)
+            norm.quant_for_deep_gemm = norm.quantizes_output and all(
+                isinstance(c, Linear) and c.gemm == "deepgemm" for c in fp8_consumers)
             if norm.quantizes_output:
                 fused.append(norm)
     return fused
