@@ -45,16 +45,16 @@ def fused_moe_triton_before(x, topk_ids, topk_weights, gate_up_proj, down_proj, 
                   PRECISION="tf32", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     s = gate_up_scale_inv
     fm._expert_gemm_kernel[(num_m_blocks * triton.cdiv(inter, cfg.block_n),)](
-        a, a_scale, gate_up_proj, s, mid, route_w, route_w, blocks.sorted_pair_ids, blocks.block_expert,
-        blocks.num_padded, inter, hidden, blocks.num_pairs, top_k, num_m_blocks, a.stride(0), a_scale.stride(0),
-        gate_up_proj.stride(0), gate_up_proj.stride(1), mid.stride(0), 0, s.stride(0), s.stride(1), s.stride(2),
+        a, a_scale, gate_up_proj, s, mid, route_w, blocks.sorted_pair_ids, blocks.block_expert, blocks.num_padded,
+        inter, hidden, blocks.num_pairs, top_k, num_m_blocks, a.stride(0), a_scale.stride(0), gate_up_proj.stride(0),
+        gate_up_proj.stride(1), mid.stride(0), s.stride(0), s.stride(1), s.stride(2),
         GATED=True, APPLY_ROUTE_W=False, EVEN_K=hidden % cfg.block_k == 0, **launch)
     a, a_scale = quant_act(mid)
     s = down_scale_inv
     fm._expert_gemm_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
-        a, a_scale, down_proj, s, per_pair, route_w, route_w, blocks.sorted_pair_ids, blocks.block_expert,
-        blocks.num_padded, hidden, inter, blocks.num_pairs, 1, num_m_blocks, a.stride(0), a_scale.stride(0),
-        down_proj.stride(0), down_proj.stride(1), per_pair.stride(0), 0, s.stride(0), s.stride(1), s.stride(2),
+        a, a_scale, down_proj, s, per_pair, route_w, blocks.sorted_pair_ids, blocks.block_expert, blocks.num_padded,
+        hidden, inter, blocks.num_pairs, 1, num_m_blocks, a.stride(0), a_scale.stride(0), down_proj.stride(0),
+        down_proj.stride(1), per_pair.stride(0), s.stride(0), s.stride(1), s.stride(2),
         GATED=False, APPLY_ROUTE_W=True, EVEN_K=inter % cfg.block_k == 0, **launch)
     return per_pair.view(num_tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
 

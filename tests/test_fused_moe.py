@@ -30,8 +30,7 @@ import torch.nn.functional as F
 if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu/test_fused_moe_gpu.py checks the compiled kernels", allow_module_level=True)
 
-from triton_interp import (SPILL_CHECK, compile_for_h100, import_kernels_interpreted,  # noqa: E402
-                           run_file_interpreted, torch_rounded_casts)
+from triton_interp import import_kernels_interpreted, run_file_interpreted, torch_rounded_casts  # noqa: E402
 
 INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
@@ -211,111 +210,6 @@ def test_triton_chunks_and_chosen_tiles_agree(poisoned_outputs):
     with torch_rounded_casts():
         default_tiles = fm.fused_moe_triton(x, ids, weights, *params)
     assert rel_err(default_tiles, per_token_reference(x, ids, weights, *params)) < 1e-2
-
-
-class _RecordedLaunches:
-    """`fm._expert_gemm_kernel` with each launch's positional arguments kept (the down GEMM's input among them)."""
-
-    def __init__(self, kernel):
-        self.kernel, self.args = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.args.append(args)
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
-@in_this_process
-@pytest.mark.parametrize("act_dtype,hidden,inter", [(torch.bfloat16, 256, 256), (torch.float32, 256, 200),
-                                                     (torch.bfloat16, 200, 328)])
-def test_gate_up_epilogue_quantises_bit_for_bit_as_quant_act(act_dtype, hidden, inter, monkeypatch,
-                                                             poisoned_outputs):
-    """With `gate_up_block_n` the gate/up launch hands the down GEMM e4m3 + scales of silu(gate) * up made in its
-    epilogue: the same bytes and scales `quant_act` makes of the product the same tiles store unquantised (128-wide
-    N tiles both ways, so the accumulators are the same), one `quant_act` launch fewer, the same output. A partial
-    last group (I = 200, 328) pads with zeros as `quant_act` does."""
-    from minidsa.kernels import fp8_gemm
-
-    x, ids, weights = route(3, hidden, seed=hidden + inter)
-    x = x.to(act_dtype)
-    params = make_weights(hidden, inter, seed=7, dtype=fp8.FP8_DTYPE)
-    quantised = []
-    real_quant_act = fp8_gemm.quant_act
-    monkeypatch.setattr(fm, "quant_act", lambda t, *a, **k: quantised.append(t.shape) or real_quant_act(t, *a, **k))
-    runs = {}
-    for epilogue in (False, True):
-        recorded = _RecordedLaunches(fm._expert_gemm_kernel)
-        monkeypatch.setattr(fm, "_expert_gemm_kernel", recorded)
-        quantised.clear()
-        tiles = fm.TileConfig(16, 128, 128, 1, 4, 2, gate_up_block_n=128 if epilogue else 0)
-        with torch_rounded_casts():
-            out = fm.fused_moe_triton(x, ids.int(), weights, *params, config=tiles)
-        down_a, down_scale = recorded.args[1][:2]
-        runs[epilogue] = out, down_a, down_scale, list(quantised)
-        monkeypatch.setattr(fm, "_expert_gemm_kernel", recorded.kernel)
-    (out0, a0, s0, q0), (out1, a1, s1, q1) = runs[False], runs[True]
-    assert q0 == [x.shape, (3 * TOP_K, inter)] and q1 == [x.shape]  # x, then the product: the product no more
-    assert a1.dtype == fp8.FP8_DTYPE and a1.shape == a0.shape and s1.shape == s0.shape == (3 * TOP_K, -(-inter // 128))
-    assert torch.equal(a1.view(torch.uint8), a0.view(torch.uint8)) and torch.equal(s1, s0)
-    assert torch.equal(out1, out0)
-    assert rel_err(out1, per_token_reference(x, ids, weights, *params)) < tolerance(act_dtype, fp8.FP8_DTYPE)
-
-
-@in_this_process
-def test_fp8_decode_moe_runs_no_act_quant_launch(poisoned_outputs):
-    """A decode step's routed experts (one token, x quantised by the norm before them) through the tiles
-    `tile_config` picks: alignment, the two expert GEMMs, the combine, and no `_act_quant_kernel` (the product
-    was quantised by the gate/up launch; it was one launch of its own per MoE layer before)."""
-    from op_census import OpCensus
-
-    hidden, inter = 256, 256
-    x, ids, weights = route(1, hidden, seed=11)
-    x = x.bfloat16()
-    params = make_weights(hidden, inter, seed=11, dtype=fp8.FP8_DTYPE)
-    tiles = fm.tile_config(1, TOP_K, E, fp8.FP8_DTYPE, x.dtype)
-    assert tiles.gate_up_block_n == 128 and tiles.block_n == 64
-    act = fp8.quant_act_per_token_group(x)
-    census = OpCensus()
-    with census.triton_launches(), torch_rounded_casts():
-        got = fm.fused_moe_triton(x, ids.int(), weights, *params, act=act)
-    launches = {k: v for k, v in census.ops["outside"].items() if k.startswith("triton:")}
-    assert launches == {"triton:_align_kernel": 1, "triton:_expert_gemm_kernel": 2, "triton:_combine_rows_kernel": 1}
-    assert rel_err(got, per_token_reference(x, ids, weights, *params)) < 1e-2
-
-
-_COMPILE_FOR_H100 = SPILL_CHECK + """
-import triton.language as tl
-from minidsa.kernels import fused_moe as fm
-sig = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_ptr": "*fp8e4nv", "b_scale_ptr": "*fp32", "c_ptr": "*fp8e4nv",
-       "c_scale_ptr": "*fp32", "route_w_ptr": "*fp32", "sorted_pair_ptr": "*i32", "block_expert_ptr": "*i32",
-       "num_padded_ptr": "*i32", "N": "i32", "K": "i32", "num_pairs": "i32", "pairs_per_a_row": "i32",
-       "num_m_blocks": "i32", "stride_am": "i32", "stride_asm": "i32", "stride_be": "i64", "stride_bn": "i32",
-       "stride_cm": "i32", "stride_csm": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_sk": "i32",
-       "GATED": "constexpr", "APPLY_ROUTE_W": "constexpr", "FP8": "constexpr", "PRECISION": "constexpr",
-       "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr",
-       "EVEN_K": "constexpr", "QUANT_OUT": "constexpr", "MID_DTYPE": "constexpr", "EMULATE_CAST": "constexpr",
-       "PDL": "constexpr"}
-# What serving specialises on at V3.2's sizes (pointers, H = 7168, I = 2048 and the row strides all divisible by 16)
-names = list(sig)
-aligned = [n for n in names if n.endswith("_ptr")] + ["N", "K", "stride_am", "stride_asm", "stride_be", "stride_bn",
-                                                     "stride_cm", "stride_csm", "stride_se"]
-attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-tiles = fm.tile_config(1, 8, 256, fm.fp8.FP8_DTYPE, __import__("torch").bfloat16)
-assert tiles.gate_up_block_n == 128
-src = ASTSource(fm._expert_gemm_kernel, sig, attrs=attrs, constexprs={
-    "GATED": True, "APPLY_ROUTE_W": False, "FP8": True, "PRECISION": "tf32", "BLOCK_M": tiles.block_m,
-    "BLOCK_N": tiles.gate_up_block_n, "BLOCK_K": 128, "GROUP_M": tiles.group_m, "EVEN_K": True, "QUANT_OUT": True,
-    "MID_DTYPE": tl.bfloat16, "EMULATE_CAST": False, "PDL": True})
-compile_without_spills(src, tiles.num_warps, num_stages=tiles.num_stages)
-print("compiled")
-"""
-
-
-def test_decode_gate_up_with_quantising_epilogue_compiles_for_h100_without_spills():
-    """The interpreter runs Python, not Triton's compiler: compile the decode gate/up launch whose epilogue
-    quantises (its tiles as `tile_config` picks them at one token) for sm_90, and count ptxas's spill bytes (none)."""
-    compile_for_h100(_COMPILE_FOR_H100, "_expert_gemm_kernel")
 
 
 def grouped_gemm_stand_in(alignment: int, calls: list):

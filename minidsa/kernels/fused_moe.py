@@ -8,11 +8,9 @@ rows first, then up); down_proj [E, H, I]; output [T, H] in x's dtype.
 Weights are either x's dtype (bf16 / fp16; fp32 for CPU tests) or FP8 e4m3 with one fp32 scale per
 128x128 block (`*_scale_inv` [E, ceil(rows/128), ceil(cols/128)], minidsa.kernels.fp8). With FP8
 weights the activations are quantised per token per 128-channel group (w8a8, DeepSeek's recipe, the
-semantics of `fp8.quant_act_per_token_group`) before each GEMM, once: x by the norm before the layer
-(`act`) or `fp8_gemm.quant_act` (one launch over the rows), silu(gate) * up by the gate/up launch's epilogue
-where its N tiles hold whole 128-column groups (`TileConfig.gate_up_block_n`; decode), else by `quant_act`. The
-kernels load e4m3 A tiles and their per-row scales. (Quantising inside the GEMM, per N-block program, measured
-20x slower at prefill sizes on an H100: every program re-did it.)
+semantics of `fp8.quant_act_per_token_group`) before each GEMM, once, by `fp8_gemm.quant_act` (one
+launch over the rows); the kernels load e4m3 A tiles and their per-row scales. (Quantising inside the
+GEMM, per N-block program, measured 20x slower at prefill sizes on an H100: every program re-did it.)
 
 How (the `moe_align_block_size` idea of vLLM / SGLang, written here; nothing syncs with the host):
 1. `align_pairs_to_blocks` (torch ops: the reference; served by one Triton program up to ALIGN_KERNEL_MAX_PAIRS
@@ -23,8 +21,7 @@ How (the `moe_align_block_size` idea of vLLM / SGLang, written here; nothing syn
    padded row count. Its length is a static bound, T*k + min(E, T*k) * (BLOCK_M - 1), so shapes
    never depend on the routing (CUDA graphs, torch.compile).
 2. `_expert_gemm_kernel` (gate/up): M-block x N-block programs; rows of x gathered through
-   pair // k; gate and up accumulated side by side and silu(gate) * up stored per pair [T*k, I] (with FP8
-   weights and 128-wide N tiles: as e4m3 + scales, quantised in the epilogue).
+   pair // k; gate and up accumulated side by side and silu(gate) * up stored per pair [T*k, I].
    (`TileConfig.split_gate_up`, for the tile sweep: gate and up as one plain GEMM over the 2I rows, stored
    [T*k, 2I], then silu(gate) * up in the pass that quantises the down GEMM's input.)
 3. The same kernel (down) over that intermediate, times the routing weight, stored per pair [T*k, H].
@@ -53,7 +50,6 @@ from minidsa.kernels.moe_layout import expert_rows, max_padded_rows
 from minidsa.kernels.launch import pdl_launch, wait_for_producers
 from minidsa.kernels.triton_compat import tl, triton
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 SKIP = -1  # a topk id meaning "this pair's expert is on another rank" (expert parallelism): computed nowhere here
 MAX_CHUNK_TOKENS = 8192  # tokens per pass: bounds the [T*k, H] per-pair buffer (~0.9 GiB in bf16 at H 7168)
 
@@ -73,12 +69,6 @@ class TileConfig:
     # needs a third, per K step), at the cost of writing and reading [T*k, 2I] once. For the sweep
     # (benchmarks/bench_moe.py --sweep); not a default until measured faster.
     split_gate_up: bool = False
-    # N tile of the gated gate/up launch (0: block_n). Set to a multiple of 128, each program holds whole
-    # quantisation groups of silu(gate) * up and with FP8 weights quantises the down GEMM's input in its epilogue:
-    # no `fp8_gemm.quant_act` launch between the two GEMMs (one per MoE layer per decode step before). Set for
-    # decode only: ptxas (sm_90a) spills nothing there with it; the prefill tiles already spill a little and the
-    # epilogue is not measured on them.
-    gate_up_block_n: int = 0
 
 
 def tile_config(num_tokens: int, top_k: int, n_experts: int, weight_dtype: torch.dtype,
@@ -92,7 +82,7 @@ def tile_config(num_tokens: int, top_k: int, n_experts: int, weight_dtype: torch
     pairs_per_expert = num_tokens * top_k / max(n_experts, 1)
     if weight_dtype == fp8.FP8_DTYPE:
         if pairs_per_expert <= 16:
-            return TileConfig(16, 64, 128, 1, 4, 4, gate_up_block_n=128)
+            return TileConfig(16, 64, 128, 1, 4, 4)
         if pairs_per_expert <= 32:
             return TileConfig(32, 128, 128, 8, 4, 4)
         if pairs_per_expert <= 128:
@@ -236,14 +226,13 @@ def align_for(num_pairs: int):
 # Row / pair counts are not specialised on: each divisibility class would be a variant compiled at start-up.
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _expert_gemm_kernel(
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr, route_w_ptr,
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, route_w_ptr,
     sorted_pair_ptr, block_expert_ptr, num_padded_ptr,
     N, K, num_pairs, pairs_per_a_row, num_m_blocks,
-    stride_am, stride_asm, stride_be, stride_bn, stride_cm, stride_csm, stride_se, stride_sn, stride_sk,
+    stride_am, stride_asm, stride_be, stride_bn, stride_cm, stride_se, stride_sn, stride_sk,
     GATED: tl.constexpr, APPLY_ROUTE_W: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, QUANT_OUT: tl.constexpr = False, MID_DTYPE: tl.constexpr = None,
-    EMULATE_CAST: tl.constexpr = False, PDL: tl.constexpr = False,
+    EVEN_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """C[pair, n] = sum_k A[pair // pairs_per_a_row, k] * B[expert, n, k] for the pairs of one M-block.
 
@@ -251,9 +240,6 @@ def _expert_gemm_kernel(
     APPLY_ROUTE_W: C is multiplied by the pair's routing weight. FP8: B is e4m3 with per-128x128
     block scales; A is e4m3 too, quantised beforehand per row per 128 channels (scales [rows, K/128];
     BLOCK_K == 128 == the quantisation group).
-    QUANT_OUT (BLOCK_N a multiple of 128): C is rounded to MID_DTYPE (the serving dtype it was stored in), then
-    stored as e4m3 per row per 128 columns with its fp32 scales in c_scale_ptr ([pairs, ceil(N/128)], row stride
-    stride_csm): `fp8_gemm.quant_act`'s bytes for that stored C, without its launch.
     """
     wait_for_producers(PDL)
     pid = tl.program_id(0)
@@ -316,17 +302,7 @@ def _expert_gemm_kernel(
     if APPLY_ROUTE_W:
         acc = acc * tl.load(route_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
     c = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    if QUANT_OUT:
-        # Columns past N hold row 0's products (the unmasked weight loads): zero, as quant_act pads a short group.
-        mid = tl.where(n_ok[None, :], acc.to(MID_DTYPE).to(tl.float32), 0.0)
-        GROUPS: tl.constexpr = BLOCK_N // 128
-        q, scale = _quant_tile(tl.reshape(mid, (BLOCK_M * GROUPS, 128)), EMULATE_CAST)
-        tl.store(c, tl.reshape(q, (BLOCK_M, BLOCK_N)), mask=row_ok[:, None] & n_ok[None, :])
-        group = pid_n * GROUPS + tl.arange(0, GROUPS)
-        tl.store(c_scale_ptr + pair.to(tl.int64)[:, None] * stride_csm + group[None, :],
-                 tl.reshape(scale, (BLOCK_M, GROUPS)), mask=row_ok[:, None] & (group[None, :] * 128 < N))
-    else:
-        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 def check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up_proj: torch.Tensor,
@@ -545,19 +521,7 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     blocks = align_for(topk_ids.numel())(topk_ids, n_experts, cfg.block_m)
     num_m_blocks = blocks.block_expert.numel()
     route_w = topk_weights.reshape(-1).float().contiguous()
-    gu_block_n = cfg.block_n if cfg.split_gate_up else (cfg.gate_up_block_n or cfg.block_n)
-    # FP8 with whole 128-column groups per gate/up program: that launch's epilogue quantises silu(gate) * up for
-    # the down GEMM (the values quant_act would make of the stored product), so the product never goes to memory
-    # in the serving dtype.
-    quant_mid = (is_fp8 and not cfg.split_gate_up and cfg.gate_up_block_n > 0
-                 and cfg.gate_up_block_n % fp8.FP8_BLOCK == 0)
-    mid = mid_scale = None
-    if quant_mid:
-        mid = torch.empty(blocks.num_pairs, inter, dtype=fp8.FP8_DTYPE, device=x.device)
-        mid_scale = torch.empty(blocks.num_pairs, triton.cdiv(inter, fp8.FP8_BLOCK), dtype=torch.float32,
-                                device=x.device)
-    elif not cfg.split_gate_up:
-        mid = torch.empty(blocks.num_pairs, inter, dtype=x.dtype, device=x.device)
+    mid = None if cfg.split_gate_up else torch.empty(blocks.num_pairs, inter, dtype=x.dtype, device=x.device)
     # FP8: each GEMM's input quantised once, per row per 128 channels (fp8.quant_act_per_token_group's values),
     # not in every N-block's program: at prefill sizes that re-quantisation cost 20x the GEMM.
     if is_fp8 and act is not None:
@@ -569,8 +533,8 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         a, a_scale = quant_act(x) if is_fp8 else (x, route_w)
     per_pair = (torch.zeros if has_skipped else torch.empty)(blocks.num_pairs, hidden, dtype=x.dtype, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    launch = dict(GROUP_M=cfg.group_m, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, FP8=is_fp8, PRECISION=precision,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch = dict(GROUP_M=cfg.group_m, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  FP8=is_fp8, PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     def scale_args(s: torch.Tensor | None) -> tuple:
         return (s, s.stride(0), s.stride(1), s.stride(2)) if s is not None else (route_w, 0, 0, 0)
@@ -578,16 +542,14 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     gu_scale, gu_se, gu_sn, gu_sk = scale_args(gate_up_scale_inv)
     # split_gate_up: the 2I gate and up rows as one plain GEMM (N = 2I), silu * up after it.
     gu_out = torch.empty(blocks.num_pairs, two_i, dtype=x.dtype, device=x.device) if cfg.split_gate_up else mid
-    gu_out_scale = mid_scale if quant_mid else route_w  # route_w: any valid pointer, unread without QUANT_OUT
     gu_n = two_i if cfg.split_gate_up else inter
-    _expert_gemm_kernel[(num_m_blocks * triton.cdiv(gu_n, gu_block_n),)](
-        a, a_scale, gate_up_proj, gu_scale, gu_out, gu_out_scale, route_w,
+    _expert_gemm_kernel[(num_m_blocks * triton.cdiv(gu_n, cfg.block_n),)](
+        a, a_scale, gate_up_proj, gu_scale, gu_out, route_w,
         blocks.sorted_pair_ids, blocks.block_expert, blocks.num_padded,
         gu_n, hidden, blocks.num_pairs, top_k, num_m_blocks,
         a.stride(0), a_scale.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gu_out.stride(0),
-        gu_out_scale.stride(0), gu_se, gu_sn, gu_sk,
-        GATED=not cfg.split_gate_up, APPLY_ROUTE_W=False, EVEN_K=hidden % cfg.block_k == 0, BLOCK_N=gu_block_n,
-        QUANT_OUT=quant_mid, MID_DTYPE=_TL_DTYPES[x.dtype], EMULATE_CAST=EMULATE_CAST, **launch,
+        gu_se, gu_sn, gu_sk,
+        GATED=not cfg.split_gate_up, APPLY_ROUTE_W=False, EVEN_K=hidden % cfg.block_k == 0, **launch,
         **pdl_launch(a.device),
     )
     dn_scale, dn_se, dn_sn, dn_sk = scale_args(down_scale_inv)
@@ -595,18 +557,15 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         a, a_scale = silu_mul(gu_out, quantise=is_fp8)
         del gu_out
         a_scale = a_scale if is_fp8 else route_w
-    elif quant_mid:
-        a, a_scale = mid, mid_scale
     else:
         a, a_scale = quant_act(mid) if is_fp8 else (mid, route_w)
     _expert_gemm_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
-        a, a_scale, down_proj, dn_scale, per_pair, route_w, route_w,
+        a, a_scale, down_proj, dn_scale, per_pair, route_w,
         blocks.sorted_pair_ids, blocks.block_expert, blocks.num_padded,
         hidden, inter, blocks.num_pairs, 1, num_m_blocks,
-        a.stride(0), a_scale.stride(0), down_proj.stride(0), down_proj.stride(1), per_pair.stride(0), 0,
+        a.stride(0), a_scale.stride(0), down_proj.stride(0), down_proj.stride(1), per_pair.stride(0),
         dn_se, dn_sn, dn_sk,
-        GATED=False, APPLY_ROUTE_W=True, EVEN_K=inter % cfg.block_k == 0, BLOCK_N=cfg.block_n, **launch,
-        **pdl_launch(a.device),
+        GATED=False, APPLY_ROUTE_W=True, EVEN_K=inter % cfg.block_k == 0, **launch, **pdl_launch(a.device),
     )
     # each token's k rows (routing weights applied in the down GEMM) summed in fp32, in one pass
     return combine_rows(per_pair, None, None, top_k)
