@@ -116,16 +116,20 @@ def test_kernels_take_any_token_count_and_odd_widths():
         assert empty.shape == (0, 3 * 40)
 
 
-@in_this_process
-def test_ops_serve_more_tokens_than_the_kernel_with_the_reference(monkeypatch):
-    """Above MAX_TOKENS the ops run cuBLAS's bmm (the reference itself: equal, not close), never the kernel."""
-    tokens = mla_absorb.MAX_TOKENS + 1
-    q_nope, q_rope, w_uk, w_uv, o_latent, cos, sin = _inputs(tokens, 2, 32, 32, 64, 16, torch.bfloat16, 3)
-
+@pytest.fixture
+def kernel_refused(monkeypatch):
+    """The Triton launch fails the test if anything reaches it (the ops above MAX_TOKENS)."""
     def no_kernel(*args, **kwargs):
         raise AssertionError("the kernel ran above MAX_TOKENS")
 
     monkeypatch.setattr(mla_absorb, "_launch", no_kernel)
+
+
+@in_this_process
+def test_ops_serve_more_tokens_than_the_kernel_with_the_reference(kernel_refused):
+    """Above MAX_TOKENS the ops run cuBLAS's bmm (the reference itself: equal, not close), never the kernel."""
+    tokens = mla_absorb.MAX_TOKENS + 1
+    q_nope, q_rope, w_uk, w_uv, o_latent, cos, sin = _inputs(tokens, 2, 32, 32, 64, 16, torch.bfloat16, 3)
     assert torch.equal(torch.ops.minidsa.absorb_q(q_nope, q_rope, w_uk, cos, sin),
                        mla_absorb.absorb_q_reference(q_nope, q_rope, w_uk, cos, sin))
     assert torch.equal(torch.ops.minidsa.absorb_o(o_latent, w_uv), mla_absorb.absorb_o_reference(o_latent, w_uv))
@@ -157,15 +161,10 @@ def test_absorb_o_quantises_o_projs_input_bit_for_bit(tokens, heads, v, dtype, d
 
 
 @in_this_process
-def test_absorb_o_quant_above_max_tokens_is_the_reference_and_refuses_partial_groups(monkeypatch):
+def test_absorb_o_quant_above_max_tokens_is_the_reference_and_refuses_partial_groups(kernel_refused):
     tokens = mla_absorb.MAX_TOKENS + 1
     _, _, _, w_uv, o_latent, _, _ = _inputs(tokens, 2, 32, 128, 64, 16, torch.bfloat16, 9)
-
-    def no_kernel(*args, **kwargs):
-        raise AssertionError("the kernel ran above MAX_TOKENS")
-
     with torch_rounded_casts():
-        monkeypatch.setattr(mla_absorb, "_launch", no_kernel)
         got = torch.ops.minidsa.absorb_o_quant(o_latent, w_uv, True)
     want = mla_absorb.absorb_o_quant_reference(o_latent, w_uv, True)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1][:tokens].view(torch.uint8),

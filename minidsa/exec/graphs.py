@@ -355,7 +355,7 @@ class StepGraphs:
             real = getattr(batch, name)
             if real.dtype != dtype or not real.is_contiguous():  # no batch the engine builds
                 real = real.to(dtype).contiguous()
-            src.append(real.view(torch.uint8) if real.dim() == 1 else real.view(torch.uint8).view(-1))
+            src.append(real.view(-1).view(torch.uint8))
         torch._foreach_copy_(plan.dst, src + plan.pads)
         if shape.mtp:  # activations, not step inputs: a plain device copy moves them fastest
             g.hidden_in[:t].copy_(hidden_in)
