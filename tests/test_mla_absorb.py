@@ -255,27 +255,21 @@ def test_model_with_the_kernels_traces_whole_and_decodes_like_the_torch_products
 _COMPILE_FOR_H100 = SPILL_CHECK + """
 from minidsa.kernels import mla_absorb
 sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "rope_ptr": "*bf16", "cos_ptr": "*fp32",
-       "sin_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "lse_ptr": "*fp32", "T": "i32", "K": "i32",
-       "N": "i32", "ROPE": "i32", "num_splits": "i32", "stride_at": "i32", "stride_ah": "i32", "stride_ak": "i32",
-       "stride_as": "i32", "stride_bh": "i32", "stride_bk": "i32", "stride_bn": "i32", "stride_ot": "i32",
-       "stride_oh": "i32", "stride_rt": "i32", "stride_rh": "i32", "stride_ct": "i32", "stride_qt": "i32",
-       "stride_st": "i32", "stride_sg": "i32", "stride_lt": "i32", "stride_ls": "i32", "BLOCK_T": "constexpr",
+       "sin_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "T": "i32", "K": "i32", "N": "i32", "ROPE": "i32",
+       "stride_at": "i32", "stride_ah": "i32", "stride_ak": "i32", "stride_bh": "i32", "stride_bk": "i32",
+       "stride_bn": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_rt": "i32", "stride_rh": "i32",
+       "stride_ct": "i32", "stride_qt": "i32", "stride_st": "i32", "stride_sg": "i32", "BLOCK_T": "constexpr",
        "BLOCK_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_R": "constexpr", "HAS_ROPE": "constexpr",
-       "QUANT": "constexpr", "SPLITS": "constexpr", "PRECISION": "constexpr", "EMULATE_CAST": "constexpr",
-       "PDL": "constexpr"}
-# absorb_q's tiles (with the query rope), absorb_o's, and absorb_o's quantising its output (1 to 64 tokens); absorb_o
-# merging the attention's splits as it loads them, with and without quantising (16 splits: what sparse MLA picks at
-# one token; 2-4 at 16-64 tokens)
-cases = [(True, False, 1, 0), (False, False, 1, 0), (False, True, 1, 0), (False, True, 32, 0), (False, True, 64, 0)]
-cases += [(False, quant, tokens, splits) for quant in (False, True)
-          for tokens, splits in ((1, 16), (16, 4), (32, 2), (32, 4), (64, 2))]
-for q_side, quant, tokens, splits in cases:
-    t = mla_absorb._tiles(tokens, 128, 128 if q_side else 512, 512 if q_side else 128, not q_side, quant, splits > 0)
-    src = ASTSource(mla_absorb._head_matmul_kernel, dict(sig, a_ptr="*fp32" if splits else "*bf16"), constexprs={
+       "QUANT": "constexpr", "PRECISION": "constexpr", "EMULATE_CAST": "constexpr", "PDL": "constexpr"}
+# absorb_q's tiles (with the query rope), absorb_o's, and absorb_o's quantising its output (1 to 64 tokens)
+for q_side, quant, tokens in ((True, False, 1), (False, False, 1), (False, True, 1), (False, True, 32),
+                              (False, True, 64)):
+    t = mla_absorb._tiles(tokens, 128, 128 if q_side else 512, 512 if q_side else 128, not q_side, quant)
+    src = ASTSource(mla_absorb._head_matmul_kernel, sig, constexprs={
         "BLOCK_T": t.block_t, "BLOCK_K": t.block_k, "BLOCK_N": t.block_n, "BLOCK_R": 64, "HAS_ROPE": q_side,
-        "QUANT": quant, "SPLITS": splits, "PRECISION": "tf32", "EMULATE_CAST": False, "PDL": True})
+        "QUANT": quant, "PRECISION": "tf32", "EMULATE_CAST": False, "PDL": True})
     options = {"num_stages": t.num_stages, "enable_fp_fusion": not q_side}
-    if quant or splits:
+    if quant:
         compile_without_spills(src, t.num_warps, **options)
     else:
         assert triton.compile(src, target=target, options={"num_warps": t.num_warps, **options}).asm["cubin"]
@@ -285,135 +279,7 @@ print("compiled")
 
 def test_head_matmul_kernel_compiles_for_h100():
     """Both products' tiles compiled for sm_90 without a GPU: what only Triton's compiler refuses fails here; the
-    quantising absorb_o's with no register spills by ptxas's count at 1, 32 and 64 tokens, and absorb_o's merging
-    sparse MLA's splits as it loads them, quantising or not, neither."""
+    quantising absorb_o's with no register spills by ptxas's count at 1, 32 and 64 tokens."""
     from triton_interp import compile_for_h100
 
     compile_for_h100(_COMPILE_FOR_H100, "_head_matmul_kernel")
-
-
-def _merge_then_absorb(part, lse, o_dtype, w_uv, quant):
-    """The two-launch path this replaces: `sparse_mla.merge_splits` into o_latent (rounded to its dtype), then
-    absorb_o reading it."""
-    from minidsa.kernels import sparse_mla as sparse_mla_mod
-
-    o_latent = sparse_mla_mod.merge_splits(part, lse, torch.empty(*part.shape[:2], part.shape[3], dtype=o_dtype))
-    return mla_absorb.absorb_o_quant(o_latent, w_uv) if quant else (mla_absorb.absorb_o(o_latent, w_uv),)
-
-
-@in_this_process
-@pytest.mark.parametrize("num_splits", [1, 3, 16])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("quant", [False, True])
-def test_absorb_o_merging_splits_equals_merge_then_absorb(num_splits, dtype, quant):
-    """Partials handed in unmerged (`sparse_mla_partials`): every output bit as the merge kernel then absorb_o
-    (the merge's max and weight sum over the padded split axis, its weighted sum split after split, one rounding
-    to the serving dtype). Splits that saw no key (-inf), a row with none at all, 3 token rows in a 16-row tile."""
-    g = torch.Generator().manual_seed(num_splits)
-    tokens, heads, latent, v = 3, 2, 64, 128
-    part = torch.randn(tokens, heads, num_splits, latent, generator=g)
-    lse = torch.randn(tokens, num_splits, heads, generator=g) * 8
-    lse[0, -1, 0] = float("-inf")
-    lse[2, :, 1] = float("-inf")
-    part[2, 1] = 0.0  # as the attention leaves a head that saw no key
-    w_uv = (torch.randn(heads, v, latent, generator=g) * latent**-0.5).to(dtype)
-    o_latent = torch.empty(tokens, heads, latent, dtype=dtype)  # unwritten: only its shape and dtype are read
-    with torch_rounded_casts():
-        want = _merge_then_absorb(part, lse, dtype, w_uv, quant)
-        if quant:
-            got = torch.ops.minidsa.absorb_o_quant(o_latent, w_uv, False, part, lse)
-        else:
-            got = (torch.ops.minidsa.absorb_o(o_latent, w_uv, part, lse),)
-    for a, b in zip(got, want):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    assert (got[0][2, v:] == 0).all()
-
-
-@in_this_process
-@pytest.mark.parametrize("quant", [False, True])
-def test_sparse_mla_partials_through_absorb_o_equal_the_merged_attention(quant):
-    """The attention op's partials (3 splits, the last of 6 keys; 16 splits) through absorb_o give the bits of the
-    merged attention output through absorb_o; unsplit, the op hands back out itself with zero splits."""
-    from minidsa.kernels import sparse_mla as sparse_mla_mod
-
-    g = torch.Generator().manual_seed(5)
-    heads, latent, v = 16, 32, 128
-    w_uv = (torch.randn(heads, v, latent, generator=g) * latent**-0.5).bfloat16()
-    for tokens, k, num_splits, want_splits in ((2, 70, 3, 3), (1, 256, 16, 16), (2, 70, 1, 0)):
-        q = torch.randn(tokens, heads, latent + 16, generator=g).bfloat16()
-        cache = torch.randn(300, latent + 16, generator=g).bfloat16()
-        topk = torch.randint(0, 300, (tokens, k), generator=g, dtype=torch.int32)
-        topk[0, 40:] = -1
-        args = (q, cache, topk, 0.25, latent, num_splits, (16, 16, 4, 1))
-        with torch_rounded_casts():
-            out, part, lse = sparse_mla_mod.sparse_mla_partials(*args)
-            assert part.shape == (tokens, heads, want_splits, latent) and lse.shape == (tokens, want_splits, heads)
-            merged = sparse_mla_mod.sparse_mla(*args)
-            if quant:
-                got, want = mla_absorb.absorb_o_quant(out, w_uv, splits=(part, lse)), mla_absorb.absorb_o_quant(merged,
-                                                                                                            w_uv)
-            else:
-                got, want = (mla_absorb.absorb_o(out, w_uv, splits=(part, lse)),), (mla_absorb.absorb_o(merged, w_uv),)
-        for a, b in zip(got, want):
-            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
-@in_this_process
-def test_splits_of_the_wrong_shape_are_refused():
-    o_latent = torch.empty(2, 3, 64)
-    w_uv = torch.randn(3, 128, 64)
-    part, lse = torch.randn(2, 3, 4, 64), torch.randn(2, 4, 3)
-    with pytest.raises(ValueError, match="partials"):
-        mla_absorb.absorb_o(o_latent, w_uv, splits=(part[:, :, :, :32], lse))
-    with pytest.raises(ValueError, match="partials"):
-        mla_absorb.absorb_o_quant(o_latent, w_uv, splits=(part, lse.transpose(1, 2).contiguous().transpose(1, 2)))
-    with pytest.raises(ValueError, match="partials"):
-        mla_absorb.absorb_o(o_latent, w_uv, splits=(part.double(), lse))
-
-
-@in_this_process
-def test_decode_layer_merges_the_attention_splits_in_absorb_o(monkeypatch):
-    """A decode step of the tiny model with the Triton sparse MLA and absorb kernels, its top-k split in 2: no
-    layer launches the merge kernel (`_combine_kernel`), each launches the absorb kernel twice (W_UK, W_UV), and
-    the logits are those of the merged path (the merge kernel, then absorb_o) bit for bit."""
-    import functools
-
-    import op_census
-    from harness import PagedDriver
-
-    from minidsa.attention.select import KernelChoice
-    from minidsa.exec.batch import ForwardBatch
-    from minidsa.kernels import sparse_mla as sparse_mla_mod
-    from minidsa.models.deepseek_v32 import call_layer
-    from minidsa.sched.plan import StepKind
-
-    real = sparse_mla_mod.sparse_mla_partials
-    monkeypatch.setattr(sparse_mla_mod, "sparse_mla_partials", functools.partial(real, num_splits=2,
-                                                                                 config=(16, 16, 4, 1)))
-    model, cfg = _tiny_model("triton")
-    d = PagedDriver(model, cfg, page_size=1, max_len=64, dtype=torch.bfloat16,
-                    kernels=KernelChoice(sparse_mla="triton"))
-    d.add(list(range(3, 3 + 40)), reserve=4)
-    with torch_rounded_casts():
-        d.prefill([0])
-    row = d.reqs[0]["row"]
-    decode = ForwardBatch.build(StepKind.DECODE, [7], [row], [40], [1], d.table.req_to_token[row, 40:41].long(), "cpu")
-    census = op_census.OpCensus()
-    with torch.no_grad(), torch_rounded_casts(), census.triton_launches(), census:
-        logits = model.forward(decode, d.attn, run_layer=census.counting_layers(call_layer)).logits
-    layers = sorted(p for p in census.ops if p.startswith("layer"))
-    assert layers and all(census.ops[p]["triton:_sparse_mla_kernel"] == 1 for p in layers), census.describe()
-    assert all(census.ops[p].get("triton:_combine_kernel", 0) == 0 for p in layers), census.describe()
-    assert all(census.ops[p]["triton:_head_matmul_kernel"] == 2 for p in layers), census.describe()
-    assert "triton:_combine_kernel" not in census.ops["outside"]
-
-    def merged(*args):  # the two-launch path: merge kernel, absorb_o reading its output
-        out, part, lse = real(*args, num_splits=2, config=(16, 16, 4, 1))
-        assert part.shape[2] == 2
-        return (sparse_mla_mod.merge_splits(part, lse, out), *ref.no_splits(out))
-
-    monkeypatch.setattr(sparse_mla_mod, "sparse_mla_partials", merged)
-    with torch.no_grad(), torch_rounded_casts():
-        want = model.forward(decode, d.attn).logits
-    assert torch.equal(logits, want)
-    d.release_all()

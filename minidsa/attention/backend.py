@@ -75,9 +75,6 @@ class DSAOps:
     index_metadata: Callable[..., tuple[torch.Tensor, tuple | None]]
     topk: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (logits, topk, req_to_token, token_rows)
     sparse_mla: Callable[..., torch.Tensor]  # (q, kv_cache, topk_slots, sm_scale, v_dim)
-    # the same -> (out, part, lse): the top-k's splits unmerged where the kernel split it, for the absorbed output
-    # projection to merge (`kernels.sparse_mla.sparse_mla_partials`); otherwise out with zero splits
-    sparse_mla_partials: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     # (mla_buffer, index_buffer, src, dst, page_size, index_head_dim): every layer of both whole-model buffers
     kv_move: Callable[..., None]
 
@@ -120,11 +117,11 @@ def bind_ops(choice: KernelChoice, libraries: Libraries | None = None, page_size
     # The ops serve shapes their kernels cannot take themselves (opaque: a compiled layer never traces the
     # reference's per-query-block loop, which would guard on the token count).
     if choice.sparse_mla == "flashmla":
-        sparse_mla, sparse_mla_partials = ops.flashmla_sparse_mla, ops.flashmla_sparse_mla_partials
+        sparse_mla = ops.flashmla_sparse_mla
     elif choice.sparse_mla == "triton":
-        sparse_mla, sparse_mla_partials = ops.sparse_mla, ops.sparse_mla_partials
+        sparse_mla = ops.sparse_mla
     else:
-        sparse_mla, sparse_mla_partials = ref.sparse_mla, ref.sparse_mla_partials
+        sparse_mla = ref.sparse_mla
     if choice.topk == "triton":  # the Triton select or torch.topk, chosen per shape inside the op
         topk = ops.topk_slots
     elif choice.uses_dsa_kernels:  # MINIDSA_TOPK=torch beside the kernels: torch.topk, gathering only k slots
@@ -140,7 +137,6 @@ def bind_ops(choice: KernelChoice, libraries: Libraries | None = None, page_size
         index_metadata=index_metadata,
         topk=topk,
         sparse_mla=sparse_mla,
-        sparse_mla_partials=sparse_mla_partials,
         kv_move=triton_kv_move if choice.kv_move == "triton" else reference_kv_move,
     )
 
@@ -254,11 +250,6 @@ class DSABackend:
     def sparse_mla(self, layer: LayerCaches, q: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
                    v_dim: int) -> torch.Tensor:
         return self.ops.sparse_mla(q, layer.mla, topk_slots, sm_scale, v_dim)
-
-    def sparse_mla_partials(self, layer: LayerCaches, q: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,
-                            v_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`sparse_mla` as (out, part, lse) for `absorb_o` / `absorb_o_quant` to merge (`DSAOps`)."""
-        return self.ops.sparse_mla_partials(q, layer.mla, topk_slots, sm_scale, v_dim)
 
     def kv_move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's MLA and indexer rows from slots `src` to `dst` (tree compaction)."""

@@ -186,78 +186,21 @@ def _(cache, loc, kv, norm_weight, eps, cos, sin):
     return None  # it only writes the cache
 
 
-def _reference_unless_triton(q: Tensor, kv_cache: Tensor, topk_slots: Tensor, sm_scale: float, v_dim: int
-                             ) -> Optional[Tensor]:
-    """The reference's output for shapes the Triton kernel cannot take (`sparse_mla.triton_unsupported`), else None."""
-    why_not = sparse_mla_mod.triton_unsupported(q.shape[1], q.shape[2], v_dim, q.dtype)
-    if why_not is None:
-        return None
-    _warn_once(f"DSA sparse MLA: torch reference ({why_not})")
-    return reference.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
-
-
-def _flashmla(q: Tensor, kv_cache: Tensor, topk_slots: Tensor, sm_scale: float, v_dim: int) -> Optional[Tensor]:
-    """FlashMLA's output where it takes the shape and is measured faster, else None (the Triton kernel serves)."""
-    why_not = flashmla.unsupported(q, kv_cache, topk_slots.shape[1], v_dim)
-    if why_not is not None:
-        _warn_once(f"DSA sparse MLA: Triton kernel serves this shape (FlashMLA cannot: {why_not})")
-    elif flashmla.flashmla_wins(q.shape[0], q.shape[1], kv_cache.dtype == torch.uint8, q.device):
-        try:
-            return flashmla.sparse_mla(flashmla.library(), q, kv_cache, topk_slots, sm_scale, v_dim)
-        except LibraryCallFailed as e:
-            _error_once(f"FlashMLA {e}; the Triton sparse MLA kernel serves each call it fails")
-    return None
-
-
-def _triton_partials(q: Tensor, kv_cache: Tensor, topk_slots: Tensor, sm_scale: float, v_dim: int
-                     ) -> tuple[Tensor, Tensor, Tensor]:
-    """`sparse_mla.sparse_mla_partials`, merged here unless the absorbed output projection's kernel, which merges
-    them as it loads them, takes this many tokens."""
-    out, part, lse = sparse_mla_mod.sparse_mla_partials(q, kv_cache, topk_slots, sm_scale, v_dim)
-    if part.shape[2] and not _absorb_by_kernel(q.shape[0]):
-        return (sparse_mla_mod.merge_splits(part, lse, out), *reference.no_splits(out))
-    return out, part, lse
-
-
 @torch.library.custom_op("minidsa::sparse_mla", mutates_args=())
 def sparse_mla(q: Tensor, kv_cache: Tensor, topk_slots: Tensor, sm_scale: float, v_dim: int) -> Tensor:
     """The Triton kernel, or the reference for shapes it cannot take (`sparse_mla.triton_unsupported`): chosen
     here, inside the opaque op, so a compiled layer never traces the reference's per-query-block loop (which
     would guard on the token count and compile again for every 256 more tokens)."""
-    out = _reference_unless_triton(q, kv_cache, topk_slots, sm_scale, v_dim)
-    return sparse_mla_mod.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim) if out is None else out
+    why_not = sparse_mla_mod.triton_unsupported(q.shape[1], q.shape[2], v_dim, q.dtype)
+    if why_not is not None:
+        _warn_once(f"DSA sparse MLA: torch reference ({why_not})")
+        return reference.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
+    return sparse_mla_mod.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
 
 
 @sparse_mla.register_fake
 def _(q, kv_cache, topk_slots, sm_scale, v_dim):
     return q.new_empty(q.shape[0], q.shape[1], v_dim)
-
-
-@torch.library.custom_op("minidsa::sparse_mla_partials", mutates_args=())
-def sparse_mla_partials(q: Tensor, kv_cache: Tensor, topk_slots: Tensor, sm_scale: float, v_dim: int
-                        ) -> tuple[Tensor, Tensor, Tensor]:
-    """`sparse_mla` for the absorbed output projection (`absorb_o` / `absorb_o_quant` given part and lse):
-    (out, part, lse) as `sparse_mla.sparse_mla_partials` makes them, i.e. with the top-k split (decode sizes)
-    the splits' partials unmerged, which saves the merge's launch; merged into out (zero splits) where the
-    projection's kernel does not serve the token count."""
-    out = _reference_unless_triton(q, kv_cache, topk_slots, sm_scale, v_dim)
-    if out is not None:
-        return (out, *reference.no_splits(out))
-    return _triton_partials(q, kv_cache, topk_slots, sm_scale, v_dim)
-
-
-def _partials_fake(q: Tensor, v_dim: int) -> tuple[Tensor, Tensor, Tensor]:
-    # How many splits is a pure function of concrete sizes (and the SM count): unknown while tracing.
-    num_tokens, num_heads = q.shape[0], q.shape[1]
-    splits = torch.library.get_ctx().new_dynamic_size()
-    return (q.new_empty(num_tokens, num_heads, v_dim), q.new_empty(num_tokens, num_heads, splits, v_dim,
-                                                                     dtype=torch.float32),
-            q.new_empty(num_tokens, splits, num_heads, dtype=torch.float32))
-
-
-@sparse_mla_partials.register_fake
-def _(q, kv_cache, topk_slots, sm_scale, v_dim):
-    return _partials_fake(q, v_dim)
 
 
 @torch.library.custom_op("minidsa::flashmla_sparse_mla", mutates_args=())
@@ -266,33 +209,24 @@ def flashmla_sparse_mla(q: Tensor, kv_cache: Tensor, topk_slots: Tensor, sm_scal
     (bf16 cache, from one wave of its CTAs) on the concrete shape, else the Triton kernel; Triton too when
     FlashMLA cannot take the shape (heads per rank, dims, dtype, top-k), and for a call it fails (the reference
     for shapes neither takes)."""
-    out = _reference_unless_triton(q, kv_cache, topk_slots, sm_scale, v_dim)
-    if out is None:
-        out = _flashmla(q, kv_cache, topk_slots, sm_scale, v_dim)
-    return sparse_mla_mod.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim) if out is None else out
+    why_not = sparse_mla_mod.triton_unsupported(q.shape[1], q.shape[2], v_dim, q.dtype)
+    if why_not is not None:
+        _warn_once(f"DSA sparse MLA: torch reference ({why_not})")
+        return reference.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
+    why_not = flashmla.unsupported(q, kv_cache, topk_slots.shape[1], v_dim)
+    if why_not is not None:
+        _warn_once(f"DSA sparse MLA: Triton kernel serves this shape (FlashMLA cannot: {why_not})")
+    elif flashmla.flashmla_wins(q.shape[0], q.shape[1], kv_cache.dtype == torch.uint8, q.device):
+        try:
+            return flashmla.sparse_mla(flashmla.library(), q, kv_cache, topk_slots, sm_scale, v_dim)
+        except LibraryCallFailed as e:
+            _error_once(f"FlashMLA {e}; the Triton sparse MLA kernel serves each call it fails")
+    return sparse_mla_mod.sparse_mla(q, kv_cache, topk_slots, sm_scale, v_dim)
 
 
 @flashmla_sparse_mla.register_fake
 def _(q, kv_cache, topk_slots, sm_scale, v_dim):
     return q.new_empty(q.shape[0], q.shape[1], v_dim)
-
-
-@torch.library.custom_op("minidsa::flashmla_sparse_mla_partials", mutates_args=())
-def flashmla_sparse_mla_partials(q: Tensor, kv_cache: Tensor, topk_slots: Tensor, sm_scale: float, v_dim: int
-                                 ) -> tuple[Tensor, Tensor, Tensor]:
-    """`flashmla_sparse_mla` as `sparse_mla_partials` hands it back: FlashMLA's (or the reference's) merged
-    output with zero splits, the Triton kernel's as `sparse_mla_partials` returns it."""
-    out = _reference_unless_triton(q, kv_cache, topk_slots, sm_scale, v_dim)
-    if out is None:
-        out = _flashmla(q, kv_cache, topk_slots, sm_scale, v_dim)
-    if out is not None:
-        return (out, *reference.no_splits(out))
-    return _triton_partials(q, kv_cache, topk_slots, sm_scale, v_dim)
-
-
-@flashmla_sparse_mla_partials.register_fake
-def _(q, kv_cache, topk_slots, sm_scale, v_dim):
-    return _partials_fake(q, v_dim)
 
 
 @torch.library.custom_op("minidsa::kv_move", mutates_args=("mla_buffer", "index_buffer"))
@@ -460,36 +394,26 @@ def _(q_nope, q_rope, w_uk, cos, sin):
     return q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uk.shape[2] + q_rope.shape[2])
 
 
-def _splits(part: Optional[Tensor], lse: Optional[Tensor]) -> Optional[tuple[Tensor, Tensor]]:
-    """(part, lse) of at least one split, whose merge o_latent is, unwritten (`sparse_mla_partials`), or None."""
-    return None if part is None or lse is None or part.shape[2] == 0 else (part, lse)
-
-
 @torch.library.custom_op("minidsa::absorb_o", mutates_args=())
-def absorb_o(o_latent: Tensor, w_uv: Tensor, part: Optional[Tensor] = None, lse: Optional[Tensor] = None) -> Tensor:
-    """MLA's per-head output [T, H * v] from the latent one (`mla_absorb.absorb_o_reference`), as `absorb_q` picks.
-    (part, lse): `sparse_mla_partials`' splits; with any, o_latent is their merge, which the kernel makes as it
-    loads it (it serves every token count then; the attention op hands splits back only at decode sizes)."""
-    splits = _splits(part, lse)
-    if _absorb_by_kernel(o_latent.shape[0]) or splits is not None:
-        return mla_absorb.absorb_o(o_latent, w_uv, splits=splits)
+def absorb_o(o_latent: Tensor, w_uv: Tensor) -> Tensor:
+    """MLA's per-head output [T, H * v] from the latent one (`mla_absorb.absorb_o_reference`), as `absorb_q` picks."""
+    if _absorb_by_kernel(o_latent.shape[0]):
+        return mla_absorb.absorb_o(o_latent, w_uv)
     return mla_absorb.absorb_o_reference(o_latent, w_uv)
 
 
 @absorb_o.register_fake
-def _(o_latent, w_uv, part=None, lse=None):
+def _(o_latent, w_uv):
     return o_latent.new_empty(o_latent.shape[0], o_latent.shape[1] * w_uv.shape[1])
 
 
 @torch.library.custom_op("minidsa::absorb_o_quant", mutates_args=())
-def absorb_o_quant(o_latent: Tensor, w_uv: Tensor, deep_gemm_layout: bool, part: Optional[Tensor] = None,
-                   lse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+def absorb_o_quant(o_latent: Tensor, w_uv: Tensor, deep_gemm_layout: bool) -> tuple[Tensor, Tensor, Tensor]:
     """`absorb_o` and o_proj's FP8 input quantised from it (`mla_absorb.absorb_o_quant_reference`: e4m3 + fp32
     scales in `fp8_gemm.act_buffers`' layout): at decode sizes in the same launch, above them the reference bmm and
-    one quantisation launch (the one o_proj's GEMM would make there). (part, lse): as `absorb_o` takes them."""
-    splits = _splits(part, lse)
-    if _absorb_by_kernel(o_latent.shape[0]) or splits is not None:
-        return mla_absorb.absorb_o_quant(o_latent, w_uv, deep_gemm_layout, splits=splits)
+    one quantisation launch (the one o_proj's GEMM would make there)."""
+    if _absorb_by_kernel(o_latent.shape[0]):
+        return mla_absorb.absorb_o_quant(o_latent, w_uv, deep_gemm_layout)
     o = mla_absorb.absorb_o_reference(o_latent, w_uv)
     q, scales = fp8_gemm_mod.act_buffers(o.shape[0], o.shape[1], o.device, deep_gemm_layout)
     if o.shape[0]:
@@ -498,7 +422,7 @@ def absorb_o_quant(o_latent: Tensor, w_uv: Tensor, deep_gemm_layout: bool, part:
 
 
 @absorb_o_quant.register_fake
-def _(o_latent, w_uv, deep_gemm_layout, part=None, lse=None):
+def _(o_latent, w_uv, deep_gemm_layout):
     num_tokens, width = o_latent.shape[0], o_latent.shape[1] * w_uv.shape[1]
     return (o_latent.new_empty(num_tokens, width),
             *fp8_gemm_mod.act_buffers(num_tokens, width, o_latent.device, deep_gemm_layout))

@@ -79,22 +79,17 @@ def absorb_o_quant_reference(o_latent: torch.Tensor, w_uv: torch.Tensor, deep_ge
 
 @triton.jit
 def _head_matmul_kernel(
-    a_ptr, b_ptr, out_ptr, rope_ptr, cos_ptr, sin_ptr, q_ptr, s_ptr, lse_ptr, T, K, N, ROPE, num_splits,
-    stride_at, stride_ah, stride_ak, stride_as, stride_bh, stride_bk, stride_bn, stride_ot, stride_oh, stride_rt,
-    stride_rh, stride_ct, stride_qt, stride_st, stride_sg, stride_lt, stride_ls,
+    a_ptr, b_ptr, out_ptr, rope_ptr, cos_ptr, sin_ptr, q_ptr, s_ptr, T, K, N, ROPE,
+    stride_at, stride_ah, stride_ak, stride_bh, stride_bk, stride_bn, stride_ot, stride_oh, stride_rt, stride_rh,
+    stride_ct, stride_qt, stride_st, stride_sg,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    HAS_ROPE: tl.constexpr, QUANT: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    EMULATE_CAST: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_ROPE: tl.constexpr, QUANT: tl.constexpr, PRECISION: tl.constexpr, EMULATE_CAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # out[t, h, n] = sum_k a[t, h, k] * b[h, k, n]; with HAS_ROPE, out[t, h, N:] = rope_interleaved(rope[t, h])
     # too. QUANT (N and BLOCK_N multiples of 128: the program's columns are whole quantisation groups of the flat
     # [T, H * N] row): out quantised per token per 128 columns too, e4m3 into q (row stride stride_qt, head stride
     # N) and fp32 scales into s (group (h * N + column) / 128).
-    # SPLITS (num_splits rounded up to a power of two; 0: a is the input itself): a[t, h] is the merge of the
-    # num_splits fp32 partials at a + split * stride_as by their log2-sum-exps lse[t, split, h] (lse_ptr, head
-    # stride 1), rounded to b's dtype, as `sparse_mla.merge_splits` would have stored it: the same operations in
-    # the same order (the max and the weights' sum as reductions over the padded split axis, then the weighted
-    # partials one split after another), so the product's bits do not depend on who merged.
     wait_for_producers(PDL)
     h = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
@@ -110,32 +105,12 @@ def _head_matmul_kernel(
         rows = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
         t_ok = rows < T
         acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
-        if SPLITS > 0:
-            lse_rows = lse_ptr + rows * stride_lt + h
-            splits = tl.arange(0, SPLITS)
-            s_ok = splits < num_splits
-            lse = tl.load(lse_rows[:, None] + splits[None, :] * stride_ls, mask=t_ok[:, None] & s_ok[None, :],
-                          other=float("-inf"))
-            mx = tl.max(lse, axis=1)
-            mx = tl.where(mx > float("-inf"), mx, 0.0)
-            total = tl.sum(tl.where(s_ok[None, :] & (lse > float("-inf")), tl.exp2(lse - mx[:, None]), 0.0), axis=1)
-            total = tl.where(total > 0, total, 1.0)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + offs_k
             k_ok = ks < K
-            a_tile = a_head + rows[:, None] * stride_at + ks[None, :] * stride_ak
-            a_ok = t_ok[:, None] & k_ok[None, :]
+            a = tl.load(a_head + rows[:, None] * stride_at + ks[None, :] * stride_ak,
+                        mask=t_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_head + ks[:, None] * stride_bk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if SPLITS > 0:
-                merged = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
-                for sp in range(0, num_splits):
-                    # each split's weight again from its lse: cheaper than holding [BLOCK_T, SPLITS] weights
-                    x = tl.load(lse_rows + sp * stride_ls, mask=t_ok, other=float("-inf"))
-                    w = tl.where(x > float("-inf"), tl.exp2(x - mx), 0.0) / total
-                    merged += tl.load(a_tile + sp * stride_as, mask=a_ok, other=0.0) * w[:, None]
-                a = merged.to(b.dtype)
-            else:
-                a = tl.load(a_tile, mask=a_ok, other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         o = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_head + rows[:, None] * stride_ot + offs_n[None, :], o, mask=t_ok[:, None] & n_ok[None, :])
@@ -166,25 +141,19 @@ class Tiles:
     num_stages: int
 
 
-def _tiles(num_tokens: int, num_heads: int, k: int, n: int, k_contiguous: bool, quant: bool = False,
-           merge: bool = False) -> Tiles:
+def _tiles(num_tokens: int, num_heads: int, k: int, n: int, k_contiguous: bool, quant: bool = False) -> Tiles:
     """Tiles for one product. The token rows are one block up to MAX_TOKENS. Measured on an H100 at 64 and 128
     heads, 1 and 32 tokens (each choice within 3% of the best of 81 there): W_UK ([nope, L] per head, L
     contiguous) in 64 columns x 32 rows per step, 2 warps; W_UV ([L, v] per head, L contiguous) in 32 columns x
     128 rows per step, 4 warps; both 3 stages deep. At 16 and 32 heads (tensor parallel) within 15%.
     `quant` (absorb_o quantising its output): 128 columns a program, one whole quantisation group (its amax), 64
     rows per step; 4 warps up to 16 tokens, 8 above (ptxas: 152, 196 and 232 registers at 16, 32 and 64 token rows,
-    no spills; 4 warps spill at 64). Not measured yet.
-    `merge` (the input merged from sparse MLA's splits as it is loaded): K steps of at most 2048 / rows, the merged
-    fp32 tile's size at one token; ptxas spilled at 32 token rows (absorb_o, 2 splits) and 64 (quantising) with the
-    steps above. Not measured yet."""
+    no spills; 4 warps spill at 64). Not measured yet."""
     block_t = max(16, min(MAX_TOKENS, triton.next_power_of_2(num_tokens)))
-    max_k = 2048 // block_t if merge else 128
     if quant:
-        return Tiles(block_t, max(16, min(64, max_k, triton.next_power_of_2(k))), FP8_BLOCK,
-                     4 if block_t <= 16 else 8, 3)
+        return Tiles(block_t, max(16, min(64, triton.next_power_of_2(k))), FP8_BLOCK, 4 if block_t <= 16 else 8, 3)
     block_n, block_k, num_warps = (32, 128, 4) if k_contiguous else (64, 32, 2)
-    return Tiles(block_t, max(16, min(block_k, max_k, triton.next_power_of_2(k))),
+    return Tiles(block_t, max(16, min(block_k, triton.next_power_of_2(k))),
                  max(16, min(block_n, triton.next_power_of_2(n))), num_warps, num_stages=3)
 
 
@@ -201,28 +170,15 @@ def _check_weight(name: str, a: torch.Tensor, w: torch.Tensor, k_dim: int) -> No
         raise ValueError(f"{name}: input on {a.device}, weight on {w.device}")
 
 
-def _check_splits(name: str, o_latent: torch.Tensor, splits: tuple[torch.Tensor, torch.Tensor]) -> None:
-    part, lse = splits
-    num_tokens, num_heads, k = o_latent.shape
-    if (part.dim() != 4 or part.shape[:2] != (num_tokens, num_heads) or part.shape[3] != k
-            or lse.shape != (num_tokens, part.shape[2], num_heads) or lse.stride(2) != 1
-            or part.dtype != torch.float32 or lse.dtype != torch.float32):
-        raise ValueError(f"{name}: splits {tuple(part.shape)} {part.dtype} / {tuple(lse.shape)} {lse.dtype} are not "
-                         f"fp32 [T, H, S, K] / [T, S, H] (head stride 1) partials of {tuple(o_latent.shape)}")
-
-
 def _launch(a: torch.Tensor, b_strides: tuple[int, int, int], w: torch.Tensor, out: torch.Tensor,
             out_strides: tuple[int, int], n: int, k_contiguous: bool,
             rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, tiles: Tiles | None,
-            quant: tuple[torch.Tensor, torch.Tensor] | None = None,
-            splits: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """`rope`: (q_rope, cos, sin), rotated into out[..., n:]. `quant`: (e4m3, scales) out is quantised into.
-    `splits`: (part, lse) whose merge a is (`_check_splits`); zero splits: a itself."""
+            quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """`rope`: (q_rope, cos, sin), rotated into out[..., n:]. `quant`: (e4m3, scales) out is quantised into."""
     num_tokens, num_heads, k = a.shape
     if num_tokens == 0:
         return
-    num_splits = 0 if splits is None else splits[0].shape[2]
-    t = tiles or _tiles(num_tokens, num_heads, k, n, k_contiguous, quant is not None, num_splits > 0)
+    t = tiles or _tiles(num_tokens, num_heads, k, n, k_contiguous, quant is not None)
     if quant is not None and (t.block_n % FP8_BLOCK or n % t.block_n):
         raise ValueError(f"_head_matmul_kernel: quantising needs whole 128-column groups in a tile, got {t.block_n} "
                          f"of {n} columns")
@@ -238,21 +194,15 @@ def _launch(a: torch.Tensor, b_strides: tuple[int, int, int], w: torch.Tensor, o
             cos, sin = cos.contiguous(), sin.contiguous()
         rope_dim, rope_args = q_rope.shape[2], (q_rope, cos, sin)
         rope_strides = (q_rope.stride(0), q_rope.stride(1), cos.stride(0))
-    if num_splits:
-        part, lse = splits
-        a_args = (part, part.stride(0), part.stride(1), part.stride(3), part.stride(2))
-        lse_args = (lse, lse.stride(0), lse.stride(1))
-    else:
-        a_args, lse_args = (a, a.stride(0), a.stride(1), a.stride(2), 0), (a, 0, 0)
     # fp32 inputs: no TF32 rounding, as cuBLAS's fp32 bmm (torch's default) does not round either.
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     _head_matmul_kernel[(num_heads, triton.cdiv(n, t.block_n))](
-        a_args[0], w, out, *rope_args, q, scales, lse_args[0], num_tokens, k, n, rope_dim, num_splits,
-        *a_args[1:], *b_strides, *out_strides, *rope_strides, *quant_strides, *lse_args[1:],
+        a, w, out, *rope_args, q, scales, num_tokens, k, n, rope_dim,
+        a.stride(0), a.stride(1), a.stride(2), *b_strides, *out_strides, *rope_strides, *quant_strides,
         BLOCK_T=t.block_t, BLOCK_K=t.block_k, BLOCK_N=t.block_n,
         BLOCK_R=triton.next_power_of_2(max(rope_dim, 1)), HAS_ROPE=rope is not None, QUANT=quant is not None,
-        SPLITS=triton.next_power_of_2(num_splits) if num_splits else 0, PRECISION=precision,
-        EMULATE_CAST=EMULATE_CAST, num_warps=t.num_warps, num_stages=t.num_stages,
+        PRECISION=precision, EMULATE_CAST=EMULATE_CAST,
+        num_warps=t.num_warps, num_stages=t.num_stages,
         enable_fp_fusion=rope is None, **pdl_launch(a.device),  # the rope as torch rounds it (kernels/rope.py)
     )
 
@@ -275,20 +225,15 @@ def absorb_q(q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor, cos
     return out
 
 
-def absorb_o(o_latent: torch.Tensor, w_uv: torch.Tensor, tiles: Tiles | None = None,
-             splits: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """`absorb_o_reference` in one launch, for any token count; views of any strides. `splits`: (part, lse) as
-    `sparse_mla.sparse_mla_partials` hands them back; with one split or more, o_latent (its shape and dtype
-    only: unwritten) is their `sparse_mla.merge_splits`, which the launch makes as it loads it."""
+def absorb_o(o_latent: torch.Tensor, w_uv: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
+    """`absorb_o_reference` in one launch, for any token count; views of any strides."""
     _check_weight("absorb_o", o_latent, w_uv, 2)
-    if splits is not None:
-        _check_splits("absorb_o", o_latent, splits)
     num_tokens, num_heads, _ = o_latent.shape
     v_dim = w_uv.shape[1]
     out = torch.empty(num_tokens, num_heads * v_dim, dtype=o_latent.dtype, device=o_latent.device)
     # W_UV^T per head: K (the latent) along w_uv's dim 2, N (v) along its dim 1.
     _launch(o_latent, (w_uv.stride(0), w_uv.stride(2), w_uv.stride(1)), w_uv, out, (out.stride(0), v_dim),
-            v_dim, w_uv.stride(2) == 1, None, tiles, splits=splits)
+            v_dim, w_uv.stride(2) == 1, None, tiles)
     return out
 
 
@@ -300,15 +245,12 @@ def quant_unsupported(v_dim: int) -> str | None:
 
 
 def absorb_o_quant(o_latent: torch.Tensor, w_uv: torch.Tensor, deep_gemm_layout: bool = False,
-                   tiles: Tiles | None = None, splits: tuple[torch.Tensor, torch.Tensor] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`absorb_o_quant_reference` in one launch: absorb_o's product, and o_proj's FP8 input quantised from it in the
     same program (each head's v outputs are v / 128 whole quantisation groups; a program computes one), so o_proj
     reads it instead of quantising o in a launch of its own (DeepGEMM at every size, the Triton GEMM above 64 rows).
-    Each weight column is still read by one program only. `splits`: as `absorb_o` takes them."""
+    Each weight column is still read by one program only."""
     _check_weight("absorb_o_quant", o_latent, w_uv, 2)
-    if splits is not None:
-        _check_splits("absorb_o_quant", o_latent, splits)
     num_tokens, num_heads, _ = o_latent.shape
     v_dim = w_uv.shape[1]
     why_not = quant_unsupported(v_dim)
@@ -317,5 +259,5 @@ def absorb_o_quant(o_latent: torch.Tensor, w_uv: torch.Tensor, deep_gemm_layout:
     out = torch.empty(num_tokens, num_heads * v_dim, dtype=o_latent.dtype, device=o_latent.device)
     q, scales = act_buffers(num_tokens, num_heads * v_dim, o_latent.device, deep_gemm_layout)
     _launch(o_latent, (w_uv.stride(0), w_uv.stride(2), w_uv.stride(1)), w_uv, out, (out.stride(0), v_dim),
-            v_dim, w_uv.stride(2) == 1, None, tiles, (q, scales), splits)
+            v_dim, w_uv.stride(2) == 1, None, tiles, (q, scales))
     return out, q, scales

@@ -297,21 +297,6 @@ def sparse_mla(
     return out
 
 
-def no_splits(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(part, lse) of zero splits for a sparse MLA output out [T, H, v] that is whole (`sparse_mla_partials`)."""
-    num_tokens, num_heads, v_dim = out.shape
-    return (out.new_empty(num_tokens, num_heads, 0, v_dim, dtype=torch.float32),
-            out.new_empty(num_tokens, 0, num_heads, dtype=torch.float32))
-
-
-def sparse_mla_partials(q: torch.Tensor, kv_cache: torch.Tensor, topk: torch.Tensor, sm_scale: float, v_dim: int
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`sparse_mla` as (out, part, lse), the form `kernels.sparse_mla.sparse_mla_partials` hands back: always
-    merged, so zero splits."""
-    out = sparse_mla(q, kv_cache, topk, sm_scale, v_dim)
-    return (out, *no_splits(out))
-
-
 def kv_move(
     mla_caches: list[torch.Tensor],
     index_caches: list[torch.Tensor | None],

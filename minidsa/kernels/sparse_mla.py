@@ -4,11 +4,8 @@ q [T, H, Dk] (Dk = v_dim + rope, 576 on the real models) against
 kv_cache[topk[t, :]] ([S, Dk], -1 = no key), output [T, H, v_dim] in q's
 dtype. The value is the first v_dim columns of the same cache row, so one
 gathered tile feeds both products. fp32 online softmax (base 2). When T is
-small the top-k axis is split across programs, each leaving an fp32 partial
-result and its log-sum-exp (`sparse_mla_partials`). Their merge is a second
-kernel (`merge_splits`) only where the caller needs the merged output itself:
-at decode the absorbed output projection merges them as it loads them
-(kernels/mla_absorb.py), with this merge's arithmetic.
+small the top-k axis is split across programs and a second kernel merges the
+partial results by their log-sum-exp.
 
 The cache is either in q's dtype or (uint8) the FP8 layout
 (`reference.mla_fp8_views`: e4m3 latent, an fp32 scale per 128 values, bf16
@@ -159,19 +156,6 @@ def launch_config(num_tokens: int, is_fp8: bool) -> tuple[int, int, int, int]:
     return SPARSE_MLA_CONFIG
 
 
-def merge_splits(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out [T, H, v] (its dtype) = the splits' partials part [T, H, S, v] weighted by their log2-sum-exps lse [T, S, H]:
-    w_s = exp2(lse_s - max_s lse_s) / sum_s (...), out = sum_s w_s * part_s. `mla_absorb`'s merging load copies
-    this arithmetic; keep the two the same."""
-    num_tokens, num_heads, num_splits, v_dim = part.shape
-    _combine_kernel[(num_tokens, num_heads)](
-        part, lse, out, num_splits,
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        DV=v_dim, SPLITS=triton.next_power_of_2(num_splits), num_warps=4, **pdl_launch(part.device),
-    )
-    return out
-
-
 def sparse_mla(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -184,23 +168,6 @@ def sparse_mla(
     """q [T, H, Dk] x kv_cache [S, Dk] at topk_slots [T, K] (-1 = none) -> [T, H, v_dim] (q's dtype).
 
     kv_cache: [S, Dk] in q's dtype, or uint8 [S, bytes] in the FP8 layout (latent = v_dim)."""
-    out, part, lse = sparse_mla_partials(q, kv_cache, topk_slots, sm_scale, v_dim, num_splits, config)
-    return merge_splits(part, lse, out) if part.shape[2] else out
-
-
-def sparse_mla_partials(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    topk_slots: torch.Tensor,
-    sm_scale: float,
-    v_dim: int,
-    num_splits: int | None = None,
-    config: tuple[int, int, int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`sparse_mla` without the merge: (out, part, lse). Unsplit, out is the result and part [T, H, 0, v] / lse
-    [T, 0, H] are empty; split in S, out is unwritten and part [T, H, S, v] (fp32, each split's softmax-normalised
-    result) and lse [T, S, H] (fp32 log2-sum-exp, -inf for a split that saw no key) are for `merge_splits` or a
-    consumer that merges them on its own (`mla_absorb.absorb_o(..., splits=(part, lse))`)."""
     num_tokens, num_heads, dk = q.shape
     topk = topk_slots.shape[1]
     rope = dk - v_dim
@@ -217,8 +184,10 @@ def sparse_mla_partials(
     if not is_fp8 and kv_cache.dtype != q.dtype:
         raise ValueError(f"sparse_mla: q is {q.dtype} but the cache is {kv_cache.dtype}")
     out = torch.empty(num_tokens, num_heads, v_dim, dtype=q.dtype, device=q.device)
-    if num_tokens == 0 or topk == 0:
-        return (out.zero_(), *ref.no_splits(out))
+    if num_tokens == 0:
+        return out
+    if topk == 0:
+        return out.zero_()
     q = q if q.stride(2) == 1 else q.contiguous()
     block_h, block_n, num_warps, num_stages = config or launch_config(num_tokens, is_fp8)
     block_h = min(block_h, max(16, triton.next_power_of_2(num_heads)))
@@ -254,7 +223,7 @@ def sparse_mla_partials(
             IS_FP8=is_fp8, GROUP=group,
             num_warps=num_warps, num_stages=num_stages, **pdl_launch(q.device),
         )
-        return (out, *ref.no_splits(out))
+        return out
     part = torch.empty(num_tokens, num_heads, num_splits, v_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(num_tokens, num_splits, num_heads, dtype=torch.float32, device=q.device)
     _sparse_mla_kernel[grid](
@@ -266,4 +235,9 @@ def sparse_mla_partials(
         IS_FP8=is_fp8, GROUP=group,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(q.device),
     )
-    return out, part, lse
+    _combine_kernel[(num_tokens, num_heads)](
+        part, lse, out, num_splits,
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        DV=v_dim, SPLITS=triton.next_power_of_2(num_splits), num_warps=4, **pdl_launch(part.device),
+    )
+    return out

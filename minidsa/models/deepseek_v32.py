@@ -243,19 +243,16 @@ class MLAttention(nn.Module):
             topk = prev_topk
 
         w_uk, w_uv = self._kv_b_halves()
-        if self.absorb != "triton":
-            q_full = mla_absorb.absorb_q_reference(q_nope, q_rope, w_uk, ctx.cos, ctx.sin)
-            o_latent = ctx.attn.sparse_mla(caches, q_full, topk, self.softmax_scale, self.kv_lora_rank)
-            return self.o_proj(mla_absorb.absorb_o_reference(o_latent, w_uv)), topk
-        q_full = torch.ops.minidsa.absorb_q(q_nope, q_rope, w_uk, ctx.cos, ctx.sin)  # [t, h, kv_lora_rank + rope]
-        # The attention's top-k splits unmerged where it split (decode): absorb_o merges them as it loads them,
-        # one launch fewer per layer.
-        o_latent, part, lse = ctx.attn.sparse_mla_partials(caches, q_full, topk, self.softmax_scale,
-                                                           self.kv_lora_rank)
+        if self.absorb == "triton":
+            absorb_q, absorb_o = torch.ops.minidsa.absorb_q, torch.ops.minidsa.absorb_o
+        else:
+            absorb_q, absorb_o = mla_absorb.absorb_q_reference, mla_absorb.absorb_o_reference
+        q_full = absorb_q(q_nope, q_rope, w_uk, ctx.cos, ctx.sin)  # [t, h, kv_lora_rank + rope]
+        o_latent = ctx.attn.sparse_mla(caches, q_full, topk, self.softmax_scale, self.kv_lora_rank)
         if self.quantizes_o:
-            o, o_q, o_scales = torch.ops.minidsa.absorb_o_quant(o_latent, w_uv, self.o_quant_for_deep_gemm, part, lse)
+            o, o_q, o_scales = torch.ops.minidsa.absorb_o_quant(o_latent, w_uv, self.o_quant_for_deep_gemm)
             return self.o_proj(o, (o_q, o_scales)), topk
-        return self.o_proj(torch.ops.minidsa.absorb_o(o_latent, w_uv, part, lse)), topk
+        return self.o_proj(absorb_o(o_latent, w_uv)), topk
 
 
 class MLP(nn.Module):
