@@ -28,6 +28,7 @@ SHAPES = {  # name -> (N, K): the FP8 projections of one layer
         ("q_a|wk|kv_a (fused)", 1536 + 128 + 576, 7168),
         ("q_b", 128 * 192, 1536),
         ("indexer wq_b", 64 * 128, 1536),
+        ("q_b|wq_b (fused)", 128 * 192 + 64 * 128, 1536),
         ("o_proj", 7168, 128 * 128),
         ("dense gate|up", 2 * 18432, 7168),
         ("dense down", 7168, 18432),
@@ -51,19 +52,24 @@ def copies_for(weight_bytes: int) -> int:
     return max(1, min(16, -(-ROTATE_BYTES // weight_bytes)))
 
 
-def decode_tile_candidates(m: int, n: int, k: int, num_sms: int):
-    """Tile configs tried for small M by --sweep (the default pick first)."""
+def decode_tile_candidates(m: int, n: int, k: int, num_sms: int, wide: bool = False):
+    """Tile configs tried for small M by --sweep (the default pick first); `wide` (--wide-sweep) adds narrow N
+    tiles (16, 32), deeper pipelines and a doubled split-K."""
     from minidsa.kernels import fp8_gemm
     seen = [fp8_gemm.pick_tiles(m, n, k, num_sms)]
     num_kb = -(-k // 128)
-    for block_m, block_n in ((16, 64), (16, 128), (32, 64), (32, 128), (64, 64)):
+    shapes = ((16, 64), (16, 128), (32, 64), (32, 128), (64, 64))
+    if wide:
+        shapes = ((16, 16), (16, 32)) + shapes
+    for block_m, block_n in shapes:
         if block_m < m // 2 or block_m > max(16, 1 << (m - 1).bit_length()):
             continue
         n_tiles = -(-n // block_n)
-        for split in sorted({1, 2, 4, max(1, -(-2 * num_sms // n_tiles))}):
+        auto = max(1, -(-2 * num_sms // n_tiles))
+        for split in sorted({1, 2, 4, auto} | ({2 * auto, max(1, auto // 2)} if wide else set())):
             if split > num_kb:
                 continue
-            for warps, stages in ((4, 3), (8, 4)):
+            for warps, stages in ((4, 3), (8, 4)) + (((4, 5), (8, 6), (2, 4)) if wide else ()):
                 t = fp8_gemm.GemmTiles(block_m, block_n, split, True, warps, stages)
                 if t not in seen:
                     seen.append(t)
@@ -78,6 +84,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=0.05, help="seconds of timed repeats per measurement")
     p.add_argument("--sweep", action="store_true",
                    help="also time other Triton tile configs at M <= 64 (best one reported per shape)")
+    p.add_argument("--wide-sweep", action="store_true",
+                   help="--sweep over more configs (narrow N, deeper pipelines), x quantised before the GEMM")
+    p.add_argument("--only", nargs="+", default=None, help="projection names to run (default: all of --shapes)")
     args = p.parse_args(argv)
 
     from minidsa.bench import decode_suite as perf
@@ -90,6 +99,8 @@ def main(argv=None) -> int:
     rows = []
     for family in args.shapes:
         for name, n, k in SHAPES[family]:
+            if args.only and name not in args.only:
+                continue
             w = torch.randn(n, k, device=dev) * 0.02
             nc = copies_for(n * k)
             wq, ws = zip(*[quant_block(w, pow2_scale=True) for _ in range(nc)])
@@ -127,19 +138,24 @@ def main(argv=None) -> int:
                         continue
                     wbytes = n * k * (2 if impl == "bf16" else 1)
                     row[impl] = {"us": t * 1e6, "GBps": wbytes / t / 1e9, "TFLOPs": 2 * m * n * k / t / 1e12}
-                if args.sweep and m <= 64:
-                    best = None
-                    for tiles in decode_tile_candidates(m, n, k, sms):
+                if (args.sweep or args.wide_sweep) and m <= 64:
+                    best, timed = None, []
+                    # As the engine runs them at decode: the norm or the SwiGLU before the GEMM quantised x.
+                    act = fp8_gemm.quant_act(x) if args.wide_sweep else None
+                    for tiles in decode_tile_candidates(m, n, k, sms, args.wide_sweep):
                         try:
-                            t = perf.graph_time([lambda i=i: fp8_gemm.w8a8_block_gemm(x, wq[i], ws[i], tiles)
+                            t = perf.graph_time([lambda i=i: fp8_gemm.w8a8_block_gemm(x, wq[i], ws[i], tiles, act)
                                             for i in range(nc)], budget_s=args.budget / 4)
                         except Exception:
                             continue
+                        timed.append({"us": t * 1e6, **tiles.__dict__})
                         if best is None or t < best[0]:
                             best = (t, tiles)
                     if best:
                         row["sweep_best"] = {"us": best[0] * 1e6, "GBps": n * k / best[0] / 1e9,
                                              "tiles": best[1].__dict__}
+                        row["sweep_default"] = timed[0] if timed else None  # pick_tiles' choice, timed as the rest
+                        row["sweep"] = sorted(timed, key=lambda r: r["us"])[:12]
                 rows.append(row)
                 cells = " ".join(f"{i}={row[i]['us']:.1f}us" for i in [*impls, "sweep_best"] if row.get(i))
                 print(f"{family} {name:24s} M={m:5d} {cells}", flush=True)
@@ -148,13 +164,13 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
 
     impls = ["triton", "bf16", "scaled_mm"] + (["deepgemm"] if dg.available else []) \
-        + (["sweep_best"] if args.sweep else [])
+        + (["sweep_best"] if args.sweep or args.wide_sweep else [])
     lines = [f"# FP8 block-scaled GEMM ({torch.cuda.get_device_name()})", "",
              f"torch {torch.__version__}; DeepGEMM: {dg.reason}. Time in us; small M (<= 256): weight GB/s "
              "(FP8 1 B/weight, bf16 2 B); large M: TFLOP/s. triton and deepgemm include the per-token activation "
              "quantisation; scaled_mm is per-tensor FP8 (no block scales), a ceiling. Timed in CUDA graphs over "
              "copies of the weight that exceed L2 (the time a decode step pays; no host launch cost)."
-             + (" sweep_best: the fastest Triton tile config tried at M <= 64 (in the JSON)." if args.sweep else ""),
+             + (" sweep_best: the fastest Triton tile config tried at M <= 64 (in the JSON)." if args.sweep or args.wide_sweep else ""),
              "",
              "| model | projection | N x K | M | " + " | ".join(impls) + " | triton tiles |",
              "|---|---|---|---|" + "---|" * len(impls) + "---|"]

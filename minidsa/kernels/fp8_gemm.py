@@ -169,19 +169,22 @@ def pick_tiles(m: int, n: int, k: int, num_sms: int) -> GemmTiles:
 
     Decode sizes (commit 4b8cc62, best of ~70 configs per V3.2 / GLM-5 projection at M = 1 and 8): a short K
     (<= 16 blocks: q_b, indexer wq_b, shared down) is fastest unsplit in 64-wide tiles with 8 warps; an N of at
-    least one 128-wide tile per SM (dense gate|up, V3.2's q_b) unsplit in 64-wide tiles; the rest (fused
-    q_a|wk|kv_a, o_proj, down, shared gate|up) in 128-wide tiles split along K to about two programs per SM.
+    least one 128-wide tile per SM (dense gate|up, V3.2's q_b) unsplit in 64-wide tiles. The rest (fused
+    q_a|wk|kv_a, o_proj, down, shared gate|up) is split along K to about two programs per SM: re-swept with x
+    quantised before the GEMM, as the model runs it (benchmarks/fp8_gemm_wide_sweep_h100_953e585.json, H100, M = 1,
+    ~90 configs each), 64-wide tiles with 5 stages beat the 128-wide, 3-stage ones: fused q_a|wk|kv_a 12.4 ->
+    10.5 us, shared gate|up 16.0 -> 14.5 us.
     """
     num_kb = -(-k // FP8_BLOCK)
     if m <= 64:
         block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
         if num_kb <= 16:
             return GemmTiles(block_m, 64, 1, True, 8, 4)
-        n_tiles = -(-n // 128)
-        if n_tiles >= num_sms:
+        if -(-n // 128) >= num_sms:
             return GemmTiles(block_m, 64, 1, True, 4, 3)
-        split = max(1, min(-(-2 * num_sms // n_tiles), num_kb // 4))
-        return GemmTiles(block_m, 128, split, True, 4, 3)
+        n_tiles = -(-n // 64)
+        split = max(1, min(round(2 * num_sms / n_tiles), num_kb // 4))
+        return GemmTiles(block_m, 64, split, True, 4, 5)
     block_m = 64 if m <= 128 else 128
     tiles = -(-m // block_m) * -(-n // 128)
     # Mid-size M (verify, big decode batches) on a narrow N still leaves SMs idle without split-K.
