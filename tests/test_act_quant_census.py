@@ -51,6 +51,7 @@ def _decode_census(model, cfg, d, decode):
 @in_this_process
 def test_batch1_decode_quantises_activations_only_for_the_experts(monkeypatch):
     from harness import PagedDriver
+    from test_residual_fold import same_bits, unfolded_forward
     from test_swiglu_quant import _fp8_model, _recording_deep_gemm
     from torch._library.custom_ops import OPDEFS
 
@@ -80,6 +81,8 @@ def test_batch1_decode_quantises_activations_only_for_the_experts(monkeypatch):
 
     logits, quant, census = _decode_census(model, cfg, d, decode)
     assert {quant[p] for p in dense} == {0}, census.describe()
+    with torch.no_grad(), torch_rounded_casts():  # the residual adds in the norms' Triton launches: the same bytes
+        assert same_bits(logits, unfolded_forward(model, decode, d.attn)[1])
     for place in set(quant) - dense:  # the experts ran the Triton kernels: the product quantised between them
         assert quant[place] == 1 and census.ops[place]["triton:_expert_gemm_kernel"] == 2, census.describe()
     assert census.ops["outside"].get("triton:_act_quant_kernel", 0) == 0

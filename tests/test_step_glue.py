@@ -5,7 +5,9 @@ The engine is the GPU's as far as the CPU allows: Triton kernels (under the inte
 Each aten op or Triton launch counted here is one kernel of the step's graph on a GPU. The glue between the layers
 was ~48 of them (rope's cos / sin chain, ~30 for DeepGEMM's per-step metadata, the final norm's chain); it is now
 the embedding, the rope table's gather, one metadata launch, one norm launch, the head's GEMM and fp32 cast, and
-the graph's copies of its outputs into the kind's buffers.
+the graph's copies of its outputs into the kind's buffers; and the residual stream's two ends: the first layer's
+input norm is handed a pending output to add as every later layer's is (a fill of -0.0: nothing), and the last
+layer's output is added outside (the rest are added by the next layer's input norm, in its launch).
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ from minidsa.kernels import deepgemm, optional_lib  # noqa: E402
 from minidsa.models.deepseek_v32 import call_layer  # noqa: E402
 from minidsa.sched.plan import StepKind  # noqa: E402
 
-# What the graph runs outside the layers, each one kernel: the embedding, the rope rows' gather, DeepGEMM's
-# per-step inputs (one launch), the final norm (one launch), the head's GEMM and fp32 cast, the copies of hidden,
-# logits and top-k into the kind's output buffers.
-OUTSIDE = {"embedding": 1, "index": 1, "triton:_step_inputs_kernel": 1, "triton:_rmsnorm_rows_kernel": 1, "mm": 1,
-           "_to_copy": 1, "copy_": 3}
+# What the graph runs outside the layers, each one kernel: the embedding, the first layer's pending output (-0.0),
+# the rope rows' gather, DeepGEMM's per-step inputs (one launch), the last layer's output added to the residual
+# stream, the final norm (one launch), the head's GEMM and fp32 cast, the copies of hidden, logits and top-k into
+# the kind's output buffers.
+OUTSIDE = {"embedding": 1, "full_like": 1, "index": 1, "triton:_step_inputs_kernel": 1, "add": 1,
+           "triton:_rmsnorm_rows_kernel": 1, "mm": 1, "_to_copy": 1, "copy_": 3}
 # The reference chains this replaced: none may come back outside the layers.
 CHAINS = {"cos", "sin", "pow", "mean", "rsqrt", "cumsum", "searchsorted", "arange", "stack", "floor_divide"}
 
@@ -88,7 +91,13 @@ def test_decode_step_runs_few_kernels_outside_the_layers(monkeypatch, fresh_log_
     layers = [place for place in census.ops if place.startswith("layer")]
     assert len(layers) == runner.model_config.num_hidden_layers
     for place in layers:  # no fill of a fresh tensor per layer (the indexer's tree argument was one)
-        assert not {"new_zeros", "zeros", "zero_", "fill_", "full"} & set(census.ops[place]), census.describe()
+        assert not {"new_zeros", "zeros", "zero_", "fill_", "full", "full_like"} & set(census.ops[place]), \
+            census.describe()
+    # The residual adds are in the norms' launches: a dense layer runs no add of its own, a MoE layer the sum of
+    # its routed and shared experts only
+    dense = runner.model_config.dense_layers
+    assert [census.ops[f"layer {i}"]["add"] for i in range(len(layers))] == [0 if d else 1 for d in dense], \
+        census.describe()
 
 
 def test_the_rope_table_covers_every_position_a_start_up_step_uses():

@@ -589,12 +589,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, ctx: LayerContext, prev_topk: torch.Tensor | None, caches: LayerCaches):
-        x, x_quantized = self.input_layernorm.normed(h)
+    def forward(self, h: torch.Tensor, pending: torch.Tensor | None, ctx: LayerContext,
+                prev_topk: torch.Tensor | None, caches: LayerCaches):
+        """`h`: the residual stream; `pending`: the previous layer's MLP / MoE output, not yet added to it (None:
+        nothing to add). Returns (h, this layer's MLP / MoE output, top-k), the output unsummed too: the next
+        layer's input norm adds it in its own launch (`add_normed`), so the add costs no launch of its own; after
+        the last layer the model adds it."""
+        if pending is None:
+            x, x_quantized = self.input_layernorm.normed(h)
+        else:
+            h, x, x_quantized = self.input_layernorm.add_normed(pending, h)
         a, topk = self.self_attn(x, ctx, prev_topk, caches, x_quantized)
         h, x, x_quantized = self.post_attention_layernorm.add_normed(a, h)
-        h = h + self.mlp(x, x_quantized)
-        return h, topk
+        return h, self.mlp(x, x_quantized), topk
 
     def norm_consumers(self) -> list[tuple[RMSNorm, list[nn.Module]]]:
         """Each norm whose output feeds linears directly, with those linears (or routed experts)."""
@@ -641,15 +648,17 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-def call_layer(layer: DecoderLayer, h: torch.Tensor, ctx: LayerContext, prev_topk: torch.Tensor | None,
-               caches: LayerCaches) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decoder layer. The unit of torch.compile (regional compilation): every layer of one kind (dense or
-    MoE, own or shared top-k, MTP) reuses one compiled graph, so start-up does not grow with depth."""
-    return layer(h, ctx, prev_topk, caches)
+def call_layer(layer: DecoderLayer, h: torch.Tensor, pending: torch.Tensor | None, ctx: LayerContext,
+               prev_topk: torch.Tensor | None, caches: LayerCaches
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decoder layer (`DecoderLayer.forward`). The unit of torch.compile (regional compilation): every layer of
+    one kind (dense or MoE, own or shared top-k, MTP) reuses one compiled graph, so start-up does not grow with
+    depth."""
+    return layer(h, pending, ctx, prev_topk, caches)
 
 
-RunLayer = Callable[[DecoderLayer, torch.Tensor, LayerContext, "torch.Tensor | None", LayerCaches],
-                    "tuple[torch.Tensor, torch.Tensor]"]
+RunLayer = Callable[[DecoderLayer, torch.Tensor, "torch.Tensor | None", LayerContext, "torch.Tensor | None",
+                     LayerCaches], "tuple[torch.Tensor, torch.Tensor, torch.Tensor]"]
 
 
 @dataclass
@@ -731,10 +740,15 @@ class DeepseekV32ForCausalLM(nn.Module):
         run_layer = run_layer or call_layer
         ctx = self._context(batch, attn)
         h = self.model.embed_tokens(batch.input_ids)
+        # The first layer is handed a pending output as the later ones are: None would trace a second graph of its
+        # kind, one the warm-up's `one_layer_per_kind` never meets. -0.0, not 0.0: x + -0.0 is x bit for bit, x =
+        # -0.0 included.
+        pending = torch.full_like(h, -0.0)
         topk = None
         main = self.main_layers
         for i in range(len(main)) if layers is None else layers:
-            h, topk = run_layer(main[i], h, ctx, topk, attn.layer_caches[i])
+            h, pending, topk = run_layer(main[i], h, pending, ctx, topk, attn.layer_caches[i])
+        h = h + pending  # the hidden state handed on (the MTP layer, speculative decoding) is the summed stream
         normed = self.model.norm.rows(h, batch.logits_indices)
         return ModelOutput(hidden=h, logits=self.logits(normed), topk=topk)
 
@@ -747,6 +761,9 @@ class DeepseekV32ForCausalLM(nn.Module):
         ctx = self._context(batch, attn)
         e = mtp.enorm(self.model.embed_tokens(batch.input_ids))
         h = mtp.eh_proj(torch.cat([e, mtp.hnorm(hidden_prev)], dim=-1))
-        h, topk = (run_layer or call_layer)(mtp, h, ctx, prev_topk, attn.layer_caches[self.config.num_hidden_layers])
+        # None: the MTP layer is alone of its kind, so it traces one graph all the same, without a fill
+        h, pending, topk = (run_layer or call_layer)(mtp, h, None, ctx, prev_topk,
+                                                     attn.layer_caches[self.config.num_hidden_layers])
+        h = h + pending
         normed = mtp.shared_head.norm.rows(h, batch.logits_indices)
         return ModelOutput(hidden=h, logits=self.logits(normed), topk=topk)
