@@ -251,8 +251,9 @@ def _twin_fused_forward(self, x, x_quantized=None):
     return _fused_forward(self, _act_rounded(x))
 
 
-def _twin_experts_forward(self, x, ids, weights, x_quantized=None):
-    """Each token's chosen experts one by one (dequantised weights), inputs of both GEMMs rounded as w8a8 does."""
+def _twin_experts_forward(self, x, ids, weights, x_quantized=None, addend=None):
+    """Each token's chosen experts one by one (dequantised weights), inputs of both GEMMs rounded as w8a8 does;
+    plus the shared experts' output (`addend`), as the op adds it."""
     inter = self.gate_up_proj.shape[1] // 2
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
@@ -260,7 +261,7 @@ def _twin_experts_forward(self, x, ids, weights, x_quantized=None):
             gate_up = _act_rounded(x[t:t + 1]) @ self.gate_up_proj[e].T
             h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
             out[t] += w * (_act_rounded(h) @ self.down_proj[e].T)[0]
-    return out
+    return out if addend is None else out + addend
 
 
 def test_quantization_fp8_quantises_a_bf16_checkpoint_at_load(checkpoints, tmp_path):

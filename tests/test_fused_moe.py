@@ -16,6 +16,11 @@ Tolerances (relative Frobenius error against the per-token reference):
   than that (proof that the activations are quantised).
 The interpreter's own float casts mis-round at binade carries; `torch_rounded_casts` makes them round
 as the GPU (and torch) do.
+
+The addend (the shared experts' output, added in the launch that sums each token's routed rows) is checked on every
+path by what one rounding of the fp32 sum implies: in fp32 the output is the routed output plus the addend, bit for
+bit; in bf16, with the addend the negated rounded routed output, what is left is the rounding residual of the fp32
+sum (nonzero, under half a bf16 ulp), where two roundings would leave exactly zero.
 """
 
 from __future__ import annotations
@@ -212,6 +217,58 @@ def test_triton_chunks_and_chosen_tiles_agree(poisoned_outputs):
     assert rel_err(default_tiles, per_token_reference(x, ids, weights, *params)) < 1e-2
 
 
+def one_rounding_residual(routed: torch.Tensor, fused) -> torch.Tensor:
+    """`fused(addend)`'s output with the addend -routed (routed: the same op's output without an addend, bf16): the
+    residual of rounding the routed fp32 sum, checked to be what one rounding leaves (two would leave 0)."""
+    residual = fused(-routed)
+    half_ulp = torch.finfo(torch.bfloat16).eps / 2 * routed.float().abs()
+    assert (residual.float().abs() <= half_ulp).all()
+    assert (residual != 0).float().mean() > 0.5  # most fp32 sums are not bf16 values
+    return residual
+
+
+def test_reference_adds_the_addend_before_its_one_rounding():
+    """The reference (the op's CPU implementation) adds the addend to the routed rows' fp32 sum: in fp32 the
+    routed output plus the addend, bit for bit; in bf16 one rounding of the sum."""
+    x, ids, weights = route(7, 128, seed=31)
+    params = make_weights(128, 64, seed=3, dtype=torch.float32)
+    addend = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    got = torch.ops.minidsa.fused_moe(x, ids, weights, *params, addend=addend)
+    assert torch.equal(got, fm.fused_moe_reference(x, ids, weights, *params) + addend)
+    assert torch.equal(fm.fused_moe_reference(x, ids, weights, *params, addend=addend), got)
+    x, params = x.bfloat16(), make_weights(128, 64, seed=3, dtype=torch.bfloat16)
+    routed = fm.fused_moe_reference(x, ids, weights, *params)
+    one_rounding_residual(routed, lambda a: torch.ops.minidsa.fused_moe(x, ids, weights, *params, addend=a))
+    with pytest.raises(ValueError, match="addend"):
+        fm.fused_moe_reference(x, ids, weights, *params, addend=addend)  # fp32 addend, bf16 x
+
+
+@in_this_process
+def test_triton_adds_the_addend_in_the_combine(poisoned_outputs):
+    """The Triton path adds the addend in the launch that sums the routed rows: in fp32 the output without it plus
+    the addend, bit for bit, also in chunks of tokens (each chunk its own rows of the addend) and with skipped
+    pairs; in bf16 one rounding of the sum."""
+    tiles = fm.TileConfig(16, 64, 64, 2, 4, 2)
+    x, ids, weights = route(6, 64, seed=5)
+    params = make_weights(64, 32, seed=5, dtype=torch.float32)
+    addend = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+    for chunk in (fm.MAX_CHUNK_TOKENS, 4):
+        routed = fm.fused_moe_triton(x, ids, weights, *params, config=tiles, max_chunk_tokens=chunk)
+        got = fm.fused_moe_triton(x, ids, weights, *params, config=tiles, max_chunk_tokens=chunk, addend=addend)
+        assert torch.equal(got, routed + addend)
+    skipped = _skip_some(ids, 6)
+    routed = fm.fused_moe_triton(x, skipped, weights, *params, config=tiles, has_skipped=True)
+    got = fm.fused_moe_triton(x, skipped, weights, *params, config=tiles, has_skipped=True, addend=addend)
+    assert torch.equal(got, routed + addend)
+    everything_skipped = torch.full_like(ids, fm.SKIP)  # another rank computes all: the addend alone
+    got = fm.fused_moe_triton(x, everything_skipped, weights, *params, config=tiles, has_skipped=True, addend=addend)
+    assert torch.equal(got, addend)
+    x, params = x.bfloat16(), make_weights(64, 32, seed=5, dtype=torch.bfloat16)
+    with torch_rounded_casts():
+        routed = fm.fused_moe_triton(x, ids, weights, *params, config=tiles)
+        one_rounding_residual(routed, lambda a: fm.fused_moe_triton(x, ids, weights, *params, config=tiles, addend=a))
+
+
 def grouped_gemm_stand_in(alignment: int, calls: list):
     """DeepGEMM's m_grouped_fp8_gemm_nt_contiguous contract in torch: row r of a (e4m3, one fp32 scale per 128
     columns) times expert m_indices[r]'s block-scaled weight, each expert's rows one segment starting at a multiple
@@ -247,7 +304,8 @@ def grouped_gemm_stand_in(alignment: int, calls: list):
 def test_deepgemm_grouped_moe_matches_per_token(num_tokens, skip, monkeypatch, poisoned_outputs):
     """The DeepGEMM grouped-GEMM MoE (sort and pad per expert, gather, two GEMMs, silu * up, weighted combine)
     through a stand-in that checks the contiguous layout, against the per-token reference; padding rows are
-    computed but never summed (outputs start as NaN)."""
+    computed but never summed (outputs start as NaN). With an addend: one rounding of the fp32 sum, in chunks of
+    tokens too."""
     from minidsa.kernels import deepgemm
 
     calls: list[int] = []
@@ -269,6 +327,17 @@ def test_deepgemm_grouped_moe_matches_per_token(num_tokens, skip, monkeypatch, p
     assert torch.isfinite(got).all()  # no padding row (NaN out of the stand-in) was summed
     # gate and up come out of the first GEMM in bf16 (as with split_gate_up tiles): twice the bf16 tolerance
     assert rel_err(got, per_token_reference(x, ref_ids, ref_weights, *params)) < 2 * FP8_TOL[torch.bfloat16]
+    with torch_rounded_casts():
+        one_rounding_residual(got, lambda a: deepgemm.moe_contiguous(stand_in, x, ids, weights, *params, addend=a))
+        # in chunks of 16 tokens (the grouped GEMMs' rows differ per chunk: the stand-in's matmul may round them
+        # differently, so within the tolerance above, not bit for bit), each chunk its addend's rows
+        addend = torch.randn(x.shape, generator=torch.Generator().manual_seed(num_tokens)).bfloat16()
+        chunked = deepgemm.moe_contiguous(stand_in, x, ids, weights, *params, max_chunk_tokens=16, addend=addend)
+    want = per_token_reference(x, ref_ids, ref_weights, *params) + addend.float()
+    assert rel_err(chunked, want) < 2 * FP8_TOL[torch.bfloat16]
+    if skip:  # a token every pair of which is another rank's: the addend alone
+        alone = deepgemm.moe_contiguous(stand_in, x, torch.full_like(ids, fm.SKIP), weights, *params, addend=addend)
+        assert torch.equal(alone, addend)
     # at decode sizes (and where the build has no grouped GEMM) the Triton fused MoE serves
     assert deepgemm.moe_contiguous_wins(E * deepgemm.MOE_CONTIGUOUS_MIN_PAIRS_PER_EXPERT // TOP_K, TOP_K, E)
     assert not deepgemm.moe_contiguous_wins(num_tokens, TOP_K, E)
@@ -334,6 +403,17 @@ def test_combine_rows_equals_reference():
         got = fm.combine_rows(contiguous, None, None, 3)
     assert torch.equal(got, contiguous.float().view(10, 3, -1).sum(1).bfloat16())
     assert torch.equal(reference.combine_rows(contiguous, None, None, 3), got)
+    # an addend joins the fp32 sum after the k rows, before the one rounding: the reference's bytes
+    addend = torch.randn(10, 1100, generator=g).bfloat16()
+    with torch_rounded_casts():
+        got = fm.combine_rows(contiguous, None, None, 3, addend)
+        gathered = fm.combine_rows(rows, row_of_pair, weights, addend=addend)
+    assert torch.equal(got, (contiguous.float().view(10, 3, -1).sum(1) + addend.float()).bfloat16())
+    assert torch.equal(reference.combine_rows(contiguous, None, None, 3, addend), got)
+    want = reference.combine_rows(rows, row_of_pair, weights, addend=addend)
+    assert torch.isfinite(want).all() and torch.equal(gathered, want)
+    with pytest.raises(ValueError, match="addend"):
+        fm.combine_rows(contiguous, None, None, 3, addend[:9])
 
 
 @in_this_process
@@ -452,6 +532,12 @@ def test_custom_op_fake_and_bad_input():
                                            torch.empty(3, 8), torch.empty(E, 64, 64, dtype=fp8.FP8_DTYPE),
                                            torch.empty(E, 64, 32, dtype=fp8.FP8_DTYPE), torch.empty(E, 1, 1),
                                            torch.empty(E, 1, 1))
+        assert fake.shape == (3, 64) and fake.dtype == torch.bfloat16
+        fake = torch.ops.minidsa.fused_moe(torch.empty(3, 64, dtype=torch.bfloat16),
+                                           torch.empty(3, 8, dtype=torch.long),
+                                           torch.empty(3, 8), torch.empty(E, 64, 64, dtype=fp8.FP8_DTYPE),
+                                           torch.empty(E, 64, 32, dtype=fp8.FP8_DTYPE), torch.empty(E, 1, 1),
+                                           torch.empty(E, 1, 1), addend=torch.empty(3, 64, dtype=torch.bfloat16))
         assert fake.shape == (3, 64) and fake.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="down_proj_scale_inv"):
         fm.fused_moe_reference(x, ids, weights, gu, dn, gu_s, None)

@@ -1,7 +1,8 @@
 """A layer hands its MLP / MoE output to the next layer unsummed, and that layer's input norm adds it to the residual
 stream in its own launch (`DecoderLayer.forward`); after the last layer the model adds it. The outputs are the bytes
 of the forward in which every layer added its output itself (`unfolded_forward`), in fp32 and bf16, for the main
-model (prefill and decode) and the MTP layer."""
+model (prefill and decode) and the MTP layer. Within a MoE layer the shared experts' output is added by the routed
+experts' op (`MoE.forward`): in fp32 the bytes of adding it on its own, in bf16 one rounding instead of two."""
 
 from __future__ import annotations
 
@@ -94,3 +95,29 @@ def test_folded_residual_gives_the_unfolded_bytes(dtype):
         assert same_bits(h_summed, h) and same_bits(normed, first.input_layernorm.normed(h)[0])
         assert [c[0] for c in calls] == model.main_layers
     d.release_all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_adds_its_shared_experts_in_the_routed_experts_op(dtype):
+    """`MoE.forward` hands the shared experts' output to the routed experts' op, which adds it to the routed rows'
+    fp32 sum before its one rounding. fp32: the bytes of the separate add it replaced. bf16: that add rounded the
+    routed sum first, then the total: the two differ by at most those roundings (half an ulp of the routed output,
+    one of the total), and not nowhere (the old numerics are gone)."""
+    raw = preset_config("tiny")
+    raw.pop("initializer_range")
+    raw.update(vocab_size=256, num_hidden_layers=2, first_k_dense_replace=1)
+    cfg = ModelConfig.from_dict(raw)
+    model = build_model(cfg, None, dtype, torch.device("cpu"), seed=5, init_std=0.1, progress=False)
+    moe = model.main_layers[1].mlp
+    assert moe.shared_experts is not None
+    x = torch.randn(37, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    with torch.no_grad():
+        got = moe(x)
+        routed = moe.experts(x, *moe.gate(x))
+        separate = routed + moe.shared_experts(x)
+    if dtype == torch.float32:
+        assert same_bits(got, separate)
+    else:
+        eps = torch.finfo(dtype).eps  # an ulp is at most eps * |value|
+        bound = eps / 2 * routed.float().abs() + eps * separate.float().abs()
+        assert ((got.float() - separate.float()).abs() <= bound).all() and not torch.equal(got, separate)

@@ -246,8 +246,11 @@ def fused_moe(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor,
     gate_up_scale_inv: Optional[Tensor] = None, down_scale_inv: Optional[Tensor] = None, use_deep_gemm: bool = False,
     has_skipped: bool = False, x_q: Optional[Tensor] = None, x_scale: Optional[Tensor] = None,
+    addend: Optional[Tensor] = None,
 ) -> Tensor:
-    """Routed experts for any token count (minidsa.kernels.fused_moe): the torch reference on CPU.
+    """Routed experts for any token count (minidsa.kernels.fused_moe), plus `addend` [T, H] when given (the
+    shared experts' output, added to the routed rows' fp32 sum before its one rounding, in the launch that sums
+    them, on every path): the torch reference on CPU.
 
     With `use_deep_gemm` (`KernelChoice.moe_gemm`, given to the layer at model build), FP8 experts at sizes where
     DeepGEMM's contiguous grouped GEMMs are measured faster (`deepgemm.moe_contiguous_wins`) run through them;
@@ -258,30 +261,31 @@ def fused_moe(
     (the same values).
     """
     return fused_moe_mod.fused_moe_reference(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv,
-                                             down_scale_inv)
+                                             down_scale_inv, addend)
 
 
 @fused_moe.register_kernel("cuda")
 def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv=None, down_scale_inv=None,
-      use_deep_gemm=False, has_skipped=False, x_q=None, x_scale=None):
+      use_deep_gemm=False, has_skipped=False, x_q=None, x_scale=None, addend=None):
     # Tiles (and DeepGEMM or Triton) are picked inside on the concrete token count: compiled graphs see one
     # opaque op, no guards.
     if use_deep_gemm and deepgemm.moe_contiguous_wins(*topk_ids.shape, gate_up_proj.shape[0]):
         try:
             out = deepgemm.moe_contiguous(deepgemm.library(), x, topk_ids, topk_weights, gate_up_proj, down_proj,
-                                          gate_up_scale_inv, down_scale_inv)
+                                          gate_up_scale_inv, down_scale_inv, addend=addend)
         except LibraryCallFailed as e:
             _error_once(f"DeepGEMM {e}; the Triton fused MoE serves each call it fails")
         else:
             if out is not None:
                 return out
     return fused_moe_mod.fused_moe_triton(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv,
-                                          down_scale_inv, has_skipped=has_skipped, act=_act(x_q, x_scale))
+                                          down_scale_inv, has_skipped=has_skipped, act=_act(x_q, x_scale),
+                                          addend=addend)
 
 
 @fused_moe.register_fake
 def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv=None, down_scale_inv=None,
-      use_deep_gemm=False, has_skipped=False, x_q=None, x_scale=None):
+      use_deep_gemm=False, has_skipped=False, x_q=None, x_scale=None, addend=None):
     return x.new_empty(x.shape[0], gate_up_proj.shape[2])
 
 

@@ -521,10 +521,11 @@ def moe_contiguous_wins(num_tokens: int, top_k: int, n_experts: int) -> bool:
 
 def moe_contiguous(module: ModuleType, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gate_up_scale_inv: torch.Tensor,
-                   down_scale_inv: torch.Tensor, max_chunk_tokens: int | None = None) -> torch.Tensor | None:
-    """The routed experts (FP8 w8a8, block scales) through DeepGEMM's contiguous grouped GEMMs; None when it
-    does not take the call (the caller runs the Triton fused MoE), LibraryCallFailed when it fails. Same math as
-    `fused_moe.fused_moe_reference`.
+                   down_scale_inv: torch.Tensor, max_chunk_tokens: int | None = None,
+                   addend: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The routed experts (FP8 w8a8, block scales) through DeepGEMM's contiguous grouped GEMMs, plus `addend`
+    [T, H] when given; None when it does not take the call (the caller runs the Triton fused MoE),
+    LibraryCallFailed when it fails. Same math as `fused_moe.fused_moe_reference`.
 
     Per chunk of tokens (`max_chunk_tokens`, default MOE_MAX_CHUNK_TOKENS: it bounds the per-row buffers):
     1. `moe_layout.expert_rows`: pairs in rows grouped by expert, each expert's rows padded to DeepGEMM's alignment;
@@ -536,7 +537,7 @@ def moe_contiguous(module: ModuleType, x: torch.Tensor, topk_ids: torch.Tensor, 
     3. `moe_layout.quant_scatter`: each token quantised once, straight into the rows of its pairs;
     4. gate|up GEMM -> `fused_moe.silu_mul` (quantised, padding rows skipped) -> down GEMM; activation scales
        handed over MN-major, the layout DeepGEMM would otherwise transpose them into per call;
-    5. `fused_moe.combine_rows`: each token's k rows weighted and summed in one pass.
+    5. `fused_moe.combine_rows`: each token's k rows weighted and summed in one pass, the addend with them.
     """
     grouped = grouped_contiguous(module)
     if grouped is None or x.dtype != torch.bfloat16 or gate_up_scale_inv is None or down_scale_inv is None:
@@ -551,13 +552,14 @@ def moe_contiguous(module: ModuleType, x: torch.Tensor, topk_ids: torch.Tensor, 
     chunk = max_chunk_tokens or MOE_MAX_CHUNK_TOKENS
     if num_tokens > chunk:
         parts = [moe_contiguous(module, x[s:s + chunk], topk_ids[s:s + chunk], topk_weights[s:s + chunk],
-                                gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv, chunk)
+                                gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv, chunk,
+                                None if addend is None else addend[s:s + chunk])
                  for s in range(0, num_tokens, chunk)]
         return None if any(p is None for p in parts) else torch.cat(parts)
     layout = moe_layout.expert_rows(topk_ids, n_experts, alignment)
     rows = int(layout.num_rows.item())
     if rows == 0:  # every pair skipped (its experts live on other ranks)
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if addend is None else addend.clone()
     if BUILDING:  # the activation profile, beside the pool: its row counts are the pool's first tasks
         BUILDING.wait_for([(rows, two_i, hidden, n_experts), (rows, hidden, two_i // 2, n_experts)])
     m_indices = layout.row_expert[:rows]
@@ -573,4 +575,4 @@ def moe_contiguous(module: ModuleType, x: torch.Tensor, topk_ids: torch.Tensor, 
     except Exception as e:  # a build whose contract differs: never fail the step for it
         raise failed(getattr(gemm, "__name__", "the grouped GEMM"), e) from e
     # Skipped pairs (SKIP ids, expert parallelism) have no row (-1): they add nothing.
-    return fused_moe.combine_rows(down, layout.row_of_pair.view(num_tokens, top_k), topk_weights)
+    return fused_moe.combine_rows(down, layout.row_of_pair.view(num_tokens, top_k), topk_weights, addend=addend)

@@ -1,9 +1,14 @@
 """Routed experts for any number of tokens: tokens sorted per expert, two grouped GEMMs (Triton).
 
-`fused_moe(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv)`
+`fused_moe(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv, addend)`
 computes, for each token t, sum_j w[t, j] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])) with
-e = topk_ids[t, j]. Shapes: x [T, H]; topk_ids / topk_weights [T, k]; gate_up_proj [E, 2I, H] (gate
-rows first, then up); down_proj [E, H, I]; output [T, H] in x's dtype.
+e = topk_ids[t, j], plus addend[t] when given. Shapes: x [T, H]; topk_ids / topk_weights [T, k]; gate_up_proj
+[E, 2I, H] (gate rows first, then up); down_proj [E, H, I]; addend [T, H] in x's dtype; output [T, H] in x's dtype.
+
+The addend is the MoE layer's shared experts' output: added in the pass that sums each token's k rows, to their
+fp32 sum, and rounded once with it, it costs no add launch of its own (one per MoE layer per step otherwise). The
+rounding differs from adding two rounded tensors (routed rounded to x's dtype, then + shared, rounded again) in
+bf16 / fp16; in fp32 it is the same result.
 
 Weights are either x's dtype (bf16 / fp16; fp32 for CPU tests) or FP8 e4m3 with one fp32 scale per
 128x128 block (`*_scale_inv` [E, ceil(rows/128), ceil(cols/128)], minidsa.kernels.fp8). With FP8
@@ -25,14 +30,15 @@ How (the `moe_align_block_size` idea of vLLM / SGLang, written here; nothing syn
    (`TileConfig.split_gate_up`, for the tile sweep: gate and up as one plain GEMM over the 2I rows, stored
    [T*k, 2I], then silu(gate) * up in the pass that quantises the down GEMM's input.)
 3. The same kernel (down) over that intermediate, times the routing weight, stored per pair [T*k, H].
-4. `combine_rows` sums each token's k pair rows in one pass (fp32 accumulation, deterministic: no atomics).
+4. `combine_rows` sums each token's k pair rows in one pass (fp32 accumulation, deterministic: no atomics), the
+   addend after them, then rounds.
 
 M-blocks past `num_padded` return before reading anything, so only the chosen experts' weights are
 read. Memory: O(T * k * (I + H)); the Triton wrapper goes through the tokens in chunks of
 MAX_CHUNK_TOKENS to bound it.
 
 `fused_moe_reference` is the same math in torch (a loop over the experts that got tokens, the same
-rounding points: intermediate and per-pair outputs in x's dtype, FP8 through
+rounding points: intermediate and per-pair outputs in x's dtype, the k-sum + addend in fp32, FP8 through
 `fp8.w8a8_block_matmul_reference`): the CPU path and the test oracle.
 """
 
@@ -307,11 +313,14 @@ def _expert_gemm_kernel(
 
 def check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up_proj: torch.Tensor,
                  down_proj: torch.Tensor, gate_up_scale_inv: torch.Tensor | None,
-                 down_scale_inv: torch.Tensor | None) -> None:
+                 down_scale_inv: torch.Tensor | None, addend: torch.Tensor | None = None) -> None:
     """Clear errors for shapes and dtypes the kernels (and the reference) do not take."""
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"fused_moe: want x [T, H], topk_ids and topk_weights [T, k]; got x {tuple(x.shape)}, "
                          f"topk_ids {tuple(topk_ids.shape)}, topk_weights {tuple(topk_weights.shape)}")
+    if addend is not None and (addend.shape != x.shape or addend.dtype != x.dtype):
+        raise ValueError(f"fused_moe: want addend of x's shape and dtype {tuple(x.shape)} {x.dtype}; got "
+                         f"{tuple(addend.shape)} {addend.dtype}")
     if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
         raise ValueError(f"fused_moe: want gate_up_proj [E, 2I, H] and down_proj [E, H, I]; got "
                          f"{tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}")
@@ -352,9 +361,11 @@ def _expert_matmul(a: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tenso
 def fused_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                         gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                         gate_up_scale_inv: torch.Tensor | None = None,
-                        down_scale_inv: torch.Tensor | None = None) -> torch.Tensor:
-    """The fused MoE in torch: a loop over the experts that got pairs, the kernels' rounding points."""
-    check_inputs(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv)
+                        down_scale_inv: torch.Tensor | None = None, addend: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    """The fused MoE in torch: a loop over the experts that got pairs, the kernels' rounding points; `addend`
+    added to the k rows' fp32 sum before its one rounding."""
+    check_inputs(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv, addend)
     num_tokens, top_k = topk_ids.shape
     n_experts, two_i, hidden = gate_up_proj.shape
     inter = two_i // 2
@@ -375,7 +386,8 @@ def fused_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
         h = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
         y = _expert_matmul(h, down_proj[e], None if down_scale_inv is None else down_scale_inv[e])
         per_pair[pairs] = (y * route_w[pairs, None]).to(x.dtype)
-    return per_pair.view(num_tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
+    routed = per_pair.view(num_tokens, top_k, hidden).sum(1, dtype=torch.float32)
+    return (routed if addend is None else routed + addend.float()).to(x.dtype)
 
 
 @triton.jit
@@ -434,11 +446,13 @@ def silu_mul(gate_up: torch.Tensor, quantise: bool, row_expert: torch.Tensor | N
 
 
 @triton.jit
-def _combine_rows_kernel(rows_ptr, row_of_pair_ptr, weight_ptr, out_ptr, hidden, stride_r, stride_o,
-                         TOP_K: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr, WEIGHTED: tl.constexpr,
-                         PDL: tl.constexpr = False):
-    """out[t, h-block] = sum_j weight[t, j] * rows[row_of_pair[t, j], h-block], accumulated in fp32; a row index
-    of -1 adds nothing. Without GATHER pair (t, j) is row t * TOP_K + j; without WEIGHTED every weight is 1."""
+def _combine_rows_kernel(rows_ptr, row_of_pair_ptr, weight_ptr, addend_ptr, out_ptr, hidden, stride_r, stride_a,
+                         stride_o, TOP_K: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr,
+                         WEIGHTED: tl.constexpr, ADDEND: tl.constexpr, PDL: tl.constexpr = False):
+    """out[t, h-block] = sum_j weight[t, j] * rows[row_of_pair[t, j], h-block] (+ addend[t, h-block]), accumulated
+    in fp32, rounded once; a row index of -1 adds nothing. Without GATHER pair (t, j) is row t * TOP_K + j; without
+    WEIGHTED every weight is 1. The addend comes after the k rows, so in fp32 the result is the k rows' sum plus
+    the addend, as two separate ops would give."""
     wait_for_producers(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -454,33 +468,43 @@ def _combine_rows_kernel(rows_ptr, row_of_pair_ptr, weight_ptr, out_ptr, hidden,
         if WEIGHTED:
             v = v * tl.load(weight_ptr + t * TOP_K + j)
         acc += v
+    if ADDEND:
+        acc += tl.load(addend_ptr + t.to(tl.int64) * stride_a + h, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * stride_o + h, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def combine_rows(rows: torch.Tensor, row_of_pair: torch.Tensor | None, weights: torch.Tensor | None,
-                 top_k: int | None = None) -> torch.Tensor:
+                 top_k: int | None = None, addend: torch.Tensor | None = None) -> torch.Tensor:
     """Each token's k rows of `rows` [R, H], weighted by its routing weights [T, k] and summed in fp32 -> [T, H]
     in rows' dtype: one read of the rows, one write of the result (torch's `.sum(1, dtype=float32).to(dtype)`
     also writes and reads a [T, H] fp32 intermediate). Reference: `reference.combine_rows`.
 
     row_of_pair [T, k]: the row holding each (token, choice) pair, -1 for none (a pair computed on another rank);
-    None: pair (t, j) is row t * top_k + j. weights None: all 1 (the weights were applied before)."""
+    None: pair (t, j) is row t * top_k + j. weights None: all 1 (the weights were applied before). addend [T, H]:
+    added to each token's sum in fp32 before the one rounding (the shared experts' output: no add launch of its
+    own)."""
     if row_of_pair is not None:
         num_tokens, top_k = row_of_pair.shape
     else:
         num_tokens = rows.shape[0] // top_k
     hidden = rows.shape[1]
+    if addend is not None and tuple(addend.shape) != (num_tokens, hidden):  # the kernel would read past its end
+        raise ValueError(f"combine_rows: want addend [{num_tokens}, {hidden}], got {tuple(addend.shape)}")
     out = torch.empty(num_tokens, hidden, dtype=rows.dtype, device=rows.device)
     if num_tokens == 0:
         return out
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
+    if addend is not None and addend.stride(-1) != 1:
+        addend = addend.contiguous()
     index = row_of_pair.to(torch.int32).contiguous() if row_of_pair is not None else out
     w = weights.float().contiguous() if weights is not None else out
+    add = addend if addend is not None else out
     block = 1024
     _combine_rows_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        rows, index, w, out, hidden, rows.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
-        GATHER=row_of_pair is not None, WEIGHTED=weights is not None, **pdl_launch(rows.device))
+        rows, index, w, add, out, hidden, rows.stride(0), add.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
+        GATHER=row_of_pair is not None, WEIGHTED=weights is not None, ADDEND=addend is not None,
+        **pdl_launch(rows.device))
     return out
 
 
@@ -488,25 +512,27 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                      gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                      gate_up_scale_inv: torch.Tensor | None = None, down_scale_inv: torch.Tensor | None = None,
                      config: TileConfig | None = None, max_chunk_tokens: int = MAX_CHUNK_TOKENS,
-                     has_skipped: bool = False, act: tuple[torch.Tensor, torch.Tensor] | None = None
-                     ) -> torch.Tensor:
+                     has_skipped: bool = False, act: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     addend: torch.Tensor | None = None) -> torch.Tensor:
     """The fused MoE through the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1); tiles by token count.
 
     `has_skipped`: topk_ids may hold SKIP (-1, an expert of another rank under expert parallelism); those pairs
     get no GEMM rows and add nothing (their per-pair rows start at zero). `act`: FP8 experts' input x already
     quantised (e4m3 [T, H], fp32 scales [T, ceil(H/128)]: `fp8.quant_act_per_token_group`'s values, e.g. from the
-    norm before it, `norm_quant.rmsnorm_quant`); the gate/up GEMM reads it instead of quantising x again."""
-    check_inputs(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv)
+    norm before it, `norm_quant.rmsnorm_quant`); the gate/up GEMM reads it instead of quantising x again.
+    `addend` [T, H]: added in the launch that sums the routed rows (`combine_rows`)."""
+    check_inputs(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv, addend)
     num_tokens, top_k = topk_ids.shape
     hidden = x.shape[1]
     if num_tokens == 0 or top_k == 0:
-        return x.new_zeros(num_tokens, hidden)
+        return x.new_zeros(num_tokens, hidden) if addend is None else addend.clone()
     if num_tokens > max_chunk_tokens:
         return torch.cat([
             fused_moe_triton(x[s:s + max_chunk_tokens], topk_ids[s:s + max_chunk_tokens],
                              topk_weights[s:s + max_chunk_tokens], gate_up_proj, down_proj, gate_up_scale_inv,
                              down_scale_inv, config, max_chunk_tokens, has_skipped,
-                             None if act is None else (act[0][s:s + max_chunk_tokens], act[1][s:s + max_chunk_tokens]))
+                             None if act is None else (act[0][s:s + max_chunk_tokens], act[1][s:s + max_chunk_tokens]),
+                             None if addend is None else addend[s:s + max_chunk_tokens])
             for s in range(0, num_tokens, max_chunk_tokens)
         ])
     n_experts, two_i, _ = gate_up_proj.shape
@@ -567,5 +593,5 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         dn_se, dn_sn, dn_sk,
         GATED=False, APPLY_ROUTE_W=True, EVEN_K=inter % cfg.block_k == 0, **launch, **pdl_launch(a.device),
     )
-    # each token's k rows (routing weights applied in the down GEMM) summed in fp32, in one pass
-    return combine_rows(per_pair, None, None, top_k)
+    # each token's k rows (routing weights applied in the down GEMM) summed in fp32, the addend with them, in one pass
+    return combine_rows(per_pair, None, None, top_k, addend)

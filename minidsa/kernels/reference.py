@@ -426,9 +426,10 @@ def silu_mul(gate_up: torch.Tensor, quantise: bool) -> tuple[torch.Tensor, torch
 
 
 def combine_rows(rows: torch.Tensor, row_of_pair: torch.Tensor | None, weights: torch.Tensor | None,
-                 top_k: int | None = None) -> torch.Tensor:
-    """out[t] = sum_j weights[t, j] * rows[row_of_pair[t, j]] in fp32, in rows' dtype; a row of -1 adds nothing;
-    row_of_pair None: pair (t, j) is row t * top_k + j; weights None: 1."""
+                 top_k: int | None = None, addend: torch.Tensor | None = None) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * rows[row_of_pair[t, j]] (+ addend[t]) in fp32, in rows' dtype; a row of -1
+    adds nothing; row_of_pair None: pair (t, j) is row t * top_k + j; weights None: 1. The addend [T, H] is added
+    after the k rows' sum, before the one rounding."""
     if row_of_pair is None:
         row_of_pair = torch.arange(rows.shape[0], device=rows.device).view(-1, top_k)
     idx = row_of_pair.long()
@@ -436,4 +437,7 @@ def combine_rows(rows: torch.Tensor, row_of_pair: torch.Tensor | None, weights: 
     picked = torch.where((idx >= 0).unsqueeze(-1), picked, 0.0)  # not a multiply: padding rows may be NaN
     if weights is not None:
         picked = picked * weights.float().unsqueeze(-1)
-    return picked.sum(1).to(rows.dtype)
+    out = picked.sum(1)
+    if addend is not None:
+        out = out + addend.float()
+    return out.to(rows.dtype)

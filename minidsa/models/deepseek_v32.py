@@ -548,7 +548,9 @@ class Experts(nn.Module):
         return weight, scales
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                x_quantized: QuantizedInput | None = None) -> torch.Tensor:
+                x_quantized: QuantizedInput | None = None, addend: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' output for x [T, H], plus `addend` [T, H] when given, added in the op's launch that
+        sums each token's routed rows (no add launch of its own)."""
         expert_parallel = self.num_local_experts != self.n_experts
         if expert_parallel:  # global ids -> this rank's experts; another rank's: SKIP (no GEMM rows here)
             local = ids - self.first_expert
@@ -558,7 +560,7 @@ class Experts(nn.Module):
         return torch.ops.minidsa.fused_moe(x, ids, weights, self.gate_up_proj, self.down_proj,
                                            getattr(self, "gate_up_proj_scale_inv", None),
                                            getattr(self, "down_proj_scale_inv", None), self.gemm == "deepgemm",
-                                           expert_parallel, x_q, x_scale)
+                                           expert_parallel, x_q, x_scale, addend)
 
 
 class MoE(nn.Module):
@@ -574,10 +576,13 @@ class MoE(nn.Module):
         self.tp = building_tp()
 
     def forward(self, x: torch.Tensor, x_quantized: QuantizedInput | None = None) -> torch.Tensor:
+        """Routed + shared experts. The shared experts run before the routed ones, whose op adds their output in
+        the launch that sums its rows: a MoE layer runs no add launch of its own (the residual add is the next
+        layer's input norm's, `DecoderLayer.forward`). One rounding of routed + shared, from fp32: in bf16 not the
+        bytes of adding the rounded routed output to the shared one (eager before), in fp32 the same."""
         ids, weights = self.gate(x)
-        y = self.experts(x, ids, weights, x_quantized)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x, x_quantized)
+        shared = self.shared_experts(x, x_quantized) if self.shared_experts is not None else None
+        y = self.experts(x, ids, weights, x_quantized, addend=shared)
         return self.tp.all_reduce(y)  # routed and shared partial sums: one all-reduce per MoE layer
 
 

@@ -140,6 +140,35 @@ def test_fp8_prefill_size_matches_reference(router, fp8_weights, path):
     assert got.shape == (8192, H) and err < (2e-2 if path == "deepgemm" else 1e-2)
 
 
+@pytest.mark.parametrize("path,num_tokens", [("triton", 1), ("triton", 32), ("triton", 8192), ("deepgemm", 8192)])
+def test_addend_joins_the_routed_sum_before_its_one_rounding(router, fp8_weights, path, num_tokens):
+    """`addend` (the shared experts' output, as `MoE.forward` hands it over) is added to the routed rows' fp32 sum
+    in the launch that sums them: against the reference with the addend; and with the addend the negated routed
+    output, what is left is the rounding residual of the fp32 sum (under half a bf16 ulp, mostly nonzero), where
+    two roundings would leave zero."""
+    x, ids, weights = inputs(router, num_tokens, seed=20 + num_tokens)
+    addend = torch.randn(x.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1)).bfloat16()
+    if path == "deepgemm":
+        module, status = deepgemm.probe(DEV, deepgemm.GEMM_API)
+        if module is None or deepgemm.grouped_contiguous(module) is None:
+            pytest.skip(f"DeepGEMM's contiguous grouped GEMM is not available here ({status.reason})")
+
+        def run(a=None):
+            return deepgemm.moe_contiguous(module, x, ids, weights, *fp8_weights, addend=a)
+    else:
+        def run(a=None):
+            return fm.fused_moe_triton(x, ids, weights, *fp8_weights, addend=a)
+
+    got = run(addend)
+    # DeepGEMM: gate and up rounded to bf16 before silu * up, one more rounding than the reference
+    assert rel_err(got, fm.fused_moe_reference(x, ids, weights, *fp8_weights, addend=addend)) < (
+        2e-2 if path == "deepgemm" else 1e-2)
+    routed = run()
+    residual = run(-routed).float()
+    assert (residual.abs() <= torch.finfo(torch.bfloat16).eps / 2 * routed.float().abs()).all()
+    assert (residual != 0).float().mean() > 0.5
+
+
 def test_fp8_activation_quantisation_is_torchs(router, fp8_weights):
     """fp32 activations: the in-kernel per-token-group quantisation equals fp8.quant_act_per_token_group's."""
     x, ids, weights = inputs(router, 16, seed=3, dtype=torch.float32)
