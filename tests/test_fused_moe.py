@@ -414,6 +414,8 @@ def test_combine_rows_equals_reference():
     assert torch.isfinite(want).all() and torch.equal(gathered, want)
     with pytest.raises(ValueError, match="addend"):
         fm.combine_rows(contiguous, None, None, 3, addend[:9])
+    with pytest.raises(ValueError, match="addend"):
+        fm.combine_rows(contiguous, None, None, 3, addend.float())
 
 
 @in_this_process

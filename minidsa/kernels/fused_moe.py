@@ -488,8 +488,11 @@ def combine_rows(rows: torch.Tensor, row_of_pair: torch.Tensor | None, weights: 
     else:
         num_tokens = rows.shape[0] // top_k
     hidden = rows.shape[1]
-    if addend is not None and tuple(addend.shape) != (num_tokens, hidden):  # the kernel would read past its end
-        raise ValueError(f"combine_rows: want addend [{num_tokens}, {hidden}], got {tuple(addend.shape)}")
+    # A short addend would be read past its end; another dtype would be summed as given (DeepGEMM's path checks
+    # nothing else before this).
+    if addend is not None and (tuple(addend.shape) != (num_tokens, hidden) or addend.dtype != rows.dtype):
+        raise ValueError(f"combine_rows: want addend [{num_tokens}, {hidden}] {rows.dtype}, got "
+                         f"{tuple(addend.shape)} {addend.dtype}")
     out = torch.empty(num_tokens, hidden, dtype=rows.dtype, device=rows.device)
     if num_tokens == 0:
         return out
