@@ -509,6 +509,25 @@ def test_deepgemm_weights_are_what_runs_each_fused_projection_once():
     assert sorted(tuple(w.shape) for w, _ in deepgemm_weights(model)) == [(64, 256), (256, 256)]
 
 
+def test_deepgemm_start_up_leaves_out_a_layer_that_never_runs():
+    """Without speculation the engine hands the MTP layer as `skip`: the DeepGEMM warm-up then takes no weight of it
+    (its eh_proj shape, its unfused q_b / wq_b) and no expert layer of it, and every weight of the main layers."""
+    from minidsa.models.deepseek_v32 import deepgemm_experts
+    from minidsa.models.layers.linear import deepgemm_weights, set_gemm
+
+    model = build_model(_small_fp8_preset(), None, torch.bfloat16, torch.device("cpu"), seed=3)
+    set_gemm(model, "deepgemm")
+    mtp = model.mtp_layer
+    in_mtp = {p.untyped_storage().data_ptr() for p in mtp.parameters()}
+    every = deepgemm_weights(model)
+    main = deepgemm_weights(model, skip=mtp)
+    assert {w.untyped_storage().data_ptr() for w, _ in main}.isdisjoint(in_mtp)
+    assert [w for w, _ in every if w.untyped_storage().data_ptr() not in in_mtp] == [w for w, _ in main]
+    eh_shape = tuple(mtp.eh_proj.weight.shape)
+    assert eh_shape in {tuple(w.shape) for w, _ in every} and eh_shape not in {tuple(w.shape) for w, _ in main}
+    assert len(deepgemm_experts(model, skip=mtp)) == len(deepgemm_experts(model)) - 1
+
+
 _COMPILE_GEMM_FOR_H100 = """
 import triton
 from triton.backends.compiler import GPUTarget

@@ -427,13 +427,15 @@ def set_head_norm(model: "DeepseekV32ForCausalLM", kernel: str) -> list[RMSNorm]
     return [n for n in norms if n.kernel == "triton"]
 
 
-def deepgemm_experts(model: nn.Module) -> list[tuple[tuple[torch.Tensor, torch.Tensor],
-                                                     tuple[torch.Tensor, torch.Tensor], int, bool]]:
+def deepgemm_experts(model: nn.Module, skip: nn.Module | None = None
+                     ) -> list[tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], int, bool]]:
     """((gate_up_proj, scales), (down_proj, scales), top_k, every expert on this rank) of each FP8 expert layer
-    `set_gemm` gave to DeepGEMM (its grouped GEMMs serve prefill sizes)."""
+    `set_gemm` gave to DeepGEMM (its grouped GEMMs serve prefill sizes), those inside `skip` left out."""
+    skipped = set() if skip is None else {id(m) for m in skip.modules()}
     return [((m.gate_up_proj, m.gate_up_proj_scale_inv), (m.down_proj, m.down_proj_scale_inv), m.top_k,
              m.num_local_experts == m.n_experts)
-            for m in model.modules() if isinstance(m, Experts) and m.gemm == "deepgemm" and m.is_fp8]
+            for m in model.modules()
+            if isinstance(m, Experts) and m.gemm == "deepgemm" and m.is_fp8 and id(m) not in skipped]
 
 
 class Experts(nn.Module):
