@@ -15,6 +15,8 @@ from minidsa.exec.kv_cache import IndexerLayout, KVCache, MLALayout, ReqToTokenT
 from minidsa.sched.pages import PageAllocator, RowAllocator, pages_needed, slots_of
 from minidsa.sched.plan import StepKind
 from minidsa.attention.topk_recording import TopkRecorder
+from minidsa.kernels.fp8 import quant_block
+from minidsa.models.layers.linear import Linear
 
 
 class PagedDriver:
@@ -141,3 +143,15 @@ def compile_without_probing(runner, monkeypatch, library) -> list[set[str]]:
     static_fast_paths(runner, None, backend)
     return traced
 
+
+
+def random_fp8_linear(in_features: int, rows: int, generator: torch.Generator, gemm: str = "torch") -> Linear:
+    """An FP8 Linear [rows, in_features] of random block-quantised weights (std 0.05 before quantisation), served by
+    `gemm`."""
+    lin = Linear(in_features, rows)
+    lin.make_fp8_()
+    q, s = quant_block(torch.randn(rows, in_features, generator=generator) * 0.05)
+    lin.weight.data.copy_(q)
+    lin.weight_scale_inv.data.copy_(s)
+    lin.gemm = gemm
+    return lin

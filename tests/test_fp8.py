@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_tiny import build_hf, rewrite_checkpoint, save_hf
-from harness import PagedDriver
+from harness import PagedDriver, random_fp8_linear
 from minidsa.config import ConfigError, EngineConfig, ModelConfig
 from minidsa.kernels.fp8 import (FP8_DTYPE, dequant_block, quant_act_per_token_group, quant_block,
                                  w8a8_block_matmul_reference)
@@ -113,14 +113,7 @@ def test_custom_op_serves_fp8_linear_in_the_model_layout():
 
 def test_fused_fp8_linear_pads_members_to_128_rows():
     g = torch.Generator().manual_seed(0)
-    members = []
-    for rows in (200, 32, 80):  # q_a-like, wk-like, kv_a-like (odd height last)
-        lin = Linear(256, rows)
-        lin.make_fp8_()
-        q, s = quant_block(torch.randn(rows, 256, generator=g) * 0.05)
-        lin.weight.data.copy_(q)
-        lin.weight_scale_inv.data.copy_(s)
-        members.append(lin)
+    members = [random_fp8_linear(256, rows, g) for rows in (200, 32, 80)]  # q_a-, wk-, kv_a-like (odd height last)
     x = torch.randn(3, 256, generator=g)
     separate = [lin(x) for lin in members]
     fused = FusedLinear(*members)
@@ -466,15 +459,7 @@ def test_fp8_projections_trace_without_graph_breaks():
     from minidsa.kernels import custom_ops  # noqa: F401
 
     g = torch.Generator().manual_seed(0)
-    members = []
-    for rows in (128, 80):
-        lin = Linear(256, rows)
-        lin.make_fp8_()
-        q, s = quant_block(torch.randn(rows, 256, generator=g) * 0.05)
-        lin.weight.data.copy_(q)
-        lin.weight_scale_inv.data.copy_(s)
-        lin.gemm = "triton"
-        members.append(lin)
+    members = [random_fp8_linear(256, rows, g, "triton") for rows in (128, 80)]
     fused = FusedLinear(*members)
     x = torch.randn(3, 256, generator=g)
     torch._dynamo.reset()

@@ -14,14 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import PagedDriver
+from harness import PagedDriver, random_fp8_linear
 from hf_tiny import tiny_kwargs
 from minidsa.config import ModelConfig
 from minidsa.exec.batch import ForwardBatch
-from minidsa.kernels.fp8 import FP8_DTYPE, quant_block
+from minidsa.kernels.fp8 import FP8_DTYPE
 from minidsa.models import loader
 from minidsa.models.deepseek_v32 import DeepseekV32ForCausalLM, MLAttention
-from minidsa.models.layers.linear import FusedLinear, Linear
+from minidsa.models.layers.linear import FusedLinear
 from minidsa.models.loader import build_model
 from minidsa.parallel.state import TensorParallel, building_with
 from minidsa.sched.plan import StepKind
@@ -213,15 +213,7 @@ def test_fused_gemv_at_the_real_width_is_the_two_gemvs_bit_for_bit():
         heights = [64 * 128] + [128 * 192 // tp + fused for tp in (1, 2, 4, 8) for fused in (0, 64 * 128)]
         assert len({pick_tiles(m, n, 1536, 132) for n in heights}) == 1, m
     g = torch.Generator().manual_seed(0)
-    members = []
-    for rows in (512, 768):
-        lin = Linear(1536, rows)
-        lin.make_fp8_()
-        q, s = quant_block(torch.randn(rows, 1536, generator=g) * 0.05)
-        lin.weight.data.copy_(q)
-        lin.weight_scale_inv.data.copy_(s)
-        lin.gemm = "triton"
-        members.append(lin)
+    members = [random_fp8_linear(1536, rows, g, "triton") for rows in (512, 768)]
     qr = torch.randn(2, 1536, generator=g).bfloat16()
     with torch.no_grad():
         apart = [lin(qr) for lin in members]

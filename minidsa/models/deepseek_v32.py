@@ -38,7 +38,7 @@ from minidsa.kernels import gemv, mla_absorb, norm_quant, reference
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape
 from minidsa.kernels.fused_moe import SKIP
 from minidsa.models.layers.linear import (FusedLinear, Linear, QuantizedInput, WeightLoadError, as_tensor,
-                                          load_block_scaled)
+                                          load_block_scaled, modules_outside)
 from minidsa.models.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, checkpoint_shard
 
 importlib.import_module("minidsa.kernels.custom_ops")  # registers torch.ops.minidsa.* (fused_moe below)
@@ -431,11 +431,9 @@ def deepgemm_experts(model: nn.Module, skip: nn.Module | None = None
                      ) -> list[tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], int, bool]]:
     """((gate_up_proj, scales), (down_proj, scales), top_k, every expert on this rank) of each FP8 expert layer
     `set_gemm` gave to DeepGEMM (its grouped GEMMs serve prefill sizes), those inside `skip` left out."""
-    skipped = set() if skip is None else {id(m) for m in skip.modules()}
     return [((m.gate_up_proj, m.gate_up_proj_scale_inv), (m.down_proj, m.down_proj_scale_inv), m.top_k,
              m.num_local_experts == m.n_experts)
-            for m in model.modules()
-            if isinstance(m, Experts) and m.gemm == "deepgemm" and m.is_fp8 and id(m) not in skipped]
+            for m in modules_outside(model, skip) if isinstance(m, Experts) and m.gemm == "deepgemm" and m.is_fp8]
 
 
 class Experts(nn.Module):

@@ -209,12 +209,18 @@ def set_gemm(model: nn.Module, gemm: str, moe_gemm: str | None = None) -> None:
             mod.gemm = moe_gemm
 
 
+def modules_outside(model: nn.Module, skip: nn.Module | None) -> list[nn.Module]:
+    """model's modules, those inside `skip` (a submodule that never runs, e.g. the MTP layer without speculation)
+    left out."""
+    skipped = set() if skip is None else {id(m) for m in skip.modules()}
+    return [m for m in model.modules() if id(m) not in skipped]
+
+
 def deepgemm_weights(model: nn.Module, skip: nn.Module | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(e4m3 weight, scales) of every FP8 projection `set_gemm` gave to DeepGEMM (fused ones as one), those inside
-    `skip` (a submodule that never runs, e.g. the MTP layer without speculation) left out."""
-    skipped = set() if skip is None else {id(m) for m in skip.modules()}
-    mods = [m for m in model.modules() if isinstance(m, (Linear, FusedLinear)) and m.gemm == "deepgemm"
-            and id(m) not in skipped and m.weight is not None and getattr(m, "weight_scale_inv", None) is not None]
+    `skip` left out (`modules_outside`)."""
+    mods = [m for m in modules_outside(model, skip) if isinstance(m, (Linear, FusedLinear)) and m.gemm == "deepgemm"
+            and m.weight is not None and getattr(m, "weight_scale_inv", None) is not None]
     # A member of a FusedLinear holds a view of the fused weight and never runs alone.
     fused = {m.weight.untyped_storage().data_ptr() for m in mods if isinstance(m, FusedLinear)}
     return [(m.weight, m.weight_scale_inv) for m in mods
