@@ -28,7 +28,7 @@ SHAPES = {  # name -> (N, K): the FP8 projections of one layer
         ("q_a|wk|kv_a (fused)", 1536 + 128 + 576, 7168),
         ("q_b", 128 * 192, 1536),
         ("indexer wq_b", 64 * 128, 1536),
-        ("wq_b|q_b (fused)", 64 * 128 + 128 * 192, 1536),
+        ("q_b|wq_b (fused)", 128 * 192 + 64 * 128, 1536),
         ("o_proj", 7168, 128 * 128),
         ("dense gate|up", 2 * 18432, 7168),
         ("dense down", 7168, 18432),
@@ -38,7 +38,6 @@ SHAPES = {  # name -> (N, K): the FP8 projections of one layer
     "glm5": [
         ("q_a|wk|kv_a (fused)", 2048 + 128 + 576, 6144),
         ("q_b", 64 * 256, 2048),
-        ("wq_b|q_b (fused)", 32 * 128 + 64 * 256, 2048),
         ("o_proj", 6144, 64 * 256),
         ("dense gate|up", 2 * 12288, 6144),
     ],

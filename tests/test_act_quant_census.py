@@ -87,12 +87,12 @@ def test_batch1_decode_quantises_activations_only_for_the_experts(monkeypatch):
         assert quant[place] == 1 and census.ops[place]["triton:_expert_gemm_kernel"] == 2, census.describe()
     assert census.ops["outside"].get("triton:_act_quant_kernel", 0) == 0
     assert any(s[0] == inter and s[2] == (1, 16) for s in seen)  # gate|up read the norm's padded MN-major rows
-    # Five FP8 linears per layer: in_proj (q_a|wk|kv_a), qr_proj (the indexer's wq_b|q_b_proj: one GEMM, not two),
-    # o_proj, and gate|up and down (dense, or the shared expert's). The Triton GEMM serves those DeepGEMM does not
-    # take at one row: in_proj and qr_proj, and a MoE layer's shared expert.
+    # Six FP8 linears per layer: in_proj (q_a|wk|kv_a), q_b_proj, the indexer's wq_b, o_proj, and gate|up and down
+    # (dense, or the shared expert's). The Triton GEMM serves those DeepGEMM does not take at one row: in_proj,
+    # q_b_proj and wq_b, and a MoE layer's shared expert.
     for place in quant:
-        assert census.ops[place]["minidsa.fp8_linear"] == 5, census.describe()
-        assert census.ops[place]["triton:_w8a8_gemm_kernel"] == (2 if place in dense else 4), census.describe()
+        assert census.ops[place]["minidsa.fp8_linear"] == 6, census.describe()
+        assert census.ops[place]["triton:_w8a8_gemm_kernel"] == (3 if place in dense else 5), census.describe()
 
     # As before: the norms' output row-major, which DeepGEMM re-quantised in a launch of its own.
     for norm in model.modules():

@@ -163,16 +163,12 @@ class Indexer(nn.Module):
         self.fp32_gemv = "torch"  # who runs weights_proj (`set_fp32_gemv`)
 
     def forward(self, caches: LayerCaches, x: torch.Tensor, qr: torch.Tensor, k: torch.Tensor,
-                ctx: LayerContext, qr_quantized: QuantizedInput | None = None,
-                q: torch.Tensor | None = None) -> torch.Tensor:
+                ctx: LayerContext, qr_quantized: QuantizedInput | None = None) -> torch.Tensor:
         """`k` = wk(x), computed with the attention's input projections (one fused GEMV); `qr_quantized`: qr
-        quantised by q_a_layernorm (None where it makes none); `q` = wq_b(qr) where the attention computed it with
-        q_b_proj (one fused GEMV), else None and wq_b runs here."""
+        quantised by q_a_layernorm (None where it makes none)."""
         num_tokens = x.shape[0]
-        if q is None:
-            q = self.wq_b(qr, qr_quantized)
         # q and k unrotated: the backend rotates them inside the key store and the query quantisation
-        q = q.view(num_tokens, self.n_heads, self.head_dim)
+        q = self.wq_b(qr, qr_quantized).view(num_tokens, self.n_heads, self.head_dim)
         norm = self.k_norm
         ctx.attn.store_index_k(caches, ctx.batch, k, norm.weight, norm.bias, norm.eps, ctx.cos, ctx.sin,
                                self.interleave)
@@ -217,22 +213,11 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope], w[:, self.nope :]  # W_UK [H, nope, L], W_UV [H, v, L]
 
-    @property
-    def fuses_index_q(self) -> bool:
-        """Does this layer compute the indexer's query with q_b_proj (`qr_proj`)? Only where it runs its indexer
-        every step: a layer that reuses the top-k it is handed (the MTP layer by default) would otherwise read
-        wq_b's weight every step for nothing."""
-        return self.computes_topk and self.indexer is not None
-
     def fuse(self) -> None:
         """q_a, the indexer's key projection and kv_a all read x: one GEMM. kv_a (576 rows, not a multiple
-        of 128) goes last so that FP8 block scales stack without padding. Likewise the indexer's query and
-        q_b_proj read qr: wq_b (replicated) then this rank's q_b_proj rows, the one that can be an odd height
-        (unsplit heads of a small model) last."""
+        of 128) goes last so that FP8 block scales stack without padding."""
         linears = [self.q_a_proj] + ([self.indexer.wk] if self.indexer is not None else []) + [self.kv_a_proj_with_mqa]
         self.in_proj = FusedLinear(*linears)
-        if self.fuses_index_q:
-            self.qr_proj = FusedLinear(self.indexer.wq_b, self.q_b_proj)
 
     def forward(self, x: torch.Tensor, ctx: LayerContext, prev_topk: torch.Tensor | None,
                 caches: LayerCaches, x_quantized: QuantizedInput | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,11 +227,7 @@ class MLAttention(nn.Module):
         q_in, kv = parts[0], parts[-1]
         index_k = parts[1] if len(parts) == 3 else None
         qr, qr_quantized = self.q_a_layernorm.normed(q_in)
-        if self.fuses_index_q:
-            index_q, q = _fused(self, "qr_proj")(qr, qr_quantized)
-        else:
-            index_q, q = None, self.q_b_proj(qr, qr_quantized)
-        q = q.view(num_tokens, self.num_heads, self.nope + self.rope)
+        q = self.q_b_proj(qr, qr_quantized).view(num_tokens, self.num_heads, self.nope + self.rope)
         q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]  # q_rope rotated by absorb_q
 
         ctx.attn.store_kv(caches, ctx.batch, kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, ctx.cos,
@@ -257,7 +238,7 @@ class MLAttention(nn.Module):
                 raise RuntimeError(
                     f"layer {self.layer_id} shares the previous layer's top-k but was handed none"
                 )
-            topk = self.indexer(caches, x, qr, index_k, ctx, qr_quantized, index_q)
+            topk = self.indexer(caches, x, qr, index_k, ctx, qr_quantized)
         else:
             topk = prev_topk
 

@@ -5,8 +5,7 @@ nano-vllm style: a parameter's `weight_loader` receives the full checkpoint tens
 narrows it to this rank's part before the usual conversion (`layers.linear.load_block_scaled`).
 
 - `ColumnParallelLinear`: output rows split (q_b_proj and kv_b_proj by heads, gate / up projections by the
-  intermediate dimension, lm_head by vocabulary). Fused projections (gate | up) fuse the local shards; the
-  indexer's replicated wq_b fuses with q_b_proj's local heads (each rank computes all the indexer's heads).
+  intermediate dimension, lm_head by vocabulary). Fused projections (gate | up) fuse the local shards.
 - `RowParallelLinear`: input columns split; the partial outputs are summed over the ranks (o_proj, down_proj),
   or left partial for a caller that sums several of them with one all-reduce (the MoE layer).
 - `VocabParallelEmbedding`: each rank holds `vocab / size` rows; ids outside them contribute zeros; one
