@@ -124,6 +124,58 @@ def test_kernel_fp32_weight_on_bf16_rows_and_custom_ops():
 
 
 @in_this_process
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,k,stride_pad", [(3, 7168, 0), (5, 300, 40), (0, 64, 0)])
+def test_add_rmsnorm_is_the_quantising_kernels_sum_and_norm(dtype, m, k, stride_pad):
+    """`add_rmsnorm` (the norms no FP8 linear reads): the quantising launch's h and normed rows bit for bit, strided
+    rows included, and the custom op returns the same; within a few ulps of the reference's h + norm."""
+    x, residual, weight = _rows(m, k, dtype, seed=k + stride_pad + 3)
+    with torch_rounded_casts():
+        h, normed = norm_quant.add_rmsnorm(x, residual, weight, 1e-6)
+        op_h, op_normed = torch.ops.minidsa.add_rmsnorm(x, residual, weight, 1e-6)
+        want_h, want_normed, _, _ = norm_quant.rmsnorm_quant(x, weight, 1e-6, residual)
+    assert h.shape == normed.shape == (m, k) and h.dtype == normed.dtype == dtype
+    for a, b in ((h, want_h), (normed, want_normed), (op_h, h), (op_normed, normed)):
+        assert torch.equal(a, b)
+    assert torch.equal(h, x + residual)
+    if m:
+        assert _ulps_apart(normed, ref.rms_norm(x + residual, weight, 1e-6)).max() <= 4.0
+    with pytest.raises(ValueError, match="add_rmsnorm"):
+        norm_quant.add_rmsnorm(x, residual[:, :-1], weight, 1e-6)
+
+
+@in_this_process
+def test_set_norm_quant_runs_the_unquantised_norms_in_the_kernel():
+    """A model without FP8 linears under `set_norm_quant("triton")`: every decoder norm runs the kernel without its
+    quantisation (the residual adds inside it, `add_rmsnorm`), none quantises; the logits stay within the norm's
+    rounding of the reference's, the same tokens; "torch" hands them back to the reference."""
+    from hf_tiny import tiny_kwargs
+    from harness import PagedDriver
+    from minidsa.config import ModelConfig
+    from minidsa.models.deepseek_v32 import DecoderLayer, set_norm_quant
+    from minidsa.models.loader import build_model
+
+    raw = tiny_kwargs("deepseek_v32")
+    raw["architectures"] = ["DeepseekV32ForCausalLM"]
+    config = ModelConfig.from_dict(raw)
+    model = build_model(config, None, torch.float32, torch.device("cpu"), seed=0, init_std=0.1)
+    norms = [n for layer in model.modules() if isinstance(layer, DecoderLayer) for n, _ in layer.norm_consumers()]
+    d = PagedDriver(model, config, page_size=1, max_len=64)
+    d.add(list(range(3, 40)), reserve=2)
+    (_, want, _, _), = d.prefill([0], logits="all")
+    d.release_all()
+    assert set_norm_quant(model, "triton") == []
+    assert norms and all(n.kernel == "triton" and not n.quantizes_output for n in norms)
+    d.add(list(range(3, 40)), reserve=2)
+    (_, got, _, _), = d.prefill([0], logits="all")
+    d.release_all()
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+    set_norm_quant(model, "torch")
+    assert all(n.kernel == "torch" for n in norms)
+
+
+@in_this_process
 @pytest.mark.parametrize("m", [1, 3, 17])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_kernel_writes_deep_gemm_layout_bit_for_bit(m, with_residual):
@@ -312,6 +364,7 @@ def test_set_norm_quant_picks_the_norms_fp8_linears_read():
         assert layer.post_attention_layernorm.quantizes_output
         assert not layer.self_attn.kv_a_layernorm.quantizes_output  # its output goes to the cache, not a GEMM
     assert not model.model.norm.quantizes_output  # the final norm feeds the bf16 lm_head
+    assert all(n.kernel == "torch" for layer in layers for n, _ in layer.norm_consumers())  # they quantise
     assert set_norm_quant(model, "torch") == []
     assert not any(layer.input_layernorm.quantizes_output for layer in layers)
     assert len(set_norm_quant(model, "triton")) == 3 * len(layers)
@@ -414,11 +467,12 @@ sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "sum_ptr": "*bf16
        "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "stride_x": "i32", "stride_r": "i32", "stride_sum": "i32",
        "stride_n": "i32", "stride_q": "i32", "stride_sm": "i32", "stride_sg": "i32", "num_groups": "i32",
        "eps": "fp32", "BLOCK": "constexpr", "GROUP": "constexpr", "HAS_RESIDUAL": "constexpr",
-       "EMULATE_CAST": "constexpr", "PDL": "constexpr"}
+       "EMULATE_CAST": "constexpr", "QUANT": "constexpr", "PDL": "constexpr"}
 for block in (2048, 8192):
-    for residual in (False, True):
+    for residual, quant in ((False, True), (True, True), (True, False)):
         src = ASTSource(norm_quant._rmsnorm_quant_kernel, sig, constexprs={
-            "BLOCK": block, "GROUP": 128, "HAS_RESIDUAL": residual, "EMULATE_CAST": False, "PDL": True})
+            "BLOCK": block, "GROUP": 128, "HAS_RESIDUAL": residual, "EMULATE_CAST": False, "QUANT": quant,
+            "PDL": True})
         compile_without_spills(src, 8 if block >= 4096 else 4)
 print("compiled")
 """

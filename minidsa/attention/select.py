@@ -34,7 +34,9 @@ What the choice says, per kernel:
 - norm_quant (an RMSNorm whose output FP8 linears read, with the residual add before it where there is one): the
   norm and the FP8 quantisation of its output in one Triton launch (kernels/norm_quant.py), which the GEMMs read
   where they would quantise in a launch of their own, wherever Triton runs and the FP8 linears are not the torch
-  reference (which quantises for itself); else the torch norm (`models.deepseek_v32.set_norm_quant`). The same
+  reference (which quantises for itself); else the torch norm (`models.deepseek_v32.set_norm_quant`). A decoder
+  norm no FP8 linear reads then runs the same launch without the quantisation, its residual add inside
+  (`add_rmsnorm`: inductor failed to compile that add + norm in a layer's graph on the GPU). The same
   choice has SwiGLU's product quantised for an FP8 down projection in the launch computing it
   (kernels/swiglu_quant.py, `models.deepseek_v32.set_swiglu_quant`);
 - mla_absorb (MLA's per-head W_UK / W_UV products around the sparse attention): one weight-streaming Triton

@@ -352,6 +352,18 @@ def _(x, residual, weight, eps, deep_gemm_layout=False):
     return (x.new_empty(x.shape), *_norm_quant_fakes(x, weight, deep_gemm_layout))
 
 
+@torch.library.custom_op("minidsa::add_rmsnorm", mutates_args=())
+def add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """h = x + residual and RMSNorm of h in one Triton launch, for a norm no FP8 linear reads: (h, normed),
+    `add_rmsnorm_quant`'s first two outputs (kernels/norm_quant.py `add_rmsnorm`)."""
+    return norm_quant_mod.add_rmsnorm(x, residual, weight, eps)
+
+
+@add_rmsnorm.register_fake
+def _(x, residual, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+
+
 @torch.library.custom_op("minidsa::rmsnorm_rows", mutates_args=())
 def rmsnorm_rows(x: Tensor, weight: Tensor, eps: float, rows: Optional[Tensor] = None) -> Tensor:
     """RMSNorm of x (or of its rows `rows`, gathered in the same launch): kernels/norm_quant.py,

@@ -36,7 +36,7 @@ def _rmsnorm_quant_kernel(
     x_ptr, res_ptr, w_ptr, sum_ptr, normed_ptr, q_ptr, s_ptr,
     K, stride_x, stride_r, stride_sum, stride_n, stride_q, stride_sm, stride_sg, num_groups, eps,
     BLOCK: tl.constexpr, GROUP: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMULATE_CAST: tl.constexpr,
-    PDL: tl.constexpr = False,
+    QUANT: tl.constexpr = True, PDL: tl.constexpr = False,
 ):
     wait_for_producers(PDL)
     m = tl.program_id(0).to(tl.int64)
@@ -55,10 +55,11 @@ def _rmsnorm_quant_kernel(
     w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     y = (w * xn).to(normed_ptr.dtype.element_ty)
     tl.store(normed_ptr + m * stride_n + offs, y, mask=ok)
-    q, scale = _quant_tile(tl.reshape(y.to(tl.float32), (BLOCK // GROUP, GROUP)), EMULATE_CAST)
-    tl.store(q_ptr + m * stride_q + offs, tl.reshape(q, (BLOCK,)), mask=ok)
-    g = tl.arange(0, BLOCK // GROUP)
-    tl.store(s_ptr + m * stride_sm + g * stride_sg, scale, mask=g < num_groups)
+    if QUANT:
+        q, scale = _quant_tile(tl.reshape(y.to(tl.float32), (BLOCK // GROUP, GROUP)), EMULATE_CAST)
+        tl.store(q_ptr + m * stride_q + offs, tl.reshape(q, (BLOCK,)), mask=ok)
+        g = tl.arange(0, BLOCK // GROUP)
+        tl.store(s_ptr + m * stride_sm + g * stride_sg, scale, mask=g < num_groups)
 
 
 def supported(hidden: int, dtype: torch.dtype) -> str | None:
@@ -78,34 +79,56 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     scales' layout as `fp8_gemm.act_buffers` makes them (`deep_gemm_layout`: DeepGEMM's padded rows, left unwritten
     past M, and MN-major scales, which it reads as they are instead of quantising x again in a launch of its own).
     Rows may be strided (a slice of a fused projection's output); the last dim must be dense."""
+    _check(x, weight, residual, "rmsnorm_quant")
+    q, scales = act_buffers(x.shape[0], x.shape[1], x.device, deep_gemm_layout)
+    out_sum, normed = _launch(x, weight, eps, residual, (q, scales))
+    return out_sum, normed, q, scales
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h = x + residual in x's dtype, RMSNorm(h)): `rmsnorm_quant`'s first two outputs, bit for bit, in a launch
+    that writes no quantisation, for the norms no FP8 linear reads. Why a kernel and not the reference's torch ops
+    the layer's compiled graph would fuse: there inductor (torch 2.11, dynamic token counts) recomputes h inside
+    the norm's reduction, fuses h's own realisation (the o_proj addmm's input) into the same kernel and fails
+    to compile it (`CantSplit: 64 not divisible by 64*s`, the tiny model in fp32, on an H100)."""
+    _check(x, weight, residual, "add_rmsnorm")
+    return _launch(x, weight, eps, residual, None)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, name: str) -> None:
     if x.dim() != 2 or weight.shape != (x.shape[1],) or (residual is not None and (
             residual.shape != x.shape or residual.dtype != x.dtype)):
         given = '' if residual is None else f', residual {residual.dtype} {tuple(residual.shape)}'
-        raise ValueError(f"rmsnorm_quant: x {tuple(x.shape)}, weight {tuple(weight.shape)}{given} do not fit")
-    m, k = x.shape
-    why_not = supported(k, x.dtype)
+        raise ValueError(f"{name}: x {tuple(x.shape)}, weight {tuple(weight.shape)}{given} do not fit")
+    why_not = supported(x.shape[1], x.dtype)
     if why_not is not None:
         raise ValueError(why_not)
-    num_groups = -(-k // FP8_BLOCK)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+            quant: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """One `_rmsnorm_quant_kernel` launch -> (x + residual or None, normed); `quant`: (e4m3, scales) it fills."""
+    m, k = x.shape
     out_sum = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
     normed = torch.empty(m, k, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    q, scales = act_buffers(m, k, x.device, deep_gemm_layout)
     if m == 0:
-        return out_sum, normed, q, scales
+        return out_sum, normed
     x = x if x.stride(1) == 1 else x.contiguous()
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
     block = max(FP8_BLOCK, triton.next_power_of_2(k))
     res = residual if residual is not None else x  # any valid pointer: unread without HAS_RESIDUAL
     dst_sum = out_sum if out_sum is not None else normed
+    q, scales = quant if quant is not None else (normed, normed)  # unwritten without QUANT
     _rmsnorm_quant_kernel[(m,)](
         x, res, weight.contiguous(), dst_sum, normed, q, scales,
         k, x.stride(0), res.stride(0), dst_sum.stride(0), normed.stride(0), q.stride(0), scales.stride(0),
-        scales.stride(1), num_groups, float(eps),
+        scales.stride(1), -(-k // FP8_BLOCK), float(eps),
         BLOCK=block, GROUP=FP8_BLOCK, HAS_RESIDUAL=residual is not None, EMULATE_CAST=EMULATE_CAST,
-        num_warps=8 if block >= 4096 else 4, **pdl_launch(x.device),
+        QUANT=quant is not None, num_warps=8 if block >= 4096 else 4, **pdl_launch(x.device),
     )
-    return out_sum, normed, q, scales
+    return out_sum, normed
 
 
 @triton.jit

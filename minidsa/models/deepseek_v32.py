@@ -48,9 +48,11 @@ logger = logging.getLogger(__name__)
 
 class RMSNorm(nn.Module):
     """`reference.rms_norm`. Where FP8 linears read the output (`set_norm_quant`, at build), `normed` and
-    `add_normed` also quantise it for them in the same Triton launch (`torch.ops.minidsa.rmsnorm_quant`). The norms
-    outside the decoder layers run eagerly, uncompiled: where the engine chose it (`set_head_norm`, at build) each
-    is one Triton launch (`torch.ops.minidsa.rmsnorm_rows`) instead of the reference's chain of kernels."""
+    `add_normed` also quantise it for them in the same Triton launch (`torch.ops.minidsa.rmsnorm_quant`); where
+    none does and the engine runs that kernel, the residual add and the norm are its launch without the
+    quantisation (`torch.ops.minidsa.add_rmsnorm`). The norms outside the decoder layers run eagerly, uncompiled:
+    where the engine chose it (`set_head_norm`, at build) each is one Triton launch
+    (`torch.ops.minidsa.rmsnorm_rows`) instead of the reference's chain of kernels."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -58,7 +60,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.quantizes_output = False
         self.quant_for_deep_gemm = False  # the quantised output in DeepGEMM's layout (`set_norm_quant`)
-        self.kernel = "torch"  # who runs `forward` / `rows` (`set_head_norm`)
+        self.kernel = "torch"  # who runs `forward` / `rows` / an unquantised `add_normed` (`set_head_norm`,
+        # `set_norm_quant`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "triton":
@@ -82,6 +85,9 @@ class RMSNorm(nn.Module):
                    ) -> tuple[torch.Tensor, torch.Tensor, QuantizedInput | None]:
         """(h = residual + x, RMSNorm(h), its FP8 quantisation where this norm makes one, else None)."""
         if not self.quantizes_output:
+            if self.kernel == "triton":
+                h, normed = torch.ops.minidsa.add_rmsnorm(x, residual, self.weight, self.eps)
+                return h, normed, None
             h = residual + x
             return h, self(h), None
         h, normed, q, scales = torch.ops.minidsa.add_rmsnorm_quant(x, residual, self.weight, self.eps,
@@ -375,7 +381,8 @@ def set_norm_quant(model: nn.Module, kernel: str) -> list[RMSNorm]:
     norms that do. Only norms whose width and dtype the kernel takes (`norm_quant.supported`) and that some FP8
     consumer reads. Where every FP8 consumer is a linear given to DeepGEMM, the output comes in DeepGEMM's layout
     (padded rows, MN-major scales: `fp8_gemm.act_buffers`), which DeepGEMM reads as it is and the Triton GEMM
-    serving the same linear at other sizes reads too; the fused MoE reads plain rows only."""
+    serving the same linear at other sizes reads too; the fused MoE reads plain rows only. With "triton", the norms
+    that do not quantise run the same kernel without the quantisation (`RMSNorm.kernel`)."""
     if kernel not in ("torch", "triton"):
         raise ValueError(f"norm_quant kernel {kernel!r} is not 'torch' or 'triton'")
     fused = []
@@ -388,6 +395,8 @@ def set_norm_quant(model: nn.Module, kernel: str) -> list[RMSNorm]:
                                      and norm_quant.supported(norm.weight.shape[0], norm.weight.dtype) is None)
             norm.quant_for_deep_gemm = norm.quantizes_output and all(
                 isinstance(c, Linear) and c.gemm == "deepgemm" for c in fp8_consumers)
+            norm.kernel = ("triton" if kernel == "triton" and not norm.quantizes_output
+                           and norm_quant.supported(norm.weight.shape[0], norm.weight.dtype) is None else "torch")
             if norm.quantizes_output:
                 fused.append(norm)
     return fused
