@@ -89,6 +89,12 @@ def poison_new_tensors(monkeypatch) -> None:
     garbage, so an output element a kernel forgets to write shows. Also keeps TRITON_INTERPRET=1 meanwhile: triton
     reads it again in imports it makes lazily."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # `with torch.device(...)` intercepts the constructors it lists once per process (a cached set of functions):
+    # listed first under this patch, it would hold the lambdas, and from then on every `with torch.device("meta")`
+    # would let the real torch.empty allocate on the CPU (a meta-device build of a 671B preset asked for 30 GB).
+    import torch.utils._device
+
+    torch.utils._device._device_constructors()
     monkeypatch.setattr(torch, "empty", lambda *a, **k: _poison(_real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: _poison(_real_empty_like(*a, **k)))
 
