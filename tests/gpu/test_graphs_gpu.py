@@ -69,6 +69,32 @@ def test_tiny_graphs_equal_eager_in_every_mode(spec):
         assert replays["compiled_graphs"] <= 3 * 2 * 2 * 2, replays
 
 
+@pytest.mark.parametrize("n", [3, 5])
+def test_captured_graphs_equal_their_static_path_run_uncaptured(monkeypatch, n):
+    """The step graphs' static, padded buffers captured, and the same buffers run eagerly (`capture=False`, as on a
+    CPU): the same kernels on the same rows, so the same tokens, bit for bit, prefill (EXTEND) and decode.
+
+    Against eager, a padded bucket runs its GEMMs on more rows, which cuBLAS may sum in another order (TAIL.md
+    section 10: 261 prefill tokens in the 384-token bucket). This comparison leaves only what capturing itself
+    changes: the shared memory pool and launches frozen at capture."""
+    from minidsa.exec import graphs as graphs_mod
+
+    exact = dict(dtype="float32", indexer_cache_dtype="model")
+    prompts = _prompts(n, 80)
+    captured, replays, _ = _run("tiny", prompts, enable_cuda_graph=True, enable_compile=False, **exact)
+    init = graphs_mod.StepGraphs.__init__
+
+    def uncaptured(self, *args, **kwargs):
+        kwargs["capture"] = False
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(graphs_mod.StepGraphs, "__init__", uncaptured)
+    static, static_replays, _ = _run("tiny", prompts, enable_cuda_graph=True, enable_compile=False, **exact)
+    assert replays[StepKind.EXTEND] > 0 and replays[StepKind.DECODE] > 0, replays
+    assert static_replays == replays
+    assert captured == static
+
+
 def test_spec_lossless_with_graphs_tiny_bf16_fp8():
     """Default GPU settings (bf16, fp8 indexer): speculation with graphs equals plain decoding with graphs."""
     prompts = _prompts(4, 100)
