@@ -1,5 +1,6 @@
-"""RMSNorm (optionally after a residual add) and the FP8 per-token-group quantisation of its output, in one launch;
-and the plain RMSNorm of some rows (`rmsnorm_rows`), for the norms outside the decoder layers.
+"""RMSNorm (optionally after a residual add) and the FP8 per-token-group quantisation of its output, in one launch,
+or the same launch without the quantisation (`add_rmsnorm`, for the decoder norms no FP8 linear reads); and the
+plain RMSNorm of some rows (`rmsnorm_rows`), for the norms outside the decoder layers.
 
 `reference.rmsnorm_quant` is the contract: `h = x + residual` (rounded to x's dtype, as the model's `h = h + a`),
 `normed = weight * (h * rsqrt(mean(h^2) + eps)).to(x.dtype)` (the model's RMSNorm), and the e4m3 values + fp32
