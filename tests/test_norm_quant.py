@@ -144,33 +144,46 @@ def test_add_rmsnorm_is_the_quantising_kernels_sum_and_norm(dtype, m, k, stride_
         norm_quant.add_rmsnorm(x, residual[:, :-1], weight, 1e-6)
 
 
+def _tiny_fp32_driver(**overrides):
+    """A tiny fp32 model of random weights and a PagedDriver over it."""
+    from hf_tiny import tiny_kwargs
+    from harness import PagedDriver
+    from minidsa.config import ModelConfig
+    from minidsa.models.loader import build_model
+
+    raw = tiny_kwargs("deepseek_v32", **overrides)
+    raw["architectures"] = ["DeepseekV32ForCausalLM"]
+    config = ModelConfig.from_dict(raw)
+    model = build_model(config, None, torch.float32, torch.device("cpu"), seed=0, init_std=0.1)
+    return model, PagedDriver(model, config, page_size=1, max_len=64)
+
+
+def _prefill_logits(d) -> torch.Tensor:
+    """Every position's logits of one 37-token prompt, its KV released after."""
+    d.add(list(range(3, 40)), reserve=2)
+    (_, out, _, _), = d.prefill([0], logits="all")
+    d.release_all()
+    return out.logits
+
+
+def _assert_within_norm_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
 @in_this_process
 def test_set_norm_quant_runs_the_unquantised_norms_in_the_kernel():
     """A model without FP8 linears under `set_norm_quant("triton")`: every decoder norm runs the kernel without its
     quantisation (the residual adds inside it, `add_rmsnorm`), none quantises; the logits stay within the norm's
     rounding of the reference's, the same tokens; "torch" hands them back to the reference."""
-    from hf_tiny import tiny_kwargs
-    from harness import PagedDriver
-    from minidsa.config import ModelConfig
     from minidsa.models.deepseek_v32 import DecoderLayer, set_norm_quant
-    from minidsa.models.loader import build_model
 
-    raw = tiny_kwargs("deepseek_v32")
-    raw["architectures"] = ["DeepseekV32ForCausalLM"]
-    config = ModelConfig.from_dict(raw)
-    model = build_model(config, None, torch.float32, torch.device("cpu"), seed=0, init_std=0.1)
+    model, d = _tiny_fp32_driver()
     norms = [n for layer in model.modules() if isinstance(layer, DecoderLayer) for n, _ in layer.norm_consumers()]
-    d = PagedDriver(model, config, page_size=1, max_len=64)
-    d.add(list(range(3, 40)), reserve=2)
-    (_, want, _, _), = d.prefill([0], logits="all")
-    d.release_all()
+    want = _prefill_logits(d)
     assert set_norm_quant(model, "triton") == []
     assert norms and all(n.kernel == "triton" and not n.quantizes_output for n in norms)
-    d.add(list(range(3, 40)), reserve=2)
-    (_, got, _, _), = d.prefill([0], logits="all")
-    d.release_all()
-    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
-    assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+    _assert_within_norm_rounding(_prefill_logits(d), want)
     set_norm_quant(model, "torch")
     assert all(n.kernel == "torch" for n in norms)
 
@@ -551,29 +564,15 @@ def test_head_norms_take_the_kernel_where_chosen():
     """`set_head_norm("triton")`: the final norm and the MTP layer's norms run the one-launch kernel (the logits
     rows gathered in it), the decoder layers' norms stay the reference their compiled graph fuses; the model's
     logits stay within the norm's rounding of the reference's, the same tokens."""
-    from hf_tiny import tiny_kwargs
-    from harness import PagedDriver
-    from minidsa.config import ModelConfig
     from minidsa.models.deepseek_v32 import RMSNorm, set_head_norm
-    from minidsa.models.loader import build_model
 
-    raw = tiny_kwargs("deepseek_v32", num_nextn_predict_layers=1)
-    raw["architectures"] = ["DeepseekV32ForCausalLM"]
-    config = ModelConfig.from_dict(raw)
-    model = build_model(config, None, torch.float32, torch.device("cpu"), seed=0, init_std=0.1)
-    d = PagedDriver(model, config, page_size=1, max_len=64)
-    d.add(list(range(3, 40)), reserve=2)
-    (_, want, _, _), = d.prefill([0], logits="all")
-    d.release_all()
+    model, d = _tiny_fp32_driver(num_nextn_predict_layers=1)
+    want = _prefill_logits(d)
     chosen = set_head_norm(model, "triton")
     assert [id(n) for n in chosen] == [id(n) for n in (model.model.norm, model.mtp_layer.enorm,
                                                         model.mtp_layer.hnorm, model.mtp_layer.shared_head.norm)]
     assert all(m.kernel == "torch" for layer in model.main_layers for m in layer.modules() if isinstance(m, RMSNorm))
-    d.add(list(range(3, 40)), reserve=2)
-    (_, got, _, _), = d.prefill([0], logits="all")
-    d.release_all()
-    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
-    assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+    _assert_within_norm_rounding(_prefill_logits(d), want)
     with pytest.raises(ValueError, match="head_norm kernel"):
         set_head_norm(model, "cuda")
 

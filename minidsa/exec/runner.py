@@ -185,8 +185,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             from minidsa.kernels.deepgemm_jit import GemmWarmUp
 
-            # Without speculation the MTP layer never runs (no profile, warm-up or step reaches it): its shapes of
-            # its own (eh_proj, q_b and wq_b apart) would be compiled for nothing.
+            # Without speculation the MTP layer never runs (no profile, warm-up or step reaches it): its shape of
+            # its own (eh_proj) would be compiled for nothing.
             idle = None if self._mtp_catches_up else self.model.mtp_layer
             self._gemm_jit = GemmWarmUp.for_weights(deepgemm_weights(self.model, idle),
                                                     deepgemm_experts(self.model, idle),

@@ -391,12 +391,11 @@ def set_norm_quant(model: nn.Module, kernel: str) -> list[RMSNorm]:
             continue
         for norm, consumers in layer.norm_consumers():
             fp8_consumers = [c for c in consumers if c.is_fp8]
-            norm.quantizes_output = (kernel == "triton" and bool(fp8_consumers)
-                                     and norm_quant.supported(norm.weight.shape[0], norm.weight.dtype) is None)
+            runs_kernel = kernel == "triton" and norm_quant.supported(norm.weight.shape[0], norm.weight.dtype) is None
+            norm.quantizes_output = runs_kernel and bool(fp8_consumers)
             norm.quant_for_deep_gemm = norm.quantizes_output and all(
                 isinstance(c, Linear) and c.gemm == "deepgemm" for c in fp8_consumers)
-            norm.kernel = ("triton" if kernel == "triton" and not norm.quantizes_output
-                           and norm_quant.supported(norm.weight.shape[0], norm.weight.dtype) is None else "torch")
+            norm.kernel = "triton" if runs_kernel and not norm.quantizes_output else "torch"
             if norm.quantizes_output:
                 fused.append(norm)
     return fused
