@@ -38,9 +38,9 @@ def _check_kv_leaks():
     except ImportError:  # the engine is not importable: nothing to check
         yield
         return
-    with track_engines() as created:  # holds them, so engines local to the test are checked too
+    with track_engines() as created:  # engines local to the test are checked too (their bookkeeping is kept)
         yield
-    for engine in created + [e for e in _SHARED_ENGINES if all(e is not c for c in created)]:
+    for engine in created + [e for e in _SHARED_ENGINES if not any(c.tracks(e) for c in created)]:
         engine.check_no_leaks()
 
 
