@@ -3,9 +3,10 @@
     PYTHONPATH=. python3 benchmarks/bench_prefill.py --model bench-dsv32:4 --prompts 8192 32768 --out $OUT
 
 Each prompt length is timed after a warm-up prompt of the same length (Triton / DeepGEMM JIT paid there), with
-the prefix cache off, once per `--modes`: "compiled" (the default engine: prefill chunks run the torch.compile'd
-decoder layer) and "eager" (`enable_compile=False`: the plain modules), one engine after the other, side by side
-in one table with each mode's peak memory above the weights and caches (the activations of a chunk).
+the prefix cache off, as the median of `--repeats` prompts (min and max kept in the JSON), once per `--modes`:
+"compiled" (the default engine: prefill chunks run the torch.compile'd decoder layer) and "eager"
+(`enable_compile=False`: the plain modules), one engine after the other, side by side in one table with each
+mode's peak memory above the weights and caches (the activations of a chunk).
 FLOPs counted: the matmuls a token actually runs (attention projections, indexer, the dense MLPs, the 8 chosen +
 shared experts of each MoE layer, lm_head for the last token only) plus sparse attention (min(top-k, position)
 keys) and indexer scoring (every causal key). MFU against the FP8 matmul ceiling (torch._scaled_mm) and the bf16
@@ -97,12 +98,16 @@ def measure(args, mode: str, ceil: dict | None) -> tuple[list[dict], dict, objec
         torch.cuda.synchronize()
         resident = torch.cuda.memory_allocated(dev)  # weights, caches, graphs' static buffers
         torch.cuda.reset_peak_memory_stats(dev)
-        t = time.perf_counter()
-        llm.generate([prompt], one)
-        torch.cuda.synchronize()
-        sec = time.perf_counter() - t
+        times = []
+        for _ in range(args.repeats):  # the same prompt each time: the prefix cache is off
+            t = time.perf_counter()
+            llm.generate([prompt], one)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        sec = sorted(times)[len(times) // 2]
         fl = flops_per_prompt(cfg, n)
-        row = {"mode": mode, "prompt": n, "seconds": sec, "tok_per_s": n / sec, "TFLOPs": fl / sec / 1e12,
+        row = {"mode": mode, "prompt": n, "seconds": sec, "seconds_min": min(times), "seconds_max": max(times),
+               "repeats": len(times), "tok_per_s": n / sec, "TFLOPs": fl / sec / 1e12,
                "MFU_fp8": fl / sec / 1e12 / ceil["fp8_TFLOPs"], "MFU_bf16": fl / sec / 1e12 / ceil["bf16_TFLOPs"],
                "peak_activation_GiB": (torch.cuda.max_memory_allocated(dev) - resident) / 2**30}
         rows.append(row)
@@ -120,6 +125,8 @@ def main() -> None:
     ap.add_argument("--chunked-prefill-size", type=int, default=8192)
     ap.add_argument("--modes", nargs="+", choices=["compiled", "eager"], default=["compiled", "eager"],
                     help="prefill through the compiled decoder layer and / or the plain modules, one engine each")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timed prompts per length, the median reported (one prompt varied by 5-10%% run to run)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
