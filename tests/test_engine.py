@@ -106,6 +106,25 @@ def test_leak_check_detects_leaks(tiny_llm):
     engine.check_no_leaks()
 
 
+def test_tracking_keeps_the_bookkeeping_not_the_engine():
+    """An engine a test drops is freed at once (a GPU test builds a second full-size engine after the first), and
+    the end-of-test check still sees what it leaked."""
+    import gc
+    import weakref
+
+    with track_engines() as tracked:
+        engine = Engine(device="cpu", progress=False, max_total_tokens=64)
+        pages = engine.page_allocator.alloc(1)
+        alive = weakref.ref(engine)
+        del engine
+        gc.collect()
+    assert alive() is None
+    with pytest.raises(AssertionError, match="leak"):
+        tracked[0].check_no_leaks()
+    tracked[0].page_allocator.free(pages)
+    tracked[0].check_no_leaks()
+
+
 def test_autouse_leak_check_fails_the_leaking_test(pytester):
     """The suite's autouse fixture turns a leak into an error of the test that leaked, and only that one."""
     with open(__file__.replace("test_engine.py", "conftest.py")) as f:
