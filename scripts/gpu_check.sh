@@ -6,7 +6,7 @@
 # Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla
 # fp8_gemm moe. Not in the default list: moe_sweep (other MoE tile configs, for tuning); moe_prefill (issue 29 item 3:
 # the prefill MoE before vs after branch moe-prefill, its GPU tests then benchmarks/bench_moe_prefill.py).
-# Also: tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (start-up phase by phase, cold and warm caches); startup_tests; bench_prefill; compiled_prefill; sampling;
+# Also: gpu_tests (every tests/gpu file, GPU_TESTS_PART=a..e: one 10-minute call each); tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (start-up phase by phase, cold and warm caches); startup_tests; bench_prefill; compiled_prefill; sampling;
 # ab (two trees interleaved: minidsa bench + decode suite per preset, benchmarks/ab.py); redesign_ab (issue 30: ab against
 # the code before the redesign)
 # (prefill / mixed steps through the compiled layer: GPU tests, then bench_prefill compiled vs eager); flashmla (builds FlashMLA from a
@@ -85,6 +85,30 @@ section_env() {   # TIMEOUT: seconds for this section, 0 = none
 
 section_kernels() {   # issue 5: Triton kernels vs torch references at real sizes
     timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -rs --durations=10
+}
+
+section_gpu_tests() {   # every tests/gpu file, in parts that each fit one 10-minute call on an H100 (DeepGEMM and
+    # FlashMLA on; seconds measured or summed from the runs of 2026-11-27): GPU_TESTS_PART=a the graph tests but the
+    # bench preset's (~250), b that one + speculation at real shapes (~430), c fused MoE + MLA FP8 + structured
+    # (needs xgrammar's wheels, see section_structured) + FlashMLA (~270), d kernels + FP8 (~320), e ops + sampling
+    # + engine loop + MoE prefill + start-up (~180); default all five, in order. Tensor parallelism: section tp.
+    local part rc=0 files kexpr
+    for part in ${GPU_TESTS_PART:-a b c d e}; do
+        kexpr=""
+        case $part in
+            a) files="test_graphs_gpu.py"; kexpr="not bench_preset" ;;
+            b) files="test_graphs_gpu.py test_spec_gpu.py"; kexpr="bench_preset or speculation" ;;
+            c) files="test_fused_moe_gpu.py test_mla_fp8_gpu.py test_structured_gpu.py test_flashmla_gpu.py" ;;
+            d) files="test_kernels_gpu.py test_fp8_gpu.py" ;;
+            e) files="test_ops_gpu.py test_sampling_gpu.py test_engine_loop_gpu.py test_moe_prefill_gpu.py
+                      test_startup_gpu.py" ;;
+            *) echo "GPU_TESTS_PART: no part '$part' (a b c d e)"; return 2 ;;
+        esac
+        echo "--- part $part:" $files ${kexpr:+-k \"$kexpr\"}
+        timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider -rfs --durations=10 ${kexpr:+-k "$kexpr"} \
+            $(for f in $files; do echo tests/gpu/$f; done) || rc=1
+    done
+    return $rc
 }
 
 section_bench_prefill() {   # issue 15: prefill tok/s and MFU (chosen experts' FLOPs) for 8k / 32k prompts, real shapes
