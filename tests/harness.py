@@ -144,7 +144,6 @@ def compile_without_probing(runner, monkeypatch, library) -> list[set[str]]:
     return traced
 
 
-
 def random_fp8_linear(in_features: int, rows: int, generator: torch.Generator, gemm: str = "torch") -> Linear:
     """An FP8 Linear [rows, in_features] of random block-quantised weights (std 0.05 before quantisation), served by
     `gemm`."""

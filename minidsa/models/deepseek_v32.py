@@ -60,8 +60,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.quantizes_output = False
         self.quant_for_deep_gemm = False  # the quantised output in DeepGEMM's layout (`set_norm_quant`)
-        self.kernel = "torch"  # who runs `forward` / `rows` / an unquantised `add_normed` (`set_head_norm`,
-        # `set_norm_quant`)
+        # Who runs `forward` / `rows` (`set_head_norm`) and an unquantised `add_normed` (`set_norm_quant`).
+        self.kernel = "torch"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "triton":
