@@ -5,9 +5,9 @@
 #
 # Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla
 # fp8_gemm moe. Not in the default list: moe_sweep (other MoE tile configs, for tuning); moe_prefill (issue 29 item 3:
-# the prefill MoE before vs after branch moe-prefill, its GPU tests then benchmarks/bench_moe_prefill.py).
+# the prefill MoE before vs after branch moe-prefill, its GPU tests then benchmarks/scripts/bench_moe_prefill.py).
 # Also: gpu_tests (every tests/gpu file, GPU_TESTS_PART=a..e: one 10-minute call each); tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (start-up phase by phase, cold and warm caches); startup_tests; bench_prefill; compiled_prefill; sampling;
-# ab (two trees interleaved: minidsa bench + decode suite per preset, benchmarks/ab.py); redesign_ab (issue 30: ab against
+# ab (two trees interleaved: minidsa bench + decode suite per preset, benchmarks/scripts/ab.py); redesign_ab (issue 30: ab against
 # the code before the redesign)
 # (prefill / mixed steps through the compiled layer: GPU tests, then bench_prefill compiled vs eager); flashmla (builds FlashMLA from a
 # carried .fmla folder first; minutes); structured (structured outputs: GPU tests, then ITL with and without a
@@ -112,7 +112,7 @@ section_gpu_tests() {   # every tests/gpu file, in parts that each fit one 10-mi
 }
 
 section_bench_prefill() {   # issue 15: prefill tok/s and MFU (chosen experts' FLOPs) for 8k / 32k prompts, real shapes
-    timeout "$TIMEOUT" $PY benchmarks/bench_prefill.py --out "$OUT" ${BENCH_PREFILL_ARGS:-}
+    timeout "$TIMEOUT" $PY benchmarks/scripts/bench_prefill.py --out "$OUT" ${BENCH_PREFILL_ARGS:-}
 }
 
 section_compiled_prefill() {   # issue 16: prefill chunks / mixed steps / oversized decode run the compiled decoder layer:
@@ -125,10 +125,10 @@ section_compiled_prefill() {   # issue 16: prefill chunks / mixed steps / oversi
     return $rc
 }
 
-section_startup() {   # issue 28: start-up phase by phase (benchmarks/STARTUP.md): a fresh process each,
+section_startup() {   # issue 28: start-up phase by phase (benchmarks/startup/NOTES.md): a fresh process each,
     # "cold" = an empty compile cache dir, "warm" = the same dir again. STARTUP_ARGS picks them (default: bench-dsv32
     # cold + warm, ~7 min; "--models tiny:4 tiny:61 --runs cold" for depth). DEEPGEMM=on for the DeepGEMM phases.
-    timeout "$TIMEOUT" $PY benchmarks/startup.py --out "$OUT" ${STARTUP_ARGS:---models bench-dsv32 --runs cold warm}
+    timeout "$TIMEOUT" $PY benchmarks/scripts/startup.py --out "$OUT" ${STARTUP_ARGS:---models bench-dsv32 --runs cold warm}
 }
 
 section_startup_tests() {   # issue 28: the DeepGEMM compile pool on the real DeepGEMM (DEEPGEMM=on; ~1-2 min), then
@@ -139,29 +139,29 @@ section_startup_tests() {   # issue 28: the DeepGEMM compile pool on the real De
 }
 
 section_bench_indexer() {   # issue 14: DeepGEMM vs Triton indexer logits, kernels alone and served, eager and graph
-    timeout "$TIMEOUT" $PY benchmarks/bench_indexer.py --out "$OUT" ${BENCH_INDEXER_ARGS:-}
+    timeout "$TIMEOUT" $PY benchmarks/scripts/bench_indexer.py --out "$OUT" ${BENCH_INDEXER_ARGS:-}
 }
 
 section_bench_kernels() {   # issue 5: kernel benchmark (time, GB/s, TFLOP/s, fractions of ceilings)
-    timeout "$TIMEOUT" $PY benchmarks/bench_kernels.py --out "$OUT" ${BENCH_KERNELS_ARGS:-}
+    timeout "$TIMEOUT" $PY benchmarks/scripts/bench_kernels.py --out "$OUT" ${BENCH_KERNELS_ARGS:-}
 }
 
 section_moe() {   # issue 15: fused MoE at DeepSeek-V3.2 expert shapes: GPU tests, then the benchmark (~3 min on H100)
     local rc=0
     timeout "$TIMEOUT" $PY -m pytest -q -s -p no:cacheprovider tests/gpu/test_fused_moe_gpu.py -rs --durations=10 || rc=1
-    timeout "$TIMEOUT" $PY benchmarks/bench_moe.py --json "$OUT/moe.json" || rc=1
+    timeout "$TIMEOUT" $PY benchmarks/scripts/bench_moe.py --json "$OUT/moe.json" || rc=1
     return $rc
 }
 
 section_moe_prefill() {   # issue 29 item 3: prefill MoE passes at real shapes (tests), then before vs after (~5 min on H100)
     local rc=0
     timeout "$TIMEOUT" $PY -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe_prefill_gpu.py -rs --durations=10 || rc=1
-    timeout "$TIMEOUT" $PY benchmarks/bench_moe_prefill.py --json "$OUT/moe_prefill.json" ${BENCH_MOE_PREFILL_ARGS:-} || rc=1
+    timeout "$TIMEOUT" $PY benchmarks/scripts/bench_moe_prefill.py --json "$OUT/moe_prefill.json" ${BENCH_MOE_PREFILL_ARGS:-} || rc=1
     return $rc
 }
 
 section_moe_sweep() {   # issue 15: the MoE benchmark with a few other tile configs (tuning tile_config)
-    timeout "$TIMEOUT" $PY benchmarks/bench_moe.py --sweep --json "$OUT/moe_sweep.json"
+    timeout "$TIMEOUT" $PY benchmarks/scripts/bench_moe.py --sweep --json "$OUT/moe_sweep.json"
 }
 
 timestamped() { while IFS= read -r line; do echo "$(date +%T) $line"; done; }
@@ -183,8 +183,8 @@ section_graphs_bench() {   # issue 6: graphs + compile == eager token for token 
     graph_tests bench_preset
 }
 
-section_bench_decode() {   # issue 6: decode suite -> RESULTS.md (copy into benchmarks/ after the run)
-    # Defaults: what fits one 10-minute call with whole-forward compile (benchmarks/RESULTS.md, Regenerate).
+section_bench_decode() {   # issue 6: decode suite -> RESULTS.md (copy into benchmarks/decode/ after the run)
+    # Defaults: what fits one 10-minute call with whole-forward compile (benchmarks/archive/RESULTS.md, Regenerate).
     local args=${BENCH_DECODE_ARGS:-"--skip spec --dense-batches 1 16 32 --hf-contexts 4096 --profile 20 --iters 15"}
     timeout "$TIMEOUT" $PY -m minidsa.cli bench-decode --json "$OUT/decode.json" --markdown "$OUT/RESULTS.md" $args
 }
@@ -208,10 +208,10 @@ section_ops() {   # issue 20: logprobs / penalties on the graph path; online ben
 
 section_mla() {   # issue 18: FP8 MLA cache (656-byte layout): kernels at real sizes, then sparse MLA TFLOP/s for
     # both layouts (FlashMLA beside when scripts/build_flashmla.sh built it), KV capacity, decode step at
-    # B=128 / 32k, accuracy vs the bf16 cache (benchmarks/bench_mla.py; the table ends the log). ~3 minutes.
+    # B=128 / 32k, accuracy vs the bf16 cache (benchmarks/scripts/bench_mla.py; the table ends the log). ~3 minutes.
     timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_mla_fp8_gpu.py -rs --durations=5
     local rc=$?
-    timeout "$TIMEOUT" $PY benchmarks/bench_mla.py ${BENCH_MLA_ARGS:-} || rc=1
+    timeout "$TIMEOUT" $PY benchmarks/scripts/bench_mla.py ${BENCH_MLA_ARGS:-} || rc=1
     return $rc
 }
 
@@ -231,7 +231,7 @@ section_flashmla() {   # issue 18: build FlashMLA (SM90 sparse kernels) from the
         2>/dev/null || true
     timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_flashmla_gpu.py -rs --durations=5
     local rc=$?
-    timeout "$TIMEOUT" $PY benchmarks/bench_mla.py --only ${FLASHMLA_SECTIONS:-kernels,step} ${BENCH_MLA_ARGS:-} \
+    timeout "$TIMEOUT" $PY benchmarks/scripts/bench_mla.py --only ${FLASHMLA_SECTIONS:-kernels,step} ${BENCH_MLA_ARGS:-} \
         || rc=1
     return $rc
 }
@@ -245,7 +245,7 @@ section_fp8_gemm() {   # issue 15: FP8 w8a8 GEMMs vs reference at real shapes, F
 }
 
 section_bench_fp8_gemm() {   # issue 15: the FP8 GEMM benchmark alone (BENCH_FP8_ARGS), no tests
-    timeout "$TIMEOUT" $PY benchmarks/bench_fp8_gemm.py --out "$OUT" ${BENCH_FP8_ARGS:-}
+    timeout "$TIMEOUT" $PY benchmarks/scripts/bench_fp8_gemm.py --out "$OUT" ${BENCH_FP8_ARGS:-}
 }
 
 section_engine_loop() {   # issue 16: overlapped scheduling on the bench preset (~5 minutes on an H100): GPU tests
@@ -262,7 +262,7 @@ section_engine_loop() {   # issue 16: overlapped scheduling on the bench preset 
     # fresh H100 with DeepGEMM; ~25 s per run of the default workload), with what compiled during each run.
     timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_engine_loop_gpu.py -rs --durations=5
     local rc=$?
-    timeout "$TIMEOUT" $PY benchmarks/bench_engine_loop.py --out "$OUT" ${ENGINE_LOOP_ARGS:-} \
+    timeout "$TIMEOUT" $PY benchmarks/scripts/bench_engine_loop.py --out "$OUT" ${ENGINE_LOOP_ARGS:-} \
         ${ENGINE_LOOP_BENCH_ARGS:+"--bench-args=$ENGINE_LOOP_BENCH_ARGS"} \
         ${ENGINE_LOOP_MIXED_BUDGETS:+"--mixed-budgets=$ENGINE_LOOP_MIXED_BUDGETS"} || rc=1
     return $rc
@@ -271,14 +271,14 @@ section_engine_loop() {   # issue 16: overlapped scheduling on the bench preset 
 section_sampling() {   # issue 16: the one-pass sampler == the torch race at vocab 129280; time both (sampling.md)
     timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_sampling_gpu.py -rs
     local rc=$?
-    timeout "$TIMEOUT" $PY benchmarks/bench_sampling.py --out "$OUT" || rc=1
+    timeout "$TIMEOUT" $PY benchmarks/scripts/bench_sampling.py --out "$OUT" || rc=1
     return $rc
 }
 
 section_structured() {   # issue 27: structured outputs. GPU tests (the mask kernel == the torch reference at vocab
     # 129280; the embedded model's answers follow their schemas with overlap on and off, unconstrained requests
     # unchanged; a constrained decode step's two halves launch without a host sync), then steady decode ITL with and
-    # without a json_schema at batch 1 and 64 on bench-dsv32, one engine (benchmarks/bench_structured.py ->
+    # without a json_schema at batch 1 and 64 on bench-dsv32, one engine (benchmarks/scripts/bench_structured.py ->
     # structured.md / structured.json; STRUCTURED_ARGS adds flags, e.g. "--disable-compile"). Target: <= 10% at 64.
     # xgrammar is not on the GPU machine: carry xgrammar 0.2.8, apache-tvm-ffi and pydantic (+ pydantic-core,
     # annotated-types, typing-inspection) wheels for its Python in .whl (or .gpu/whl).
@@ -288,7 +288,7 @@ section_structured() {   # issue 27: structured outputs. GPU tests (the mask ker
     fi
     timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_structured_gpu.py -rs --durations=5
     local rc=$?
-    timeout "$TIMEOUT" $PY benchmarks/bench_structured.py --out "$OUT" ${STRUCTURED_ARGS:-} || rc=1
+    timeout "$TIMEOUT" $PY benchmarks/scripts/bench_structured.py --out "$OUT" ${STRUCTURED_ARGS:-} || rc=1
     return $rc
 }
 
@@ -310,7 +310,7 @@ section_tp() {   # issue 17: tensor_parallel_size 1 through the distributed path
     [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ] && runs="$runs --tp=2"
     for run in $runs; do
         echo "--- ITL through LLM.generate, $run"
-        timeout "$TIMEOUT" $PY benchmarks/bench_engine_loop.py --out /tmp/tp_loop $loop $run 2>&1 | grep -v " INFO "
+        timeout "$TIMEOUT" $PY benchmarks/scripts/bench_engine_loop.py --out /tmp/tp_loop $loop $run 2>&1 | grep -v " INFO "
         [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     done
     return $rc
@@ -318,11 +318,11 @@ section_tp() {   # issue 17: tensor_parallel_size 1 through the distributed path
 
 section_spec() {   # issue 31: speculation at real shapes with each kernel library (starts, one host sync per chain
     # round, no leak: tests/gpu/test_spec_gpu.py), then plain vs MTP 3/1/4 at simulated acceptance lengths
-    # (benchmarks/bench_speculative.py; SPEC_BENCH_ARGS, e.g. "--bench" for minidsa bench's workload on both)
+    # (benchmarks/scripts/bench_speculative.py; SPEC_BENCH_ARGS, e.g. "--bench" for minidsa bench's workload on both)
     timeout "$TIMEOUT" $PY -m pytest -q -s -p no:cacheprovider tests/gpu/test_spec_gpu.py -rs --durations=10 \
         ${SPEC_TEST_ARGS:-}
     local rc=$?
-    timeout "$TIMEOUT" $PY benchmarks/bench_speculative.py --out "$OUT" ${SPEC_BENCH_ARGS:-} || rc=1
+    timeout "$TIMEOUT" $PY benchmarks/scripts/bench_speculative.py --out "$OUT" ${SPEC_BENCH_ARGS:-} || rc=1
     return $rc
 }
 
@@ -332,12 +332,12 @@ section_spec_test() {   # issue 31: only the GPU test of speculation at real sha
 }
 
 section_spec_bench() {   # issue 31: only plain vs MTP at simulated acceptance lengths (SPEC_BENCH_ARGS)
-    timeout "$TIMEOUT" $PY benchmarks/bench_speculative.py --out "$OUT" ${SPEC_BENCH_ARGS:-}
+    timeout "$TIMEOUT" $PY benchmarks/scripts/bench_speculative.py --out "$OUT" ${SPEC_BENCH_ARGS:-}
 }
 
 section_serving_matrix() {   # issue 31: one server per speculative combination, minidsa bench over HTTP (MATRIX_ARGS,
     # e.g. "--only guide_dsv32 guide_glm5"); server logs and per-combination JSON stay in $OUT/matrix
-    timeout "$TIMEOUT" $PY benchmarks/serving_matrix.py --out "$OUT/matrix" ${MATRIX_ARGS:-}
+    timeout "$TIMEOUT" $PY benchmarks/scripts/serving_matrix.py --out "$OUT/matrix" ${MATRIX_ARGS:-}
     local rc=$?
     cp "$OUT/matrix/serving_matrix.md" "$OUT/matrix/serving_matrix.json" "$OUT/" 2>/dev/null
     return $rc
@@ -347,7 +347,7 @@ section_ab() {   # two trees on this machine, interleaved (before, after): `mini
     # default bench-dsv32; AB_BENCH=0 leaves it out) and the decode suite on each preset of AB_PRESETS (default
     # AB_MODEL; none: no decode suite). The before tree travels as AB_TARBALL (default .gpu/before.tar.xz: `git archive
     # $BEFORE minidsa setup.py | xz > .gpu/before.tar.xz`; BEFORE_COMMIT names it); its decode suite runs as AB_BEFORE_DECODE (default bench-decode).
-    # benchmarks/ab.py writes AB_NAME.md / .json (default ab; AB_TITLE heads the table); the raw JSON goes into
+    # benchmarks/scripts/ab.py writes AB_NAME.md / .json (default ab; AB_TITLE heads the table); the raw JSON goes into
     # ab_raw.tgz (at most 8 files come back).
     local before=/tmp/minidsa_before rc=0 here
     here=$(pwd)
@@ -378,7 +378,7 @@ section_ab() {   # two trees on this machine, interleaved (before, after): `mini
                 || rc=1
         done
     done
-    $PY benchmarks/ab.py --dir "$OUT" --before "${BEFORE_COMMIT:-?}" --after "${MINIDSA_COMMIT:-?}" \
+    $PY benchmarks/scripts/ab.py --dir "$OUT" --before "${BEFORE_COMMIT:-?}" --after "${MINIDSA_COMMIT:-?}" \
         --name "${AB_NAME:-ab}" --title "${AB_TITLE:-Before / after}" || rc=1
     (cd "$OUT" && tar -czf ab_raw.tgz ab_*.json && rm -f ab_*.json)
     return $rc

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the CPU machine: assemble a folder from which scripts/build_flashmla.sh builds FlashMLA's sparse MLA
-# kernels (SM90) on the GPU machine against its own torch, to time them beside ours (benchmarks/bench_mla.py).
+# kernels (SM90) on the GPU machine against its own torch, to time them beside ours (benchmarks/scripts/bench_mla.py).
 #
 #   bash scripts/prepare_flashmla.sh FLASHMLA_GIT_DIR CUTLASS_GIT_DIR OUT_DIR
 #
