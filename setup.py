@@ -2,7 +2,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="minidsa",
-    version="0.1.0",  # minidsa.__version__ says the same
+    version="0.1.0",  # minidsa/common/version.py says the same
     description="A small PyTorch-native inference engine for DeepSeek Sparse Attention models",
     packages=find_packages(include=["minidsa", "minidsa.*"]),
     python_requires=">=3.10",

@@ -5,10 +5,9 @@
     print(llm.generate("Hello", SamplingParams(max_tokens=16))[0].text)
 """
 
+from minidsa.common.request import SamplingParams
+from minidsa.common.version import __version__
 from minidsa.config import EngineConfig
-from minidsa.engine.request import SamplingParams
-
-__version__ = "0.1.0"
 
 __all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams"]
 

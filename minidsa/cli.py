@@ -17,9 +17,9 @@ import time
 import traceback
 from typing import Any
 
-from minidsa import __version__
+from minidsa.common.request import InvalidRequest
+from minidsa.common.version import __version__
 from minidsa.config import ENGINE_CHOICES, ConfigError, EngineConfig
-from minidsa.engine.request import InvalidRequest
 
 # The engine flags are EngineConfig's fields; each field's --help text is its metadata (config.py), so the
 # documentation of an argument lives in one place.
@@ -232,8 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from minidsa.common.request import SamplingParams
     from minidsa.llm import LLM
-    from minidsa.engine.request import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop,
@@ -257,7 +257,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from minidsa.bench import offline as bench, online as bench_online
+    from minidsa.bench import offline as bench
+    from minidsa.bench import online as bench_online
 
     online = args.request_rate is not None or args.max_concurrency is not None or args.base_url is not None
     goodput = bench_online.parse_goodput(args.goodput)

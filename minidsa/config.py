@@ -13,14 +13,11 @@ import json
 import math
 import os
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from minidsa.models.presets import DEFAULT_PRESET, PRESETS, is_preset, preset_config
-
-if TYPE_CHECKING:
-    from minidsa.attention.select import KernelChoice
+from minidsa.common.presets import DEFAULT_PRESET, PRESETS, is_preset, preset_config
 
 ARCHITECTURES = {
     "DeepseekV32ForCausalLM": "deepseek_v32",
@@ -727,7 +724,6 @@ class ResolvedConfig:
     compile_cache_dir: str | None  # None: no persistent compile cache (off, or not a GPU)
     deepgemm_jit_workers: int | None  # None: as many as the CPUs and the GPU memory allow
     grammar_threads: int
-    kernels: KernelChoice  # which implementation serves each kernel (attention/select.py), decided here once
 
     @property
     def device(self) -> torch.device:
@@ -781,23 +777,7 @@ def resolve(config: EngineConfig, model_config: ModelConfig | None = None, init_
     return ResolvedConfig(
         args=args, model=model, model_path=path, init_std=init_std, served_model_name=name, spec=spec,
         decode_reserve=spec.reserved_tokens if spec is not None else 1, compile_cache_dir=cache_dir,
-        deepgemm_jit_workers=_env_int(DEEPGEMM_WORKERS_ENV), grammar_threads=threads or 1,
-        kernels=_select_kernels(args, model, cache_dir))
-
-
-def _select_kernels(args: EngineConfig, model: ModelConfig, cache_dir: str | None) -> KernelChoice:
-    from minidsa.attention import select  # imports the kernels: only once a configuration is valid
-    from minidsa.exec.compile_cache import CompileCache
-
-    if cache_dir is not None:  # the library probes below may compile: into the persistent cache
-        CompileCache.activate_dirs(cache_dir)
-    try:
-        return select.select_kernels(args.device, args.kernel_backend, args.use_deep_gemm, args.use_flash_mla,
-                                     select.IndexerShape(model.index_n_heads, model.index_head_dim, args.page_size,
-                                                         args.indexer_cache_dtype == "fp8"),
-                                     select.RouterShape(model.n_routed_experts, model.n_group))
-    except ValueError as e:  # an override in the environment names what this machine cannot run
-        raise ConfigError("kernel_backend", str(e)) from e
+        deepgemm_jit_workers=_env_int(DEEPGEMM_WORKERS_ENV), grammar_threads=threads or 1)
 
 
 def make_engine_config(model: str | None = None, **engine_args: Any) -> EngineConfig:

@@ -6,11 +6,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from minidsa.chat.formats import ChatFormat, ChatOptions
-from minidsa.engine.chat import add_chat_request, chat_format, prepare_chat
+from minidsa.common.request import InvalidRequest, RequestOutput, SamplingParams
+from minidsa.common.tokenizer import Tokenizer
 from minidsa.config import make_engine_config
+from minidsa.engine.chat import add_chat_request, chat_format, prepare_chat
 from minidsa.engine.core import Engine
-from minidsa.engine.request import InvalidRequest, RequestOutput, SamplingParams
-from minidsa.engine.tokenizer import Tokenizer
 
 
 class LLM:

@@ -19,7 +19,7 @@ import os
 
 from hf_tiny import build_hf, save_hf
 
-from minidsa.engine.tokenizer import default_tokenizer_dir
+from minidsa.common.tokenizer import default_tokenizer_dir
 
 VOCAB = 129280  # the DeepSeek-V3 vocabulary (the package's 128815 ids, with room for GLM's markup)
 # GLM's markup the DeepSeek vocabulary lacks (it has <think> and </think>, as plain added tokens)

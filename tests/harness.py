@@ -9,11 +9,12 @@ from __future__ import annotations
 import torch
 
 from minidsa.attention.backend import DSABackend
-from minidsa.exec.batch import ForwardBatch
+from minidsa.common.batch import ForwardBatch
 from minidsa.config import ModelConfig
-from minidsa.exec.kv_cache import IndexerLayout, KVCache, MLALayout, ReqToTokenTable
-from minidsa.sched.pages import PageAllocator, RowAllocator, pages_needed, slots_of
-from minidsa.sched.plan import StepKind
+from minidsa.common.kv_cache import IndexerLayout, KVCache, MLALayout, ReqToTokenTable
+from minidsa.common.kv_cache import slots_of
+from minidsa.sched.pages import PageAllocator, RowAllocator, pages_needed
+from minidsa.common.plan import StepKind
 from minidsa.attention.topk_recording import TopkRecorder
 from minidsa.kernels.fp8 import quant_block
 from minidsa.models.layers.linear import Linear

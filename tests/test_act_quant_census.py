@@ -55,9 +55,9 @@ def test_batch1_decode_quantises_activations_only_for_the_experts(monkeypatch):
     from test_swiglu_quant import _fp8_model, _recording_deep_gemm
     from torch._library.custom_ops import OPDEFS
 
-    from minidsa.exec.batch import ForwardBatch
+    from minidsa.common.batch import ForwardBatch
     from minidsa.models.deepseek_v32 import MLP, RMSNorm
-    from minidsa.sched.plan import StepKind
+    from minidsa.common.plan import StepKind
 
     seen: list = []
     monkeypatch.setitem(sys.modules, "deep_gemm", _recording_deep_gemm(seen))

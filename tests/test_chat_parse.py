@@ -20,8 +20,8 @@ from minidsa.chat.parser import (CONTENT, DSML, GLM, MAYBE_REASONING, NAMED, REA
                                  ChatOutputParser, OutputSpec)
 from minidsa.chat.tools import parameter_types
 from minidsa.engine.outputs import OutputProcessor
-from minidsa.engine.request import Request, SamplingParams
-from minidsa.engine.tokenizer import load_tokenizer
+from minidsa.common.request import Request, SamplingParams
+from minidsa.common.tokenizer import load_tokenizer
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -210,7 +210,7 @@ def test_special_markup_tokens_reach_the_parser(tokenizer, tmp_path):
     request's chat format reads."""
     import shutil
 
-    from minidsa.engine.tokenizer import Tokenizer, default_tokenizer_dir
+    from minidsa.common.tokenizer import Tokenizer, default_tokenizer_dir
 
     with open(f"{default_tokenizer_dir()}/tokenizer.json", encoding="utf-8") as f:
         data = json.load(f)

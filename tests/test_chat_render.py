@@ -17,7 +17,7 @@ from minidsa.chat.formats import (ChatOptions, DeepSeekV32Format, PlainFormat, T
                                   select_chat_format)
 from minidsa.chat.messages import ChatFormatError, normalize_messages
 from minidsa.chat.parser import CONTENT, DSML, GLM, MAYBE_REASONING, NAMED, REASONING, REQUIRED
-from minidsa.engine.tokenizer import Tokenizer, default_tokenizer_dir
+from minidsa.common.tokenizer import Tokenizer, default_tokenizer_dir
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 U, A = "<｜User｜>", "<｜Assistant｜>"

@@ -18,12 +18,12 @@ from torch._dynamo.backends.debugging import aot_eager
 
 from harness import CPU_WARMUP_TOKENS, PagedDriver, count_replays, static_fast_paths
 from minidsa import LLM, SamplingParams
-from minidsa.exec.batch import ForwardBatch
+from minidsa.common.batch import ForwardBatch
 from minidsa.config import ModelConfig
 from minidsa.attention.select import triton_usable
 from minidsa.models.loader import build_model
-from minidsa.models.presets import preset_config
-from minidsa.sched.plan import StepKind
+from minidsa.common.presets import preset_config
+from minidsa.common.plan import StepKind
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True, detokenize=False)
 

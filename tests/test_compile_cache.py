@@ -15,7 +15,7 @@ import torch
 from minidsa.exec.compile_cache import (GRAPH_ARGS, MAGIC, TOOL_DIRS, CompileCache, cache_key,
                                    key_inputs)
 from minidsa.config import EngineConfig, ModelConfig
-from minidsa.models.presets import preset_config
+from minidsa.common.presets import preset_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = torch.device("cpu")

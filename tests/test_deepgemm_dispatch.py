@@ -34,12 +34,13 @@ from minidsa.attention.topk_recording import slots_to_positions  # noqa: E402
 from minidsa.attention.backend import DSABackend, bind_ops  # noqa: E402
 from minidsa.attention import select  # noqa: E402
 from minidsa.attention.select import KernelChoice, load_libraries, select_kernels  # noqa: E402
-from minidsa.exec.batch import ForwardBatch  # noqa: E402
-from minidsa.sched.plan import StepKind  # noqa: E402
+from minidsa.common.batch import ForwardBatch  # noqa: E402
+from minidsa.common.plan import StepKind  # noqa: E402
 from minidsa.kernels import deepgemm, fp8, optional_lib  # noqa: E402
 from minidsa.kernels import reference as ref  # noqa: E402
-from minidsa.exec.kv_cache import IndexerLayout, KVCache, MLALayout, ReqToTokenTable  # noqa: E402
-from minidsa.sched.pages import PageAllocator, pages_needed, slots_of  # noqa: E402
+from minidsa.common.kv_cache import IndexerLayout, KVCache, MLALayout, ReqToTokenTable  # noqa: E402
+from minidsa.common.kv_cache import slots_of  # noqa: E402
+from minidsa.sched.pages import PageAllocator, pages_needed  # noqa: E402
 
 
 @pytest.mark.skipif(INTERPRETED, reason="kernels are interpreted in this process")
@@ -578,7 +579,7 @@ def test_engine_with_deep_gemm_importable_compiles_and_generates(sm90, monkeypat
     DeepGEMM probe (an import inside a compiled region). The choice is made once, at start-up; the traced
     step holds the opaque op and never probes; tokens equal those of the Triton-only engine."""
     from minidsa import LLM, SamplingParams
-    from minidsa.models import presets
+    from minidsa.common import presets
 
     raw = presets.preset_config("tiny")
     raw.update(index_n_heads=32, vocab_size=512, num_hidden_layers=2)  # DeepGEMM on SM90: 32 or 64 indexer heads
@@ -613,7 +614,7 @@ def test_compiled_prefill_with_deep_gemm_compiles_nothing_after_start_up(sm90, m
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from minidsa import LLM, SamplingParams
-    from minidsa.models import presets
+    from minidsa.common import presets
 
     raw = presets.preset_config("tiny")
     raw.update(index_n_heads=32, vocab_size=512, num_hidden_layers=2)
@@ -641,7 +642,7 @@ def test_engines_with_different_kernel_choices_share_a_process(sm90, monkeypatch
     it, and a call it failed in one engine switched nothing off: the choices and the library live in each engine,
     not in module state."""
     from minidsa import LLM, SamplingParams
-    from minidsa.models import presets
+    from minidsa.common import presets
 
     raw = presets.preset_config("tiny")
     raw.update(index_n_heads=32, vocab_size=512, num_hidden_layers=2)  # DeepGEMM on SM90: 32 or 64 indexer heads

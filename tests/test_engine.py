@@ -14,7 +14,7 @@ from minidsa import LLM, SamplingParams
 from minidsa.config import ConfigError
 from engine_tracking import track_engines
 from minidsa.engine import Engine
-from minidsa.engine.request import InvalidRequest, QueueFull, Request
+from minidsa.common.request import InvalidRequest, QueueFull, Request
 
 MAX_TOKENS = 12
 

@@ -13,7 +13,7 @@ import pytest
 
 from minidsa import SamplingParams
 from minidsa.engine import Engine
-from minidsa.sched.plan import StepKind, StepPlan
+from minidsa.common.plan import StepKind, StepPlan
 
 MAX_TOKENS = 12
 

@@ -31,7 +31,7 @@ from minidsa.attention.backend import bind_ops  # noqa: E402
 from minidsa.attention.select import KernelChoice, load_libraries, select_kernels  # noqa: E402
 from minidsa.kernels import flashmla, optional_lib  # noqa: E402
 from minidsa.kernels import reference as ref  # noqa: E402
-from minidsa.exec.kv_cache import MLALayout  # noqa: E402
+from minidsa.common.kv_cache import MLALayout  # noqa: E402
 
 LATENT, ROPE = 512, 64
 
@@ -300,9 +300,9 @@ def test_engine_with_flash_mla_compiles_and_generates_the_triton_tokens(sm90, mo
 
 
     from harness import compile_without_probing, count_replays
-    from minidsa.sched.plan import StepKind
+    from minidsa.common.plan import StepKind
     from minidsa import LLM, SamplingParams
-    from minidsa.models import presets
+    from minidsa.common import presets
 
     from minidsa.attention import select
 
@@ -314,7 +314,7 @@ def test_engine_with_flash_mla_compiles_and_generates_the_triton_tokens(sm90, mo
         real = select_all(*args, **kwargs)
         return replace(KernelChoice(), sparse_mla=real.sparse_mla, fp8_gemm=real.fp8_gemm, moe_gemm=real.moe_gemm)
 
-    monkeypatch.setattr(select, "select_kernels", only_sparse_mla)  # resolve() selects through the module
+    monkeypatch.setattr(select, "select_kernels", only_sparse_mla)  # choose_kernels() selects through the module
     raw = presets.preset_config("tiny")
     # FlashMLA's shapes: 64 heads, latent 512 + rope 64, top-k a multiple of 64; the rest tiny.
     raw.update(num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE,

@@ -22,7 +22,7 @@ from minidsa.kernels.fp8 import (FP8_DTYPE, dequant_block, quant_act_per_token_g
 from minidsa.models.layers.linear import FusedLinear, Linear
 from minidsa.models.deepseek_v32 import DeepseekV32ForCausalLM, Experts
 from minidsa.models.loader import CheckpointError, build_model, init_random_weights, serving_dtypes_
-from minidsa.models.presets import preset_config
+from minidsa.common.presets import preset_config
 
 WIDE = dict(hidden_size=256, intermediate_size=384, moe_intermediate_size=128, q_lora_rank=128, kv_lora_rank=64,
             qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, num_attention_heads=4, num_key_value_heads=4)

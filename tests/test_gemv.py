@@ -148,7 +148,7 @@ def test_the_choice_names_the_kernel_where_triton_runs():
 def _tiny_model(fp32_gemv_kernel: str):
     from minidsa.config import ModelConfig
     from minidsa.models.loader import build_model
-    from minidsa.models.presets import preset_config
+    from minidsa.common.presets import preset_config
 
     raw = preset_config("tiny")
     raw.pop("initializer_range")
@@ -166,9 +166,9 @@ def test_model_with_the_kernel_traces_whole_and_decodes_like_f_linear():
     decode step of two requests (the kernel) within fp32-order noise."""
     from harness import PagedDriver
 
-    from minidsa.exec.batch import ForwardBatch
+    from minidsa.common.batch import ForwardBatch
     from minidsa.models.deepseek_v32 import Indexer, Router, set_fp32_gemv
-    from minidsa.sched.plan import StepKind
+    from minidsa.common.plan import StepKind
 
     model, cfg = _tiny_model("triton")
     users = [m for m in model.modules() if isinstance(m, (Indexer, Router))]

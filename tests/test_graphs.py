@@ -15,13 +15,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_tiny import tiny_kwargs
 from harness import PagedDriver
-from minidsa.exec.batch import ForwardBatch
+from minidsa.common.batch import ForwardBatch
 from minidsa.config import ModelConfig
 from minidsa.exec import graphs as graphs_module
 from minidsa.exec.graphs import GraphShape, StepGraphs
 from minidsa.models.deepseek_v32 import ModelOutput
 from minidsa.models.loader import build_model
-from minidsa.sched.plan import StepKind
+from minidsa.common.plan import StepKind
 
 
 def _setup():

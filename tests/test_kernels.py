@@ -32,7 +32,7 @@ from minidsa.kernels import reference as ref  # noqa: E402
 from minidsa.kernels import sparse_mla as sparse_mla_mod  # noqa: E402
 from minidsa.kernels import topk as topk_mod  # noqa: E402
 from minidsa.kernels import indexer  # noqa: E402
-from minidsa.exec.kv_cache import IndexerLayout, KVCache, MLALayout  # noqa: E402
+from minidsa.common.kv_cache import IndexerLayout, KVCache, MLALayout  # noqa: E402
 from fp8_checks import assert_quant_index_q_matches  # noqa: E402
 
 

@@ -18,56 +18,34 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "minidsa")
 
-# Modules that are units of their own: the layers below their package import them.
-SHARED_MODULES = {
-    "engine.request": "SamplingParams, Request, RequestOutput, InvalidRequest: plain structs every layer passes on",
-    "engine.tokenizer": "the tokenizer: chat formats render prompts with it below the engine",
-    "exec.batch": "ForwardBatch, what one model call sees: the model and the attention backend read it",
-    "exec.kv_cache": "the device caches and their layouts (KVCache, MLALayout): the attention backend reads them",
-    "exec.sampling": "the Sampler: the speculator samples and accepts with it",
-    "models.presets": "the presets' raw configs (plain dicts): config resolves a preset name before any model exists",
-    "parallel.state": "a rank's TensorParallel: the model's layers are built for it (parallel/ also starts ranks, "
-                      "above exec)",
-}
+# minidsa/common/ is the bottom layer the others share (plain structs, the step plan, the batch, the caches, the
+# sampler, the presets, a rank's TensorParallel): one unit, above the kernels only.
+SHARED_MODULES: dict[str, str] = {}
 
 # unit -> every unit it imports; bottom layers first.
 ALLOWED: dict[str, set[str]] = {
     "kernels": set(),
-    "models.presets": set(),
-    "config": {"models.presets"},
-    "engine.request": set(),
-    "engine.tokenizer": set(),
-    "parallel.state": set(),
-    "sched": {"engine.request"},
-    "exec.batch": {"sched"},  # StepKind (sched/plan.py)
-    "exec.kv_cache": {"exec.batch", "kernels", "sched"},  # the table's writes map pages (sched/pages.py)
-    "exec.sampling": {"engine.request", "exec.batch", "kernels"},
-    "attention": {"exec.batch", "exec.kv_cache", "kernels"},
-    "models": {"attention", "config", "exec.batch", "kernels", "parallel.state"},
-    "speculative": {"config", "engine.request", "exec.batch", "exec.kv_cache", "exec.sampling", "models", "sched"},
-    "exec": {"attention", "config", "exec.batch", "exec.kv_cache", "exec.sampling", "kernels", "models", "sched",
-             "speculative"},
-    "parallel": {"config", "exec", "parallel.state", "sched"},
-    "chat": {"engine.request", "engine.tokenizer"},
-    "engine": {"chat", "config", "engine.request", "engine.tokenizer", "exec", "exec.kv_cache", "exec.sampling",
-               "parallel", "sched"},
-    "llm": {"chat", "config", "engine", "engine.request", "engine.tokenizer"},
-    "server": {"chat", "config", "engine", "engine.request", "parallel"},
-    "minidsa": {"config", "engine", "engine.request", "llm"},  # minidsa/__init__.py: LLM, Engine on first use
-    "bench": {"config", "engine", "engine.request", "exec", "exec.batch", "exec.kv_cache", "minidsa", "models",
-              "models.presets", "parallel", "sched", "server"},
-    "cli": {"bench", "config", "engine", "engine.request", "llm", "minidsa", "models", "server"},
+    "common": {"kernels"},
+    "config": {"common"},
+    "sched": {"common"},
+    "attention": {"common", "kernels"},
+    "models": {"attention", "common", "config", "kernels"},
+    "speculative": {"common", "config", "models"},
+    "exec": {"attention", "common", "config", "kernels", "models", "sched", "speculative"},
+    "parallel": {"attention", "common", "config", "exec"},
+    "chat": {"common"},
+    "engine": {"chat", "common", "config", "exec", "parallel", "sched"},
+    "llm": {"chat", "common", "config", "engine"},
+    "server": {"chat", "common", "config", "engine", "parallel"},
+    "minidsa": {"common", "config", "engine", "llm"},  # minidsa/__init__.py: LLM, Engine on first use
+    "bench": {"common", "config", "engine", "exec", "minidsa", "models", "parallel", "sched", "server"},
+    "cli": {"bench", "common", "config", "engine", "llm", "models", "server"},
     "__main__": {"cli"},
 }
 
-# Deferred imports that go up against ALLOWED: (importing module, imported module) -> why.
-DEFERRED_UPWARD = {
-    ("config", "attention.select"): "resolve() decides every auto once, the kernel choice included (it probes "
-                                    "the optional libraries)",
-    ("config", "exec.compile_cache"): "resolve() points the compilers at the compile cache before those probes",
-    ("exec.compile_cache", "minidsa"): "minidsa.__version__ is part of the compile-cache key",
-    ("parallel.launch", "minidsa"): "rank processes get the path of the minidsa package this process runs",
-}
+# Deferred imports that go up against ALLOWED: (importing module, imported module) -> why. Kept empty: a function
+# that needs a layer above belongs to that layer.
+DEFERRED_UPWARD: dict[tuple[str, str], str] = {}
 
 
 def _modules() -> dict[str, str]:
@@ -201,10 +179,10 @@ def test_the_scan_sees_the_imports_it_should():
     package import submodule` (the submodule), relative imports; annotation-only imports are not counted."""
     source = """
 import torch
-import minidsa.sched.plan
+import minidsa.common.plan
 from minidsa.kernels import num_sms, reference
-from . import request
-from ..exec.batch import ForwardBatch
+from . import core
+from ..common.batch import ForwardBatch
 if TYPE_CHECKING:
     from minidsa.models.deepseek_v32 import ModelOutput
 else:
@@ -222,11 +200,10 @@ class Step:
         return lambda: __import__("minidsa.exec.graphs")
 """
     top, deferred = _scan(source, "engine.outputs", is_package=False)
-    assert top == {"sched.plan", "kernels", "kernels.reference", "engine.request", "exec.batch", "config",
+    assert top == {"common.plan", "kernels", "kernels.reference", "engine.core", "common.batch", "config",
                    "kernels.fp8"}
     assert deferred == {"exec.runner"}  # __import__ calls are not import statements: nothing here uses them
-    assert IMPORTS["config"][1] >= {"attention.select"} and \
-        "speculative.mtp" in IMPORTS["exec.build"][0]
+    assert IMPORTS["exec.build"][0] >= {"attention.select", "exec.compile_cache", "speculative.mtp"}
 
 
 def test_no_import_cycle_between_modules():
@@ -263,7 +240,7 @@ def test_imports_follow_the_table_and_the_table_is_exact():
 @pytest.mark.parametrize("name", ["StepMode", "ForwardMode", "GRAPH_KIND_OF", "pads_draft_extend", "static_on_cpu",
                                   "req_to_token_pool", "ReqToTokenPool"])
 def test_retired_names_stay_gone(name):
-    """One name per idea: the step kind is StepKind (sched/plan.py); test hooks live in tests/."""
+    """One name per idea: the step kind is StepKind (common/plan.py); test hooks live in tests/."""
     users = []
     for module, path in MODULES.items():
         with open(path) as f:

@@ -9,7 +9,7 @@ import minidsa.exec.memory as memory
 from minidsa import cli
 from minidsa.config import ModelConfig
 from minidsa.engine.core import Engine
-from minidsa.models.presets import preset_config
+from minidsa.common.presets import preset_config
 
 
 def test_weight_bytes_counts_the_serving_formats():

@@ -196,7 +196,7 @@ def test_bad_shapes_are_refused():
 def _tiny_model(mla_absorb_kernel: str):
     from minidsa.config import ModelConfig
     from minidsa.models.loader import build_model
-    from minidsa.models.presets import preset_config
+    from minidsa.common.presets import preset_config
 
     raw = preset_config("tiny")
     raw.pop("initializer_range")
@@ -214,9 +214,9 @@ def test_model_with_the_kernels_traces_whole_and_decodes_like_the_torch_products
     products' logits exactly, a decode step of two requests (the kernels) within bf16 noise."""
     from harness import PagedDriver
 
-    from minidsa.exec.batch import ForwardBatch
+    from minidsa.common.batch import ForwardBatch
     from minidsa.models.deepseek_v32 import MLAttention, set_mla_absorb
-    from minidsa.sched.plan import StepKind
+    from minidsa.common.plan import StepKind
 
     model, cfg = _tiny_model("triton")
     layers = [m for m in model.modules() if isinstance(m, MLAttention)]

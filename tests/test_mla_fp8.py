@@ -32,7 +32,7 @@ from hf_tiny import build_hf, save_hf  # noqa: E402
 from minidsa import LLM, SamplingParams  # noqa: E402
 from minidsa.config import ConfigError, EngineConfig, ModelConfig  # noqa: E402
 from minidsa.kernels import reference as ref  # noqa: E402
-from minidsa.exec.kv_cache import IndexerLayout, KVCache, MLALayout, kv_bytes_per_token  # noqa: E402
+from minidsa.common.kv_cache import IndexerLayout, KVCache, MLALayout, kv_bytes_per_token  # noqa: E402
 from minidsa.models.loader import build_model  # noqa: E402
 
 E4M3_REL = 2.0**-4  # half an e4m3 step (3 mantissa bits) relative to the value, for normal values

@@ -353,7 +353,7 @@ def test_gemm_and_fused_moe_read_the_quantised_input():
 def _fp8_model(norm_quant_kernel: str, gemm: str = "triton"):
     from minidsa.config import ModelConfig
     from minidsa.models.loader import build_model
-    from minidsa.models.presets import preset_config
+    from minidsa.common.presets import preset_config
 
     raw = preset_config("tiny")
     raw.pop("initializer_range")
@@ -503,9 +503,9 @@ def test_fp8_model_with_fused_norms_traces_whole_and_decodes_like_the_unfused_on
     break, holding the norm ops, and prefill + a decode step give the unfused model's logits within bf16 noise."""
     from harness import PagedDriver
 
-    from minidsa.exec.batch import ForwardBatch
+    from minidsa.common.batch import ForwardBatch
     from minidsa.models.deepseek_v32 import set_norm_quant
-    from minidsa.sched.plan import StepKind
+    from minidsa.common.plan import StepKind
 
     model, cfg = _fp8_model("triton")
     d = PagedDriver(model, cfg, page_size=1, max_len=160, dtype=torch.bfloat16)

@@ -11,7 +11,7 @@ import torch
 
 from harness import PagedDriver
 from minidsa import LLM, SamplingParams
-from minidsa.engine.request import InvalidRequest
+from minidsa.common.request import InvalidRequest
 
 PROMPT = [5, 17, 923, 4021, 77, 1500, 2600, 31, 8, 9000, 12, 13]
 

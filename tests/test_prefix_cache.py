@@ -19,12 +19,12 @@ import types
 import pytest
 import torch
 
-from minidsa.sched.plan import StepKind
+from minidsa.common.plan import StepKind
 from minidsa.engine import Engine
-from minidsa.exec.kv_cache import ReqToTokenTable
+from minidsa.common.kv_cache import ReqToTokenTable
 from minidsa.sched.pages import OutOfPages, PageAllocator, RowAllocator
 from minidsa.sched.prefix_cache import PrefixCache
-from minidsa.engine.request import Request, RequestStatus, SamplingParams
+from minidsa.common.request import Request, RequestStatus, SamplingParams
 from minidsa.sched.scheduler import Scheduler
 
 MAX_TOKENS = 10

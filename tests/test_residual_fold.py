@@ -11,11 +11,11 @@ import torch
 
 from harness import PagedDriver
 from minidsa.config import ModelConfig
-from minidsa.exec.batch import ForwardBatch
+from minidsa.common.batch import ForwardBatch
 from minidsa.models.deepseek_v32 import call_layer
 from minidsa.models.loader import build_model
-from minidsa.models.presets import preset_config
-from minidsa.sched.plan import StepKind
+from minidsa.common.presets import preset_config
+from minidsa.common.plan import StepKind
 
 
 def unfolded_forward(model, batch, attn, hidden_prev=None, prev_topk=None):

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from minidsa.engine.request import InvalidRequest, SamplingParams
-from minidsa.exec.sampling import (Sampler, SamplingBatch, as_int64, exponential_noise, exponential_noise_reference,
+from minidsa.common.request import InvalidRequest, SamplingParams
+from minidsa.common.sampling import (Sampler, SamplingBatch, as_int64, exponential_noise, exponential_noise_reference,
                               race_scores, row_key, sample)
 
 V = 16
@@ -181,14 +181,14 @@ def triton_race():
 
     if not import_kernels_interpreted():
         pytest.skip("compiled Triton is loaded in this process (GPU runs: tests/gpu/test_sampling_gpu.py)")
-    from minidsa.exec.sampling import race_for
+    from minidsa.common.sampling import race_for
 
     return race_for("triton")
 
 
 def test_one_pass_race_picks_the_reference_ids(triton_race):
     """Vocab over two kernel chunks, a ragged tail, greedy and sampled rows, bf16 and fp32 logits, a row stride."""
-    from minidsa.exec.sampling import race_argmax
+    from minidsa.common.sampling import race_argmax
 
     x, temperature, keys, greedy = _race_inputs(6, 5000)
     for logits in (x, x.bfloat16(), torch.cat([x, x], dim=1)[:, 3:5003]):

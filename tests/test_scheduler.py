@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minidsa.sched.plan import StepKind
-from minidsa.exec.kv_cache import ReqToTokenTable
+from minidsa.common.plan import StepKind
+from minidsa.common.kv_cache import ReqToTokenTable
 from minidsa.sched.pages import PageAllocator, RowAllocator
-from minidsa.engine.request import Request, RequestStatus, SamplingParams
+from minidsa.common.request import Request, RequestStatus, SamplingParams
 from minidsa.sched.scheduler import Scheduler
 
 

@@ -20,7 +20,7 @@ from harness import PagedDriver, count_replays, static_fast_paths
 from hf_tiny import build_hf, save_hf, save_hf_with_mtp
 from minidsa import LLM, SamplingParams
 from minidsa.config import ConfigError, ModelConfig
-from minidsa.sched.plan import StepKind
+from minidsa.common.plan import StepKind
 from minidsa.speculative.mtp import MTPSpeculator
 from minidsa.speculative.runner_api import SpecRunner
 

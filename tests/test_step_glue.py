@@ -27,10 +27,10 @@ INTERPRETED = import_kernels_interpreted()
 in_this_process = pytest.mark.skipif(not INTERPRETED, reason="runs in the child process below")
 
 from op_census import OpCensus  # noqa: E402
-from minidsa.exec.batch import ForwardBatch  # noqa: E402
+from minidsa.common.batch import ForwardBatch  # noqa: E402
 from minidsa.kernels import deepgemm, optional_lib  # noqa: E402
 from minidsa.models.deepseek_v32 import call_layer  # noqa: E402
-from minidsa.sched.plan import StepKind  # noqa: E402
+from minidsa.common.plan import StepKind  # noqa: E402
 
 # What the graph runs outside the layers, each one kernel: the embedding, the first layer's pending output (-0.0),
 # the rope rows' gather, DeepGEMM's per-step inputs (one launch), the last layer's output added to the residual
@@ -52,7 +52,7 @@ def test_decode_step_runs_few_kernels_outside_the_layers(monkeypatch, fresh_log_
     from test_deepgemm_dispatch import make_stand_in
 
     from minidsa import LLM
-    from minidsa.models import presets
+    from minidsa.common import presets
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(optional_lib, "cuda_capability", lambda device: (9, 0))  # an H100 for the probes

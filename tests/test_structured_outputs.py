@@ -19,10 +19,10 @@ from json_check import check_against, is_json_prefix
 from minidsa import LLM, SamplingParams
 from minidsa.chat.grammar import StructuredOutputs, parse_response_format
 from minidsa.engine import Engine
-from minidsa.engine.request import InvalidRequest
-from minidsa.exec.sampling import (NOISE_FLOOR, Sampler, TokenMask, apply_token_mask, as_int64, exponential_noise,
+from minidsa.common.request import InvalidRequest
+from minidsa.common.sampling import (NOISE_FLOOR, Sampler, TokenMask, apply_token_mask, as_int64, exponential_noise,
                               exponential_noise_reference, row_key, unpack_bitmask)
-from minidsa.engine.tokenizer import load_tokenizer
+from minidsa.common.tokenizer import load_tokenizer
 
 VOCAB = 129280  # the embedded preset's (the tokenizer has 128815 ids: masks are padded)
 EOS = 1  # the preset's eos_token_id
@@ -260,7 +260,7 @@ def triton_mask():
 
     if not import_kernels_interpreted():
         pytest.skip("compiled Triton is loaded in this process (GPU runs: tests/gpu/test_structured_gpu.py)")
-    from minidsa.exec.sampling import token_mask_for
+    from minidsa.common.sampling import token_mask_for
 
     return token_mask_for("triton")
 
@@ -321,7 +321,7 @@ def test_a_masked_token_loses_the_race_at_the_noise_floor():
 
 
 def test_the_one_pass_race_keeps_the_noise_floor(triton_mask):
-    from minidsa.exec.sampling import race_argmax, race_for
+    from minidsa.common.sampling import race_argmax, race_for
 
     logits = torch.zeros(2, VOCAB)
     logits[:, FLOOR_TOKEN] = float("-inf")

@@ -155,7 +155,7 @@ def _fp8_model(gemm: str, fused: bool):
     shared expert; `fused`: activations quantised by the kernels producing them (norm_quant="triton")."""
     from minidsa.config import ModelConfig
     from minidsa.models.loader import build_model
-    from minidsa.models.presets import preset_config
+    from minidsa.common.presets import preset_config
 
     raw = preset_config("tiny")
     raw.pop("initializer_range")
@@ -199,10 +199,10 @@ def test_decode_with_deepgemm_launches_no_quantisation_for_o_proj_and_down_proje
     forward traces whole, holding both ops."""
     from harness import PagedDriver
 
-    from minidsa.exec.batch import ForwardBatch
+    from minidsa.common.batch import ForwardBatch
     from minidsa.kernels import fused_moe
     from minidsa.models.deepseek_v32 import MLAttention, MLP
-    from minidsa.sched.plan import StepKind
+    from minidsa.common.plan import StepKind
 
     seen: list = []
     monkeypatch.setitem(sys.modules, "deep_gemm", _recording_deep_gemm(seen))

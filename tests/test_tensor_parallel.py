@@ -24,7 +24,7 @@ from minidsa import LLM, SamplingParams
 from minidsa.config import ConfigError, EngineConfig, ModelConfig
 from minidsa.parallel.launch import RankFailedError
 from minidsa.attention.select import triton_usable
-from minidsa.sched.plan import StepKind
+from minidsa.common.plan import StepKind
 from test_speculative import forced_override, run as run_with_forced_drafts
 from tp_forced_rank import ENV as FORCED_DRAFTS_ENV
 
@@ -229,7 +229,7 @@ def test_each_rank_holds_its_slice_of_the_one_process_weights(expert_parallel):
     """Built for rank r of 2 (no processes needed), every parameter is rank r's slice of the one-process
     model's: column-parallel rows, row-parallel columns, vocab rows, experts' intermediate slices or whole
     experts; replicated ones equal."""
-    from minidsa.parallel.state import TensorParallel, building_with
+    from minidsa.common.tensor_parallel import TensorParallel, building_with
     from minidsa.config import resolve_model
     from minidsa.models.loader import build_model
 

@@ -176,7 +176,7 @@ def _replay_ms(graphs, bs: int, context: int, iters: int = 50) -> tuple[float, f
     the median of single replays each followed by a sync (the GPU idles between them); nan without graphs."""
     if graphs is None:
         return float("nan"), float("nan")
-    from minidsa.sched.plan import StepKind
+    from minidsa.common.plan import StepKind
 
     bucket = graphs.bucket_for(StepKind.DECODE, bs)
     st = graphs.static[(StepKind.DECODE, bucket, graphs.ctx_bucket_for(context + 1))]

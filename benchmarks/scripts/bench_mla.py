@@ -44,7 +44,7 @@ import bench_kernels as bk  # noqa: E402  (Recorder, row, timing, ceilings: one 
 from minidsa.bench import decode_suite as perf  # noqa: E402
 from minidsa.kernels import custom_ops, flashmla, mla_store, sparse_mla  # noqa: E402,F401
 from minidsa.kernels import reference as ref  # noqa: E402
-from minidsa.exec.kv_cache import MLALayout  # noqa: E402
+from minidsa.common.kv_cache import MLALayout  # noqa: E402
 
 DEV = torch.device("cuda")
 D_V, D_R, TOPK = 512, 64, 2048
@@ -284,7 +284,8 @@ def bench_store_section(rec: Recorder, ceil: dict) -> None:
 
 def _runner(kv_cache_dtype: str, max_total_tokens: int = 0, max_running_requests: int = 1024):
     from minidsa.config import EngineConfig, ModelConfig, resolve
-    from minidsa.models.presets import preset_config
+    from minidsa.common.presets import preset_config
+    from minidsa.exec.build import choose_kernels
     from minidsa.exec.runner import ModelRunner
 
     raw = preset_config("bench-dsv32")
@@ -293,7 +294,8 @@ def _runner(kv_cache_dtype: str, max_total_tokens: int = 0, max_running_requests
                        max_running_requests=max_running_requests, max_total_tokens=max_total_tokens,
                        indexer_cache_dtype="fp8", kernel_backend="auto", kv_cache_dtype=kv_cache_dtype,
                        enable_cuda_graph=False, enable_compile=False)
-    return ModelRunner(resolve(cfg, ModelConfig.from_dict(raw), init_std), progress=False)
+    resolved = resolve(cfg, ModelConfig.from_dict(raw), init_std)
+    return ModelRunner(resolved, choose_kernels(resolved), progress=False)
 
 
 def _free() -> None:
@@ -302,7 +304,7 @@ def _free() -> None:
 
 
 def bench_capacity_section(rec: Recorder) -> None:
-    from minidsa.exec.kv_cache import IndexerLayout, kv_bytes_per_token
+    from minidsa.common.kv_cache import IndexerLayout, kv_bytes_per_token
 
     tokens = {}
     for layout in ("auto", "fp8"):
@@ -349,9 +351,9 @@ def bench_step_section(rec: Recorder, iters: int, batch: int = 128, ctx: int = 3
 def bench_accuracy_section(rec: Recorder, prompt_len: int = 3000, steps: int = 16) -> None:
     from minidsa.attention.backend import DSABackend
     from minidsa.attention.topk_recording import TopkRecorder
-    from minidsa.exec.batch import ForwardBatch
-    from minidsa.sched.plan import StepKind
-    from minidsa.exec.kv_cache import KVCache, MLALayout as Layout
+    from minidsa.common.batch import ForwardBatch
+    from minidsa.common.plan import StepKind
+    from minidsa.common.kv_cache import KVCache, MLALayout as Layout
     from minidsa.sched.pages import pages_needed, slots_of
 
     runner = _runner("auto", max_total_tokens=8192, max_running_requests=4)

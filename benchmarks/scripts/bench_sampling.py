@@ -20,8 +20,8 @@ import time
 import torch
 
 from minidsa.bench.decode_suite import time_cuda
-from minidsa.engine.request import SamplingParams
-from minidsa.exec.sampling import SamplingBatch, race_for, sample
+from minidsa.common.request import SamplingParams
+from minidsa.common.sampling import SamplingBatch, race_for, sample
 
 VOCAB = 129280
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from minidsa.attention.select import KernelChoice, Libraries
-from minidsa.exec.batch import ForwardBatch
-from minidsa.exec.kv_cache import KVCache
+from minidsa.common.batch import ForwardBatch
+from minidsa.common.kv_cache import KVCache
 from minidsa.kernels import num_sms
 from minidsa.kernels import reference as ref
 

@@ -30,14 +30,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minidsa.exec.batch import ForwardBatch
-from minidsa.exec.kv_cache import CacheLayouts
-from minidsa.exec.memory import DoesNotFit, check_fit
-from minidsa.config import EngineConfig, ModelConfig, resolve
-from minidsa.sched.pages import PageAllocator, RowAllocator, pages_needed
-from minidsa.models.presets import preset_config
 from minidsa.bench.offline import git_commit
-from minidsa.sched.plan import StepKind
+from minidsa.common.batch import ForwardBatch
+from minidsa.common.kv_cache import CacheLayouts
+from minidsa.common.plan import StepKind
+from minidsa.common.presets import preset_config
+from minidsa.config import EngineConfig, ModelConfig, resolve
+from minidsa.exec.build import choose_kernels
+from minidsa.exec.memory import DoesNotFit, check_fit
+from minidsa.sched.pages import PageAllocator, RowAllocator, pages_needed
 
 if TYPE_CHECKING:
     from minidsa.exec.graphs import GraphShape, StepGraphs
@@ -176,15 +177,16 @@ class Bench:
         except DoesNotFit as e:
             raise DoesNotFit(f"{e} (here max_total_tokens is --kv-tokens {max_batch_tokens} plus "
                              f"{cfg.max_total_tokens - max_batch_tokens} tokens of room)") from None
+        kernels = choose_kernels(resolved)
         if distributed_executor_backend == "mp":
-            from minidsa.parallel.ranks import RankModelRunner
             from minidsa.parallel.launch import single_rank_group
+            from minidsa.parallel.ranks import RankModelRunner
 
-            self.runner = RankModelRunner(single_rank_group(cfg.device), resolved, progress=False)
+            self.runner = RankModelRunner(single_rank_group(cfg.device), resolved, kernels, progress=False)
         else:
             from minidsa.exec.runner import ModelRunner
 
-            self.runner = ModelRunner(resolved, progress=False)
+            self.runner = ModelRunner(resolved, kernels, progress=False)
         self.device = self.runner.device
         # The engine's host-side bookkeeping of the runner's KV memory, for the synthetic contexts.
         capacity = self.runner.kv_capacity

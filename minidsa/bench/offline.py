@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
+from minidsa.common.request import SamplingParams
 from minidsa.engine import Engine
-from minidsa.engine.request import SamplingParams
 
 GPU_DEFAULTS = {"num_requests": 256, "input_len": (100, 1024), "output_len": (100, 1024)}
 CPU_DEFAULTS = {"num_requests": 16, "input_len": (100, 512), "output_len": (32, 128)}

@@ -22,11 +22,23 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from minidsa.chat import dsv32, template, tools as tool_lib
+from minidsa.chat import dsv32, template
+from minidsa.chat import tools as tool_lib
 from minidsa.chat.messages import ChatFormatError, normalize_messages
-from minidsa.chat.parser import (CONTENT, DSML, END_THINK, GLM, MAYBE_REASONING, NAMED, REASONING, REQUIRED,
-                                 SYNTAX_MARKUP, THINK, OutputSpec)
-from minidsa.engine.tokenizer import Tokenizer, default_tokenizer_dir
+from minidsa.chat.parser import (
+    CONTENT,
+    DSML,
+    END_THINK,
+    GLM,
+    MAYBE_REASONING,
+    NAMED,
+    REASONING,
+    REQUIRED,
+    SYNTAX_MARKUP,
+    THINK,
+    OutputSpec,
+)
+from minidsa.common.tokenizer import Tokenizer, default_tokenizer_dir
 
 logger = logging.getLogger(__name__)
 

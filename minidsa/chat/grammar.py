@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from minidsa.engine.request import InvalidRequest
-from minidsa.engine.tokenizer import Tokenizer
+from minidsa.common.request import InvalidRequest
+from minidsa.common.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from minidsa.engine.request import InvalidRequest
+from minidsa.common.request import InvalidRequest
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

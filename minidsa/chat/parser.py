@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from minidsa.chat import dsv32
 from minidsa.chat.tools import typed_value
-from minidsa.engine.request import ToolCall
+from minidsa.common.request import ToolCall
 
 REASONING, MAYBE_REASONING, CONTENT = "reasoning", "maybe", "content"  # how the output starts
 THINK, END_THINK = "<think>", "</think>"

@@ -7,10 +7,10 @@
   `RequestOutput`.
 - `chat`: chat requests: a conversation rendered with the model's chat format (minidsa.chat) and added with
   its output parser (LLM.chat and the server both use it).
-- `request`: `Request`, `SamplingParams`, `RequestOutput`, `InvalidRequest`; `tokenizer.Tokenizer`.
 
 The synchronous Python API over an Engine is `minidsa.llm.LLM`. Names below are imported lazily, so that
-`minidsa.engine.request` (which `import minidsa` and the scheduler use) does not pull in the model code.
+`import minidsa.engine` does not pull in the model code. Requests, sampling parameters and the tokenizer are in
+minidsa/common/.
 """
 
 __all__ = ["Engine", "EngineMetrics", "OutputProcessor"]

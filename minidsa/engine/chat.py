@@ -11,7 +11,7 @@ from typing import Any
 
 from minidsa.chat.formats import ChatFormat, ChatOptions, PreparedChat, select_chat_format
 from minidsa.chat.messages import ChatFormatError
-from minidsa.engine.request import SamplingParams
+from minidsa.common.request import SamplingParams
 
 
 def chat_format(engine: Any) -> ChatFormat:

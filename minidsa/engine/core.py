@@ -1,7 +1,7 @@
 """Engine: the control plane. Requests in (add / abort), one step at a time, outputs out.
 
 A step: the scheduler decides which requests run (sched/scheduler.py); the engine turns that into a `StepPlan`
-(plain data: rows, positions, input tokens, sampling parameters, page-table writes; sched/plan.py) and
+(plain data: rows, positions, input tokens, sampling parameters, page-table writes; common/plan.py) and
 hands it to the `Worker` (exec/worker.py), the only owner of device state, which returns a `StepResult`
 (tokens, logprobs). The tokens enter their requests through the `OutputProcessor` (outputs.py: stop
 conditions, detokenising, RequestOutput). Which KV pages and req_to_token rows are free is host bookkeeping
@@ -38,24 +38,31 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-
 from minidsa.chat.grammar import GrammarState, StructuredOutputs, parse_response_format
+from minidsa.common.kv_cache import CacheLayouts
+from minidsa.common.plan import PromptScoring, StepKind, StepPlan
+from minidsa.common.request import (
+    InvalidRequest,
+    QueueFull,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    Struct,
+    now,
+)
+from minidsa.common.sampling import Sampler
+from minidsa.common.tokenizer import Tokenizer, load_tokenizer
 from minidsa.config import ConfigError, EngineConfig, make_engine_config, resolve
 from minidsa.engine.outputs import OutputProcessor
-from minidsa.exec.kv_cache import CacheLayouts
+from minidsa.exec.build import choose_kernels, start_local_worker
 from minidsa.exec.memory import check_fit
-from minidsa.sched.pages import PageAllocator, RowAllocator
-from minidsa.sched.prefix_cache import PrefixCache
-from minidsa.engine.request import (InvalidRequest, QueueFull, Request, RequestOutput, RequestStatus, SamplingParams,
-                             Struct, now)
 from minidsa.exec.runner import ModelRunner
-from minidsa.exec.sampling import Sampler
-from minidsa.sched.scheduler import ScheduledBatch, Scheduler
-from minidsa.sched.plan import PromptScoring, StepKind, StepPlan
-from minidsa.engine.tokenizer import Tokenizer, load_tokenizer
-from minidsa.exec.build import start_local_worker
 from minidsa.exec.worker import PendingStep, Worker
 from minidsa.parallel.ranks import start_parallel_worker
+from minidsa.sched.pages import PageAllocator, RowAllocator
+from minidsa.sched.prefix_cache import PrefixCache
+from minidsa.sched.scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger(__name__)
 startup_logger = logging.getLogger("minidsa.exec.startup")
@@ -101,6 +108,7 @@ class Engine:
             config = dataclasses.replace(config, **engine_args)
         # Every "auto" decided and every argument checked here, once, before any weight or rank process exists.
         self.config = resolved = resolve(config)
+        kernels = choose_kernels(resolved)
         cfg, self.model_config, self.model_name = resolved.args, resolved.model, resolved.served_model_name
         self._model_path = resolved.model_path
         self._tokenizer: Tokenizer | None = None  # loaded on first use: token-id workloads run without one
@@ -117,8 +125,8 @@ class Engine:
                             cfg.dtype)
         # One process, or a rank of a tensor-parallel group (rank 0 starts the others; under torchrun every rank
         # builds an Engine and ranks > 0 follow rank 0's plans: `follow`)
-        self.worker: Worker = start_parallel_worker(resolved, progress) if cfg.distributed \
-            else start_local_worker(resolved, progress)
+        self.worker: Worker = start_parallel_worker(resolved, kernels, progress) if cfg.distributed \
+            else start_local_worker(resolved, kernels, progress)
         self.is_driver = self.worker.is_driver
         runner, speculator = self.worker.runner, self.worker.speculator
         self.max_model_len: int = runner.max_model_len

@@ -16,8 +16,8 @@ import logging
 from typing import Callable
 
 from minidsa.chat.parser import ChatOutputParser, OutputSpec
-from minidsa.engine.request import Request, RequestOutput, ToolCall, now
-from minidsa.engine.tokenizer import Tokenizer
+from minidsa.common.request import Request, RequestOutput, ToolCall, now
+from minidsa.common.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

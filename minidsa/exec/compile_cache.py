@@ -61,7 +61,7 @@ def _version(module: str) -> str | None:
 
 def key_inputs(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> dict[str, Any]:
     """What the cache key covers (`config` resolved: the dtype and page size this machine gets)."""
-    from minidsa import __version__
+    from minidsa.common.version import __version__
 
     gpu = None
     if device.type == "cuda":

@@ -2,7 +2,7 @@
 and prefill chunks / mixed steps (EXTEND).
 
 One graph per (step kind, batch-size bucket, context bucket), all in one shared memory pool. The kind is the batch's
-`StepKind` (sched/plan.py: `replay(batch)` picks the graph from it); each captured kind has a `GraphShape`. Each
+`StepKind` (common/plan.py: `replay(batch)` picks the graph from it); each captured kind has a `GraphShape`. Each
 graph reads static input buffers and writes static output buffers; `replay` copies a real batch into the first
 rows, points padding rows at the dummy slot 0 (row 0 of req_to_token, one visible position), all in one
 multi-tensor copy, replays, and returns views of the real rows' outputs. The graph itself never reads host state.
@@ -42,9 +42,9 @@ from typing import Callable
 
 import torch
 
-from minidsa.exec.batch import ForwardBatch
+from minidsa.common.batch import ForwardBatch
+from minidsa.common.plan import StepKind
 from minidsa.models.deepseek_v32 import ModelOutput
-from minidsa.sched.plan import StepKind
 
 logger = logging.getLogger(__name__)
 

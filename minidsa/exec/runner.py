@@ -24,21 +24,21 @@ import torch
 from tqdm.auto import tqdm
 
 from minidsa.attention.backend import DSABackend
-from minidsa.exec.batch import ForwardBatch
-from minidsa.exec.compile_cache import CompileCache, CompileStats, count_entries
+from minidsa.attention.select import KernelChoice, load_libraries
+from minidsa.common.batch import ForwardBatch
+from minidsa.common.kv_cache import CacheLayouts, KVCache, ReqToTokenTable
+from minidsa.common.plan import StepKind
 from minidsa.config import ConfigError, ResolvedConfig
+from minidsa.exec.compile_cache import CompileCache, CompileStats, count_entries
 from minidsa.exec.graphs import DEFAULT_BUCKETS, EXTEND_TOKEN_BUCKETS, GraphShape, StepGraphs
-from minidsa.attention.select import load_libraries
-from minidsa.exec.kv_cache import CacheLayouts, KVCache, ReqToTokenTable
+from minidsa.exec.memory import MIN_KV_TOKENS, DoesNotFit, GiB, graph_buffer_bytes, margin_bytes
+from minidsa.exec.startup import StartupPhases
 from minidsa.kernels.deepgemm import LOGITS_ALIGN
 from minidsa.models.deepseek_v32 import ModelOutput, RunLayer, call_layer, deepgemm_experts
 from minidsa.models.layers.linear import deepgemm_weights
-from minidsa.exec.memory import GiB, MIN_KV_TOKENS, DoesNotFit, graph_buffer_bytes, margin_bytes
 from minidsa.models.loader import build_model
 from minidsa.sched.pages import KVCapacity, pages_needed
-from minidsa.sched.plan import StepKind
 from minidsa.speculative.layout import SpecLayout
-from minidsa.exec.startup import StartupPhases
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def mark_fixed_dims(attn: DSABackend) -> None:
 
 
 class ModelRunner:
-    def __init__(self, resolved: ResolvedConfig, progress: bool = True):
+    def __init__(self, resolved: ResolvedConfig, kernels: KernelChoice, progress: bool = True):
         """Builds the model (weights in their serving formats), sizes and allocates the KV cache. What it decides
         is its own (`kv_capacity`, `max_model_len`): nothing is written into the configuration."""
         self.resolved = resolved
@@ -149,7 +149,7 @@ class ModelRunner:
         self.mla_layout, self.index_layout = layouts.mla, layouts.index
         self.compile_cache: CompileCache | None = None
         root = resolved.compile_cache_dir  # the tools already write there: resolve() pointed them at it
-        self.kernels = resolved.kernels
+        self.kernels = kernels
         self.libraries = load_libraries(self.kernels, self.device)
         with self.startup.phase("weights") as phase:
             self.model = build_model(model_config, resolved.model_path, self.dtype, self.device, seed=config.seed,

@@ -34,14 +34,14 @@ import logging
 
 import torch
 
-from minidsa.exec.batch import ForwardBatch, host_to_device, ints_to_device
-from minidsa.exec.kv_cache import row_slots
-from minidsa.models.deepseek_v32 import ModelOutput
+from minidsa.common.batch import ForwardBatch, host_to_device, ints_to_device
+from minidsa.common.kv_cache import row_slots
+from minidsa.common.plan import PromptScoring, StepKind, StepPlan, StepResult
+from minidsa.common.sampling import SampledTokens, Sampler, TokenMask
 from minidsa.exec.runner import ModelRunner
-from minidsa.exec.sampling import SampledTokens, Sampler, TokenMask
-from minidsa.speculative.mtp import SpecRows
+from minidsa.models.deepseek_v32 import ModelOutput
 from minidsa.sched.pages import KVCapacity
-from minidsa.sched.plan import PromptScoring, StepKind, StepPlan, StepResult
+from minidsa.speculative.mtp import SpecRows
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The exponential race of `minidsa.exec.sampling` in one pass over the logits (Triton).
+"""The exponential race of `minidsa.common.sampling` in one pass over the logits (Triton).
 
 `race_argmax(x, temperature, keys, greedy)` returns, per row, the argmax of
     greedy rows: x

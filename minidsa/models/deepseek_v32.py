@@ -31,15 +31,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from minidsa.attention.backend import DSABackend, IndexStep, LayerCaches
-from minidsa.exec.batch import ForwardBatch
+from minidsa.common.batch import ForwardBatch
+from minidsa.common.tensor_parallel import building_tp
 from minidsa.config import ModelConfig
-from minidsa.parallel.state import building_tp
 from minidsa.kernels import gemv, mla_absorb, norm_quant, reference
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape
 from minidsa.kernels.fused_moe import SKIP
-from minidsa.models.layers.linear import (FusedLinear, Linear, QuantizedInput, WeightLoadError, as_tensor,
-                                          load_block_scaled, modules_outside)
-from minidsa.models.layers.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, checkpoint_shard
+from minidsa.models.layers.linear import (
+    FusedLinear,
+    Linear,
+    QuantizedInput,
+    WeightLoadError,
+    as_tensor,
+    load_block_scaled,
+    modules_outside,
+)
+from minidsa.models.layers.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    checkpoint_shard,
+)
 
 importlib.import_module("minidsa.kernels.custom_ops")  # registers torch.ops.minidsa.* (fused_moe below)
 

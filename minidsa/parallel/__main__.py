@@ -29,8 +29,8 @@ def _configure_logging(rank: int, level: int) -> None:
 
 
 def main() -> int:
-    from minidsa.parallel.ranks import run_rank
     from minidsa.parallel.launch import ignore_interrupts, join_ranks, read_spec
+    from minidsa.parallel.ranks import run_rank
 
     ignore_interrupts()
     spec = read_spec(sys.stdin.buffer)
@@ -42,7 +42,7 @@ def main() -> int:
     ranks = None
     try:
         ranks = join_ranks(spec)
-        run_rank(ranks, spec.resolved)
+        run_rank(ranks, spec.resolved, spec.kernels)
     except BaseException:
         print(f"[rank {spec.rank}] tensor-parallel rank {spec.rank} failed:\n{traceback.format_exc()}",
               file=sys.stderr, flush=True)

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from minidsa.common.tensor_parallel import TensorParallel
 from minidsa.config import ConfigError
-from minidsa.parallel.state import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ class WorkerSpec:
     master_port: int
     backend: str  # device group: "nccl" or "gloo"
     resolved: Any  # the ResolvedConfig rank 0 made, `device` this rank's
+    kernels: Any  # the KernelChoice rank 0 made: every rank serves each kernel the same way
     log_level: int = logging.WARNING
     env: dict[str, str] = field(default_factory=dict)
 
@@ -235,7 +236,7 @@ def read_spec(stream) -> WorkerSpec:
     return pickle.loads(stream.read(length))
 
 
-def start_ranks(resolved: Any) -> RankGroup:
+def start_ranks(resolved: Any, kernels: Any) -> RankGroup:
     """Rank 0: start ranks 1..N-1 (or join torchrun's group) and initialise both process groups."""
     engine_config = resolved.args
     world = engine_config.tensor_parallel_size
@@ -257,7 +258,7 @@ def start_ranks(resolved: Any) -> RankGroup:
     try:
         for r in range(1, world):
             spec = WorkerSpec(rank=r, world_size=world, master_addr=addr, master_port=store.port, backend=backend,
-                              resolved=resolved.on_device(rank_device(engine_config.device, r)),
+                              resolved=resolved.on_device(rank_device(engine_config.device, r)), kernels=kernels,
                               log_level=logging.getLogger("minidsa").getEffectiveLevel())
             procs[r] = subprocess.Popen([sys.executable, "-m", "minidsa.parallel"], stdin=subprocess.PIPE,
                                         env=_child_env())
@@ -275,10 +276,9 @@ def start_ranks(resolved: Any) -> RankGroup:
 
 
 def _child_env() -> dict[str, str]:
-    """The children import the minidsa this process runs (a notebook's sys.path may differ from PYTHONPATH)."""
-    import minidsa
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(minidsa.__file__)))
+    """The children import the minidsa this process runs (a notebook's sys.path may differ from PYTHONPATH), with
+    the rest of this process's environment (NCCL_NVLS_ENABLE=0 and the machine's other settings included)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above minidsa/
     path = os.environ.get("PYTHONPATH")
     return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
 

@@ -36,14 +36,15 @@ from dataclasses import dataclass
 
 import torch
 
+from minidsa.attention.select import KernelChoice
+from minidsa.common.plan import StepPlan, StepResult
+from minidsa.common.tensor_parallel import building_with
 from minidsa.config import ConfigError, ResolvedConfig
 from minidsa.exec.build import build_worker
 from minidsa.exec.runner import ModelRunner
 from minidsa.exec.worker import PendingStep, Worker
 from minidsa.parallel.channel import PlanChannel
 from minidsa.parallel.launch import RankGroup, launch_mode, single_rank_group, start_ranks
-from minidsa.parallel.state import building_with
-from minidsa.sched.plan import StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +59,13 @@ class RankModelRunner(ModelRunner):
     the other ranks on the KV capacity. It owns the rank group: `close()` (or dropping it) leaves the
     process groups and, on rank 0, stops the other ranks."""
 
-    def __init__(self, ranks: RankGroup, resolved: ResolvedConfig, progress: bool = True):
+    def __init__(self, ranks: RankGroup, resolved: ResolvedConfig, kernels: KernelChoice, progress: bool = True):
         self.ranks = ranks
         # Dropped without close() (a notebook's `del llm`), or at interpreter exit: the ranks stop and the
         # process group goes, so another distributed engine can start in this process.
         self._release = weakref.finalize(self, ranks.shutdown)
         with ranks.guard(), building_with(ranks.tp):
-            super().__init__(resolved, progress)
+            super().__init__(resolved, kernels, progress)
 
     def _auto_kv_tokens(self, reserve: int | None) -> int:
         tokens = torch.tensor([super()._auto_kv_tokens(reserve)], dtype=torch.int64)
@@ -160,10 +161,10 @@ def serve_plans(channel: PlanChannel, execute: Callable[[StepPlan], object]) -> 
         execute(plan)
 
 
-def build_rank_worker(ranks: RankGroup, resolved: ResolvedConfig, progress: bool, worker_cls: type = Worker
-                      ) -> Worker:
+def build_rank_worker(ranks: RankGroup, resolved: ResolvedConfig, kernels: KernelChoice, progress: bool,
+                      worker_cls: type = Worker) -> Worker:
     """This rank's worker, built and captured the same way on every rank (the same collectives, in order)."""
-    runner = RankModelRunner(ranks, resolved, progress)
+    runner = RankModelRunner(ranks, resolved, kernels, progress)
     try:
         with ranks.guard():
             return build_worker(runner, resolved, worker_cls)
@@ -185,15 +186,15 @@ class FollowerWorker(RankWorker):
             self.runner.close()
 
 
-def run_rank(ranks: RankGroup, resolved: ResolvedConfig) -> None:
+def run_rank(ranks: RankGroup, resolved: ResolvedConfig, kernels: KernelChoice) -> None:
     """A rank > 0 that minidsa started (`python -m minidsa.parallel`): build the worker, capture, execute rank 0's
     plans until it stops."""
-    worker = build_rank_worker(ranks, resolved, progress=False, worker_cls=RankWorker)
+    worker = build_rank_worker(ranks, resolved, kernels, progress=False, worker_cls=RankWorker)
     worker.prepare_fast_paths()
     serve_plans(PlanChannel(ranks), worker.launch)
 
 
-def start_parallel_worker(resolved: ResolvedConfig, progress: bool = True) -> Worker:
+def start_parallel_worker(resolved: ResolvedConfig, kernels: KernelChoice, progress: bool = True) -> Worker:
     """This process's worker in a tensor-parallel group: rank 0's broadcasting worker (it starts ranks 1..N-1, or
     joins torchrun's group; a group of one at tensor_parallel_size 1), or, on a rank > 0 of a torchrun launch, a
     `FollowerWorker` (`is_driver` False): every rank returns from building its engine, and only rank 0 runs the
@@ -203,13 +204,13 @@ def start_parallel_worker(resolved: ResolvedConfig, progress: bool = True) -> Wo
     except ValueError as e:
         raise ConfigError("tensor_parallel_size", str(e)) from None
     if resolved.args.tensor_parallel_size > 1:
-        ranks = start_ranks(resolved)
+        ranks = start_ranks(resolved, kernels)
         resolved = resolved.on_device(str(ranks.device))
     else:
         ranks = single_rank_group(resolved.args.device, resolved.args.enable_expert_parallel)
     driver = not (mode == "torchrun" and rank > 0)
     try:
-        worker = build_rank_worker(ranks, resolved, progress and driver,
+        worker = build_rank_worker(ranks, resolved, kernels, progress and driver,
                                    TensorParallelWorker if driver else FollowerWorker)
     except BaseException:
         ranks.shutdown()

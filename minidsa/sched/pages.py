@@ -1,6 +1,6 @@
 """Host-side KV bookkeeping of the control plane: which KV pages and which req_to_token rows are free.
 
-The worker owns the device memory (exec/kv_cache.py: the caches and the req_to_token table) and reports its
+The worker owns the device memory (common/kv_cache.py: the caches and the req_to_token table) and reports its
 capacity (`KVCapacity`); the engine builds a `PageAllocator` and a `RowAllocator` from it and hands them to the
 scheduler and the prefix cache. Nothing here touches a device tensor: the pages and rows decided here reach the
 worker as `TableWrite`s in the step plan.
@@ -206,13 +206,6 @@ def _tensor(buffer: array | bytearray, dtype: torch.dtype) -> torch.Tensor:
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
     return (num_tokens + page_size - 1) // page_size
-
-
-def slots_of(pages: list[int], start: int, end: int, page_size: int) -> torch.Tensor:
-    """Physical slots of row positions [start, end) for a request holding `pages`."""
-    pos = torch.arange(start, end, dtype=torch.int64)
-    page_ids = torch.tensor(pages, dtype=torch.int64)
-    return page_ids[pos // page_size] * page_size + pos % page_size
 
 
 class RowAllocator:

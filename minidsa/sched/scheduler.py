@@ -70,10 +70,10 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from minidsa.common.plan import StepKind, TableWrite
+from minidsa.common.request import Request, RequestStatus
 from minidsa.sched.pages import PageAllocator, RowAllocator, pages_needed
 from minidsa.sched.prefix_cache import Node, PrefixCache
-from minidsa.engine.request import Request, RequestStatus
-from minidsa.sched.plan import StepKind, TableWrite
 
 
 @dataclass

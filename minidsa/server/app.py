@@ -10,10 +10,10 @@ what is still running, so no request outlives its HTTP connection.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import logging
 import re
-import errno
 import signal
 import socket
 import threading
@@ -25,8 +25,8 @@ from typing import Any, Callable
 from aiohttp import web
 
 from minidsa.chat.formats import ChatOptions
+from minidsa.common.request import InvalidRequest, SamplingParams, ToolCall
 from minidsa.engine.chat import chat_format, prepare_chat
-from minidsa.engine.request import InvalidRequest, SamplingParams, ToolCall
 from minidsa.server import protocol as P
 from minidsa.server.async_engine import AsyncEngine, ChatPrompt, EngineRequest, Histogram, RequestStream, StreamEnd
 

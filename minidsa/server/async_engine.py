@@ -42,7 +42,7 @@ class ChatPrompt:
 class EngineRequest:
     request_id: str
     prompt: str | list[int] | ChatPrompt
-    params: Any  # minidsa.engine.request.SamplingParams
+    params: Any  # minidsa.common.request.SamplingParams
     max_tokens_to_context: bool = False  # params.max_tokens := context length - prompt length
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minidsa.exec.kv_cache import row_slots
+from minidsa.common.kv_cache import row_slots
 
 
 @dataclass(frozen=True)

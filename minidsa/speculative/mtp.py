@@ -42,12 +42,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minidsa.exec.batch import ForwardBatch, ints_to_device
+from minidsa.common.batch import ForwardBatch, ints_to_device
+from minidsa.common.plan import StepKind
+from minidsa.common.request import SamplingParams
+from minidsa.common.sampling import Sampler, TokenMask, probabilities, row_key, uniforms
 from minidsa.config import SpecOptions
 from minidsa.models.deepseek_v32 import ModelOutput
-from minidsa.engine.request import SamplingParams
-from minidsa.sched.plan import StepKind
-from minidsa.exec.sampling import Sampler, TokenMask, probabilities, row_key, uniforms
 from minidsa.speculative.layout import SpecLayout
 from minidsa.speculative.runner_api import SpecRunner
 from minidsa.speculative.tree import DraftTree, accept_greedy, accept_sampled, grow_tree

@@ -24,8 +24,8 @@ from typing import Protocol
 
 import torch
 
+from minidsa.common.batch import ForwardBatch
 from minidsa.config import ModelConfig
-from minidsa.exec.batch import ForwardBatch
 from minidsa.models.deepseek_v32 import ModelOutput
 
 

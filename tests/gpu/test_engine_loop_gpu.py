@@ -55,7 +55,7 @@ def test_decode_step_is_launched_without_a_host_sync():
     """Planning and launching a pure decode step (graph replay, sampling, the copy of the ids to the host,
     the event) never waits for the device: the one sync is when the tokens are taken."""
     from minidsa import SamplingParams
-    from minidsa.sched.plan import StepKind
+    from minidsa.common.plan import StepKind
 
     llm = _llm()
     engine = llm.engine

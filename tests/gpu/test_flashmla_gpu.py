@@ -28,8 +28,8 @@ if not torch.cuda.is_available():
 
 from minidsa.kernels import custom_ops, flashmla, sparse_mla  # noqa: E402,F401
 from minidsa.kernels import reference as ref  # noqa: E402
-from minidsa.exec.kv_cache import MLALayout  # noqa: E402
-from minidsa.sched.plan import StepKind  # noqa: E402
+from minidsa.common.kv_cache import MLALayout  # noqa: E402
+from minidsa.common.plan import StepKind  # noqa: E402
 
 DEV = torch.device("cuda")
 MODULE, STATUS = flashmla.probe(DEV)

@@ -169,7 +169,7 @@ def test_fused_moe_reads_the_norms_quantisation():
 def test_bench_preset_random_init_peaks_at_its_weights():
     from minidsa.config import ModelConfig
     from minidsa.models.loader import build_model
-    from minidsa.models.presets import preset_config
+    from minidsa.common.presets import preset_config
 
     config = ModelConfig.from_dict(preset_config("bench-dsv32"))
     torch.cuda.empty_cache()

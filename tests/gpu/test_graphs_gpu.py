@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from harness import count_replays
-from minidsa.sched.plan import StepKind
+from minidsa.common.plan import StepKind
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

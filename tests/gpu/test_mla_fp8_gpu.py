@@ -19,7 +19,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from minidsa.attention.backend import KernelChoice, bind_ops  # noqa: E402
 from minidsa.kernels import kv_move, sparse_mla  # noqa: E402
 from minidsa.kernels import reference as ref  # noqa: E402
-from minidsa.exec.kv_cache import MLALayout  # noqa: E402
+from minidsa.common.kv_cache import MLALayout  # noqa: E402
 
 if not isinstance(sparse_mla._sparse_mla_kernel, JITFunction):
     pytest.skip("Triton kernels were imported as interpreted functions in this process", allow_module_level=True)

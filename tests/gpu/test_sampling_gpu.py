@@ -16,7 +16,7 @@ VOCAB = 129280
 
 
 def _inputs(rows: int, seed: int):
-    from minidsa.exec.sampling import as_int64, row_key
+    from minidsa.common.sampling import as_int64, row_key
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     logits = (torch.randn(rows, VOCAB, device="cuda", generator=g) * 4).bfloat16()
@@ -29,7 +29,7 @@ def _inputs(rows: int, seed: int):
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_one_pass_race_chooses_the_reference_ids(seed):
     from minidsa.kernels.sampling import race_argmax as fast
-    from minidsa.exec.sampling import race_scores
+    from minidsa.common.sampling import race_scores
 
     logits, temperature, keys, greedy = _inputs(256, seed)
     scores = race_scores(logits, temperature, keys, greedy)
@@ -44,7 +44,7 @@ def test_one_pass_race_chooses_the_reference_ids(seed):
 def test_one_pass_race_samples_softmax():
     """Chi-square over 20000 seeded rows of one 8-token distribution padded to the full vocabulary with -inf."""
     from minidsa.kernels.sampling import race_argmax as fast
-    from minidsa.exec.sampling import as_int64, row_key
+    from minidsa.common.sampling import as_int64, row_key
 
     n, temp = 20000, 1.3
     base = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0], device="cuda")

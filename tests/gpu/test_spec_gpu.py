@@ -48,7 +48,7 @@ def _syncs(fn) -> int:
 @pytest.mark.parametrize("combo", [c for c in COMBOS if c in os.environ.get("MINIDSA_SPEC_GPU_COMBOS", ",".join(COMBOS))])
 def test_speculation_starts_and_syncs_once_per_round_at_real_shapes(combo):
     from minidsa import LLM, SamplingParams
-    from minidsa.sched.plan import StepKind
+    from minidsa.common.plan import StepKind
 
     # Automatic KV sizing (the activation reserve covers every step kind); compiled layers, graphs.
     llm = LLM(model=MODEL, progress=False, max_running_requests=16, cuda_graph_max_bs=16, max_model_len=8192,

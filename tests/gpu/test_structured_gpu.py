@@ -29,7 +29,7 @@ def _random_mask(rows: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mask_kernel_equals_the_reference(dtype):
     from minidsa.kernels.sampling import apply_token_mask as fast
-    from minidsa.exec.sampling import TokenMask, apply_token_mask
+    from minidsa.common.sampling import TokenMask, apply_token_mask
 
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = (torch.randn(96, VOCAB, device="cuda", generator=g) * 4).to(dtype)
@@ -42,8 +42,8 @@ def test_mask_kernel_equals_the_reference(dtype):
 
 def test_masked_rows_never_sample_a_disallowed_token():
     """The Triton race on masked logits (the noise floor included: 4096 seeded rows hit it ~30 times)."""
-    from minidsa.engine.request import SamplingParams
-    from minidsa.exec.sampling import Sampler, TokenMask, race_for, token_mask_for, unpack_bitmask
+    from minidsa.common.request import SamplingParams
+    from minidsa.common.sampling import Sampler, TokenMask, race_for, token_mask_for, unpack_bitmask
 
     n = 4096
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -95,7 +95,7 @@ def test_constrained_decode_steps_launch_without_a_host_sync():
     from test_structured_outputs import PERSON, PROMPTS, json_schema
 
     from minidsa import SamplingParams
-    from minidsa.sched.plan import StepKind
+    from minidsa.common.plan import StepKind
 
     llm = _llm()
     worker = llm.engine.worker

@@ -17,7 +17,7 @@ import gc
 import pytest
 import torch
 
-from minidsa.sched.plan import StepKind
+from minidsa.common.plan import StepKind
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

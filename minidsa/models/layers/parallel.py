@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minidsa.parallel.state import TensorParallel, building_tp
+from minidsa.common.tensor_parallel import TensorParallel, building_tp
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE
 from minidsa.models.layers.linear import Linear, WeightLoadError, load_block_scaled
 

@@ -34,8 +34,8 @@ from typing import NamedTuple
 
 import torch
 
-from minidsa.exec.batch import host_to_device
-from minidsa.engine.request import SamplingParams
+from minidsa.common.batch import host_to_device
+from minidsa.common.request import SamplingParams
 
 _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF

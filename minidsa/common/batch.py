@@ -1,4 +1,4 @@
-"""What one model call sees: `ForwardBatch`, tagged with its `StepKind` (sched/plan.py).
+"""What one model call sees: `ForwardBatch`, tagged with its `StepKind` (common/plan.py).
 
 Layout conventions (all tensors on the model's device):
 - Tokens of all requests are flattened: `T` query tokens, request b owns
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minidsa.sched.plan import StepKind
+from minidsa.common.plan import StepKind
 
 
 def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:

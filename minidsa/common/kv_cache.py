@@ -29,9 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from minidsa.exec.batch import host_to_device
+from minidsa.common.batch import host_to_device
 from minidsa.kernels import reference as ref
-from minidsa.sched.pages import slots_of
 
 KV_CACHE_DTYPES = ("auto", "fp8")
 
@@ -43,6 +42,13 @@ def row_slots(req_to_token: torch.Tensor, rows: list[int], starts: list[int], le
     if not parts:
         return torch.zeros(0, dtype=torch.int64, device=req_to_token.device)
     return torch.cat(parts).long()
+
+
+def slots_of(pages: list[int], start: int, end: int, page_size: int) -> torch.Tensor:
+    """Physical slots of row positions [start, end) for a request holding `pages`."""
+    pos = torch.arange(start, end, dtype=torch.int64)
+    page_ids = torch.tensor(pages, dtype=torch.int64)
+    return page_ids[pos // page_size] * page_size + pos % page_size
 
 
 class ReqToTokenTable:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from minidsa.engine.request import SamplingParams
+from minidsa.common.request import SamplingParams
 
 
 class StepKind(enum.IntEnum):
