@@ -471,9 +471,9 @@ class EngineConfig:
     chunked_prefill_size: int = _arg(2048, "longest prefill chunk of one request per step, in tokens")
     max_prefill_tokens: int = _arg(8192, "token budget of one prefill step")
     # The decoders of a mixed step wait for its chunks, so the cap bounds their inter-token latency (and slows
-    # prefill while others decode). On the H100 (bench-dsv32, `minidsa bench`'s 256 requests, 64 decoding) a
-    # prefill token costs ~26 us and a decode step 6.1 ms: at 192, 64 decode rows + the chunk fill the 256-token
-    # extend graph and ITL p99 was 1.81x p50 at 7419 output tok/s; at 8192, 4.55x at 7551 (ENGINE_LOOP.md).
+    # prefill while others decode). 192: with 64 decode rows the chunk fills the 256-token extend graph. bench-dsv32,
+    # `minidsa bench`'s 256 requests, H100: ITL p99 1.81x p50 at 7419 output tok/s; at 8192, 4.55x at 7551
+    # (benchmarks/serving/engine_loop_inprocess_h100_extend_graphs.json, benchmarks/serving/ENGINE_LOOP.md).
     max_mixed_prefill_tokens: int = _arg(192, "most prefill tokens a step carries beside decode rows (mixed steps): "
                                          "lower = steadier inter-token latency, slower prefill while requests "
                                          "decode")

@@ -6,7 +6,7 @@ into its 16 padded rows with MN-major scales (`deepgemm.run_fp8_gemm`); in each 
 quantising silu(gate) * up for the down GEMM. Now the norm writes DeepGEMM's layout where DeepGEMM serves every
 linear reading it (`set_norm_quant`). The experts' quantisation stays: doing it in the gate/up launch's epilogue needs N tiles
 of whole 128-column groups, and those tiles made the expert GEMMs 15.6 us per step slower on an H100 (half the
-programs at batch 1), more than the 3 launches cost (benchmarks/TAIL.md section 8). Here a tiny FP8 model is served as bench-dsv32 is at one token: DeepGEMM
+programs at batch 1), more than the 3 launches cost (benchmarks/archive/TAIL.md section 8). Here a tiny FP8 model is served as bench-dsv32 is at one token: DeepGEMM
 (a torch stand-in) for the dense gate|up, the dense down and o_proj, the Triton GEMM for the rest, the Triton fused
 MoE for the routed experts (its CUDA implementation, run by the interpreter), and every launch is counted.
 """

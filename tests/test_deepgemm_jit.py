@@ -19,7 +19,7 @@ import pytest
 import torch
 
 if torch.cuda.is_available():
-    pytest.skip("CUDA present: the GPU check runs the pool on the real DeepGEMM (benchmarks/startup.py)",
+    pytest.skip("CUDA present: the GPU check runs the pool on the real DeepGEMM (benchmarks/scripts/startup.py)",
                 allow_module_level=True)
 
 from triton_interp import import_kernels_interpreted  # noqa: E402

@@ -1,5 +1,5 @@
 """See which context positions each indexer layer selected: an inspection tool (examples/quickstart.ipynb,
-benchmarks/bench_mla.py, tests), beside the attention backend it records.
+benchmarks/scripts/bench_mla.py, tests), beside the attention backend it records.
 
 `TopkRecorder(backend)` wraps a `DSABackend`'s `index_topk` on that one instance (the backend has no
 recording hook of its own) and, while recording, appends `(layer id, positions)` per indexer call: positions

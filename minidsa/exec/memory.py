@@ -5,10 +5,11 @@ Two checks, at two moments:
   formats and its bytes are counted), the smallest KV cache worth serving with, and a first estimate of the
   activations, against what the device has free. A model that cannot fit fails here in one line, with the sizes and
   what to change, instead of minutes later in an allocation's traceback.
-- `activation_reserve`, after the weights load and before the KV cache is sized (GPU, automatic KV sizing): the
-  largest step of every kind the engine will run is run once, eagerly, on a one-page scratch cache, and its peak is
-  measured; the CUDA graphs' buffers are added. The KV cache then takes a share of what remains, so a prefill chunk,
-  a speculative verify or a draft extend never meets an out-of-memory error mid-serving.
+- `ModelRunner._activation_reserve` (exec/runner.py), after the weights load and before the KV cache is sized (GPU,
+  automatic KV sizing): the largest step of every kind the engine will run is run once, eagerly, on a one-page
+  scratch cache, and its peak is measured; the CUDA graphs' buffers are added. The KV cache then takes a share of
+  what remains, so a prefill chunk, a speculative verify or a draft extend never meets an out-of-memory error
+  mid-serving.
 """
 
 from __future__ import annotations

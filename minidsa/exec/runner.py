@@ -55,8 +55,9 @@ def warm_up_shapes(tokens: int, page_size: int, max_model_len: int, table_width:
     single-request extends, halving down to ~16 tokens, each an odd count and a multiple of 16. The kernels
     inside the layer pick tiles by size class (`fused_moe.tile_config` by pairs per expert, the FP8 GEMM's
     BLOCK_M), and Triton specialises integer arguments divisible by 16, so each class compiles kernels the first
-    time it runs (DeepGEMM's GEMM classes have their own warm-up, `_warm_up_deepgemm`). The first compiled `minidsa bench` on a fresh H100 stalled
-    for minutes of TTFT doing that mid-serving. The ladder pays it at start-up instead (the disk caches keep it).
+    time it runs (DeepGEMM's GEMM classes have their own warm-up, `_warm_up_deepgemm`). Compiled mid-serving, that
+    time lands in requests' TTFT; the ladder pays it at start-up instead (the disk caches keep it). What it cost
+    before the ladder: benchmarks/serving/NOTES.md.
     """
     n = max(3, tokens - 4)
     n -= 1 - n % 2  # odd
@@ -500,8 +501,9 @@ class ModelRunner:
         dynamo_config = torch._dynamo.config
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
         dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
-        # Inductor's runtime autotuning of pointwise kernels (up to 6 configs each, timed at first launch) was
-        # 90 of a cold start's 240 s on an H200 (benchmarks/STARTUP.md); reductions keep theirs.
+        # No runtime autotuning of pointwise kernels (up to 6 configs each, timed at first launch, for every graph):
+        # it was the largest part of a cold start, and serving measured no slower without it
+        # (benchmarks/startup/NOTES.md); reductions keep theirs.
         options = {"triton.autotune_pointwise": False} if backend == "inductor" else None
         logger.info("torch.compile (%s): one decoder layer per layer kind, reused by every layer", backend)
         return torch.compile(call_layer, dynamic=True, fullgraph=True, backend=backend, options=options)

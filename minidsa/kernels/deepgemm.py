@@ -133,8 +133,8 @@ def paged_schedule(context_lens: torch.Tensor, num_sms: int, split_kv: int = SCH
     starts (query row, segment within that row); entry num_sms is the end.
 
     DeepGEMM's get_paged_mqa_logits_metadata computes the same, but its kernel is JIT-compiled per batch size
-    rounded up to 32, and every query token is a batch row here: each new size class of mixed step compiled one
-    (~1.5 s, 31 of them in the first `minidsa bench` on an H100). These torch ops take any size, have no host
+    rounded up to 32, and every query token is a batch row here: each new size class of mixed step would compile one
+    (~1.5 s each, mid-serving; benchmarks/serving/ENGINE_LOOP.md). These torch ops take any size, have no host
     sync (CUDA graphs capture them) and are checked equal to DeepGEMM's at start-up (`DeepGEMM`)."""
     lens = context_lens.reshape(-1).to(torch.int64)
     if lens.numel() == 0:
@@ -250,12 +250,13 @@ def paged_index_logits(
     return indexer.mask_invisible_(logits, kv_lens, tree_mask)
 
 
-# Where DeepGEMM's paged kernel beats the Triton one as a step serves them (per layer, with the step's
-# metadata made once; CUDA graphs), from benchmarks/bench_indexer.py on an H100, commit 0644555 (the table in
-# benchmarks/KERNELS.md): (min tokens, max tokens, min context, max context) ranges in which DeepGEMM serves,
-# Triton elsewhere. The kernel alone is faster everywhere measured (0.61-0.95x of Triton's time); with the
-# in-place mask of its undefined tail (3-16 us) it ties at 1-8 tokens below 16k (1.00-1.02x) and wins from
-# 16 tokens (0.64-0.97x), from 8 tokens at 16k+ (0.88-0.90x) and at 64k+ for any batch (0.95x at batch 1).
+# Where DeepGEMM's paged kernel beats the Triton one as a step serves them (per layer, with the step's metadata made
+# once; CUDA graphs), from benchmarks/scripts/bench_indexer.py on an H100, commit 0644555
+# (benchmarks/kernels/bench_indexer_h100.json; the table: benchmarks/kernels/bench_indexer_h100.md): (min tokens, max
+# tokens, min context, max context) ranges in which DeepGEMM serves, Triton elsewhere. The kernel alone is faster
+# everywhere measured (0.61-0.95x of Triton's time); with the in-place mask of its undefined tail (3-16 us) it ties at
+# 1-8 tokens below 16k (1.00-1.02x) and wins from 16 tokens (0.64-0.97x), from 8 tokens at 16k+ (0.88-0.90x) and at 64k+
+# for any batch (0.95x at batch 1).
 DEEPGEMM_PAGED_WINS: tuple[tuple[int, int, int, int], ...] = (
     (16, 1 << 30, 0, 1 << 30), (8, 1 << 30, 16384, 1 << 30), (1, 1 << 30, 65536, 1 << 30))
 # fp8_mqa_logits (one request's prefill chunk, keys gathered, copied to the op's layout) vs the Triton paged
@@ -305,7 +306,8 @@ def extend_index_logits(
 # d = a @ b^T with DeepSeek's 1x128 activation / 128x128 weight scales; the scale layout DeepGEMM wants is made
 # inside it. Used only where the start-up choice gave FP8 linears to DeepGEMM (`KernelChoice.fp8_gemm`).
 # Where fp8_gemm_nt beats the Triton w8a8 GEMM, timed as a decode step pays it (CUDA-graph replays over
-# weight copies larger than L2; benchmarks/bench_fp8_gemm.py on an H100, commit 4b8cc62, fp8_gemm_h100.md):
+# weight copies larger than L2; benchmarks/scripts/bench_fp8_gemm.py on an H100, commit 4b8cc62,
+# benchmarks/kernels/fp8_gemm_h100.json; the tables: benchmarks/kernels/fp8_gemm_h100.md):
 # - from 17 rows on, DeepGEMM is faster on every V3.2 / GLM-5 projection at M = 32, 2048 and 8192 (e.g. V3.2's
 #   dense gate|up at 32 rows: 101 vs 201 us; at 8192: 3313 vs 6420 us), and on most at 128;
 # - up to 16 rows it is faster only on the large weights (gate|up, down, o_proj: 98 vs 113 us, 54 vs 73,
@@ -360,8 +362,8 @@ def gemm_rows(m: int) -> int:
     128, then 8 classes per doubling (padding under 12.5%).
 
     DeepGEMM picks its tiles, stages and cluster from M (the fewest waves over the SMs) and JIT-compiles each
-    new choice. Mixed steps and prefill chunks come in every token count, and the first `minidsa bench` on an H100
-    stalled ~1-20 s at a time compiling them mid-serving (up to 22 choices for one V3.2 projection at M <= 8192).
+    new choice. Mixed steps and prefill chunks come in every token count (up to 22 choices for one V3.2 projection
+    at M <= 8192), and each compile mid-serving stalls the step for seconds (benchmarks/serving/ENGINE_LOOP.md).
     With classes the choices are few and fixed, and `DeepGEMM.warm_up_fp8_gemms` compiles them all at start-up."""
     if m <= 128:
         return -(-m // 16) * 16
@@ -443,9 +445,9 @@ def gemm_tasks(weight_shapes: list[tuple[int, int]], max_rows: int) -> list[tupl
 # name it differently (the fp8/fp4 one takes e4m3 too); the first name present is used.
 GROUPED_CONTIGUOUS_NAMES = ("m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_fp4_gemm_nt_contiguous")
 # Served from this many (token, expert) pairs per expert on (4096 tokens x top-8 / 256 experts = 128).
-# H100, commit ac62761, benchmarks/bench_moe.py, V3.2 expert shapes, as served (quantise, gather, both GEMMs,
-# silu * up, combine): 9.1 ms at 8192 tokens against 12.4 for the Triton fused MoE, 19.4 vs 24.6 at 16384; at 2048
-# tokens (64 pairs per expert) 6.35 vs 6.34, no gain.
+# H100, commit ac62761, benchmarks/scripts/bench_moe.py (benchmarks/moe/fused_moe_prefill_h100_ac62761.json), V3.2
+# expert shapes, as served (quantise, gather, both GEMMs, silu * up, combine): 9.1 ms at 8192 tokens against 12.4 for
+# the Triton fused MoE, 19.4 vs 24.6 at 16384; at 2048 tokens (64 pairs per expert) 6.35 vs 6.34, no gain.
 MOE_CONTIGUOUS_MIN_PAIRS_PER_EXPERT = 128
 
 
@@ -507,10 +509,11 @@ def run_grouped_gemm(gemm, a: torch.Tensor, a_scale: torch.Tensor, weight: torch
 
 
 # Tokens per grouped-GEMM pass. Every pass streams all the experts' weights (11.3 GB for DeepSeek-V3.2), so at 8192
-# tokens (256 rows per expert) the GEMMs sit at the H100's compute / bandwidth ridge: the MoE as served measured
-# 52.8% of the FP8 ceiling at 16384 tokens in chunks of 8192, 64.7% in one pass (69.3% at 32768; H200, 2026-11-26,
-# benchmarks/PREFILL_MOE.md). One 32768-token pass takes 7.8 GiB beside its inputs (measured); a step is only that
-# long when max_prefill_tokens says so, and start-up measures its peak before sizing the KV cache.
+# tokens (256 rows per expert) the GEMMs sit at the H100's compute / bandwidth ridge: the MoE as served measured 52.8%
+# of the FP8 ceiling at 16384 tokens in chunks of 8192, 64.7% in one pass (69.3% at 32768; H200,
+# benchmarks/moe/moe_prefill_h200_8c4b33f.json, benchmarks/moe/PREFILL_MOE.md). One 32768-token pass takes 7.8 GiB
+# beside its inputs (measured); a step is only that long when max_prefill_tokens says so, and start-up measures its peak
+# before sizing the KV cache.
 MOE_MAX_CHUNK_TOKENS = 32768
 
 

@@ -1,9 +1,9 @@
 """DeepGEMM's FP8 GEMM kernels compiled at start-up by a pool of processes, so the engine's own warm-up only
 loads them.
 
-DeepGEMM JIT-compiles one kernel per tile choice with nvcc, and the choice follows the GEMM's rows: the
-start-up warm-up (`DeepGEMM.warm_up_fp8_gemms`) runs every row class of every weight shape once, 499 calls for
-bench-dsv32, and on a fresh H100 that took ~200 s, one nvcc after another. What DeepGEMM's JIT does (its
+DeepGEMM JIT-compiles one kernel per tile choice with nvcc, and the choice follows the GEMM's rows: the start-up warm-up
+(`DeepGEMM.warm_up_fp8_gemms`) runs every row class of every weight shape once, 499 calls for bench-dsv32, one nvcc
+after another (198 s on a fresh H100 before this pool: benchmarks/archive/STARTUP.md). What DeepGEMM's JIT does (its
 `csrc/jit/compiler.hpp` on the `dev` branch):
 - kernels live in `$DG_JIT_CACHE_DIR/cache/kernel.<name>.<hash of the generated code and nvcc flags>/`
   (default `~/.deep_gemm`); a kernel is compiled into `tmp/<uuid>` and renamed into place, so processes may

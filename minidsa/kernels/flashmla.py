@@ -1,7 +1,7 @@
 """FlashMLA's sparse MLA kernels (deepseek-ai/FlashMLA), served where `flash_mla` imports on an SM90 GPU.
 
 Contract relied on (FlashMLA's flash_mla_interface.py and csrc/api, commit 9241ae3, built by
-scripts/build_flashmla.sh; the same calls benchmarks/bench_mla.py measured against ours):
+scripts/build_flashmla.sh; the same calls benchmarks/scripts/bench_mla.py measured against ours):
 - decode, FP8 cache: `flash_mla_with_kvcache(q [b, s_q, h_q, 576] bf16, k_cache [blocks, block_size, 1, 656]
   float8_e4m3fn, None, None, 512, sched_meta, None, softmax_scale, causal=False, is_fp8_kvcache=True,
   indices=[b, s_q, topk] int32)` -> (out [b, s_q, h_q, 512] bf16, lse). The 656-byte row is our FP8 layout
@@ -104,8 +104,9 @@ def unsupported(q: torch.Tensor, kv_cache: torch.Tensor, topk: int, v_dim: int) 
 
 
 def flashmla_wins(num_tokens: int, heads: int, fp8_cache: bool, device: torch.device) -> bool:
-    """Should FlashMLA serve this supported call? FP8 decode: always (0.181 vs 0.369 ms at B=128, 378 vs 174
-    TFLOP/s at B=64, H100, bench_mla). bf16 prefill: from one wave of its (token, 64-head) CTAs on."""
+    """Should FlashMLA serve this supported call? FP8 decode: always (0.181 vs 0.369 ms at B=128, 378 vs 174 TFLOP/s
+    at B=64, H100, bench_mla: benchmarks/kernels/mla_fp8_h100.md). bf16 prefill: from one wave of its (token,
+    64-head) CTAs on."""
     if fp8_cache:
         return num_tokens > 0
     return num_tokens * (heads // HEADS_PER_CTA) >= num_sms(device)

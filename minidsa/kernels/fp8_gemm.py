@@ -165,15 +165,15 @@ def arrival_counts(device: torch.device) -> torch.Tensor | None:
 
 
 def pick_tiles(m: int, n: int, k: int, num_sms: int) -> GemmTiles:
-    """Tile config by M (see the module docstring), from benchmarks/bench_fp8_gemm.py --sweep on an H100.
+    """Tile config by M (see the module docstring), from benchmarks/scripts/bench_fp8_gemm.py --sweep on an H100.
 
-    Decode sizes (commit 4b8cc62, best of ~70 configs per V3.2 / GLM-5 projection at M = 1 and 8): a short K
-    (<= 16 blocks: q_b, indexer wq_b, shared down) is fastest unsplit in 64-wide tiles with 8 warps; an N of at
-    least one 128-wide tile per SM (dense gate|up, V3.2's q_b) unsplit in 64-wide tiles. The rest (fused
-    q_a|wk|kv_a, o_proj, down, shared gate|up) is split along K to about two programs per SM: re-swept with x
-    quantised before the GEMM, as the model runs it (benchmarks/fp8_gemm_wide_sweep_h100_953e585.json, H100, M = 1,
-    ~90 configs each), 64-wide tiles with 5 stages beat the 128-wide, 3-stage ones: fused q_a|wk|kv_a 12.4 ->
-    10.5 us, shared gate|up 16.0 -> 14.5 us.
+    Decode sizes (commit 4b8cc62, best of ~70 configs per V3.2 / GLM-5 projection at M = 1 and 8): a short K (<= 16
+    blocks: q_b, indexer wq_b, shared down) is fastest unsplit in 64-wide tiles with 8 warps; an N of at least one
+    128-wide tile per SM (dense gate|up, V3.2's q_b) unsplit in 64-wide tiles. The rest (fused q_a|wk|kv_a, o_proj,
+    down, shared gate|up) is split along K to about two programs per SM: re-swept with x quantised before the GEMM,
+    as the model runs it (benchmarks/kernels/fp8_gemm_wide_sweep_h100_953e585.json, H100, M = 1, ~90 configs each),
+    64-wide tiles with 5 stages beat the 128-wide, 3-stage ones: fused q_a|wk|kv_a 12.4 -> 10.5 us, shared gate|up
+    16.0 -> 14.5 us.
     """
     num_kb = -(-k // FP8_BLOCK)
     if m <= 64:

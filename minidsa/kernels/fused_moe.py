@@ -73,7 +73,7 @@ class TileConfig:
     # gate/up as one plain GEMM over the 2I rows (output [T*k, 2I]), then silu(gate) * up in the pass that
     # quantises the down GEMM's input: one accumulator per program instead of two (an FP8 block-scaled dot
     # needs a third, per K step), at the cost of writing and reading [T*k, 2I] once. For the sweep
-    # (benchmarks/bench_moe.py --sweep); not a default until measured faster.
+    # (benchmarks/scripts/bench_moe.py --sweep); not a default until measured faster.
     split_gate_up: bool = False
 
 
@@ -93,8 +93,9 @@ def tile_config(num_tokens: int, top_k: int, n_experts: int, weight_dtype: torch
             return TileConfig(32, 128, 128, 8, 4, 4)
         if pairs_per_expert <= 128:
             return TileConfig(64, 128, 128, 8, 4, 3)
-        # H100 sweep at 8192 tokens, V3.2 shapes (bench_moe --sweep, commit 49630c3): M64 N256 w8 11.3 ms
-        # (512 TFLOP/s) against 34.0 ms for M128 N128 w8 (the FP8 dot's extra accumulator spills at M128).
+        # H100 sweep at 8192 tokens, V3.2 shapes (bench_moe --sweep, benchmarks/moe/fused_moe_sweep_h100_49630c3.json):
+        # M64 N256 w8 11.3 ms (512 TFLOP/s) against 34.0 ms for M128 N128 w8 (the FP8 dot's extra accumulator spills at
+        # M128).
         return TileConfig(64, 256, 128, 8, 8, 3)
     if act_dtype == torch.float32:  # the parity / debug dtype: 4-byte tiles, less K per stage
         if pairs_per_expert <= 16:

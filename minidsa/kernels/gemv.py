@@ -33,10 +33,11 @@ from minidsa.kernels import fp8_gemm
 from minidsa.kernels.launch import pdl_launch, wait_for_producers
 from minidsa.kernels.triton_compat import tl, triton
 
-# Measured on an H100 (benchmarks/bench_gemv.py, 2026-11-27, us per call in CUDA graphs, torch / Triton): indexer
-# 64 x 7168 at 1 / 2 / 4 tokens 9.1 / 19.9 / 20.3 against 4.9 / 4.8 / 5.3, router 256 x 7168 9.5 / 18.9 / 19.1
-# against 7.4 / 7.5 / 8.4; from 8 tokens a tl.dot variant (since removed) was at best level with cuBLAS (router
-# 8 / 16 / 32: 23.8 / 23.9 / 21.1 against 25.2 / 25.3 / 44.7).
+# Up to 4 tokens this kernel, from 8 cuBLAS: us per call in CUDA graphs, torch / Triton, on an H100
+# (benchmarks/scripts/bench_gemv.py, benchmarks/kernels/gemv_h100_bf30d8a.log): indexer 64 x 7168 at 1 / 2 / 4
+# tokens 9.1 / 19.9 / 20.3 against 4.9 / 4.8 / 5.3, router 256 x 7168 9.5 / 18.9 / 19.1 against 7.4 / 7.5 / 8.4;
+# from 8 tokens a tl.dot variant was at best level with cuBLAS (router 8 / 16 / 32: 23.8 / 23.9 / 21.1 against
+# 25.2 / 25.3 / 44.7).
 MAX_TOKENS = 4
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TARGET_PROGRAMS = 256  # about two per SM of a 132-SM GPU: the whole weight in flight at once

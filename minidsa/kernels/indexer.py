@@ -140,8 +140,8 @@ def _norm_rope_store_index_k_kernel(
     rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=1) * (1.0 / D) + eps)
     # The key is built in its output order (the rotated layout), so the Hadamard reads it as it is: output column
     # c is a * cos -/+ b * sin of the normed columns a = src_a[c], b = src_b[c] (`rope.rope_sources`). A permuted
-    # Hadamard instead kept the matrix out of the dot's shared-memory path: ptxas spilled 9 KB a thread, and the
-    # store took 73 us a call on an H100 (2026-11-27).
+    # Hadamard instead kept the matrix out of the dot's shared-memory path (ptxas spilled 9 KB a thread; its timing:
+    # benchmarks/kernels/NOTES.md).
     src_a, src_b, first, pair = rope_sources(d, R, INTERLEAVED)
     in_rope = d < R
     ya = _layer_norm_at(src, src_a, w_ptr, b_ptr, mean, rstd, row_ok, tl.full((D,), True, tl.int1), ROUND_K)
@@ -251,10 +251,9 @@ def quant_unsupported(head_dim: int) -> str | None:
 
 
 def _quant_tiles(num_rows: int) -> tuple[int, int]:
-    """(BLOCK_M, num_warps) for T * H rows. Measured on H200 at H = 64, D = 128 (graph replays, before the rope
-    moved in): the rotation's fp32 FMAs bound each program, so decode spreads over the most programs (16 rows, the
-    fewest tl.dot takes; T = 1: 5.0 us, the torch reference 23 us) while they fit one wave; past that, larger tiles
-    load the Hadamard matrix fewer times (T = 8192: 0.53 ms at 64 rows, 0.75 at 16; the reference 1.35)."""
+    """(BLOCK_M, num_warps) for T * H rows: the rotation's fp32 FMAs bound each program, so decode spreads over the
+    most programs (16 rows, the fewest tl.dot takes) while they fit one wave; past that, larger tiles load the
+    Hadamard matrix fewer times. The timings behind it (H200, H = 64, D = 128): benchmarks/kernels/NOTES.md."""
     if num_rows <= 2048:
         return 16, 8
     if num_rows <= 4096:
@@ -512,9 +511,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # ignored for bf16/fp8 operands
 
 
-# (GROUP, BLOCK_N, num_warps, num_stages) of the paged kernel, from measurements on H100 (benchmarks/KERNELS.md):
-# one token per program (decode: 0.137 ms at batch 64 x 32k, prefill chunks), two tokens per program when a
-# request has a few tokens sharing its row (verify 16 x 4 tokens: 0.088 vs 0.099 ms).
+# (GROUP, BLOCK_N, num_warps, num_stages) of the paged kernel, from measurements on H100
+# (benchmarks/kernels/KERNELS.md): one token per program (decode: 0.137 ms at batch 64 x 32k, prefill chunks), two
+# tokens per program when a request has a few tokens sharing its row (verify 16 x 4 tokens: 0.088 vs 0.099 ms).
 PAGED_CONFIG = (1, 128, 4, 3)
 GROUPED_CONFIG = (2, 64, 4, 3)
 GROUPED_MAX_TOKENS_PER_REQUEST = 8
@@ -709,7 +708,7 @@ def extend_index_logits(
 
     Row t covers keys [0, kv_lens[t]), so the output is already [T, max_kv_len] by position. The Triton
     counterpart of DeepGEMM's prefill path; not served by default (the paged kernel measured faster
-    than gather + ragged on H100, benchmarks/KERNELS.md).
+    than gather + ragged on H100, benchmarks/kernels/KERNELS.md).
     """
     # index_select, not req_to_token[token_rows[0]]: a tensor-scalar index syncs the host (breaks graph capture)
     slots = req_to_token.index_select(0, token_rows[:1])[0, :max_kv_len]

@@ -4,8 +4,9 @@ A decode step is a chain of ~170 short kernels; at batch 1 most of them stream a
 microseconds, and the time between one kernel's last block and the next kernel's first block is a fixed cost
 paid ~170 times. Launched with PDL, a kernel's blocks are placed on SMs as its predecessor's blocks drain, instead
 of after the whole predecessor has finished and its writes are flushed, and they wait on the device
-(`griddepcontrol.wait`) for that completion. Measured on an H100 in a CUDA graph (benchmarks/TAIL.md section 8):
-0.3 us saved per tiny kernel, 0.7 us per 10 MB weight-streaming kernel.
+(`griddepcontrol.wait`) for that completion. Measured on an H100 in a CUDA graph (benchmarks/scripts/pdl_probe.py,
+benchmarks/decode/pdl_h100_cb31623_1e70be9.json): 0.3 us saved per tiny kernel, 0.7 us per 10 MB weight-streaming
+kernel.
 
 The contract, which tests/test_launch.py checks for every kernel: a kernel with a `PDL` parameter calls
 `wait_for_producers(PDL)` as its first statement, before it reads or writes anything another kernel touches, and
@@ -15,7 +16,7 @@ overlap. The wait is also what makes the chain transitive: a kernel waits for it
 after its own wait, so any earlier producer has finished too.
 
 No kernel signals early (`gdc_launch_dependents`): the next kernel's blocks would then hold SM slots while spinning,
-which measured slower than letting them start as this kernel's blocks exit (same H100 run).
+which measured slower than letting them start as this kernel's blocks exit (same probe).
 """
 
 from __future__ import annotations

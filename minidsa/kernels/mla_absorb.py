@@ -13,10 +13,7 @@ owns one head and a block of output columns, reads its weight tile once and ever
 and writes straight into the layout the next op reads (q_full's first L columns, its rope columns rotated by
 the head's first program; o in [T, H * v]), so no cat or copy remains, nor a kernel of the query rope's own.
 Weight tiles are small enough that 64-128 heads make several programs per SM (`_tiles`), which keeps every SM
-streaming. Measured on an H100 (in a CUDA graph, weights rotated past L2; before the rope moved in), reference
--> kernel: at 64 heads, 1 token, q 8.0 -> 5.6 us and o 7.3 -> 5.5 us; 32 tokens 13.7 -> 5.5 and 8.6 -> 5.9; at
-128 heads, 1 token, 11.0 -> 8.2 and 10.0 -> 8.2 (2 TB/s; about 2.5 us of each launch is fixed cost, the rest
-streams near 3 TB/s).
+streaming. Timings, reference against kernel on an H100: benchmarks/kernels/NOTES.md.
 
 `absorb_o_quant` also quantises o for o_proj (FP8) in the same program: with v_head_dim a multiple of 128, a
 program of 128 output columns holds one whole per-token quantisation group of o_proj's input, so it writes the e4m3

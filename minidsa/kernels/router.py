@@ -1,12 +1,12 @@
 """The MoE router's selection in one Triton launch: sigmoid, correction bias, group scores, group top-k, expert
 top-k, the chosen experts' weights, their normalisation and scaling (`reference.route` is the contract).
 
-Why: on an H100 at decode batch 1 (bench-dsv32, benchmarks/TAIL.md) the torch form costs ~30 us per MoE layer in
-six torch.topk / sort kernels plus the fills, scatters and gathers around them, for 256 scores per token. Here one
-program holds one token's scores in registers: the group scores are the sum of each group's two largest (the
-largest taken out once, so a tie counts twice, as torch.topk(2) does), the groups and then the experts are taken
-by repeated argmax. Ties go to the lower index; the experts come out in descending order of their choice score,
-as `torch.topk(sorted=True)` gives them.
+Why: on an H100 at decode batch 1 (bench-dsv32, benchmarks/decode/tail_profile_h100_d4ff887.json) the torch form costs
+~30 us per MoE layer in six torch.topk / sort kernels plus the fills, scatters and gathers around them, for 256 scores
+per token. Here one program holds one token's scores in registers: the group scores are the sum of each group's two
+largest (the largest taken out once, so a tie counts twice, as torch.topk(2) does), the groups and then the experts are
+taken by repeated argmax. Ties go to the lower index; the experts come out in descending order of their choice score, as
+`torch.topk(sorted=True)` gives them.
 
 The gate's fp32 GEMM (logits = x @ W^T) stays outside, in cuBLAS.
 """

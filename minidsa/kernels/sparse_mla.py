@@ -66,7 +66,8 @@ def _sparse_mla_kernel(
             k8 = tl.load(kv_ptr + row_off[:, None] + dv[None, :])
             kf = k8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             # [BLOCK_N, DV / GROUP] scales, broadcast over each group through a reshape of the tile (a scale
-            # load per element instead ran 10x slower on an H100 and overflowed shared memory at this tile).
+            # load per element instead ran 10x slower on an H100 and overflowed shared memory at this tile:
+            # benchmarks/kernels/mla_fp8_h100_3ba324f.json).
             sc = tl.load(scale_ptr + (row_off // 4)[:, None] + tl.arange(0, DV // GROUP)[None, :])
             kf = tl.reshape(tl.reshape(kf, (BLOCK_N, DV // GROUP, GROUP)) * sc[:, :, None], (BLOCK_N, DV))
             k_nope = kf.to(q_nope.dtype)
@@ -121,14 +122,14 @@ def _combine_kernel(
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + dv, o.to(out_ptr.dtype.element_ty))
 
 
-# (BLOCK_H, BLOCK_N, num_warps, num_stages), set from measurements on H100 (benchmarks/KERNELS.md).
+# (BLOCK_H, BLOCK_N, num_warps, num_stages), set from measurements on H100 (benchmarks/kernels/KERNELS.md).
 SPARSE_MLA_CONFIG = (64, 64, 8, 2)
-# The bf16 cache at decode sizes (bench_mla.py --only small, H100, 2026-11-27, 128 heads, top-k 2048, us per call in
-# CUDA graphs): one token 17.8 -> 12.9 with 16-head tiles at 4 warps (twice the programs, each with fewer
-# registers); 16 / 32 tokens 66.6 -> 59.6 / 108.5 -> 104.1 with 32-head tiles; at 4 tokens the default was
-# fastest. The FP8 cache kept its default at every one of these sizes.
+# The bf16 cache at decode sizes (bench_mla.py --only small, H100, 128 heads, top-k 2048, us per call in CUDA graphs;
+# benchmarks/kernels/mla_small_h100_54a21fb.md): one token 17.8 -> 12.9 with 16-head tiles at 4 warps (twice the
+# programs, each with fewer registers); 16 / 32 tokens 66.6 -> 59.6 / 108.5 -> 104.1 with 32-head tiles; at 4 tokens the
+# default was fastest. The FP8 cache kept its default at every one of these sizes.
 SPARSE_MLA_SMALL_CONFIGS = ((2, (16, 64, 4, 2)), (15, SPARSE_MLA_CONFIG), (32, (32, 64, 4, 2)))
-# The FP8 cache's launch parameters. Measured on an H100 (benchmarks/bench_mla.py, commit b19a8d1, B=128,
+# The FP8 cache's launch parameters. Measured on an H100 (benchmarks/scripts/bench_mla.py, commit b19a8d1, B=128,
 # 128 heads, top-k 2048): (64, 64, 8, 2) 0.371 ms = 197 TFLOP/s (the bf16 cache: 178); (64, 32, 8, 3) 144.
 SPARSE_MLA_FP8_CONFIG = (64, 64, 8, 2)
 

@@ -376,7 +376,7 @@ def _split_write_kernel(logits_ptr, hist_ptr, counts_ptr, r2t_ptr, rows_ptr, slo
     _pad_tail(out_slots, out_pos, c * BLOCK, num_chunks * BLOCK, total, k, BLOCK)
 
 
-# (BLOCK, RADIX_BITS, num_warps) of the radix select, set from measurements (benchmarks/KERNELS.md).
+# (BLOCK, RADIX_BITS, num_warps) of the radix select, set from measurements (benchmarks/kernels/KERNELS.md).
 TOPK_CONFIG = (8192, 8, 16)
 
 
@@ -396,7 +396,7 @@ SPLIT_CONFIG = (1024, 4, 2048)
 SPLIT_MAX_CHUNKS = 64
 
 
-# torch.topk vs the Triton radix select, by measurement on H100 (benchmarks/KERNELS.md): one program per row
+# torch.topk vs the Triton radix select, by measurement on H100 (benchmarks/kernels/KERNELS.md): one program per row
 # (~3.8 us per 1k elements) wins while each SM scans at most one 64k row (batch 64 x 32k: 0.127 vs 0.20-0.29
 # ms; 1 x 64k: 0.24 vs 0.30; 128 x 64k: a tie); few rows split over programs (1 x 128k: 0.083 vs 0.166 ms).
 TRITON_MAX_ROW_WORK = 64 * 1024
@@ -410,19 +410,21 @@ def triton_wins(num_tokens: int, width: int, device: torch.device) -> bool:
     return waves * width <= TRITON_MAX_ROW_WORK
 
 
-# Which rows take the register select, from benchmarks/bench_topk_short.py (H200, 2026-11-26, k = 2048, us per call
-# in CUDA graphs; benchmarks/TAIL.md). Against the one-program-per-row kernel it wins at every batch (1-64) and
-# width measured: 12.5 vs 19.9 us at 4096, 20.0 vs 33.0 at 8192, 35 vs 61 at 16384. Against the split select (few
-# rows): 12.1 vs 32.9 at 4096, 19.8 vs 33.2 at 8192, but 34.6 vs 33.0 at 16384. With two tiles (8c4b33f, same
-# benchmark): 27.5 vs 35.8 at one row 8300 wide, 27.4 vs 32.9 at 10240, so few rows split above 10240.
+# Which rows take the register select, from benchmarks/scripts/bench_topk_short.py (H200, k = 2048, us per call in CUDA
+# graphs; benchmarks/kernels/topk_short_h200_f931d2f.json). Against the one-program-per-row kernel it wins at every
+# batch (1-64) and width measured: 12.5 vs 19.9 us at 4096, 20.0 vs 33.0 at 8192, 35 vs 61 at 16384. Against the split
+# select (few rows): 12.1 vs 32.9 at 4096, 19.8 vs 33.2 at 8192, but 34.6 vs 33.0 at 16384. With two tiles (8c4b33f,
+# same benchmark, benchmarks/archive/TAIL.md section 4): 27.5 vs 35.8 at one row 8300 wide, 27.4 vs 32.9 at 10240, so
+# few rows split above 10240.
 REGISTER_MAX_WIDTH = 16384
 REGISTER_FEW_ROWS_MAX_WIDTH = 10240
 REGISTER_MAX_BLOCK = 16384
 # RADIX_BITS of the register select (2: packed-count search, 8: tl.histogram passes): 2 won at every shape of the
 # same measurement (4096: 12.1 vs 16.0 us). Its num_warps follows the block (`register_warps`).
 REGISTER_RADIX_BITS = 2
-# The 2-bit search stops once the bits fixed so far take exactly k keys (not yet measured on a GPU:
-# bench_topk_short.py --early-exit-ab times it against the 16 unrolled steps).
+# The 2-bit search stops once the bits fixed so far take exactly k keys: indexer-like rows at batch 1, width 4160,
+# 16.7 -> 11.1 us against the 16 unrolled steps (H100, bench_topk_short.py --early-exit-ab,
+# benchmarks/kernels/topk_early_exit_h100_d5a86ad.json).
 REGISTER_EARLY_EXIT = True
 TOPK_METHODS = ("register", "split", "rows")
 

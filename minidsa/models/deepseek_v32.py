@@ -708,7 +708,8 @@ class DeepseekV32ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def fuse_projections(self) -> "DeepseekV32ForCausalLM":
-        """Fuse projections that share an input (see `fuse_linears`); once, after the weights are final."""
+        """Fuse projections that share an input (`MLAttention.fuse`, `MLP.fuse`: `FusedLinear`); once, after the weights
+        are final."""
         for mod in self.modules():
             if isinstance(mod, (MLAttention, MLP)):
                 mod.fuse()

@@ -192,7 +192,7 @@ def test_bench_preset_random_init_peaks_at_its_weights():
 # padding) round the bf16 hidden state differently, which FP8 activation quantisation amplifies (an e4m3 step is
 # 6%). Measured on an H100 (2026-11-27), first prompt, prefill: at 54a21fb the top-5 logprobs moved by 0.001-0.19
 # nats and the picks differed (0.031 apart in the eager run); at 785fd6e the picks agree but one logprob moved by
-# 0.28, so this fails there (benchmarks/TAIL.md section 6: not settled whether that is only rounding).
+# 0.28, so this fails there (benchmarks/archive/TAIL.md section 6: not settled whether that is only rounding).
 NEAR_TIE_NATS = 0.25
 
 

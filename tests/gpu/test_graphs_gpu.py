@@ -74,9 +74,9 @@ def test_captured_graphs_equal_their_static_path_run_uncaptured(monkeypatch, n):
     """The step graphs' static, padded buffers captured, and the same buffers run eagerly (`capture=False`, as on a
     CPU): the same kernels on the same rows, so the same tokens, bit for bit, prefill (EXTEND) and decode.
 
-    Against eager, a padded bucket runs its GEMMs on more rows, which cuBLAS may sum in another order (TAIL.md
-    section 10: 261 prefill tokens in the 384-token bucket). This comparison leaves only what capturing itself
-    changes: the shared memory pool and launches frozen at capture."""
+    Against eager, a padded bucket runs its GEMMs on more rows, which cuBLAS may sum in another order
+    (benchmarks/archive/TAIL.md section 10: 261 prefill tokens in the 384-token bucket). This comparison leaves only
+    what capturing itself changes: the shared memory pool and launches frozen at capture."""
     from minidsa.exec import graphs as graphs_mod
 
     exact = dict(dtype="float32", indexer_cache_dtype="model")
@@ -111,7 +111,7 @@ def test_bench_preset_graphs_and_compile_equal_eager():
     the last fp32 bit (compile fuses and reorders) can move a value across an e4m3 rounding boundary, and
     random weights put many next tokens within such a margin. So the exact claim is: the paths agree on every
     token until a step where eager's two likeliest tokens were a near-tie, and the logprobs on the shared
-    prefix agree closely. (In bf16, greedy paths diverge the same way, see benchmarks/RESULTS.md.)
+    prefix agree closely. (In bf16, greedy paths diverge the same way, see benchmarks/archive/RESULTS.md.)
     """
     prompts = _prompts(4, 300)
     exact = dict(dtype="float32", indexer_cache_dtype="model", max_total_tokens=16384, max_model_len=2048)

@@ -75,7 +75,7 @@ def test_sparse_mla_over_fp8_cache_real_size(heads, batch, tokens_per_req):
 
 @pytest.mark.parametrize("config", [(64, 64, 8, 2), (64, 32, 8, 3), (64, 64, 8, 1), (32, 64, 4, 2)])
 def test_fp8_launch_configs_agree(config):
-    """Every launch configuration benchmarks/bench_mla.py sweeps computes the same attention."""
+    """Every launch configuration benchmarks/scripts/bench_mla.py sweeps computes the same attention."""
     g = _gen(21)
     num_slots = 16384
     cache = _fp8_cache(num_slots, seed=21)
