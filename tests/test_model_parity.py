@@ -65,6 +65,7 @@ def prompts(config: ModelConfig, seed: int = 0) -> list[list[int]]:
     return [torch.randint(2, config.vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("page_size,chunk", [(1, 0), (64, 0), (4, 9)])
 def test_prefill_and_decode_logits_and_topk_match_transformers(pair, page_size, chunk):
     hf, model, config = pair
