@@ -127,8 +127,7 @@ def run(llm: LLM, prompts, params=GREEDY, override=None) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
-@pytest.mark.parametrize("spec", [pytest.param(s, marks=pytest.mark.smoke) if s == "chain2" else s  # one in the smoke subset
-                                  for s in SPEC_CONFIGS])
+@pytest.mark.parametrize("spec", list(SPEC_CONFIGS))
 def test_greedy_speculation_is_lossless(arch, spec, glm_path):
     model = None if arch == "deepseek_v32" else glm_path
     plain = make(model)
