@@ -392,7 +392,8 @@ def test_extract_blocks_rules():
     assert blocks[0].commands == [(5, "echo one    two > out.txt")] and not blocks[0].skipped
     assert blocks[1].skipped
     assert blocks[2].commands == [(15, 'print("hi")\n')]
-    assert server_command("minidsa serve --port 8000 &  # background", 1234) == ("minidsa serve --port 1234 # background", 8000)
+    assert server_command("minidsa serve --port 8000 &  # background", 1234) == \
+        ("minidsa serve --port 1234 # background", 8000)
     assert server_command("minidsa serve --model tiny", 99) == ("minidsa serve --port 99 --model tiny", 8000)
     assert rewrite_port("curl -s http://localhost:8000/v1/models", 8000, 4321) == \
         "curl -s http://127.0.0.1:4321/v1/models"
