@@ -17,8 +17,9 @@ Rules (the pages' authors rely on them):
   block that does not mention port N, or at the end of the page.
 - README.md: at least 3 commands must run, among them `minidsa generate`, `minidsa bench`, `minidsa serve` and
   a curl to the server.
-- Every `minidsa ...` command of a page parses with minidsa's own argument parser, and every `--flag` a page
-  names in its prose is one of minidsa's flags (or a listed flag of another tool).
+- Every relative link of a page (and of tests/README.md) resolves. Every `minidsa ...` command of a page parses
+  with minidsa's own argument parser, and every `--flag` a page names in its prose is one of minidsa's flags (or
+  a listed flag of another tool).
 """
 
 from __future__ import annotations
@@ -357,6 +358,23 @@ def test_documented_commands_and_flags_exist(page):
     prose = FENCE_RE.sub("", text)
     named = {flag for span in INLINE_CODE_RE.findall(prose) for flag in FLAG_RE.findall(span)}
     assert not named - known, f"{page} names flags that no `minidsa` command has: {sorted(named - known)}"
+
+
+LINK_RE = re.compile(r"\]\(([^)\s]+)\)")
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("page", PAGES + ["tests/README.md"])
+def test_relative_links_resolve(page):
+    """Every link of a page to a file or folder of the repository points at one that exists."""
+    base = os.path.dirname(os.path.join(REPO, page))
+    missing = []
+    for target in LINK_RE.findall(read_page(page)):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue  # a URL or an anchor in the page
+        if not os.path.exists(os.path.normpath(os.path.join(base, target.split("#")[0]))):
+            missing.append(target)
+    assert not missing, f"{page} links to files that do not exist: {missing}"
 
 
 # -- the runner's own rules, on small READMEs ------------------------------------------------------------------
