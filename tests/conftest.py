@@ -8,6 +8,8 @@
   whole session, so tests do not pay for building a model each.
 - torch uses one intra-op thread (MINIDSA_TEST_THREADS overrides).
 - `fresh_log_once`: the kernels' once-per-process fallback messages are logged again in this test.
+- The `smoke` marker: a subset across the layers that runs in under a minute on 2 cores (tests/README.md);
+  CI runs it first (`pytest -m smoke`), then the rest (`-m "not smoke"`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ if not torch.cuda.is_available():
 torch.set_num_threads(int(os.environ.get("MINIDSA_TEST_THREADS", "1")))
 
 pytest_plugins = ["pytester"]  # test_engine.py runs a leaking test file to see the leak check fail it
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "smoke: a fast test of the smoke subset (tests/README.md); CI runs it first")
+
 
 _SHARED_ENGINES: list = []  # fixture engines that outlive a test: checked after every test too
 

@@ -138,6 +138,7 @@ def expected(case):
     return reasoning, content, calls
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_whole(case):
     assert parse(case[1], [case[2]]) == expected(case)

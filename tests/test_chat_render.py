@@ -92,6 +92,7 @@ def enc(messages, thinking=False, tools=None, schema=None):
 
 # -- DeepSeek-V3.2's encoding, token for token -------------------------------------------------------------------
 
+@pytest.mark.smoke
 def test_dsv32_chat_and_thinking_modes():
     hi = [{"role": "user", "content": "Hi"}]
     assert enc(hi) == f"{BOS}{U}Hi{A}</think>"

@@ -8,12 +8,14 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from minidsa import cli
 from minidsa.config import EngineConfig
 
 
+@pytest.mark.smoke
 def test_bench_on_the_embedded_model_writes_json(tmp_path):
     """The README's main job, as a user runs it: a fresh process, default model, small workload."""
     out = tmp_path / "bench.json"
@@ -56,6 +58,7 @@ def test_bench_same_workload_for_same_seed(tiny_llm):
     assert all(10 <= len(p) <= 50 for p in a.prompts) and all(3 <= n <= 9 for n in a.output_lens)
 
 
+@pytest.mark.smoke
 def test_generate_command(capsys):
     rc = cli.main(["generate", "--prompt", "Hello", "--prompt", "The sky is", "--max-tokens", "5",
                    "--device", "cpu", "--max-total-tokens", "4096"])
@@ -86,6 +89,7 @@ def test_engine_flags_follow_engine_config():
     assert defaults == EngineConfig()
 
 
+@pytest.mark.smoke
 def test_bad_flag_values_give_clear_errors(capsys):
     assert cli.main(["generate", "--page-size", "3"]) == 2
     assert "page_size" in capsys.readouterr().err

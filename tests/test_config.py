@@ -26,6 +26,7 @@ def test_freq4_offset3_schedule_over_78_layers():
     assert cfg.indexer_full == sched
 
 
+@pytest.mark.smoke
 def test_offset_zero_is_a_clear_error():
     with pytest.raises(ConfigError, match="index_skip_topk_offset.*layer 0"):
         ModelConfig.from_dict(raw(index_topk_freq=2, index_skip_topk_offset=0))
@@ -81,6 +82,7 @@ def test_indexer_rope_interleave_defaults_per_architecture():
     ({"indexer_types": ["full", "shared"]}, "indexer_types"),
     ({"qk_rope_head_dim": 15}, "qk_rope_head_dim"),
 ])
+@pytest.mark.smoke
 def test_rejected_configs_name_the_field(over, field):
     with pytest.raises(ConfigError) as e:
         ModelConfig.from_dict(raw(**over))
@@ -107,6 +109,7 @@ def test_from_pretrained_reads_config_json(tmp_path):
     ({"max_mixed_prefill_tokens": True}, "max_mixed_prefill_tokens"),
     ({"max_mixed_prefill_tokens": 512.0}, "max_mixed_prefill_tokens"),
 ])
+@pytest.mark.smoke
 def test_engine_config_validation(over, field):
     with pytest.raises(ConfigError, match=field):
         EngineConfig(**over).validate()

@@ -45,6 +45,7 @@ def alone(tiny_llm, long_prompts) -> list[list[int]]:
 
 
 # -- 1. batching invariance ------------------------------------------------------------------------------
+@pytest.mark.smoke
 def test_batching_invariance(tiny_llm, long_prompts, alone):
     together = tiny_llm.generate(long_prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.token_ids for o in together] == alone
@@ -173,6 +174,7 @@ def test_top_k_one_is_greedy(tiny_llm, long_prompts, alone):
 
 
 # -- 5. invalid requests ----------------------------------------------------------------------------------
+@pytest.mark.smoke
 def test_invalid_requests_leave_running_requests_alone(tiny_llm, long_prompts, alone):
     engine = tiny_llm.engine
     good = SamplingParams(max_tokens=MAX_TOKENS)

@@ -339,6 +339,7 @@ def test_topk_ties_take_lowest_positions(num_chunks):
 # ---------------------------------------------------------------------------
 # sparse MLA
 # ---------------------------------------------------------------------------
+@pytest.mark.smoke
 @in_this_process
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 def test_sparse_mla_matches_reference(num_splits):

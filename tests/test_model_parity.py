@@ -65,7 +65,7 @@ def prompts(config: ModelConfig, seed: int = 0) -> list[list[int]]:
     return [torch.randint(2, config.vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-@pytest.mark.parametrize("page_size,chunk", [(1, 0), (64, 0), (4, 9)])
+@pytest.mark.parametrize("page_size,chunk", [(1, 0), (64, 0), pytest.param(4, 9, marks=pytest.mark.smoke)])
 def test_prefill_and_decode_logits_and_topk_match_transformers(pair, page_size, chunk):
     hf, model, config = pair
     assert min(PROMPT_LENS) > config.index_topk, "prompts must exceed index_topk for sparsity to matter"

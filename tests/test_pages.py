@@ -10,6 +10,7 @@ def _alloc_with_held(n: int = 3) -> tuple[PageAllocator, list[int]]:
     return a, a.alloc(n)
 
 
+@pytest.mark.smoke
 def test_a_consistent_allocator_passes_and_a_held_page_is_a_leak():
     a, pages = _alloc_with_held()
     a.check_refs(dict.fromkeys(pages, 1))

@@ -31,6 +31,7 @@ MAX_TOKENS = 10
 
 
 # -- the tree and the allocator ---------------------------------------------------------------------------
+@pytest.mark.smoke
 def test_match_insert_share_and_lru_leaf_eviction():
     alloc = PageAllocator(9, 2)  # 8 usable pages of 2 tokens
     cache = PrefixCache(alloc)

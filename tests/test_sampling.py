@@ -25,6 +25,7 @@ def _batch(params: list[SamplingParams], positions: list[int] | None = None, voc
                                random.Random(0), vocab, "cpu")
 
 
+@pytest.mark.smoke
 def test_greedy_is_exact_argmax():
     logits = _logits(64, vocab=1000)
     ids, _ = sample(logits, _batch([SamplingParams()] * 64, vocab=1000))
@@ -144,6 +145,7 @@ def test_logprobs_are_model_log_probabilities_of_the_chosen_ids():
     ("min_p", 1.5), ("seed", "x"), ("stop", [""]), ("stop", [3]), ("stop_token_ids", [-1]),
     ("ignore_eos", "yes"),
 ])
+@pytest.mark.smoke
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(InvalidRequest, match=field):
         SamplingParams(**{field: value}).validate()

@@ -78,6 +78,7 @@ def drain(s: Scheduler, limit: int = 10_000) -> list:
     return log
 
 
+@pytest.mark.smoke
 def test_long_prompt_is_chunked_and_budget_respected():
     s = make(chunked_prefill_size=16, max_prefill_tokens=40)
     reqs = [req(0, 50), req(1, 10), req(2, 30)]
@@ -123,6 +124,7 @@ def test_max_running_requests():
     s.allocator.check_all_free()
 
 
+@pytest.mark.smoke
 def test_preemption_of_most_recent_and_recompute():
     # 15 usable pages of 4 = 60 tokens; 3 requests of 12 + 12 outputs = 72 tokens do not fit at once.
     s = make(num_pages=16, page_size=4)
@@ -154,6 +156,7 @@ def test_admission_keeps_headroom_for_decoders():
     drain(s)
 
 
+@pytest.mark.smoke
 def test_abort_frees_everything_at_any_stage():
     s = make(chunked_prefill_size=8)
     running, partial, waiting = req(0, 4), req(1, 20), req(2, 4)

@@ -329,6 +329,7 @@ def test_non_streaming_client_disconnect_aborts(server):
 # ---------------------------------------------------------------- bad input, auth, limits
 
 
+@pytest.mark.smoke
 def test_bad_requests_get_openai_style_400(server):
     ok = {"prompt": "hi", "max_tokens": 2}
     cases = [

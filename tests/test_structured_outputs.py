@@ -68,6 +68,7 @@ def _ids(tok, text: str) -> list[int]:
 
 # -- response_format: shapes and schemas ------------------------------------------------------------------------
 
+@pytest.mark.smoke
 def test_response_format_shapes():
     assert parse_response_format(None) is None
     assert parse_response_format({"type": "text"}) is None
