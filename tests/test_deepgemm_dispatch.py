@@ -36,7 +36,7 @@ from minidsa.attention import select  # noqa: E402
 from minidsa.attention.select import KernelChoice, load_libraries, select_kernels  # noqa: E402
 from minidsa.common.batch import ForwardBatch  # noqa: E402
 from minidsa.common.plan import StepKind  # noqa: E402
-from minidsa.kernels import deepgemm, fp8, optional_lib  # noqa: E402
+from minidsa.kernels import deepgemm, deepgemm_warmup, fp8, optional_lib  # noqa: E402
 from minidsa.kernels import reference as ref  # noqa: E402
 from minidsa.common.kv_cache import IndexerLayout, KVCache, MLALayout, ReqToTokenTable  # noqa: E402
 from minidsa.common.kv_cache import slots_of  # noqa: E402
@@ -691,7 +691,7 @@ def test_engines_with_different_kernel_choices_share_a_process(sm90, monkeypatch
 # ---------------------------------------------------------------------------
 @pytest.mark.skipif(INTERPRETED, reason="pure arithmetic: runs once, in the parent process")
 def test_gemm_rows_are_few_classes_with_little_padding():
-    classes = deepgemm.gemm_row_classes(8192)
+    classes = deepgemm_warmup.gemm_row_classes(8192)
     assert len(classes) < 60 and classes == sorted(set(classes)) and classes[-1] == 8192
     for m in range(1, 8193):
         rows = deepgemm.gemm_rows(m)
@@ -723,9 +723,9 @@ def test_fp8_gemm_runs_row_classes_and_start_up_compiles_every_one(sm90, monkeyp
     g = torch.Generator().manual_seed(0)
     w8, ws = fp8.quant_block(torch.randn(192, 256, generator=g))
     # Start-up: every class up to 300 rows, once per weight shape (the second weight has the same shape).
-    calls = handle.warm_up_fp8_gemms([(w8, ws), (w8.clone(), ws.clone())], max_rows=300)
+    calls = deepgemm_warmup.warm_up_fp8_gemms(handle, [(w8, ws), (w8.clone(), ws.clone())], max_rows=300)
     warmed = set(rows_seen)
-    served = [r for r in deepgemm.gemm_row_classes(300) if deepgemm.fp8_gemm_wins(r, 192, 256)]  # Triton below
+    served = [r for r in deepgemm_warmup.gemm_row_classes(300) if deepgemm.fp8_gemm_wins(r, 192, 256)]  # Triton below
     assert calls == len(rows_seen) and rows_seen == served
     rows_seen.clear()
     for m in (17, 129, 200, 300):  # then any size runs a class compiled at start-up, with the exact result
@@ -767,5 +767,5 @@ def test_fp8_linear_op_takes_deepgemm_from_its_argument_and_runs_triton_for_a_fa
     assert len(said) == 1 and "Triton FP8 GEMM" in said[0]
     # The start-up warm-up through the engine's handle records the failure there and stops.
     handle = deepgemm.DeepGEMM(failing, LibraryStatus(True, "stand-in", 9), "cpu")
-    assert handle.warm_up_fp8_gemms([(w8, ws)], max_rows=64) == 0
+    assert deepgemm_warmup.warm_up_fp8_gemms(handle, [(w8, ws)], max_rows=64) == 0
     assert len(handle.failures) == 1 and "fp8_gemm_nt failed: RuntimeError" in handle.failures[0]

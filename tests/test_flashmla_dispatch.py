@@ -67,6 +67,7 @@ def make_stand_in(calls: dict, fail: bool = False, drop: str | None = None) -> t
                                num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False,
                                indices=None, **unused):
         count("decode")
+        calls.setdefault("decode_q", []).append(q)
         if fail:
             raise RuntimeError("stand-in: CUDA error: an illegal memory access was encountered")
         b, s_q, heads, dk = q.shape
@@ -87,9 +88,11 @@ def make_stand_in(calls: dict, fail: bool = False, drop: str | None = None) -> t
 
     def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
         count("prefill")
+        calls.setdefault("prefill_q", []).append(q)
         if fail:
             raise RuntimeError("stand-in: CUDA error")
         s_q, heads, dk = q.shape
+        assert heads in (64, 128)
         assert q.dtype == kv.dtype == torch.bfloat16 and kv.dim() == 3 and kv.shape[1:] == (1, dk)
         assert indices.dtype == torch.int32 and indices.shape[:2] == (s_q, 1) and indices.shape[2] % 128 == 0
         out = ref.sparse_mla(q, kv[:, 0], indices[:, 0], sm_scale, d_v)
@@ -157,6 +160,54 @@ def test_missing_incomplete_wrong_gpu_or_disabled_means_triton(sm90, monkeypatch
     module, status = flashmla.probe(torch.device("cpu"))
     assert module is None and not status.available and "SM100" in status.reason
     assert choose().sparse_mla == "triton"
+
+
+@in_this_process
+def test_heads_per_rank_decide_at_start_up(sm90, monkeypatch, caplog):
+    """Tensor parallelism's heads per rank: 64 and 128 as they are; fewer that divide 64 served padded to 64 (and
+    logged so); others Triton, decided once at start-up."""
+    _with_module(monkeypatch, make_stand_in({}))
+    for heads in (128, 64):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            assert choose(mla_heads=heads).sparse_mla == "flashmla"
+        assert "padded" not in caplog.text
+    for heads in (32, 16):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            assert choose(mla_heads=heads).sparse_mla == "flashmla"
+        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("DSA sparse MLA")]
+        assert len(said) == 1 and f"{heads} heads per rank padded to 64" in said[0], said
+    for heads in (24, 48, 96, 256):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            assert choose(mla_heads=heads).sparse_mla == "triton"
+        assert f"FlashMLA cannot serve this engine: {heads} heads per rank" in caplog.text
+    assert [flashmla.padded_heads(h) for h in (128, 64, 32, 16, 8, 1, 24, 48, 96)] == \
+        [128, 64, 64, 64, 64, 64, None, None, None]
+
+
+def test_engine_start_up_passes_heads_per_rank(monkeypatch):
+    """choose_kernels hands select_kernels this rank's query heads (the model's over tensor_parallel_size)."""
+    from minidsa.attention import select
+    from minidsa.common import presets
+    from minidsa.config import EngineConfig, ModelConfig, resolve
+    from minidsa.exec.build import choose_kernels
+
+    seen = {}
+
+    def record(*args, **kwargs):
+        seen["heads"] = args[6] if len(args) > 6 else kwargs.get("mla_heads")
+        return KernelChoice()
+
+    monkeypatch.setattr(select, "select_kernels", record)
+    raw = presets.preset_config("tiny")
+    raw.pop("initializer_range", None)
+    model = ModelConfig.from_dict(raw)
+    choose_kernels(resolve(EngineConfig(model=None, device="cpu"), model))
+    assert seen["heads"] == model.num_attention_heads
+    choose_kernels(resolve(EngineConfig(model=None, device="cpu", tensor_parallel_size=2), model))
+    assert seen["heads"] == model.num_attention_heads // 2
 
 
 def test_disable_flag_reaches_the_engine_config():
@@ -254,13 +305,38 @@ def test_bf16_prefill_served_from_one_wave(sm90, monkeypatch):
 
 
 @in_this_process
+@pytest.mark.parametrize("heads", [32, 16])
+def test_fewer_heads_are_padded_to_64(sm90, monkeypatch, heads):
+    """32 or 16 heads per rank: FlashMLA sees 64 (zero queries in the padding), the op returns the rank's heads,
+    equal to the reference; FP8 decode and bf16 prefill alike."""
+    calls: dict = {}
+    _with_module(monkeypatch, make_stand_in(calls))
+    ops = _ops()
+    case = _case(11, 3, heads=heads)
+    got = ops.sparse_mla(*case)
+    assert got.shape == (3, heads, LATENT) and got.is_contiguous()
+    _close(got, case)
+    [seen] = calls["decode_q"]  # [b, s_q, 64, 576]: the rank's heads, then zeros
+    assert seen.shape == (3, 1, 64, LATENT + ROPE)
+    assert torch.equal(seen[:, 0, :heads], case[0]) and not seen[:, :, heads:].any()
+    case = _case(12, 8, heads=heads, fp8=False)  # 8 tokens x 1 CTA of 64 (padded) heads: one wave of 8 "SMs"
+    got = ops.sparse_mla(*case)
+    assert got.shape == (8, heads, LATENT) and got.is_contiguous()
+    _close(got, case)
+    [seen] = calls["prefill_q"]
+    assert seen.shape == (8, 64, LATENT + ROPE)
+    assert torch.equal(seen[:, :heads], case[0]) and not seen[:, heads:].any()
+    assert flashmla.flashmla_wins(8, heads, False, torch.device("cpu"))
+
+
+@in_this_process
 @pytest.mark.parametrize("what", ["heads", "topk", "fp32", "bf16_topk"])
 def test_shapes_flashmla_cannot_take_run_triton(sm90, monkeypatch, caplog, what):
     calls: dict = {}
     _with_module(monkeypatch, make_stand_in(calls))
     ops = _ops()
     case, said = {
-        "heads": (_case(9, 2, heads=16), "16 heads per rank"),  # tensor parallelism: 128 heads / 8 ranks
+        "heads": (_case(9, 2, heads=24), "24 heads per rank"),  # neither 64, 128 nor a divisor of 64
         "topk": (_case(9, 2, topk=96), "top-k 96"),
         "fp32": (_case(9, 2, fp8=False, dtype=torch.float32, heads=64, latent=32, rope=16), "torch.float32"),
         "bf16_topk": (_case(9, 8, fp8=False, topk=64), "a multiple of 128"),

@@ -19,11 +19,13 @@ CACHES = {
     ("kernels/launch.py", "_LAUNCH"): "the device (programmatic dependent launch on or off)",
     ("kernels/flashmla.py", "_SCHED_META"): "the library module and the decode shape",
     ("kernels/fp8_gemm.py", "_arrivals"): "the device (split-K's per-tile arrival counts, all 0 between calls)",
-    # process-wide like DeepGEMM's own JIT cache, which it describes: the classes a start-up pool is still adding
-    ("kernels/deepgemm.py", "BUILDING"): "the GEMM class: dense (rows, N, K), grouped (rows, N, K, groups)",
+    # Not a cache, and not process-wide: a context variable holding the registry of the JIT pool the current
+    # start-up's activation profile runs beside (`GemmWarmUp.beside_pool` sets it for that profile and resets it
+    # after), which the custom ops read (`deepgemm_warmup.building()`); None elsewhere, serving included. The
+    # registry itself belongs to the pool (`JitPool.building`), so engines never see each other's.
+    ("kernels/deepgemm_warmup.py", "_BESIDE_POOL"): "the context (thread) running one start-up's activation profile",
 }
-# (deepgemm.Building: a set of classes behind a condition variable)
-MUTABLE_CALLS = {"dict", "set", "list", "defaultdict", "OrderedDict", "Counter", "deque", "bytearray", "Building"}
+MUTABLE_CALLS = {"dict", "set", "list", "defaultdict", "OrderedDict", "Counter", "deque", "bytearray", "ContextVar"}
 
 
 def _modules() -> list[pathlib.Path]:

@@ -1,6 +1,7 @@
 """Sparse MLA over the bf16 and the FP8 (656-byte) MLA cache, side by side, on one GPU.
 
     PYTHONPATH=. python3 benchmarks/scripts/bench_mla.py --out results/ [--only kernels,store,capacity,step,accuracy]
+    PYTHONPATH=. python3 benchmarks/scripts/bench_mla.py --out results/ --only padded   # 32 / 16 heads per rank
 
 Sections:
 - kernels: a sweep of the FP8 path's launch parameters and scale application at batch 128; then sparse
@@ -13,6 +14,11 @@ Sections:
   (`minidsa::flashmla_sparse_mla`: FlashMLA or Triton per shape) over both caches.
   Every kernel time is a CUDA-graph replay (`perf.graph_time`: no host launch cost, as in a captured
   step) of calls over distinct index sets that together read more than L2 holds.
+- padded (not in the default list; issue 48): tensor parallelism's 32 and 16 heads per rank, which FlashMLA
+  serves with the queries zero-padded to 64 heads (`flashmla.padded_heads`), against the Triton kernel at the
+  rank's own heads: FP8-cache decode at batch 1 / 16 / 64 (one query token a request), top-k 2048, and a
+  4096-token bf16 prefill; FlashMLA at 64 heads beside them (the padded call's work), the served op
+  (`minidsa::flashmla_sparse_mla`), and each output's relative difference to Triton's.
 - small (not in the default list): batch 1-32 decode, 128 heads, a sweep of launch parameters and split counts.
 - store: the FP8 store kernel (quantising) against the bf16 cache's index_put.
 - capacity: KV tokens that fit on this GPU with the bench-dsv32 preset for each layout (the engine's own
@@ -257,6 +263,61 @@ def bench_kernels_section(rec: Recorder, ceil: dict, quick: bool) -> None:
                                    ceil, err or f"rel. difference to ours {diff:.2e}"))
 
 
+PADDED_HEADS = (32, 16)
+PADDED_BATCHES = (1, 16, 64)
+
+
+def bench_padded_section(rec: Recorder, ceil: dict) -> None:
+    """32 / 16 heads per rank: FlashMLA with the queries padded to 64 heads vs Triton at the rank's heads. Costs
+    are counted at the rank's heads (the padded heads' work is waste), so TFLOP/s compare like for like."""
+    fp8, bf16 = _caches()
+    fm, why = flash_mla_module()
+    _, status = flashmla.probe(DEV)
+    if fm is None or not status.available:
+        rec.add(bk.row("sparse_mla padded", "32 / 16 heads", "FlashMLA padded", None,
+                       note=f"not measured: {why or status.reason}"))
+    op = torch.ops.minidsa.flashmla_sparse_mla
+    g = torch.Generator(device=DEV).manual_seed(13)
+    shapes = [(b, "fp8") for b in PADDED_BATCHES] + [(4096, "bf16")]
+    for heads in PADDED_HEADS:
+        for num_tokens, name in shapes:
+            cache, row_bytes = (fp8, FP8.bytes_per_token) if name == "fp8" else (bf16, D_KV * 2)
+            case = f"{'decode B' if name == 'fp8' else 'prefill T'}={num_tokens} H={heads} {name} cache"
+            q = (torch.randn(num_tokens, heads, D_KV, device=DEV, generator=g) * 0.3).bfloat16()
+            nb, fl = _cost(num_tokens, heads, row_bytes)
+            idxs = index_sets(num_tokens, calls_for(nb), g)
+            want = sparse_mla.sparse_mla(q, cache, idxs[0], 0.05, D_V).float()
+            ms, err = graph_ms([lambda i=i: sparse_mla.sparse_mla(q, cache, i, 0.05, D_V) for i in idxs])
+            rec.add(bk.row("sparse_mla padded", case, f"triton {heads} heads", ms, nb, fl, ceil, err))
+            if fm is None or not status.available:
+                continue
+
+            def rel(got: torch.Tensor) -> str:
+                return f"rel. difference to Triton {((got.float() - want).norm() / want.norm()).item():.2e}"
+
+            try:  # what the served op runs for FlashMLA: the padded call (flashmla.sparse_mla pads)
+                diff = rel(flashmla.sparse_mla(fm, q, cache, idxs[0], 0.05, D_V))
+                ms, err = graph_ms([lambda i=i: flashmla.sparse_mla(fm, q, cache, i, 0.05, D_V) for i in idxs])
+            except Exception as e:
+                ms, err, diff = None, f"failed: {type(e).__name__}: {str(e)[:120]}", ""
+            rec.add(bk.row("sparse_mla padded", case, f"FlashMLA padded {heads} -> 64 heads", ms, nb, fl, ceil,
+                           err or diff))
+            q64 = (torch.randn(num_tokens, 64, D_KV, device=DEV, generator=g) * 0.3).bfloat16()
+            try:  # the same work at 64 real heads: what padding costs over a 64-head rank
+                ms, err = graph_ms([lambda i=i: flashmla.sparse_mla(fm, q64, cache, i, 0.05, D_V) for i in idxs])
+            except Exception as e:
+                ms, err = None, f"failed: {type(e).__name__}: {str(e)[:120]}"
+            rec.add(bk.row("sparse_mla padded", case, "FlashMLA 64 real heads (same kernel work)", ms, nb, fl, ceil,
+                           err))
+            try:
+                diff = rel(op(q, cache, idxs[0], 0.05, D_V))
+                ms, err = graph_ms([lambda i=i: op(q, cache, i, 0.05, D_V) for i in idxs])
+            except Exception as e:
+                ms, err, diff = None, f"failed: {type(e).__name__}: {str(e)[:120]}", ""
+            rec.add(bk.row("sparse_mla padded", case, f"served ({_served_path(q, cache)})", ms, nb, fl, ceil,
+                           err or diff))
+
+
 def bench_store_section(rec: Recorder, ceil: dict) -> None:
     """The MLA key finished (RMSNorm + rope) and stored, from its raw projection, into either cache layout."""
     weight = torch.ones(D_V, device=DEV).bfloat16()
@@ -424,6 +485,7 @@ def main() -> int:
     only = set(args.only.split(","))
     failed = []
     sections = [("kernels", lambda: bench_kernels_section(rec, ceil, args.quick)),
+                ("padded", lambda: bench_padded_section(rec, ceil)),
                 ("small", lambda: bench_small_sweep(rec, ceil)),
                 ("store", lambda: bench_store_section(rec, ceil)),
                 ("capacity", lambda: bench_capacity_section(rec)),

@@ -1,10 +1,10 @@
 """Which implementation serves each kernel of an engine: decided once, at start-up, one logged line per decision.
 
 Two steps:
-- `select_kernels(device, kernel_backend, use_deep_gemm, use_flash_mla, indexer, router)` -> `KernelChoice`, a frozen,
-  picklable record of one implementation per kernel (tensor-parallel ranks receive it with the engine's
-  config). It probes DeepGEMM and FlashMLA (import, GPU generation, every function called) and reads the
-  environment overrides MINIDSA_TOPK, MINIDSA_SAMPLE and MINIDSA_FP8_GEMM, here and nowhere else.
+- `select_kernels(device, kernel_backend, use_deep_gemm, use_flash_mla, indexer, router, mla_heads)` ->
+  `KernelChoice`, a frozen, picklable record of one implementation per kernel (tensor-parallel ranks receive it
+  with the engine's config). It probes DeepGEMM and FlashMLA (import, GPU generation, every function called)
+  and reads the environment overrides MINIDSA_TOPK, MINIDSA_SAMPLE and MINIDSA_FP8_GEMM, here and nowhere else.
 - `load_libraries(choice, device)` -> `Libraries`: the handles of the optional libraries the choice names
   (`kernels.deepgemm.DeepGEMM`, `kernels.flashmla.FlashMLA`: the module, its status, DeepGEMM's checked
   schedule page sizes, the failures of start-up calls), made on each rank that serves with them.
@@ -16,9 +16,10 @@ What the choice says, per kernel:
 - index_logits "deepgemm": DeepGEMM's indexer kernels, when deep_gemm imports with every function we call on
   SM90 / SM100 and takes the engine's indexer shape (`deepgemm.paged_supported`); per call, inside the opaque
   op, the faster of DeepGEMM and Triton for the shape (`deepgemm.deepgemm_wins`);
-- sparse_mla "flashmla": FlashMLA's sparse kernels, when flash_mla imports with every function we call on SM90;
-  per call, inside the op, FlashMLA for the shapes it takes where faster, Triton the rest
-  (`flashmla.unsupported`, `flashmla.flashmla_wins`);
+- sparse_mla "flashmla": FlashMLA's sparse kernels, when flash_mla imports with every function we call on SM90
+  and takes the engine's query heads per rank (`mla_heads`: 64 or 128, or fewer that divide 64, which it serves
+  with the queries zero-padded to 64 heads, logged: `flashmla.padded_heads`); per call, inside the op, FlashMLA
+  for the shapes it takes where faster, Triton the rest (`flashmla.unsupported`, `flashmla.flashmla_wins`);
 - topk "triton": inside the op, the Triton radix select or torch.topk per shape (`topk.triton_wins`);
   MINIDSA_TOPK=torch keeps torch.topk (A/B measurements);
 - sample: the sampler's exponential race, one Triton pass over the logits (kernels/sampling.py) wherever Triton
@@ -222,8 +223,9 @@ def triton_usable(device: torch.device | str) -> tuple[bool, str]:
 
 def select_kernels(device: torch.device | str, kernel_backend: str = "auto", use_deep_gemm: bool = True,
                    use_flash_mla: bool = True, indexer: IndexerShape | None = None,
-                   router: RouterShape | None = None) -> KernelChoice:
-    """Decide once, at start-up, which implementation serves each kernel; logs each decision and why."""
+                   router: RouterShape | None = None, mla_heads: int | None = None) -> KernelChoice:
+    """Decide once, at start-up, which implementation serves each kernel; logs each decision and why. `mla_heads`:
+    the MLA query heads each rank holds (None: not known, decided per call)."""
     device = torch.device(device)
     moe_off_gpu = "triton" if device.type == "cuda" else "torch"  # what the fused MoE op runs by itself
     if kernel_backend == "torch" or (kernel_backend == "auto" and device.type != "cuda"):
@@ -243,7 +245,7 @@ def select_kernels(device: torch.device | str, kernel_backend: str = "auto", use
         _log(choice, why, logging.WARNING)
         return choice
     index, index_why = _index_logits(device, use_deep_gemm, indexer)
-    sparse, sparse_why = _sparse_mla(device, use_flash_mla)
+    sparse, sparse_why = _sparse_mla(device, use_flash_mla, mla_heads)
     route_why = router_kernel.supported(router.n_experts, router.n_group) if router is not None else None
     norm_quant_why = "the FP8 linears are the torch reference" if fp8_gemm == "torch" else None
     choice = KernelChoice(store_index_k="triton", index_logits=index, topk=env.topk, sparse_mla=sparse,
@@ -274,11 +276,20 @@ def _index_logits(device: torch.device, use_deep_gemm: bool, indexer: IndexerSha
     return "deepgemm", status.reason
 
 
-def _sparse_mla(device: torch.device, use_flash_mla: bool) -> tuple[str, str]:
+def _sparse_mla(device: torch.device, use_flash_mla: bool, heads: int | None) -> tuple[str, str]:
     if not use_flash_mla:
         return "triton", "FlashMLA disabled by use_flash_mla=False"
     module, status = flashmla.probe(device)
-    return ("flashmla" if module is not None else "triton"), status.reason
+    if module is None:
+        return "triton", status.reason
+    if heads is not None:
+        why_not = flashmla.heads_unsupported(heads)
+        if why_not is not None:  # decided here, once: no step asks FlashMLA for what it cannot take
+            return "triton", f"FlashMLA cannot serve this engine: {why_not}"
+        note = flashmla.heads_note(heads)
+        if note:
+            return "flashmla", f"{status.reason}; {note}: the padded heads' outputs are dropped"
+    return "flashmla", status.reason
 
 
 def _fp8_gemm(device: torch.device, use_deep_gemm: bool, env: Overrides, triton_ok: bool,

@@ -28,7 +28,8 @@ def choose_kernels(resolved: ResolvedConfig) -> select.KernelChoice:
         return select.select_kernels(args.device, args.kernel_backend, args.use_deep_gemm, args.use_flash_mla,
                                      select.IndexerShape(model.index_n_heads, model.index_head_dim, args.page_size,
                                                          args.indexer_cache_dtype == "fp8"),
-                                     select.RouterShape(model.n_routed_experts, model.n_group))
+                                     select.RouterShape(model.n_routed_experts, model.n_group),
+                                     model.num_attention_heads // args.tensor_parallel_size)
     except ValueError as e:
         raise ConfigError("kernel_backend", str(e)) from e
 

@@ -184,7 +184,7 @@ class ModelRunner:
         # contexts hold free memory; the warm-up in `prepare_fast_paths` loads the kernels.
         self._gemm_jit = None
         if self.device.type == "cuda":
-            from minidsa.kernels.deepgemm_jit import GemmWarmUp
+            from minidsa.kernels.deepgemm_warmup import GemmWarmUp
 
             # Without speculation the MTP layer never runs (no profile, warm-up or step reaches it): its shape of
             # its own (eh_proj) would be compiled for nothing.
@@ -298,7 +298,8 @@ class ModelRunner:
         free, _ = torch.cuda.mem_get_info(self.device)  # what the KV cache can have, before the workers start
 
         def profile() -> int:
-            with self._compiling_phase("activation profile") as phase:
+            with self._compiling_phase("activation profile") as phase, \
+                    (jit.beside_pool() if jit is not None else contextlib.nullcontext()):
                 reserve, phase.detail = self._activation_reserve(free)
             return reserve
 
@@ -376,8 +377,8 @@ class ModelRunner:
         it here, largest step first, as `_warm_up_uncaptured` needs); their peaks (graphs have their own pool,
         uncaptured steps the allocator's cache: both are counted), the CUDA graphs' per-kind buffers and a margin
         are reserved. The steps do not wait for DeepGEMM's pool: a dense GEMM class it has not built yet runs on the
-        Triton GEMM (`deepgemm.BUILDING`; the same output buffer, no workspace: the same peak); only the MoE of the
-        largest step waits for its grouped-GEMM row count, which the pool builds first."""
+        Triton GEMM (`GemmWarmUp.beside_pool`; the same output buffer, no workspace: the same peak); only the MoE of
+        the largest step waits for its grouped-GEMM row count, which the pool builds first."""
         cfg, mc, dev, decode_reserve = self.config, self.model_config, self.device, self.resolved.decode_reserve
         _, total = torch.cuda.mem_get_info(dev)
 

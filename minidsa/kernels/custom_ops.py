@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from minidsa.kernels import deepgemm, deepgemm_step, flashmla, fp8_gemm as fp8_gemm_mod, fused_moe as fused_moe_mod
+from minidsa.kernels import deepgemm, deepgemm_step, deepgemm_warmup, flashmla, fp8_gemm as fp8_gemm_mod
+from minidsa.kernels import fused_moe as fused_moe_mod
 from minidsa.kernels import indexer
 from minidsa.kernels import kv_move as kv_move_mod, log_once, mla_store, reference, sparse_mla as sparse_mla_mod
 from minidsa.kernels import norm_quant as norm_quant_mod, router as router_mod, topk as topk_mod
@@ -272,7 +273,8 @@ def _(x, topk_ids, topk_weights, gate_up_proj, down_proj, gate_up_scale_inv=None
     if use_deep_gemm and deepgemm.moe_contiguous_wins(*topk_ids.shape, gate_up_proj.shape[0]):
         try:
             out = deepgemm.moe_contiguous(deepgemm.library(), x, topk_ids, topk_weights, gate_up_proj, down_proj,
-                                          gate_up_scale_inv, down_scale_inv, addend=addend)
+                                          gate_up_scale_inv, down_scale_inv, addend=addend,
+                                          building=deepgemm_warmup.building())
         except LibraryCallFailed as e:
             _error_once(f"DeepGEMM {e}; the Triton fused MoE serves each call it fails")
         else:
@@ -298,18 +300,27 @@ def fp8_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, use_deep_gemm: bool
     where it is measured faster (`deepgemm.fp8_gemm_wins`); a call it does not take, or fails, runs the Triton
     kernel. (x_q, x_scale): x already quantised per token per 128 channels (the norm before it, `rmsnorm_quant`),
     read where the GEMM would quantise x in a launch of its own (the Triton GEMM above decode sizes, DeepGEMM).
+    During the activation profile a class DeepGEMM's start-up pool is still building runs on the Triton GEMM
+    (`deepgemm_warmup.building()`; None while serving). Which weight shapes DeepGEMM does not take, and why, the
+    start-up warm-up says in one INFO line (`deepgemm_warmup.gemm_summary`): nothing is logged per shape here
+    (a DeepGEMM failure once, an input dtype it does not take once per dtype).
     """
     act = _act(x_q, x_scale)
     if use_deep_gemm and deepgemm.fp8_gemm_wins(x.shape[0], weight.shape[0], weight.shape[1]):
-        try:
-            out = deepgemm.fp8_gemm_nt(deepgemm.library(), x, weight, scale_inv, act)
-        except LibraryCallFailed as e:
-            _error_once(f"DeepGEMM {e}; the Triton FP8 GEMM serves each call it fails")
-        else:
-            if out is not None:
-                return out
-            _warn_once(f"FP8 linear: Triton GEMM serves {tuple(x.shape)} x {tuple(weight.shape)} "
-                       "(DeepGEMM: a shape or dtype it does not take)")
+        building = deepgemm_warmup.building()
+        if building is None or not building.defer((deepgemm.gemm_rows(x.shape[0]), *weight.shape)):
+            try:
+                out = deepgemm.fp8_gemm_nt(deepgemm.library(), x, weight, scale_inv, act)
+            except LibraryCallFailed as e:
+                _error_once(f"DeepGEMM {e}; the Triton FP8 GEMM serves each call it fails")
+            else:
+                if out is not None:
+                    return out
+                if x.dtype != torch.bfloat16:  # one line per dtype, not per shape
+                    _warn_once(f"FP8 linear: Triton GEMM serves {x.dtype} inputs (DeepGEMM's fp8_gemm_nt: bfloat16)")
+                else:  # a weight shape the start-up line already named (`deepgemm.gemm_unsupported`)
+                    log_once(logger, logging.DEBUG, f"FP8 linear: Triton GEMM serves {tuple(x.shape)} x "
+                             f"{tuple(weight.shape)} ({deepgemm.gemm_unsupported(*weight.shape) or 'no rows'})")
     return fp8_gemm_mod.w8a8_block_gemm(x, weight, scale_inv, act=act)
 
 

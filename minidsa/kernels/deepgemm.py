@@ -22,20 +22,22 @@ by `indexer.mask_invisible_`, which writes -inf over the undefined tail only.
 made through it at start-up). The functions below take the module as their first argument: the custom ops
 (kernels/custom_ops.py) hand them `library()`, the handle its own. A library call that raises becomes
 `LibraryCallFailed`: the op serving it runs the Triton kernel for that call and logs the failure once. Nothing
-here keeps state between calls, so engines in one process never see each other's DeepGEMM.
+here keeps state between calls, so engines in one process never see each other's DeepGEMM: the start-up
+warm-up (the JIT pool, its registry of the classes it is still building, the in-process warm-up) is
+kernels/deepgemm_warmup.py, and what the serving functions need of it arrives as an argument
+(`moe_contiguous`'s `building`) or is decided by the custom op before it calls here (`fp8_gemm_nt`).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from types import ModuleType
-from typing import NamedTuple
+from typing import Protocol
 
 import torch
 
 from minidsa.kernels import indexer
-from minidsa.kernels.optional_lib import LibraryCallFailed, LibraryStatus, failed, import_library, load_library
+from minidsa.kernels.optional_lib import LibraryStatus, failed, import_library, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +69,8 @@ class DeepGEMM:
     `schedule_pages`: the page sizes at which `paged_schedule` equals this build's metadata on a sample (checked
     here with `check_schedule`, i.e. when DeepGEMM serves the indexer); at those the engine computes the paged
     kernel's schedule itself, elsewhere the build's metadata kernel serves. `failures`: the calls made through
-    this handle (the schedule check, the GEMM warm-up) that failed, one line each.
+    this handle (the schedule check, the GEMM warm-up: `deepgemm_warmup.warm_up_fp8_gemms`) that failed, one line
+    each.
     """
 
     def __init__(self, module: ModuleType, status: LibraryStatus, device: torch.device | str,
@@ -99,28 +102,6 @@ class DeepGEMM:
             logger.warning("DeepGEMM: this build's paged-logits schedule differs from minidsa's at page size %d; its "
                            "own metadata kernel serves (it compiles once per batch size class)", page_size)
         return same
-
-    def warm_up_fp8_gemms(self, weights: list[tuple[torch.Tensor, torch.Tensor]], max_rows: int) -> int:
-        """Run fp8_gemm_nt once per row class up to `max_rows` for each distinct weight shape (`gemm_tasks`), so
-        DeepGEMM has every kernel serving can ask for now: it compiles the ones its disk cache lacks (the start-up
-        compiles them beforehand in parallel processes, `deepgemm_jit`) and loads the rest. Returns the calls
-        made; stops at the first that fails (recorded in `failures`; serving then runs the Triton GEMM for each
-        call DeepGEMM fails)."""
-        by_shape = {tuple(w.shape): (w, s) for w, s in reversed(weights)}  # the first weight of each shape
-        calls, x = 0, None
-        for rows, n, k in gemm_tasks([tuple(w.shape) for w, _ in weights], max_rows):
-            weight, scale_inv = by_shape[(n, k)]
-            if x is None or x.shape[1] != k:  # one zero input per weight shape, sliced per class
-                x = torch.zeros(gemm_row_classes(max_rows)[-1], k, dtype=torch.bfloat16, device=weight.device)
-            try:
-                if fp8_gemm_nt(self.module, x[:rows], weight, scale_inv) is None:
-                    return calls
-            except LibraryCallFailed as e:
-                self.failures.append(str(e))
-                logger.error("DeepGEMM %s; the Triton FP8 GEMM serves each call DeepGEMM fails", e)
-                return calls
-            calls += 1
-        return calls
 
 
 # fp8_paged_mqa_logits cuts each query row's context into segments of this many keys and deals the segments out
@@ -316,42 +297,6 @@ FP8_GEMM_DEEPGEMM_MIN_ROWS = 17
 FP8_GEMM_DEEPGEMM_MIN_WEIGHT = 96 << 20  # N x K (bytes of the e4m3 weight)
 
 
-class Building:
-    """The GEMM classes DeepGEMM's start-up pool (`deepgemm_jit.JitPool`) is still building: dense (rows, N, K)
-    and grouped (rows, N, K, groups). The activation profile runs beside the pool, and must neither wait for a
-    whole pool nor compile in this process a kernel a worker is compiling (~15 s of nvcc each, the GIL held):
-    `fp8_gemm_nt` declines a dense class still building (the Triton GEMM serves it: the same output buffer, the
-    same peak), `moe_contiguous` waits for its grouped classes (the Triton fused MoE's peak is not the one it
-    measures). Empty once the pool has ended, so never consulted while serving."""
-
-    def __init__(self):
-        self._classes: set[tuple[int, ...]] = set()
-        self._changed = threading.Condition()
-
-    def add(self, classes) -> None:
-        with self._changed:
-            self._classes.update(classes)
-
-    def finish(self, classes) -> None:
-        """Built, failed or given up: this process runs (or compiles) them itself from now on."""
-        with self._changed:
-            self._classes.difference_update(classes)
-            self._changed.notify_all()
-
-    def wait_for(self, classes) -> None:
-        with self._changed:
-            self._changed.wait_for(lambda: self._classes.isdisjoint(classes))
-
-    def __contains__(self, cls) -> bool:
-        return cls in self._classes
-
-    def __bool__(self) -> bool:
-        return bool(self._classes)
-
-
-BUILDING = Building()
-
-
 def fp8_gemm_wins(m: int, n: int, k: int) -> bool:
     """Is fp8_gemm_nt measured faster than the Triton GEMM for x [m, k] @ w [n, k]^T? (Concrete ints.)"""
     return m >= FP8_GEMM_DEEPGEMM_MIN_ROWS or n * k >= FP8_GEMM_DEEPGEMM_MIN_WEIGHT
@@ -364,20 +309,12 @@ def gemm_rows(m: int) -> int:
     DeepGEMM picks its tiles, stages and cluster from M (the fewest waves over the SMs) and JIT-compiles each
     new choice. Mixed steps and prefill chunks come in every token count (up to 22 choices for one V3.2 projection
     at M <= 8192), and each compile mid-serving stalls the step for seconds (benchmarks/serving/ENGINE_LOOP.md).
-    With classes the choices are few and fixed, and `DeepGEMM.warm_up_fp8_gemms` compiles them all at start-up."""
+    With classes the choices are few and fixed, and the start-up warm-up (kernels/deepgemm_warmup.py) compiles
+    them all."""
     if m <= 128:
         return -(-m // 16) * 16
     step = 1 << ((m - 1).bit_length() - 4)
     return -(-m // step) * step
-
-
-def gemm_row_classes(max_rows: int) -> list[int]:
-    """Every `gemm_rows` value of 1..max_rows."""
-    classes, m = [], 1
-    while m <= max_rows:
-        classes.append(gemm_rows(m))
-        m = classes[-1] + 1
-    return classes
 
 
 def _scales_fit(scales: torch.Tensor, rows: int) -> bool:
@@ -391,8 +328,9 @@ def _scales_fit(scales: torch.Tensor, rows: int) -> bool:
 def run_fp8_gemm(module: ModuleType, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                  act: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`module.fp8_gemm_nt` on x [M, K] bf16 and an e4m3 weight, run with `gemm_rows(M)` rows (the padding rows'
-    outputs are never read); raises what DeepGEMM raises. The one way minidsa calls it, so the start-up JIT
-    (`DeepGEMM.warm_up_fp8_gemms`, `deepgemm_jit`'s worker processes) compiles exactly the kernels serving asks for.
+    outputs are never read); raises what DeepGEMM raises. The one way minidsa calls it, so the start-up warm-up
+    (kernels/deepgemm_warmup.py: its worker processes, then this process) compiles exactly the kernels serving asks
+    for.
     `act`: x already quantised (e4m3 [R, K], fp32 scales [R, K/128], rows past M unread), used when it has
     `gemm_rows(M)` rows, dense e4m3 and scales row-major (which DeepGEMM transposes) or MN-major (read as they are:
     `fp8_gemm.act_buffers`); otherwise x is quantised here into `gemm_rows(M)` rows."""
@@ -409,33 +347,29 @@ def run_fp8_gemm(module: ModuleType, x: torch.Tensor, weight: torch.Tensor, scal
     return out[:m]
 
 
+def gemm_unsupported(n: int, k: int) -> str | None:
+    """Why minidsa does not hand an [N, K] weight to fp8_gemm_nt (the Triton GEMM serves it), or None. K in whole
+    128-blocks: the activations' 1x128 scales and the weight's 128x128 ones tile K exactly. N in 64s: what was
+    measured and checked (DeepGEMM's SM90 kernel itself asserts neither, its scales being [ceil(N/128), K/128]).
+    Every projection of DeepSeek-V3.2 and GLM-5 passes at tensor parallelism 1 to 8 and with the MTP layer."""
+    if k % 128:
+        return f"K {k} is not a multiple of 128"
+    if n % 64:
+        return f"N {n} is not a multiple of 64"
+    return None
+
+
 def fp8_gemm_nt(module: ModuleType, x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                 act: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """x [M, K] bf16 @ weight^T through DeepGEMM; None when it does not take this call (the caller runs Triton:
-    shapes its tiles cannot take, classes its start-up pool is still building), LibraryCallFailed when it fails.
-    Runs `gemm_rows(M)` rows (`run_fp8_gemm`)."""
-    if x.dtype != torch.bfloat16 or x.shape[0] == 0:
-        return None
-    if x.shape[1] % 128 or weight.shape[0] % 64:
-        return None  # DeepGEMM's TMA tiles want K in whole 128-blocks and N in 64s
-    if BUILDING and (gemm_rows(x.shape[0]), *weight.shape) in BUILDING:
+    a dtype or a weight shape it does not take, `gemm_unsupported`), LibraryCallFailed when it fails. Runs
+    `gemm_rows(M)` rows (`run_fp8_gemm`)."""
+    if x.dtype != torch.bfloat16 or x.shape[0] == 0 or gemm_unsupported(*weight.shape) is not None:
         return None
     try:
         return run_fp8_gemm(module, x, weight, scale_inv, act)
     except Exception as e:  # a build whose contract differs: never fail the step for it
         raise failed("fp8_gemm_nt", e) from e
-
-
-def gemm_tasks(weight_shapes: list[tuple[int, int]], max_rows: int) -> list[tuple[int, int, int]]:
-    """(rows, N, K) of every fp8_gemm_nt call serving can make up to `max_rows` rows: each row class DeepGEMM
-    serves (`fp8_gemm_wins`; the Triton GEMM takes the rest) of each distinct [N, K] weight shape it takes."""
-    tasks, seen, classes = [], set(), gemm_row_classes(max_rows)
-    for n, k in weight_shapes:
-        if (n, k) in seen or k % 128 or n % 64:
-            continue
-        seen.add((n, k))
-        tasks += [(rows, n, k) for rows in classes if fp8_gemm_wins(rows, n, k)]
-    return tasks
 
 
 # ---------------------------------------------------------------- grouped FP8 GEMMs (routed experts, prefill)
@@ -460,51 +394,10 @@ def grouped_contiguous(module: object) -> tuple[object, int] | None:
     return fn, int(align())
 
 
-class GroupedRows(NamedTuple):
-    """Every row count `moe_contiguous` can hand the contiguous grouped GEMM for one expert weight [groups, N, K]:
-    the multiples of `step` (DeepGEMM's alignment) from `first` to `last`. DeepGEMM picks the kernel (block N,
-    stages, multicast; N, K and the groups compiled in) from the rows, and the routing decides the rows: the
-    start-up pool (`deepgemm_jit`) runs each row count once, so no step compiles one (~15 s of nvcc)."""
-
-    groups: int
-    n: int
-    k: int
-    first: int
-    last: int
-    step: int
-
-    def classes(self) -> list[tuple[int, int, int, int]]:
-        """(rows, N, K, groups) of each row count, largest first (the activation profile's largest step)."""
-        return [(m, self.n, self.k, self.groups) for m in range(self.last, self.first - 1, -self.step)]
-
-
-def grouped_tasks(experts: list[tuple[tuple[int, int, int], int, bool]], alignment: int,
-                  max_tokens: int) -> list[GroupedRows]:
-    """The grouped GEMMs' row ranges of steps of up to `max_tokens` tokens, per distinct expert shape. `experts`:
-    (gate_up_proj's shape [E, 2I, H], top_k, whether every expert is on this rank) of each expert layer DeepGEMM
-    serves."""
-    from minidsa.kernels import moe_layout
-
-    chunk = min(max_tokens, MOE_MAX_CHUNK_TOKENS)
-    tasks: list[GroupedRows] = []
-    for (groups, two_i, hidden), top_k, all_local in experts:
-        fewest = -(-MOE_CONTIGUOUS_MIN_PAIRS_PER_EXPERT * groups // top_k)  # tokens of the smallest call it takes
-        if hidden % 128 or two_i % 256 or fewest > chunk:
-            continue  # `moe_contiguous` never takes one
-        last = moe_layout.max_padded_rows(chunk * top_k, groups, alignment)
-        # Each pair has a row unless its expert is on another rank; a step cut into chunks can end in a short one.
-        first = -(-fewest * top_k // alignment) * alignment if all_local and max_tokens <= chunk else alignment
-        for n, k in ((two_i, hidden), (hidden, two_i // 2)):
-            task = GroupedRows(groups, n, k, first, last, alignment)
-            if task not in tasks:
-                tasks.append(task)
-    return tasks
-
-
 def run_grouped_gemm(gemm, a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                      out: torch.Tensor, m_indices: torch.Tensor) -> None:
     """One contiguous grouped GEMM as minidsa calls it (activation scales MN-major, `fp8_gemm.mn_major_scales`):
-    `moe_contiguous` and the start-up pool both call it, so the pool compiles what serving asks for."""
+    `moe_contiguous` and the start-up warm-up both call it, so the warm-up compiles what serving asks for."""
     gemm((a, a_scale), (weight, scale_inv.float()), out, m_indices)
 
 
@@ -517,6 +410,14 @@ def run_grouped_gemm(gemm, a: torch.Tensor, a_scale: torch.Tensor, weight: torch
 MOE_MAX_CHUNK_TOKENS = 32768
 
 
+class Building(Protocol):
+    """What `moe_contiguous` needs of the start-up pool's registry (`deepgemm_warmup.Building`)."""
+
+    def __bool__(self) -> bool: ...
+
+    def wait_for(self, classes: list[tuple[int, ...]]) -> None: ...
+
+
 def moe_contiguous_wins(num_tokens: int, top_k: int, n_experts: int) -> bool:
     """Is the DeepGEMM grouped-GEMM MoE measured faster than the Triton fused MoE at this size? (Concrete ints.)"""
     return num_tokens * top_k >= MOE_CONTIGUOUS_MIN_PAIRS_PER_EXPERT * n_experts
@@ -525,10 +426,12 @@ def moe_contiguous_wins(num_tokens: int, top_k: int, n_experts: int) -> bool:
 def moe_contiguous(module: ModuleType, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gate_up_scale_inv: torch.Tensor,
                    down_scale_inv: torch.Tensor, max_chunk_tokens: int | None = None,
-                   addend: torch.Tensor | None = None) -> torch.Tensor | None:
+                   addend: torch.Tensor | None = None, building: Building | None = None) -> torch.Tensor | None:
     """The routed experts (FP8 w8a8, block scales) through DeepGEMM's contiguous grouped GEMMs, plus `addend`
     [T, H] when given; None when it does not take the call (the caller runs the Triton fused MoE),
-    LibraryCallFailed when it fails. Same math as `fused_moe.fused_moe_reference`.
+    LibraryCallFailed when it fails. Same math as `fused_moe.fused_moe_reference`. `building`: the classes the
+    start-up pool is still building (`deepgemm_warmup.building()`, None once start-up is over): the activation
+    profile's call waits for its row counts there rather than compile them in this process.
 
     Per chunk of tokens (`max_chunk_tokens`, default MOE_MAX_CHUNK_TOKENS: it bounds the per-row buffers):
     1. `moe_layout.expert_rows`: pairs in rows grouped by expert, each expert's rows padded to DeepGEMM's alignment;
@@ -556,15 +459,15 @@ def moe_contiguous(module: ModuleType, x: torch.Tensor, topk_ids: torch.Tensor, 
     if num_tokens > chunk:
         parts = [moe_contiguous(module, x[s:s + chunk], topk_ids[s:s + chunk], topk_weights[s:s + chunk],
                                 gate_up_proj, down_proj, gate_up_scale_inv, down_scale_inv, chunk,
-                                None if addend is None else addend[s:s + chunk])
+                                None if addend is None else addend[s:s + chunk], building)
                  for s in range(0, num_tokens, chunk)]
         return None if any(p is None for p in parts) else torch.cat(parts)
     layout = moe_layout.expert_rows(topk_ids, n_experts, alignment)
     rows = int(layout.num_rows.item())
     if rows == 0:  # every pair skipped (its experts live on other ranks)
         return torch.zeros_like(x) if addend is None else addend.clone()
-    if BUILDING:  # the activation profile, beside the pool: its row counts are the pool's first tasks
-        BUILDING.wait_for([(rows, two_i, hidden, n_experts), (rows, hidden, two_i // 2, n_experts)])
+    if building:  # the activation profile, beside the pool: its row counts are the pool's first tasks
+        building.wait_for([(rows, two_i, hidden, n_experts), (rows, hidden, two_i // 2, n_experts)])
     m_indices = layout.row_expert[:rows]
     a1, s1 = moe_layout.quant_scatter(x, layout.row_of_pair, rows)
     gate_up = torch.empty(rows, two_i, dtype=torch.bfloat16, device=x.device)

@@ -13,6 +13,13 @@ scripts/build_flashmla.sh; the same calls benchmarks/scripts/bench_mla.py measur
   topk a multiple of 128 (2 * B_TOPK); -1 = none.
 
 How we call them:
+- Heads per rank: 64 and 128 as they are. Fewer heads that divide 64 (tensor parallelism: 32 at TP=4 of
+  DeepSeek-V3.2's 128 or TP=2 of GLM-5's 64, 16 at TP=8 or 4) are padded to 64 with zero queries, as vLLM does for
+  FlashMLA sparse; the padded heads' outputs are dropped (`padded_heads`). The padded copy is one `F.pad` per
+  call from the caching allocator (no host sync: CUDA-graph capturable; inside the opaque op: nothing traced).
+  It costs MMA work for heads that are thrown away (64 / h times the head tiles), but a sparse-decode CTA's cost
+  is dominated by reading and dequantising its KV tile, which padding does not change: benchmarks/bench_mla.py
+  `--only padded` measures it against Triton at 32 and 16 heads.
 - Our top-k slots are already global slot ids. The block size of the cache view is only index arithmetic
   for the sparse kernels (slot = block * block_size + offset), so any view of the same rows works: 64-slot
   blocks when the slot count allows (what was benchmarked), else blocks of one slot.
@@ -47,7 +54,8 @@ NAME = "flash_mla"
 REQUIRED_API = ("get_mla_metadata", "flash_mla_with_kvcache", "flash_mla_sparse_fwd")
 # The build (scripts/build_flashmla.sh) generates sm_90a code only; SM100 kernels exist upstream but are unmeasured.
 SUPPORTED_SM_MAJOR = (9,)
-HEADS = (64, 128)  # per rank: tensor parallelism over 128 heads at 8 ranks leaves 16, which Triton serves
+HEADS = (64, 128)  # the kernels' head counts; fewer heads per rank that divide 64 are padded to 64 (`padded_heads`)
+PAD_HEADS_TO = 64
 LATENT_DIM, ROPE_DIM = 512, 64
 DECODE_TOPK_BLOCK = 64
 PREFILL_TOPK_BLOCK = 128
@@ -85,13 +93,37 @@ class FlashMLA:
         self.status = status
 
 
+def padded_heads(heads: int) -> int | None:
+    """The head count FlashMLA runs for `heads` query heads per rank: as is for 64 and 128, 64 for fewer heads
+    that divide 64 (zero-padded queries, outputs dropped), None where it cannot serve them."""
+    if heads in HEADS:
+        return heads
+    if 0 < heads < PAD_HEADS_TO and PAD_HEADS_TO % heads == 0:
+        return PAD_HEADS_TO
+    return None
+
+
+def heads_unsupported(heads: int) -> str | None:
+    """Why FlashMLA cannot serve `heads` query heads per rank, or None (start-up and per call)."""
+    if padded_heads(heads) is None:
+        return f"{heads} heads per rank (FlashMLA: 64 or 128, or fewer that divide 64, padded to 64)"
+    return None
+
+
+def heads_note(heads: int) -> str:
+    """How FlashMLA runs `heads` heads per rank, for the start-up log ('' when as they are)."""
+    padded = padded_heads(heads)
+    return "" if padded in (None, heads) else f"{heads} heads per rank padded to {padded}"
+
+
 def unsupported(q: torch.Tensor, kv_cache: torch.Tensor, topk: int, v_dim: int) -> str | None:
     """Why FlashMLA cannot serve this call, or None (host code inside the custom op: concrete shapes)."""
     heads, dk = q.shape[1], q.shape[2]
     if q.dtype != torch.bfloat16:
         return f"queries are {q.dtype} (FlashMLA: bfloat16)"
-    if heads not in HEADS:
-        return f"{heads} heads per rank (FlashMLA: 64 or 128)"
+    why_not = heads_unsupported(heads)
+    if why_not is not None:
+        return why_not
     if v_dim != LATENT_DIM or dk - v_dim != ROPE_DIM:
         return f"latent {v_dim} + rope {dk - v_dim} (FlashMLA: {LATENT_DIM} + {ROPE_DIM})"
     block = DECODE_TOPK_BLOCK if kv_cache.dtype == torch.uint8 else PREFILL_TOPK_BLOCK
@@ -106,10 +138,10 @@ def unsupported(q: torch.Tensor, kv_cache: torch.Tensor, topk: int, v_dim: int) 
 def flashmla_wins(num_tokens: int, heads: int, fp8_cache: bool, device: torch.device) -> bool:
     """Should FlashMLA serve this supported call? FP8 decode: always (0.181 vs 0.369 ms at B=128, 378 vs 174 TFLOP/s
     at B=64, H100, bench_mla: benchmarks/kernels/mla_fp8_h100.md). bf16 prefill: from one wave of its (token,
-    64-head) CTAs on."""
+    64-head) CTAs on. `heads` per rank as the caller has them (a padded count runs 64: one CTA a token)."""
     if fp8_cache:
         return num_tokens > 0
-    return num_tokens * (heads // HEADS_PER_CTA) >= num_sms(device)
+    return num_tokens * ((padded_heads(heads) or heads) // HEADS_PER_CTA) >= num_sms(device)
 
 
 def _sched_meta(module: ModuleType, shape: tuple) -> object:
@@ -132,10 +164,16 @@ def _paged_view(kv_cache: torch.Tensor) -> torch.Tensor:
 def sparse_mla(module: ModuleType, q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor,
                sm_scale: float, v_dim: int) -> torch.Tensor:
     """The reference sparse_mla contract through FlashMLA (call `unsupported` first); raises LibraryCallFailed
-    if FlashMLA fails."""
+    if FlashMLA fails. Fewer heads than the kernel's are zero-padded (`padded_heads`) and their outputs dropped."""
+    heads = q.shape[1]
+    padded = padded_heads(heads)
+    if padded != heads:
+        q = torch.nn.functional.pad(q, (0, 0, 0, padded - heads))  # [T, padded, dk], the new heads zero
     if kv_cache.dtype == torch.uint8:
-        return _decode(module, q, kv_cache, topk_slots, sm_scale, v_dim)
-    return _prefill(module, q, kv_cache, topk_slots, sm_scale, v_dim)
+        out = _decode(module, q, kv_cache, topk_slots, sm_scale, v_dim)
+    else:
+        out = _prefill(module, q, kv_cache, topk_slots, sm_scale, v_dim)
+    return out if padded == heads else out[:, :heads].contiguous()
 
 
 def _decode(module: ModuleType, q: torch.Tensor, kv_cache: torch.Tensor, topk_slots: torch.Tensor, sm_scale: float,

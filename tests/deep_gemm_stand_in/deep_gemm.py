@@ -4,7 +4,7 @@ Put this directory on PYTHONPATH (worker processes) or import it as `deep_gemm` 
 a call needs a "kernel" chosen from its shape (several row classes and shapes share one, `kernel_name`): it is
 "compiled" into `$DG_JIT_CACHE_DIR/cache/kernel.<name>` (a directory renamed into place, as DeepGEMM does) when
 missing, else loaded. Every call appends one JSON line to `$STAND_IN_DG_LOG`: the process, whether it runs in
-minidsa's DeepGEMM worker (`python -m minidsa.kernels.deepgemm_jit`), the shape, and "compiled" or "loaded".
+minidsa's DeepGEMM worker (`python -m minidsa.kernels.deepgemm_warmup`), the shape, and "compiled" or "loaded".
 `$STAND_IN_DG_CRASH_WORKER=ROWS` makes a worker process die (exit code 3) on a call with that many rows.
 The product is computed in torch (DeepGEMM's contract: e4m3 rows x 1x128 scales times the e4m3 weight x
 128x128 scales).
@@ -43,7 +43,7 @@ def grouped_kernel_name(rows: int, n: int, k: int, groups: int) -> str:
 
 def _in_worker() -> bool:
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    return spec is not None and spec.name == "minidsa.kernels.deepgemm_jit"
+    return spec is not None and spec.name == "minidsa.kernels.deepgemm_warmup"
 
 
 def _record(**event) -> None:

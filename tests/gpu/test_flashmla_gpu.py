@@ -6,6 +6,8 @@ run by scripts/gpu_check.sh section `flashmla`). Shown here:
   FlashMLA's sparse decode (decode, verify-sized and a prefill chunk run in 256-token pieces), bf16 cache
   through its sparse prefill; relative difference < 1e-2 (both read the same bf16-rounded rows; they differ in
   summation order and where products are rounded: bench_mla measured 2e-3);
+- 32 and 16 heads per rank (tensor parallelism): FlashMLA serves them with the queries zero-padded to 64 heads
+  (`flashmla.padded_heads`), to the same tolerance, decode and prefill, captured too;
 - inside CUDA graphs: captured after a warm-up (scheduler metadata kept from it) and captured cold (the
   metadata kernel captured with the attention), replayed with new queries and indices;
 - engines on the bench preset (bf16, 128 heads, top-k 2048, prompts longer than it), FlashMLA on vs off with
@@ -83,7 +85,7 @@ def _inputs(num_tokens: int, heads: int, seed: int):
     return q, idx
 
 
-@pytest.mark.parametrize("heads", [128, 64])
+@pytest.mark.parametrize("heads", [128, 64, 32, 16])
 @pytest.mark.parametrize("num_tokens", [1, 64, 256, 1000])
 def test_served_fp8_decode_equals_triton(caches, heads, num_tokens):
     fp8, _ = caches
@@ -95,7 +97,7 @@ def test_served_fp8_decode_equals_triton(caches, heads, num_tokens):
         assert (got[1] == 0).all()
 
 
-@pytest.mark.parametrize("heads", [128, 64])
+@pytest.mark.parametrize("heads", [128, 64, 32, 16])
 def test_served_bf16_prefill_equals_triton(caches, heads):
     _, bf16 = caches
     q, idx = _inputs(4096, heads, heads)
@@ -105,12 +107,29 @@ def test_served_bf16_prefill_equals_triton(caches, heads):
     assert not got.isnan().any() and _rel(got, want) < TOL and (got[1] == 0).all()
 
 
+@pytest.mark.parametrize("heads", [32, 16])
+def test_padded_heads_reach_flashmla(caches, heads, monkeypatch):
+    """At 32 / 16 heads the op calls FlashMLA (with 64 heads), not Triton: equal results alone would not show it."""
+    fp8, bf16 = caches
+    seen = []
+    for name in ("flash_mla_with_kvcache", "flash_mla_sparse_fwd"):
+        real = getattr(MODULE, name)
+        monkeypatch.setattr(MODULE, name, lambda q, *a, _real=real, **k: seen.append(q.shape) or _real(q, *a, **k))
+    q, idx = _inputs(8, heads, 5)
+    assert OP(q, fp8, idx, D_KV**-0.5, D_V).shape == (8, heads, D_V)
+    q, idx = _inputs(4096, heads, 6)
+    assert OP(q, bf16, idx, D_KV**-0.5, D_V).shape == (4096, heads, D_V)
+    assert seen == [(8, 1, 64, D_KV), (4096, 64, D_KV)]
+
+
+@pytest.mark.parametrize("heads", [128, 32])
 @pytest.mark.parametrize("warm", [True, False])
-def test_fp8_decode_in_cuda_graphs(caches, warm):
-    """Captured after a warm-up (metadata kept from it) or cold (a shape never seen: metadata made in the graph)."""
+def test_fp8_decode_in_cuda_graphs(caches, warm, heads):
+    """Captured after a warm-up (metadata kept from it) or cold (a shape never seen: metadata made in the graph);
+    at 32 heads the padded copy of the queries is made inside the graph."""
     fp8, _ = caches
-    num_tokens = 96 if warm else 104  # shapes no other test used
-    q, idx = _inputs(num_tokens, 128, 1)
+    num_tokens = (96 if warm else 104) + (heads == 32)  # shapes no other test used
+    q, idx = _inputs(num_tokens, heads, 1)
     kept = _kept_sched_meta()
     if warm:
         side = torch.cuda.Stream()
@@ -124,7 +143,7 @@ def test_fp8_decode_in_cuda_graphs(caches, warm):
         out = OP(q, fp8, idx, 0.05, D_V)
     assert _kept_sched_meta() == kept + warm  # nothing made during capture is kept
     for seed in (2, 3):
-        q2, idx2 = _inputs(num_tokens, 128, seed)
+        q2, idx2 = _inputs(num_tokens, heads, seed)
         q.copy_(q2)
         idx.copy_(idx2)
         graph.replay()

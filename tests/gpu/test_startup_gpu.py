@@ -35,7 +35,7 @@ def _child(code: str, env: dict[str, str | None], timeout: float = 540) -> tuple
 POOL = """
     import json, torch
     from minidsa.kernels import deepgemm, fp8
-    from minidsa.kernels.deepgemm_jit import GemmWarmUp, cached_kernels
+    from minidsa.kernels.deepgemm_warmup import GemmWarmUp, cached_kernels
     dev = torch.device("cuda")
     module, status = deepgemm.probe(dev, deepgemm.GEMM_API)
     if not status.available:
@@ -76,7 +76,7 @@ def test_deepgemm_pool_compiles_every_kernel_and_the_engine_process_only_loads(t
 GROUPED = """
     import json, torch
     from minidsa.kernels import deepgemm, fp8
-    from minidsa.kernels.deepgemm_jit import GemmWarmUp, cached_kernels
+    from minidsa.kernels.deepgemm_warmup import GemmWarmUp, cached_kernels
     from minidsa.kernels.fused_moe import fused_moe_reference
     dev = torch.device("cuda")
     module, status = deepgemm.probe(dev, deepgemm.GEMM_API)
@@ -155,3 +155,46 @@ def test_second_start_loads_the_artifacts_and_hits_the_inductor_cache(tmp_path):
     capture = next(x for x in second["lines"] if x.startswith("start-up: capture "))
     assert "inductor cache" in capture and "/ 0 misses" in capture, text2  # every compiled graph from the cache
     assert second["tokens"] == first["tokens"]
+
+
+DEEPGEMM_LOG = """
+    import json, logging
+    logging.basicConfig(level=logging.WARNING)
+    records = []
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append((record.levelname, record.name, record.getMessage()))
+    logging.getLogger("minidsa").addHandler(Keep())
+    logging.getLogger("minidsa.kernels.deepgemm_warmup").setLevel(logging.INFO)
+    from minidsa import LLM, SamplingParams
+    from minidsa.kernels import deepgemm
+    _, status = deepgemm.probe("cuda", deepgemm.GEMM_API)
+    if not status.available:
+        print(json.dumps({"skip": status.reason}))
+        raise SystemExit(0)
+    # bench-dsv32 (FP8 weights) with the MTP layer (speculation) and automatic KV sizing: the activation profile
+    # runs beside a fresh pool, so some of its classes are still building when it reaches them.
+    llm = LLM(model="bench-dsv32:4", progress=False, max_running_requests=8, cuda_graph_max_bs=8,
+              speculative_num_steps=2, enable_compile=False)
+    assert llm.engine.runner.kernels.fp8_gemm == "deepgemm", llm.engine.runner.kernels
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
+    print(json.dumps({"records": records, "tokens": out[0].token_ids}))
+"""
+
+
+def test_deepgemm_start_up_says_once_at_info_which_shapes_it_serves(tmp_path):
+    """Issue 48: classes the pool had not built when the activation profile reached them came out as one WARNING
+    per shape ('Triton GEMM serves (8192, 7168) x (2240, 7168) (DeepGEMM: a shape or dtype it does not take)').
+    Now: no per-shape warning, and one INFO line naming the shapes DeepGEMM serves (the fused q_a|wk|kv_a among
+    them) and the profile's classes Triton ran meanwhile."""
+    got, err = _child(DEEPGEMM_LOG, {"DG_JIT_CACHE_DIR": str(tmp_path / "dg")})
+    if "skip" in got:
+        pytest.skip(f"DeepGEMM's GEMM not usable here: {got['skip']}")
+    records = got["records"]
+    per_shape = [m for level, _, m in records if "Triton GEMM serves" in m and level != "DEBUG"]
+    assert not per_shape, per_shape
+    lines = [(level, m) for level, _, m in records if m.startswith("DeepGEMM FP8 GEMMs")]
+    assert len(lines) == 1 and lines[0][0] == "INFO", records
+    assert "DeepGEMM serves" in lines[0][1] and "2240x7168" in lines[0][1], lines  # 1536 + 128 + 576 rows
+    print("\n" + lines[0][1])  # for the record: which classes the profile ran on Triton beside the pool
+    assert got["tokens"] and len(got["tokens"]) == 4

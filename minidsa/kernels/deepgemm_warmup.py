@@ -1,9 +1,24 @@
-"""DeepGEMM's FP8 GEMM kernels compiled at start-up by a pool of processes, so the engine's own warm-up only
-loads them.
+"""DeepGEMM's start-up warm-up, all of it: its FP8 GEMM kernels compiled by a pool of processes, then loaded (and
+what the pool left compiled) in the engine's process, and the start-up log line saying which weight shapes
+DeepGEMM serves and which the Triton GEMM serves, and why.
 
-DeepGEMM JIT-compiles one kernel per tile choice with nvcc, and the choice follows the GEMM's rows: the start-up warm-up
-(`DeepGEMM.warm_up_fp8_gemms`) runs every row class of every weight shape once, 499 calls for bench-dsv32, one nvcc
-after another (198 s on a fresh H100 before this pool: benchmarks/archive/STARTUP.md). What DeepGEMM's JIT does (its
+The pieces: `gemm_tasks` / `grouped_tasks` (every class serving can ask for), `JitPool` (the processes),
+`Building` (the pool's registry of the classes it has not built yet), `warm_up_fp8_gemms` (the in-process runs),
+`GemmWarmUp` (one model's warm-up, held by the runner). kernels/deepgemm.py, the serving functions, keeps no
+state: while the activation profile runs beside the pool (`GemmWarmUp.beside_pool`), the custom ops
+(kernels/custom_ops.py) reach the pool's registry through `building()`, a context variable set only for the
+profile, and decide before calling DeepGEMM: a dense class still building runs on the Triton GEMM (counted for
+the log line), a grouped one waits (`deepgemm.moe_contiguous`'s `building`). Outside the profile `building()` is
+None: serving never consults it, and engines in one process never see each other's pool. Those profile calls are
+no shape DeepGEMM declines (it takes every projection of DeepSeek-V3.2 and GLM-5 at tensor parallelism 1-8 and
+the MTP layer's, e.g. the fused q_a|wk|kv_a [2240, 7168] and TP=2's dense down [7168, 9216], whose classes a
+slower pool at TP, its CPUs shared by the ranks, had not built yet); they used to reach the console as a WARNING
+per shape, and are now named once, in the INFO line `GemmWarmUp.load` logs (`gemm_summary`).
+
+DeepGEMM JIT-compiles one kernel per tile choice with nvcc, and the choice follows the GEMM's rows: the
+in-process warm-up (`warm_up_fp8_gemms`) runs every row class of every weight shape once, 499 calls for
+bench-dsv32, one nvcc after another (198 s on a fresh H100 before this pool: benchmarks/archive/STARTUP.md). What
+DeepGEMM's JIT does (its
 `csrc/jit/compiler.hpp` on the `dev` branch):
 - kernels live in `$DG_JIT_CACHE_DIR/cache/kernel.<name>.<hash of the generated code and nvcc flags>/`
   (default `~/.deep_gemm`); a kernel is compiled into `tmp/<uuid>` and renamed into place, so processes may
@@ -15,7 +30,7 @@ after another (198 s on a fresh H100 before this pool: benchmarks/archive/STARTU
   scale-transpose kernel per K;
 - nvcc runs in a child process (popen) behind a process-wide kernel map that is not thread-safe, and there is
   no compile-only call: a kernel is compiled by running the GEMM.
-Hence processes: `JitPool` starts `workers` processes (`python -m minidsa.kernels.deepgemm_jit`, one CUDA
+Hence processes: `JitPool` starts `workers` processes (`python -m minidsa.kernels.deepgemm_warmup`, one CUDA
 context each; before the KV cache is sized, so their memory comes back), deals them the (rows, N, K) classes
 from one queue, each class to exactly one process, and each runs it on zero inputs of that shape through
 `deepgemm.run_fp8_gemm`, the call serving makes. The queue interleaves the shapes and spreads each shape's row
@@ -25,7 +40,7 @@ engine's warm-up, which compiles what is missing itself.
 
 The routed experts' contiguous grouped GEMM (`deepgemm.moe_contiguous`, prefill steps) is the same kind of JIT, N,
 K and the expert count compiled in, the tile choice following the rows, which the routing decides: a
-`deepgemm.GroupedRows` task runs every row count serving can hand it, largest first, in one worker (its
+`GroupedRows` task runs every row count serving can hand it, largest first, in one worker (its
 neighbouring row counts share a kernel: one worker compiles it once), every row padding (-1: DeepGEMM multiplies
 nothing). These are dealt out first: the activation profile's MoE waits for its row count (compiled here instead,
 it held the engine's main thread ~15 s with the GIL).
@@ -37,6 +52,8 @@ start with the same tasks, GPU and DeepGEMM build skips the pool while the kerne
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import hashlib
 import json
 import logging
@@ -48,12 +65,12 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
 from minidsa.kernels import deepgemm
-from minidsa.kernels.deepgemm import GroupedRows
+from minidsa.kernels.optional_lib import LibraryCallFailed
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +79,190 @@ TASK_TIMEOUT_S = 600.0  # one class: an nvcc run takes seconds; a worker silent 
 # Per worker: the CUDA context and allocator slack, plus the largest class's tensors (`_task_bytes`).
 WORKER_BASE_BYTES = 1 << 30
 
+
+# ---------------------------------------------------------------- what the warm-up runs
+
+def gemm_row_classes(max_rows: int) -> list[int]:
+    """Every `deepgemm.gemm_rows` value of 1..max_rows."""
+    classes, m = [], 1
+    while m <= max_rows:
+        classes.append(deepgemm.gemm_rows(m))
+        m = classes[-1] + 1
+    return classes
+
+
+def gemm_tasks(weight_shapes: list[tuple[int, int]], max_rows: int) -> list[tuple[int, int, int]]:
+    """(rows, N, K) of every fp8_gemm_nt call serving can make up to `max_rows` rows: each row class DeepGEMM
+    serves (`deepgemm.fp8_gemm_wins`; the Triton GEMM takes the rest) of each distinct [N, K] weight shape it takes
+    (`deepgemm.gemm_unsupported`)."""
+    tasks, seen, classes = [], set(), gemm_row_classes(max_rows)
+    for n, k in weight_shapes:
+        if (n, k) in seen or deepgemm.gemm_unsupported(n, k) is not None:
+            continue
+        seen.add((n, k))
+        tasks += [(rows, n, k) for rows in classes if deepgemm.fp8_gemm_wins(rows, n, k)]
+    return tasks
+
+
+class GroupedRows(NamedTuple):
+    """Every row count `moe_contiguous` can hand the contiguous grouped GEMM for one expert weight [groups, N, K]:
+    the multiples of `step` (DeepGEMM's alignment) from `first` to `last`. DeepGEMM picks the kernel (block N,
+    stages, multicast; N, K and the groups compiled in) from the rows, and the routing decides the rows: the
+    start-up pool (`JitPool`) runs each row count once, so no step compiles one (~15 s of nvcc)."""
+
+    groups: int
+    n: int
+    k: int
+    first: int
+    last: int
+    step: int
+
+    def classes(self) -> list[tuple[int, int, int, int]]:
+        """(rows, N, K, groups) of each row count, largest first (the activation profile's largest step)."""
+        return [(m, self.n, self.k, self.groups) for m in range(self.last, self.first - 1, -self.step)]
+
+
+def grouped_tasks(experts: list[tuple[tuple[int, int, int], int, bool]], alignment: int,
+                  max_tokens: int) -> list[GroupedRows]:
+    """The grouped GEMMs' row ranges of steps of up to `max_tokens` tokens, per distinct expert shape. `experts`:
+    (gate_up_proj's shape [E, 2I, H], top_k, whether every expert is on this rank) of each expert layer DeepGEMM
+    serves."""
+    from minidsa.kernels import moe_layout
+
+    chunk = min(max_tokens, deepgemm.MOE_MAX_CHUNK_TOKENS)
+    tasks: list[GroupedRows] = []
+    for (groups, two_i, hidden), top_k, all_local in experts:
+        # tokens of the smallest call it takes
+        fewest = -(-deepgemm.MOE_CONTIGUOUS_MIN_PAIRS_PER_EXPERT * groups // top_k)
+        if hidden % 128 or two_i % 256 or fewest > chunk:
+            continue  # `moe_contiguous` never takes one
+        last = moe_layout.max_padded_rows(chunk * top_k, groups, alignment)
+        # Each pair has a row unless its expert is on another rank; a step cut into chunks can end in a short one.
+        first = -(-fewest * top_k // alignment) * alignment if all_local and max_tokens <= chunk else alignment
+        for n, k in ((two_i, hidden), (hidden, two_i // 2)):
+            task = GroupedRows(groups, n, k, first, last, alignment)
+            if task not in tasks:
+                tasks.append(task)
+    return tasks
+
+
+def warm_up_fp8_gemms(library: deepgemm.DeepGEMM, weights: list[tuple[torch.Tensor, torch.Tensor]],
+                      max_rows: int) -> int:
+    """Run fp8_gemm_nt once per row class up to `max_rows` for each distinct weight shape (`gemm_tasks`) through
+    the engine's handle, so DeepGEMM has every kernel serving can ask for now: it compiles the ones its disk cache
+    lacks (the pool compiled them beforehand in parallel processes) and loads the rest. Returns the calls made;
+    stops at the first that fails (recorded in `library.failures`; serving then runs the Triton GEMM for each call
+    DeepGEMM fails)."""
+    by_shape = {tuple(w.shape): (w, s) for w, s in reversed(weights)}  # the first weight of each shape
+    calls, x = 0, None
+    for rows, n, k in gemm_tasks([tuple(w.shape) for w, _ in weights], max_rows):
+        weight, scale_inv = by_shape[(n, k)]
+        if x is None or x.shape[1] != k:  # one zero input per weight shape, sliced per class
+            x = torch.zeros(gemm_row_classes(max_rows)[-1], k, dtype=torch.bfloat16, device=weight.device)
+        try:
+            if deepgemm.fp8_gemm_nt(library.module, x[:rows], weight, scale_inv) is None:
+                return calls
+        except LibraryCallFailed as e:
+            library.failures.append(str(e))
+            logger.error("DeepGEMM %s; the Triton FP8 GEMM serves each call DeepGEMM fails", e)
+            return calls
+        calls += 1
+    return calls
+
+
+def _shapes(shapes) -> str:
+    return ", ".join("x".join(map(str, s)) for s in shapes)
+
+
+def gemm_summary(weight_shapes: list[tuple[int, int]], profiled_on_triton: dict[tuple[int, ...], int] | None = None,
+                 grouped: list[GroupedRows] | tuple = ()) -> str:
+    """The start-up log line: which FP8 weight shapes [N, K] DeepGEMM's GEMM serves (and from how many rows),
+    which the Triton GEMM serves and why, the grouped GEMM's expert shapes, and the dense classes the activation
+    profile ran on Triton while the pool was still building them (DeepGEMM serves those from the warm-up on)."""
+    shapes = list(dict.fromkeys(weight_shapes))
+    served = [s for s in shapes if deepgemm.gemm_unsupported(*s) is None]
+    big = [s for s in served if deepgemm.fp8_gemm_wins(1, *s)]
+    parts = []
+    if served:
+        text = (f"DeepGEMM serves {len(served)} FP8 weight shape{'s' * (len(served) != 1)} (N x K: "
+                f"{_shapes(served)}) from {deepgemm.FP8_GEMM_DEEPGEMM_MIN_ROWS} rows")
+        if big:
+            text += f", from 1 row for {_shapes(big)} (measured faster at every size)"
+        parts.append(text + "; Triton serves the calls below that (measured faster there)")
+    for s in shapes:
+        why = deepgemm.gemm_unsupported(*s)
+        if why is not None:
+            parts.append(f"Triton serves {_shapes([s])} ({why})")
+    if grouped:
+        experts = list(dict.fromkeys((t.groups, t.n, t.k) for t in grouped))
+        parts.append(f"DeepGEMM's grouped GEMM serves the routed experts ({_shapes(experts)}) from "
+                     f"{deepgemm.MOE_CONTIGUOUS_MIN_PAIRS_PER_EXPERT} (token, expert) pairs per expert")
+    if profiled_on_triton:
+        classes = sorted(profiled_on_triton)
+        parts.append(f"the activation profile ran {len(classes)} GEMM class{'es' * (len(classes) != 1)} on Triton "
+                     f"while the JIT pool was still building them (rows x N x K: {_shapes(classes)}; the same "
+                     f"output buffer, the same peak), DeepGEMM serves them from the warm-up on")
+    return "DeepGEMM FP8 GEMMs: " + ("; ".join(parts) if parts else "no FP8 weight")
+
+
+# ---------------------------------------------------------------- the pool's registry
+
+class Building:
+    """The GEMM classes a `JitPool` is still building: dense (rows, N, K) and grouped (rows, N, K, groups). The
+    activation profile runs beside the pool, and must neither wait for a whole pool nor compile in this process a
+    kernel a worker is compiling (~15 s of nvcc each, the GIL held): the fp8_linear op runs a dense class still
+    building on the Triton GEMM (`defer`: the same output buffer, the same peak; counted in `deferred` for the
+    start-up log), `deepgemm.moe_contiguous` waits for its grouped classes (the Triton fused MoE's peak is not the
+    one it measures). Empty once the pool has ended. Shared by the pool's feeder threads and the profile's."""
+
+    def __init__(self):
+        self._classes: set[tuple[int, ...]] = set()
+        self._changed = threading.Condition()
+        self.deferred: dict[tuple[int, ...], int] = {}  # dense class -> calls the Triton GEMM served meanwhile
+
+    def add(self, classes) -> None:
+        with self._changed:
+            self._classes.update(classes)
+
+    def finish(self, classes) -> None:
+        """Built, failed or given up: this process runs (or compiles) them itself from now on."""
+        with self._changed:
+            self._classes.difference_update(classes)
+            self._changed.notify_all()
+
+    def wait_for(self, classes) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._classes.isdisjoint(classes))
+
+    def defer(self, cls: tuple[int, ...]) -> bool:
+        """Is `cls` still building? Then this call goes to Triton, and is counted."""
+        with self._changed:
+            if cls not in self._classes:
+                return False
+            self.deferred[cls] = self.deferred.get(cls, 0) + 1
+            return True
+
+    def __contains__(self, cls) -> bool:
+        with self._changed:
+            return cls in self._classes
+
+    def __bool__(self) -> bool:
+        with self._changed:
+            return bool(self._classes)
+
+
+# The registry of the pool the current start-up's activation profile runs beside (`GemmWarmUp.beside_pool`), None
+# elsewhere: a context variable, so it is set only for that profile, in the thread running it.
+_BESIDE_POOL: contextvars.ContextVar[Building | None] = contextvars.ContextVar("deepgemm_beside_pool", default=None)
+
+
+def building() -> Building | None:
+    """The classes the pool this start-up's activation profile runs beside is still building; None outside that
+    profile (serving). The custom ops ask it before they hand a class to DeepGEMM."""
+    return _BESIDE_POOL.get()
+
+
+# ---------------------------------------------------------------- the pool of processes
 
 def cache_dir() -> str:
     """DeepGEMM's JIT cache directory, as its compiler resolves it."""
@@ -176,7 +377,7 @@ class JitReport:
 
 
 def _classes(task: Task | GroupedRows) -> list[tuple[int, ...]]:
-    """The classes (`deepgemm.BUILDING`'s keys) a queued task builds."""
+    """The classes (`Building`'s keys) a queued task builds."""
     return task.classes() if isinstance(task, GroupedRows) else [task]
 
 
@@ -194,7 +395,7 @@ class _Worker:
         self.stderr = tempfile.TemporaryFile()
         # Unbuffered: `_read` selects on the pipe, so no reply may wait in a buffer of this process (a grouped task
         # answers many lines at once).
-        self.proc = subprocess.Popen([sys.executable, "-m", "minidsa.kernels.deepgemm_jit", device], bufsize=0,
+        self.proc = subprocess.Popen([sys.executable, "-m", "minidsa.kernels.deepgemm_warmup", device], bufsize=0,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=env)
 
     def stderr_tail(self, lines: int = 3) -> str:
@@ -277,8 +478,8 @@ class _Worker:
 class JitPool:
     """`workers` processes running `tasks` (dense classes) and `grouped` (grouped-GEMM row ranges) on `device`
     (DeepGEMM's cache: `cache_dir()`, inherited through the environment), so the kernels they need are on disk,
-    while this process goes on: `start`, then `join`. Until a class has run, `deepgemm.BUILDING` holds it (this
-    process's dense calls of it go to the Triton GEMM, its grouped calls wait). The grouped ranges are dealt out
+    while this process goes on: `start`, then `join`. Until a class has run, `building` holds it (the activation
+    profile's dense calls of it go to the Triton GEMM, its grouped calls wait). The grouped ranges are dealt out
     first, then `first` (dense classes the engine runs while the pool works), then the rest. Never raises for a
     failing worker or class: the report lists them, `unbuilt` holds the grouped ranges not wholly built, and the
     caller's warm-up compiles what is missing."""
@@ -287,6 +488,7 @@ class JitPool:
                  first: list[Task] | tuple = (), grouped: list[GroupedRows] | tuple = ()):
         self.tasks, self.grouped = tasks, list(grouped)
         self.classes = [c for t in [*self.grouped, *tasks] for c in _classes(t)]
+        self.building = Building()
         self.report = JitReport(tasks=len(tasks), grouped=len(self.classes) - len(tasks),
                                 workers=min(workers, len(tasks) + len(self.grouped)))
         if device.type == "cuda" and device.index is None:
@@ -315,7 +517,7 @@ class JitPool:
             report.skipped = "no worker processes (MINIDSA_DEEPGEMM_WORKERS=0, or no GPU memory free for one)"
             return self
         self._start = time.perf_counter()
-        deepgemm.BUILDING.add(self.classes)
+        self.building.add(self.classes)
         from tqdm.auto import tqdm
 
         self._bar = tqdm(total=len(self.classes), desc="DeepGEMM JIT", unit="class",
@@ -344,7 +546,7 @@ class JitPool:
         if not built:
             with self._lock:
                 self._failed.update(classes)
-        deepgemm.BUILDING.finish(classes)  # built (or failed: the engine's process compiles it when it runs it)
+        self.building.finish(classes)  # built (or failed: the engine's process compiles it when it runs it)
         self._bar.update(len(classes))
 
     def _alive(self) -> bool:
@@ -383,7 +585,7 @@ class JitPool:
         self.join()
 
     def _stop(self) -> None:
-        deepgemm.BUILDING.finish(self.classes)
+        self.building.finish(self.classes)
         interrupted = self._alive()  # do not wait for the compilers
         for w in self._workers:  # all at once: one after another, 16 exits took ~10 s on an H100
             if interrupted:
@@ -400,7 +602,8 @@ class GemmWarmUp:
     """DeepGEMM's GEMM kernels for one model at start-up: `start_pool` / `finish_pool` (before the KV cache is
     allocated) build what the disk cache lacks in worker processes, `load` (the engine's warm-up) runs every dense
     class in this process through the engine's DeepGEMM handle, compiling only what the pool left, and the grouped
-    row counts the pool did not build; each returns its start-up log detail. `experts`: ((gate_up_proj, its
+    row counts the pool did not build, then logs `summary` (one INFO line); each returns its start-up log detail.
+    `beside_pool`: the context the activation profile runs in while the pool works. `experts`: ((gate_up_proj, its
     scales), (down_proj, its scales), top_k, every expert on this rank) of each expert layer DeepGEMM's grouped
     GEMM serves."""
 
@@ -410,10 +613,10 @@ class GemmWarmUp:
                  | tuple = ()):
         self.weights, self.max_rows, self.device, self.share, self.workers = weights, max_rows, device, share, workers
         self.library = library
-        self.tasks = deepgemm.gemm_tasks([tuple(w.shape) for w, _ in weights], max_rows)
+        self.tasks = gemm_tasks([tuple(w.shape) for w, _ in weights], max_rows)
         contiguous = deepgemm.grouped_contiguous(library.module) if experts else None
         shapes = [(tuple(gate_up[0].shape), top_k, all_local) for gate_up, _, top_k, all_local in experts]
-        self.grouped = deepgemm.grouped_tasks(shapes, contiguous[1], max_rows) if contiguous else []
+        self.grouped = grouped_tasks(shapes, contiguous[1], max_rows) if contiguous else []
         # The served weights, which the in-process runs of `load` use (no copy: the KV cache has the memory by then).
         self.expert_weights = {tuple(w.shape): (w, sc) for gate_up, down, _, _ in experts for w, sc in (gate_up, down)}
         self.manifest = manifest_path([*self.tasks, *self.grouped], device)
@@ -435,7 +638,7 @@ class GemmWarmUp:
     def start_pool(self, first_rows: list[int] | tuple = (), progress: bool = True) -> None:
         """Start compiling what the disk cache lacks in worker processes, and return: the engine goes on beside
         them, its dense calls of classes not built yet served by the Triton GEMM and its grouped ones waiting
-        (`deepgemm.BUILDING`), and calls `finish_pool` before sizing the KV cache, as the workers' CUDA contexts
+        (`beside_pool`), and calls `finish_pool` before sizing the KV cache, as the workers' CUDA contexts
         hold GPU memory. `first_rows`: the token counts of the steps the engine runs meanwhile; their dense classes
         are dealt out first, after the grouped ranges."""
         if self.pool is not None or manifest_complete(self.manifest):
@@ -450,6 +653,21 @@ class GemmWarmUp:
             workers = worker_count(self.tasks, self.device, self.share, self.workers)
         self.pool = JitPool(self.tasks, self.device, workers, progress, first=[t for t in self.tasks if t[0] in first],
                             grouped=grouped).start()
+
+    @contextlib.contextmanager
+    def beside_pool(self):
+        """While the activation profile runs beside the pool: its custom ops see the pool's registry
+        (`building()`), so a dense class still building runs on the Triton GEMM and a grouped one waits."""
+        token = _BESIDE_POOL.set(self.pool.building if self.pool is not None else None)
+        try:
+            yield
+        finally:
+            _BESIDE_POOL.reset(token)
+
+    def summary(self) -> str:
+        """The start-up log line (`gemm_summary`) for this model's weights and what its profile ran on Triton."""
+        deferred = self.pool.building.deferred if self.pool is not None else None
+        return gemm_summary([tuple(w.shape) for w, _ in self.weights], deferred, self.grouped)
 
     def finish_pool(self) -> str:
         """Wait for the pool and stop it; its start-up log detail."""
@@ -483,7 +701,7 @@ class GemmWarmUp:
         before = cached_kernels()
         failures = len(self.library.failures)
         start = time.perf_counter()
-        calls = self.library.warm_up_fp8_gemms(self.weights, self.max_rows)
+        calls = warm_up_fp8_gemms(self.library, self.weights, self.max_rows)
         grouped_failed, grouped_run = [], 0
         for task in self._grouped_left():
             weight, scale = self.expert_weights[(task.groups, task.n, task.k)]
@@ -506,6 +724,7 @@ class GemmWarmUp:
             logger.error("DeepGEMM's grouped GEMM failed at %d row counts, the first: %s; the Triton fused MoE serves "
                          "each call it fails", len(grouped_failed), grouped_failed[0])
             text += f"; the grouped GEMM failed at {len(grouped_failed)} row counts"
+        logger.info("%s", self.summary())  # the one line on which shapes DeepGEMM serves and which Triton does
         return text
 
 
