@@ -308,9 +308,11 @@ def test_bf16_prefill_served_from_one_wave(sm90, monkeypatch):
 @pytest.mark.parametrize("heads", [32, 16])
 def test_fewer_heads_are_padded_to_64(sm90, monkeypatch, heads):
     """32 or 16 heads per rank: FlashMLA sees 64 (zero queries in the padding), the op returns the rank's heads,
-    equal to the reference; FP8 decode and bf16 prefill alike."""
+    equal to the reference; FP8 decode and bf16 prefill alike (small FP8 decode batches at 16 heads go to Triton:
+    lowered here so that the padding is what runs)."""
     calls: dict = {}
     _with_module(monkeypatch, make_stand_in(calls))
+    monkeypatch.setattr(flashmla, "FP8_QUARTER_HEADS_MIN_TOKENS", 1)
     ops = _ops()
     case = _case(11, 3, heads=heads)
     got = ops.sparse_mla(*case)
@@ -327,6 +329,15 @@ def test_fewer_heads_are_padded_to_64(sm90, monkeypatch, heads):
     assert seen.shape == (8, 64, LATENT + ROPE)
     assert torch.equal(seen[:, :heads], case[0]) and not seen[:, heads:].any()
     assert flashmla.flashmla_wins(8, heads, False, torch.device("cpu"))
+
+
+def test_fp8_decode_at_16_heads_takes_flashmla_from_its_measured_batch():
+    """Padded 4x, FlashMLA lost to Triton at 1 and 16 query tokens and won at 64 (H200); padded 2x it won at all."""
+    cpu = torch.device("cpu")
+    n = flashmla.FP8_QUARTER_HEADS_MIN_TOKENS
+    assert not flashmla.flashmla_wins(n - 1, 16, True, cpu) and flashmla.flashmla_wins(n, 16, True, cpu)
+    assert flashmla.flashmla_wins(1, 32, True, cpu) and flashmla.flashmla_wins(1, 64, True, cpu)
+    assert not flashmla.flashmla_wins(0, 32, True, cpu)
 
 
 @in_this_process

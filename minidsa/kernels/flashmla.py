@@ -135,11 +135,21 @@ def unsupported(q: torch.Tensor, kv_cache: torch.Tensor, topk: int, v_dim: int) 
     return None
 
 
+# FP8 decode with 16 heads per rank padded to 64 (4x the MMA work of the real heads): FlashMLA from this many query
+# tokens on, the Triton kernel below. H200, bench_mla's padded section (benchmarks/kernels/mla_padded_h200_8af7fc2.json):
+# Triton 0.017 / 0.032 ms at 1 / 16 tokens against FlashMLA's 0.021 / 0.038; FlashMLA 0.088 against 0.116 at 64.
+# At 32 heads (2x) FlashMLA was faster at every batch measured (1, 16, 64).
+FP8_QUARTER_HEADS_MIN_TOKENS = 64
+
+
 def flashmla_wins(num_tokens: int, heads: int, fp8_cache: bool, device: torch.device) -> bool:
-    """Should FlashMLA serve this supported call? FP8 decode: always (0.181 vs 0.369 ms at B=128, 378 vs 174 TFLOP/s
-    at B=64, H100, bench_mla: benchmarks/kernels/mla_fp8_h100.md). bf16 prefill: from one wave of its (token,
-    64-head) CTAs on. `heads` per rank as the caller has them (a padded count runs 64: one CTA a token)."""
+    """Should FlashMLA serve this supported call? FP8 decode: always at 32 heads or more (0.181 vs 0.369 ms at B=128,
+    378 vs 174 TFLOP/s at B=64, H100, bench_mla: benchmarks/kernels/mla_fp8_h100.md), from
+    `FP8_QUARTER_HEADS_MIN_TOKENS` on at 16 or fewer. bf16 prefill: from one wave of its (token, 64-head) CTAs on.
+    `heads` per rank as the caller has them (a padded count runs 64: one CTA a token)."""
     if fp8_cache:
+        if heads * 4 <= PAD_HEADS_TO:
+            return num_tokens >= FP8_QUARTER_HEADS_MIN_TOKENS
         return num_tokens > 0
     return num_tokens * ((padded_heads(heads) or heads) // HEADS_PER_CTA) >= num_sms(device)
 

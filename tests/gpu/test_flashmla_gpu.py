@@ -115,11 +115,12 @@ def test_padded_heads_reach_flashmla(caches, heads, monkeypatch):
     for name in ("flash_mla_with_kvcache", "flash_mla_sparse_fwd"):
         real = getattr(MODULE, name)
         monkeypatch.setattr(MODULE, name, lambda q, *a, _real=real, **k: seen.append(q.shape) or _real(q, *a, **k))
-    q, idx = _inputs(8, heads, 5)
-    assert OP(q, fp8, idx, D_KV**-0.5, D_V).shape == (8, heads, D_V)
+    n = flashmla.FP8_QUARTER_HEADS_MIN_TOKENS  # FP8 decode at 16 heads: FlashMLA from this batch on
+    q, idx = _inputs(n, heads, 5)
+    assert OP(q, fp8, idx, D_KV**-0.5, D_V).shape == (n, heads, D_V)
     q, idx = _inputs(4096, heads, 6)
     assert OP(q, bf16, idx, D_KV**-0.5, D_V).shape == (4096, heads, D_V)
-    assert seen == [(8, 1, 64, D_KV), (4096, 64, D_KV)]
+    assert seen == [(n, 1, 64, D_KV), (4096, 64, D_KV)]
 
 
 @pytest.mark.parametrize("heads", [128, 32])
