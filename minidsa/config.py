@@ -515,6 +515,9 @@ class EngineConfig:
     enable_expert_parallel: bool = _arg(False, "with tensor parallelism, place routed experts whole "
                                         "(n_routed_experts / tp per rank) instead of splitting each expert's "
                                         "intermediate dimension")
+    use_custom_all_reduce: bool = _arg(True, "with tensor parallelism on GPUs that reach each other peer to peer, "
+                                       "do not serve small all-reduces with minidsa's one-shot kernel over CUDA IPC "
+                                       "buffers: NCCL serves every size")
     distributed_executor_backend: str = _arg("auto", "mp = one process per rank (also at --tp 1: the distributed "
                                              "code path), uni = one process; auto = mp when --tp > 1")
     tokenizer: str | None = _arg(None, "tokenizer directory or name; default: the checkpoint's, or the DeepSeek-V3 "
