@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from minidsa.kernels import allreduce as kernel
-from minidsa.kernels import custom_ops  # noqa: F401 - registers torch.ops.minidsa.all_reduce, which TensorParallel calls
+from minidsa.kernels import custom_ops  # noqa: F401 - registers minidsa::all_reduce (TensorParallel calls it)
 
 logger = logging.getLogger(__name__)
 
