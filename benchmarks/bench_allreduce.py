@@ -13,8 +13,10 @@ NVSHMEM_DISABLE_NVLS=1 are set here where unset, never turned on), and for rows 
 Prints a table and writes allreduce_<gpu>_x<ranks>_<commit>.json (device, date, commit, environment, per-size us,
 and `recommended_max_bytes`: the largest size up to which the one-shot kernel is faster at every measured size,
 the value for `ONE_SHOT_MAX_BYTES` in minidsa/kernels/allreduce.py) into --out. Under 3 minutes on 2-4 GPUs.
+--torch-symm-mem adds torch's symmetric-memory all-reduces that need no multicast (`one_shot_all_reduce_copy`, and
+`two_shot_all_reduce_out` after a copy into the symmetric buffer) as columns, for comparison.
 
-    python benchmarks/bench_allreduce.py [--ranks 2 4] [--rows 1 2 4 ...] [--out DIR]
+    python benchmarks/bench_allreduce.py [--ranks 2 4] [--rows 1 2 4 ...] [--torch-symm-mem] [--out DIR]
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, result_path: str) -> 
         return torch.ops.minidsa.all_reduce(t, group_name, peer.buffer_ptrs, peer.signal_ptrs, peer.rank, peer.world,
                                             peer.capacity, peer.max_bytes)
 
+    torch_paths, symm_why = _torch_symm_mem(args, device, group_name, world, control)
     rows_out = []
     for rows in args.rows:
         g = torch.Generator(device=device).manual_seed(1000 * rank + rows)
@@ -143,6 +146,10 @@ def _rank(rank: int, world: int, args: argparse.Namespace, result_path: str) -> 
         ok = exact and bool((err <= sum(t.float().abs() for t in every) * 2.0**-7).all())
         # timing, inside CUDA graphs, interleaved path by path
         graphs = {"nccl": _capture(nccl, x, args.per_graph), "one_shot": _capture(one_shot, x, args.per_graph)}
+        torch_diff = {}
+        for name, fn in torch_paths.items():  # torch's symmetric-memory ops (--torch-symm-mem), for comparison
+            torch_diff[name] = (fn(x).float() - ref.float()).abs().max().item()
+            graphs[name] = _capture(fn, x, args.per_graph)
         for graph in graphs.values():
             graph.replay()
         times = {name: [] for name in graphs}
@@ -154,6 +161,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace, result_path: str) -> 
         del graphs
         torch.cuda.synchronize()
         rows_out.append(dict(rows=rows, bytes=rows * HIDDEN * 2, nccl_us=med["nccl"], one_shot_us=med["one_shot"],
+                             **{f"{name}_us": med[name] for name in torch_paths},
+                             **{f"{name}_max_abs_diff_vs_nccl": d for name, d in torch_diff.items()},
                              exact_vs_fp32_sum=exact, max_abs_diff_vs_nccl=diff, ok=ok))
     gathered = [None] * world
     dist.all_gather_object(gathered, rows_out, group=control)
@@ -165,11 +174,49 @@ def _rank(rank: int, world: int, args: argparse.Namespace, result_path: str) -> 
                               one_shot_us=max(p["one_shot_us"] for p in per),
                               exact_vs_fp32_sum=all(p["exact_vs_fp32_sum"] for p in per),
                               max_abs_diff_vs_nccl=max(p["max_abs_diff_vs_nccl"] for p in per),
-                              ok=all(p["ok"] for p in per)))
+                              ok=all(p["ok"] for p in per),
+                              **{f"{name}_us": max(p[f"{name}_us"] for p in per) for name in torch_paths}))
         with open(result_path, "w") as f:
-            json.dump(dict(results=worst, capacity=peer.capacity, default_max_bytes=kernel.ONE_SHOT_MAX_BYTES), f)
+            json.dump(dict(results=worst, capacity=peer.capacity, default_max_bytes=kernel.ONE_SHOT_MAX_BYTES,
+                           torch_symm_mem=symm_why), f)
     barrier()
     dist.destroy_process_group()
+
+
+def _torch_symm_mem(args, device, group_name: str, world: int, control) -> tuple[dict, str | None]:
+    """torch's symmetric-memory all-reduces that need no multicast (`symm_mem.one_shot_all_reduce_copy`, and
+    `two_shot_all_reduce_out` after a copy into the symmetric buffer), where --torch-symm-mem asks for them:
+    ({name: fn}, None) or ({}, why not), the same on every rank."""
+    if not args.torch_symm_mem:
+        return {}, "not measured (--torch-symm-mem)"
+    import torch.distributed as dist
+
+    buf, why = None, None
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch, a no-op or absent later
+            symm_mem.enable_symm_mem_for_group(group_name)
+        buf = symm_mem.empty(max(args.rows) * HIDDEN, dtype=torch.bfloat16, device=device)
+        symm_mem.rendezvous(buf, group_name)
+        why = f"backend {symm_mem.get_backend(device) if hasattr(symm_mem, 'get_backend') else '?'}"
+    except Exception as e:  # noqa: BLE001
+        why = f"unavailable: {type(e).__name__}: {e}"
+    every = [None] * world
+    dist.all_gather_object(every, why, group=control)
+    bad = [w for w in every if w.startswith("unavailable")]
+    if bad:
+        return {}, bad[0]
+
+    def torch_one_shot(t):
+        return torch.ops.symm_mem.one_shot_all_reduce_copy(buf[:t.numel()].view_as(t), t, "sum", group_name)
+
+    def torch_two_shot(t):
+        staged = buf[:t.numel()].view_as(t)
+        staged.copy_(t)
+        return torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", group_name, torch.empty_like(t))
+
+    return {"torch_one_shot": torch_one_shot, "torch_two_shot": torch_two_shot}, why
 
 
 def recommended_max_bytes(results: list[dict]) -> int:
@@ -209,6 +256,8 @@ def main(argv=None) -> int:
     p.add_argument("--per-graph", type=int, default=20, help="chained all-reduces in one CUDA graph")
     p.add_argument("--replays", type=int, default=200, help="timed replays per path and size")
     p.add_argument("--batch", type=int, default=10, help="replays back to back between two host barriers")
+    p.add_argument("--torch-symm-mem", action="store_true",
+                   help="also time torch's symmetric-memory one-shot and two-shot all-reduces (no multicast)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     for k, v in NO_MULTICAST.items():
@@ -229,12 +278,16 @@ def main(argv=None) -> int:
         rec = recommended_max_bytes(results)
         print(f"\n{name} x{world}, CUDA graphs of {args.per_graph} chained all-reduces, us per all-reduce "
               f"(slowest rank's median), {time.monotonic() - t0:.0f} s")
-        print(f"{'rows':>5} {'bytes':>9} {'NCCL':>8} {'one-shot':>9} {'speed-up':>9}  check")
+        extra = [k[:-3] for k in results[0] if k.startswith("torch_") and k.endswith("_us")]
+        print(f"{'rows':>5} {'bytes':>9} {'NCCL':>8} {'one-shot':>9} {'speed-up':>9} "
+              + "".join(f"{e:>15}" for e in extra) + "  check")
         for r in results:
             check = "ok" if r["ok"] else \
                 f"FAILED (exact {r['exact_vs_fp32_sum']}, vs NCCL {r['max_abs_diff_vs_nccl']:.3g})"
             print(f"{r['rows']:>5} {r['bytes']:>9} {r['nccl_us']:>8.2f} {r['one_shot_us']:>9.2f} "
-                  f"{r['nccl_us'] / r['one_shot_us']:>8.2f}x  {check}")
+                  f"{r['nccl_us'] / r['one_shot_us']:>8.2f}x " + "".join(f"{r[e + '_us']:>15.2f}" for e in extra)
+                  + f"  {check}")
+        print(f"torch symmetric memory: {res['torch_symm_mem']}")
         print(f"recommended ONE_SHOT_MAX_BYTES at {world} ranks: {rec} ({rec // (HIDDEN * 2)} rows x {HIDDEN} bf16); "
               f"now {res['default_max_bytes']}")
         status |= 0 if all(r["ok"] for r in results) else 2
@@ -243,7 +296,7 @@ def main(argv=None) -> int:
                       triton=_version("triton"), env={k: os.environ.get(k) for k in NO_MULTICAST},
                       hidden=HIDDEN, dtype="bfloat16", per_graph=args.per_graph, replays=args.replays,
                       batch=args.batch, results=results, recommended_max_bytes=rec,
-                      current_max_bytes=res["default_max_bytes"],
+                      current_max_bytes=res["default_max_bytes"], torch_symm_mem=res["torch_symm_mem"],
                       command=" ".join([os.path.basename(sys.executable), *sys.argv]))
         short = name.replace("NVIDIA ", "").split()[0].lower()
         path = os.path.join(args.out, f"allreduce_{short}_x{world}_{commit}.json")

@@ -54,10 +54,10 @@ class RankFacts:
 def uniform_reason(world: int, device: torch.device, enabled: bool) -> str | None:
     """Why the kernel cannot serve, from what every rank of the group has alike (the engine's settings, the device
     type, the group's size): decided without a round. None: ask the group."""
-    if not enabled:
-        return "turned off (use_custom_all_reduce=False)"
     if world < 2:
         return "a group of one rank"
+    if not enabled:
+        return "turned off (use_custom_all_reduce=False)"
     if world > kernel.MAX_WORLD:
         return f"{world} ranks (the kernel takes at most {kernel.MAX_WORLD})"
     if device.type != "cuda":
