@@ -148,7 +148,7 @@ def _one_shot_all_reduce_kernel(x_ptr, out_ptr, buffer_ptrs, signal_ptrs, n, ran
         for r in tl.static_range(WORLD):
             staging = tl.multiple_of(tl.load(buffer_ptrs + r).to(tl.pointer_type(dtype)) + half, 16)
             acc += tl.load(staging + idx, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        tl.store(out_ptr + idx, acc.to(dtype, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(out_ptr + idx, acc.to(dtype), mask=mask)
     # 5. the last program of this launch to finish advances the epoch for the next launch
     if tl.atomic_add(own_signals + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
         tl.atomic_xchg(own_signals + 1, 0, sem="relaxed", scope="gpu")

@@ -141,10 +141,13 @@ def _tokens(**kw):
 
     from minidsa import LLM, SamplingParams
 
-    llm = LLM(model="bench-dsv32:4", progress=False, max_running_requests=8, cuda_graph_max_bs=8,
-              max_total_tokens=16384, max_model_len=2048, tensor_parallel_size=2, **kw)
+    # fp32 and the full-precision indexer, as tests/gpu/test_tensor_parallel_gpu.py: run-to-run exact at TP=2
+    llm = LLM(model="bench-dsv32:4", progress=False, max_running_requests=8, cuda_graph_max_bs=8, dtype="float32",
+              indexer_cache_dtype="model", max_total_tokens=16384, max_model_len=2048, tensor_parallel_size=2, **kw)
     try:
-        served = llm.engine.runner.ranks.all_reduce
+        ranks = llm.engine.runner.ranks
+        served = ranks.all_reduce
+        assert ranks.tp.peer is served.buffers  # what the model's layers were built with
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(2, 120000, (300 + 7 * i,), generator=g).tolist() for i in range(4)]
         outs = [o.token_ids for o in llm.generate(prompts, SamplingParams(**PARAMS))]
@@ -158,8 +161,9 @@ def _tokens(**kw):
 
 
 def test_tp2_engine_with_the_one_shot_kernel_gives_nccls_tokens():
-    """At 2 ranks the kernel's fp32 sum of two bf16 values rounded once is NCCL's result bit for bit: the same greedy
-    tokens, decode (graphs, compiled layers) through the kernel, prefill above the threshold through NCCL."""
+    """At 2 ranks the kernel's sum of two values (in fp32, rounded once) is NCCL's result bit for bit: the same greedy
+    tokens, decode (graphs, compiled layers: fp32 rows of 28 KB) through the kernel, prefill (300 rows, 8.6 MB) above
+    the threshold through NCCL."""
     nccl, served = _tokens(use_custom_all_reduce=False)
     assert served.buffers is None and "turned off" in served.why
     one_shot, served = _tokens()
