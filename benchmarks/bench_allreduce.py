@@ -13,16 +13,18 @@ NVSHMEM_DISABLE_NVLS=1 are set here where unset, never turned on), and for rows 
 Prints a table and writes allreduce_<gpu>_x<ranks>_<commit>.json (device, date, commit, environment, per-size us,
 and `recommended_max_bytes`: the largest size up to which the one-shot kernel is faster at every measured size,
 the value for `ONE_SHOT_MAX_BYTES` in minidsa/kernels/allreduce.py) into --out. Under 3 minutes on 2-4 GPUs.
+--sweep adds other launches of the kernel (tile, warps, programs) as columns, for tuning `Launch`;
 --torch-symm-mem adds torch's symmetric-memory all-reduces that need no multicast (`one_shot_all_reduce_copy`, and
 `two_shot_all_reduce_out` after a copy into the symmetric buffer) as columns, for comparison.
 
-    python benchmarks/bench_allreduce.py [--ranks 2 4] [--rows 1 2 4 ...] [--torch-symm-mem] [--out DIR]
+    python benchmarks/bench_allreduce.py [--ranks 2 4] [--rows 1 2 4 ...] [--sweep] [--torch-symm-mem] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import socket
@@ -127,6 +129,11 @@ def _rank(rank: int, world: int, args: argparse.Namespace, result_path: str) -> 
                                             peer.capacity, peer.max_bytes)
 
     torch_paths, symm_why = _torch_symm_mem(args, device, group_name, world, control)
+    extra_paths = {**torch_paths}
+    for launch in (_launches() if args.sweep else ()):  # other launches of the kernel (--sweep)
+        extra_paths[_label(launch)] = functools.partial(
+            lambda t, launch: kernel.one_shot_all_reduce(t, peer.buffer_ptrs, peer.signal_ptrs, peer.rank,
+                                                         peer.world, peer.capacity, launch=launch), launch=launch)
     rows_out = []
     for rows in args.rows:
         g = torch.Generator(device=device).manual_seed(1000 * rank + rows)
@@ -146,9 +153,9 @@ def _rank(rank: int, world: int, args: argparse.Namespace, result_path: str) -> 
         ok = exact and bool((err <= sum(t.float().abs() for t in every) * 2.0**-7).all())
         # timing, inside CUDA graphs, interleaved path by path
         graphs = {"nccl": _capture(nccl, x, args.per_graph), "one_shot": _capture(one_shot, x, args.per_graph)}
-        torch_diff = {}
-        for name, fn in torch_paths.items():  # torch's symmetric-memory ops (--torch-symm-mem), for comparison
-            torch_diff[name] = (fn(x).float() - ref.float()).abs().max().item()
+        extra_diff = {}
+        for name, fn in extra_paths.items():  # torch's symmetric-memory ops, other launches: for comparison
+            extra_diff[name] = (fn(x).float() - ref.float()).abs().max().item()
             graphs[name] = _capture(fn, x, args.per_graph)
         for graph in graphs.values():
             graph.replay()
@@ -161,8 +168,8 @@ def _rank(rank: int, world: int, args: argparse.Namespace, result_path: str) -> 
         del graphs
         torch.cuda.synchronize()
         rows_out.append(dict(rows=rows, bytes=rows * HIDDEN * 2, nccl_us=med["nccl"], one_shot_us=med["one_shot"],
-                             **{f"{name}_us": med[name] for name in torch_paths},
-                             **{f"{name}_max_abs_diff_vs_nccl": d for name, d in torch_diff.items()},
+                             **{f"{name}_us": med[name] for name in extra_paths},
+                             **{f"{name}_max_abs_diff_vs_nccl": d for name, d in extra_diff.items()},
                              exact_vs_fp32_sum=exact, max_abs_diff_vs_nccl=diff, ok=ok))
     gathered = [None] * world
     dist.all_gather_object(gathered, rows_out, group=control)
@@ -175,12 +182,25 @@ def _rank(rank: int, world: int, args: argparse.Namespace, result_path: str) -> 
                               exact_vs_fp32_sum=all(p["exact_vs_fp32_sum"] for p in per),
                               max_abs_diff_vs_nccl=max(p["max_abs_diff_vs_nccl"] for p in per),
                               ok=all(p["ok"] for p in per),
-                              **{f"{name}_us": max(p[f"{name}_us"] for p in per) for name in torch_paths}))
+                              **{f"{name}_us": max(p[f"{name}_us"] for p in per) for name in extra_paths},
+                              **{f"{name}_max_abs_diff_vs_nccl": max(p[f"{name}_max_abs_diff_vs_nccl"] for p in per)
+                                 for name in extra_paths}))
         with open(result_path, "w") as f:
             json.dump(dict(results=worst, capacity=peer.capacity, default_max_bytes=kernel.ONE_SHOT_MAX_BYTES,
-                           torch_symm_mem=symm_why), f)
+                           torch_symm_mem=symm_why, default_launch=_label(kernel.DEFAULT_LAUNCH)), f)
     barrier()
     dist.destroy_process_group()
+
+
+def _label(launch) -> str:
+    return f"b{launch.block}w{launch.num_warps}p{launch.max_programs}"
+
+
+def _launches():
+    from minidsa.kernels.allreduce import Launch
+
+    return (Launch(512, 2, 64), Launch(1024, 4, 64), Launch(1024, 4, 128), Launch(2048, 8, 32),
+            Launch(2048, 8, 128), Launch(4096, 8, 64), Launch(4096, 16, 128))
 
 
 def _torch_symm_mem(args, device, group_name: str, world: int, control) -> tuple[dict, str | None]:
@@ -256,6 +276,8 @@ def main(argv=None) -> int:
     p.add_argument("--per-graph", type=int, default=20, help="chained all-reduces in one CUDA graph")
     p.add_argument("--replays", type=int, default=200, help="timed replays per path and size")
     p.add_argument("--batch", type=int, default=10, help="replays back to back between two host barriers")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time other launches of the kernel (tile, warps, programs: kernels/allreduce.py Launch)")
     p.add_argument("--torch-symm-mem", action="store_true",
                    help="also time torch's symmetric-memory one-shot and two-shot all-reduces (no multicast)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -278,7 +300,7 @@ def main(argv=None) -> int:
         rec = recommended_max_bytes(results)
         print(f"\n{name} x{world}, CUDA graphs of {args.per_graph} chained all-reduces, us per all-reduce "
               f"(slowest rank's median), {time.monotonic() - t0:.0f} s")
-        extra = [k[:-3] for k in results[0] if k.startswith("torch_") and k.endswith("_us")]
+        extra = [k[:-3] for k in results[0] if k.endswith("_us") and k not in ("nccl_us", "one_shot_us")]
         print(f"{'rows':>5} {'bytes':>9} {'NCCL':>8} {'one-shot':>9} {'speed-up':>9} "
               + "".join(f"{e:>15}" for e in extra) + "  check")
         for r in results:
@@ -296,7 +318,8 @@ def main(argv=None) -> int:
                       triton=_version("triton"), env={k: os.environ.get(k) for k in NO_MULTICAST},
                       hidden=HIDDEN, dtype="bfloat16", per_graph=args.per_graph, replays=args.replays,
                       batch=args.batch, results=results, recommended_max_bytes=rec,
-                      current_max_bytes=res["default_max_bytes"], torch_symm_mem=res["torch_symm_mem"],
+                      current_max_bytes=res["default_max_bytes"], launch=res["default_launch"],
+                      torch_symm_mem=res["torch_symm_mem"],
                       command=" ".join([os.path.basename(sys.executable), *sys.argv]))
         short = name.replace("NVIDIA ", "").split()[0].lower()
         path = os.path.join(args.out, f"allreduce_{short}_x{world}_{commit}.json")

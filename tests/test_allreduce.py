@@ -39,8 +39,13 @@ def test_serves_up_to_the_threshold():
 def test_grid_is_a_function_of_the_size():
     assert k.grid_for(1) == 1
     assert k.grid_for(7168) == 4
-    assert k.grid_for(64 * 7168) == k.MAX_PROGRAMS
-    assert k.MAX_PROGRAMS < 132  # every program resident at once on an H200 (they wait for their peers)
+    assert k.grid_for(64 * 7168) == k.MAX_PROGRAMS <= k.SLOT_PROGRAMS
+    assert k.MAX_PROGRAMS < 132  # under an H200's SMs (a program waits for its peers to run)
+    assert k.grid_for(64 * 7168, k.Launch(block=1024, num_warps=4, max_programs=128)) == 128
+    with pytest.raises(ValueError):
+        k.Launch(max_programs=k.SLOT_PROGRAMS + 1)
+    with pytest.raises(ValueError):
+        k.Launch(block=3000)
 
 
 def test_buffers_layout_and_checks():

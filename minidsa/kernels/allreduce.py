@@ -30,8 +30,10 @@ Why two staging halves: a rank may start call n + 1 (and overwrite its staging) 
 its call-n data; it cannot start call n + 2 before every peer has finished call n (it saw each peer's program 0
 announce call n + 1, and a launch starts only after the previous one on its stream finished: PDL's wait is this
 kernel's first statement). So halves n % 2 and (n + 1) % 2 never meet a reader of the other call. The programs of
-one launch never wait for each other, only for the same program of the peers, so at most `MAX_PROGRAMS` (fewer
-than the SMs) must be resident at once on each GPU.
+one launch never wait for each other, only for the same program of the peers: each program's peers must come to
+run alongside it, which they do with at most `SLOT_PROGRAMS` programs of 4-8 warps (a few per SM at most) and no
+other kernel holding the SMs (the launch before finished; the launch after cannot start before this one's programs
+exit: no program triggers its dependents early).
 
 Every rank must issue the same all-reduces in the same order with the same sizes (as with NCCL): the grid, and so
 which slots are used, is a function of the size alone.
@@ -55,11 +57,13 @@ from minidsa.kernels.triton_compat import tl, triton
 # 64 rows x 7168 bf16 (the largest decode batch; vLLM serves its one-stage kernel up to 256-512 KB at 4 ranks).
 ONE_SHOT_MAX_BYTES = 64 * 7168 * 2
 MAX_WORLD = 8  # ranks of one host that can map each other's memory
-MAX_PROGRAMS = 64  # programs of one launch, each with its signal slots (well under an H200's 132 SMs)
+# The launch (`Launch`; benchmarks/bench_allreduce.py --sweep times others): NOT YET TUNED on the H200s.
+MAX_PROGRAMS = 64  # programs of one launch at most (under an H200's 132 SMs)
 BLOCK = 2048  # elements per tile (4 KB of bf16: 16 bytes per thread at 8 warps)
 NUM_WARPS = 8
+SLOT_PROGRAMS = 128  # programs with signal slots: the most any launch may use
 HEADER_WORDS = 2  # epoch, arrivals
-SIGNAL_BYTES = 8 * (HEADER_WORDS + MAX_PROGRAMS * MAX_WORLD)  # 4112: padded to ALIGN in the allocation
+SIGNAL_BYTES = 8 * (HEADER_WORDS + SLOT_PROGRAMS * MAX_WORLD)  # 8208: padded to ALIGN in the allocation
 ALIGN = 4096
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -103,9 +107,25 @@ def serves(nbytes: int, dtype: torch.dtype, contiguous: bool, max_bytes: int) ->
     return 0 < nbytes <= max_bytes and dtype in DTYPES and contiguous
 
 
-def grid_for(numel: int) -> int:
-    """Programs of one launch: one per tile, at most MAX_PROGRAMS (the same on every rank for the same size)."""
-    return max(1, min(MAX_PROGRAMS, -(-numel // BLOCK)))
+@dataclass(frozen=True)
+class Launch:
+    """How the kernel is launched: elements per tile, warps per program, programs at most (<= SLOT_PROGRAMS)."""
+
+    block: int = BLOCK
+    num_warps: int = NUM_WARPS
+    max_programs: int = MAX_PROGRAMS
+
+    def __post_init__(self):
+        if not 1 <= self.max_programs <= SLOT_PROGRAMS or self.block & (self.block - 1):
+            raise ValueError(f"{self}: max_programs in 1..{SLOT_PROGRAMS}, block a power of two")
+
+
+DEFAULT_LAUNCH = Launch()
+
+
+def grid_for(numel: int, launch: Launch = DEFAULT_LAUNCH) -> int:
+    """Programs of one launch: one per tile, at most `max_programs` (the same on every rank for the same size)."""
+    return max(1, min(launch.max_programs, -(-numel // launch.block)))
 
 
 @triton.jit
@@ -156,7 +176,8 @@ def _one_shot_all_reduce_kernel(x_ptr, out_ptr, buffer_ptrs, signal_ptrs, n, ran
 
 
 def one_shot_all_reduce(x: torch.Tensor, buffer_ptrs: torch.Tensor, signal_ptrs: torch.Tensor, rank: int,
-                        world: int, capacity: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                        world: int, capacity: int, out: torch.Tensor | None = None,
+                        launch: Launch = DEFAULT_LAUNCH) -> torch.Tensor:
     """Sum of x over the ranks whose buffers `buffer_ptrs` / `signal_ptrs` hold (PeerBuffers), every rank calling
     it with the same size: x contiguous, of a dtype in DTYPES, at most `capacity` bytes."""
     if not x.is_contiguous() or x.dtype not in DTYPES:
@@ -169,9 +190,9 @@ def one_shot_all_reduce(x: torch.Tensor, buffer_ptrs: torch.Tensor, signal_ptrs:
     n = x.numel()
     if n == 0:
         return out
-    _one_shot_all_reduce_kernel[(grid_for(n),)](
+    _one_shot_all_reduce_kernel[(grid_for(n, launch),)](
         x, out, buffer_ptrs, signal_ptrs, n, rank, capacity // x.element_size(),
-        WORLD=world, SLOTS=MAX_WORLD, HEADER=HEADER_WORDS, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        WORLD=world, SLOTS=MAX_WORLD, HEADER=HEADER_WORDS, BLOCK=launch.block, num_warps=launch.num_warps,
         **pdl_launch(x.device))
     return out
 
