@@ -98,6 +98,17 @@ def test_a_peer_ahead_counts_as_arrived():
 
 
 @in_this_process
+def test_a_bounded_wait_gives_up_on_a_peer_that_never_comes():
+    """Start-up's self-test waits a bounded number of polls (max_spins): a peer that never announces makes wrong
+    sums, not a hang; the epoch still advances (the launch completed)."""
+    group = SimulatedGroup(2, 64 * 1024)
+    out = k.one_shot_all_reduce(torch.ones(7168), group.buffer_ptrs, group.signal_ptrs, 0, 2, group.capacity,
+                                max_spins=3)
+    assert torch.equal(out, torch.ones(7168))  # rank 1's staging is still zeros: not the sum of 2
+    assert group.signals(0)[:2].tolist() == [1, 0]
+
+
+@in_this_process
 def test_refuses_what_it_cannot_take():
     group = SimulatedGroup(1, 4096)
     with pytest.raises(ValueError, match="capacity"):
@@ -154,7 +165,7 @@ from triton.compiler import ASTSource
 from minidsa.kernels import allreduce as k
 for dtype in ("bf16", "fp16", "fp32"):
     sig = {"x_ptr": "*" + dtype, "out_ptr": "*" + dtype, "buffer_ptrs": "*i64", "signal_ptrs": "*i64", "n": "i32",
-           "rank": "i32", "half_elems": "i32", "WORLD": "constexpr", "SLOTS": "constexpr", "HEADER": "constexpr",
+           "rank": "i32", "half_elems": "i32", "max_spins": "i32", "WORLD": "constexpr", "SLOTS": "constexpr", "HEADER": "constexpr",
            "BLOCK": "constexpr", "PDL": "constexpr"}
     for world in (2, 4, 8):
         src = ASTSource(k._one_shot_all_reduce_kernel, sig, constexprs={

@@ -65,6 +65,7 @@ SLOT_PROGRAMS = 128  # programs with signal slots: the most any launch may use
 HEADER_WORDS = 2  # epoch, arrivals
 SIGNAL_BYTES = 8 * (HEADER_WORDS + SLOT_PROGRAMS * MAX_WORLD)  # 8208: padded to ALIGN in the allocation
 ALIGN = 4096
+SELF_TEST_SPINS = 1 << 24  # polls of a flag before start-up's self-test gives up (seconds; a real call waits on)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -129,7 +130,7 @@ def grid_for(numel: int, launch: Launch = DEFAULT_LAUNCH) -> int:
 
 
 @triton.jit
-def _one_shot_all_reduce_kernel(x_ptr, out_ptr, buffer_ptrs, signal_ptrs, n, rank, half_elems,
+def _one_shot_all_reduce_kernel(x_ptr, out_ptr, buffer_ptrs, signal_ptrs, n, rank, half_elems, max_spins,
                                 WORLD: tl.constexpr, SLOTS: tl.constexpr, HEADER: tl.constexpr,
                                 BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_producers(PDL)
@@ -154,11 +155,13 @@ def _one_shot_all_reduce_kernel(x_ptr, out_ptr, buffer_ptrs, signal_ptrs, n, ran
     for r in tl.static_range(WORLD):
         peer_signals = tl.load(signal_ptrs + r).to(tl.pointer_type(tl.int64))
         tl.atomic_xchg(peer_signals + HEADER + pid * SLOTS + rank, epoch, sem="release", scope="sys")
-    # 3. wait until every rank's program pid has announced epoch (or a later one)
+    # 3. wait until every rank's program pid has announced epoch (or a later one); max_spins > 0 (start-up's
+    #    self-test only) gives up after that many polls per rank, and the sums are then wrong
     for r in tl.static_range(WORLD):
         slot = own_signals + HEADER + pid * SLOTS + r
-        while tl.atomic_add(slot, 0, sem="acquire", scope="sys") < epoch:
-            pass
+        spins = 0
+        while (tl.atomic_add(slot, 0, sem="acquire", scope="sys") < epoch) & ((max_spins == 0) | (spins < max_spins)):
+            spins += 1
     tl.debug_barrier()
     # 4. the sum over ranks in rank order, fp32, from every rank's staging half (.cg: past L1, from the owner)
     for start in range(pid * BLOCK, n, nprog * BLOCK):
@@ -177,9 +180,11 @@ def _one_shot_all_reduce_kernel(x_ptr, out_ptr, buffer_ptrs, signal_ptrs, n, ran
 
 def one_shot_all_reduce(x: torch.Tensor, buffer_ptrs: torch.Tensor, signal_ptrs: torch.Tensor, rank: int,
                         world: int, capacity: int, out: torch.Tensor | None = None,
-                        launch: Launch = DEFAULT_LAUNCH) -> torch.Tensor:
+                        launch: Launch = DEFAULT_LAUNCH, max_spins: int = 0) -> torch.Tensor:
     """Sum of x over the ranks whose buffers `buffer_ptrs` / `signal_ptrs` hold (PeerBuffers), every rank calling
-    it with the same size: x contiguous, of a dtype in DTYPES, at most `capacity` bytes."""
+    it with the same size: x contiguous, of a dtype in DTYPES, at most `capacity` bytes. `max_spins` 0: wait for the
+    peers as long as they take (a collective); > 0: give up after that many polls of a flag (wrong sums: for a
+    self-test that must not hang)."""
     if not x.is_contiguous() or x.dtype not in DTYPES:
         raise ValueError(f"one-shot all-reduce takes a contiguous tensor of {DTYPES}, got {x.dtype} "
                          f"{'contiguous' if x.is_contiguous() else 'strided'}")
@@ -191,7 +196,7 @@ def one_shot_all_reduce(x: torch.Tensor, buffer_ptrs: torch.Tensor, signal_ptrs:
     if n == 0:
         return out
     _one_shot_all_reduce_kernel[(grid_for(n, launch),)](
-        x, out, buffer_ptrs, signal_ptrs, n, rank, capacity // x.element_size(),
+        x, out, buffer_ptrs, signal_ptrs, n, rank, capacity // x.element_size(), max_spins,
         WORLD=world, SLOTS=MAX_WORLD, HEADER=HEADER_WORDS, BLOCK=launch.block, num_warps=launch.num_warps,
         **pdl_launch(x.device))
     return out
@@ -205,5 +210,5 @@ def compile_only(x: torch.Tensor, buffers: PeerBuffers) -> None:
         return
     n = x.numel()
     warmup(x, torch.empty_like(x), buffers.buffer_ptrs, buffers.signal_ptrs, n, buffers.rank,
-           buffers.capacity // x.element_size(), WORLD=buffers.world, SLOTS=MAX_WORLD, HEADER=HEADER_WORDS,
-           BLOCK=BLOCK, num_warps=NUM_WARPS, grid=(grid_for(n),), **pdl_launch(x.device))
+           buffers.capacity // x.element_size(), SELF_TEST_SPINS, WORLD=buffers.world, SLOTS=MAX_WORLD,
+           HEADER=HEADER_WORDS, BLOCK=BLOCK, num_warps=NUM_WARPS, grid=(grid_for(n),), **pdl_launch(x.device))

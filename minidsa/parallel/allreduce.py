@@ -322,11 +322,14 @@ def _self_test_reason(buffers: kernel.PeerBuffers, device: torch.device) -> str 
     launched before any is checked: every rank issues the same launches (a peer waits for each one)."""
     total = buffers.world * (buffers.world + 1) // 2
     try:
+        # bounded waits: a peer whose kernel never comes makes wrong sums here, not a start-up that hangs
         got = {rows: kernel.one_shot_all_reduce(_self_test_input(buffers.rank, rows, device), buffers.buffer_ptrs,
-                                                buffers.signal_ptrs, buffers.rank, buffers.world, buffers.capacity)
+                                                buffers.signal_ptrs, buffers.rank, buffers.world, buffers.capacity,
+                                                max_spins=kernel.SELF_TEST_SPINS)
                for rows in (1, 5)}
         again = kernel.one_shot_all_reduce(_self_test_input(buffers.rank, 1, device), buffers.buffer_ptrs,
-                                           buffers.signal_ptrs, buffers.rank, buffers.world, buffers.capacity)
+                                           buffers.signal_ptrs, buffers.rank, buffers.world, buffers.capacity,
+                                           max_spins=kernel.SELF_TEST_SPINS)
         torch.cuda.synchronize(device)
         for rows, out in (*got.items(), (1, again)):
             want = _self_test_input(0, rows, device).float() * total
