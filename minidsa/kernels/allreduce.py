@@ -52,9 +52,10 @@ from minidsa.kernels.launch import pdl_launch, wait_for_producers
 from minidsa.kernels.triton_compat import tl, triton
 
 # Largest all-reduce (bytes) the one-shot kernel serves; NCCL above. NOT YET MEASURED: to be replaced by the
-# `recommended_max_bytes` of benchmarks/results/allreduce_<date>.json, written by benchmarks/bench_allreduce.py on
-# the H200s (NCCL against this kernel inside CUDA graphs, 1-256 rows x 7168 bf16). Until then conservatively
-# 64 rows x 7168 bf16 (the largest decode batch; vLLM serves its one-stage kernel up to 256-512 KB at 4 ranks).
+# smallest `recommended_max_bytes` over the rank counts served, from the allreduce_h200_x<ranks>_<commit>.json files
+# benchmarks/bench_allreduce.py writes (NCCL against this kernel inside CUDA graphs, 1-256 rows x 7168 bf16, on the
+# H200s). Until then 64 rows x 7168 bf16, the largest decode batch (vLLM's one-stage kernel serves up to 512 KB at
+# 4 ranks, 256 KB at 8; its two-stage kernel above).
 ONE_SHOT_MAX_BYTES = 64 * 7168 * 2
 MAX_WORLD = 8  # ranks of one host that can map each other's memory
 # The launch (`Launch`; benchmarks/bench_allreduce.py --sweep times others): NOT YET TUNED on the H200s.
