@@ -515,6 +515,11 @@ class EngineConfig:
     enable_expert_parallel: bool = _arg(False, "with tensor parallelism, place routed experts whole "
                                         "(n_routed_experts / tp per rank) instead of splitting each expert's "
                                         "intermediate dimension")
+    # Off until bench_allreduce.py has measured it against NCCL on the GPUs (it has not run on any yet).
+    enable_custom_all_reduce: bool = _arg(False, "with tensor parallelism on GPUs that reach each other peer to "
+                                          "peer, serve small all-reduces with minidsa's one-shot kernel over CUDA "
+                                          "IPC buffers (NCCL above its size limit); experimental: not yet measured "
+                                          "on GPUs")
     distributed_executor_backend: str = _arg("auto", "mp = one process per rank (also at --tp 1: the distributed "
                                              "code path), uni = one process; auto = mp when --tp > 1")
     tokenizer: str | None = _arg(None, "tokenizer directory or name; default: the checkpoint's, or the DeepSeek-V3 "

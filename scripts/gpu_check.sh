@@ -6,7 +6,7 @@
 # Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla
 # fp8_gemm moe. Not in the default list: moe_sweep (other MoE tile configs, for tuning); moe_prefill (issue 29 item 3:
 # the prefill MoE before vs after branch moe-prefill, its GPU tests then benchmarks/scripts/bench_moe_prefill.py).
-# Also: gpu_tests (every tests/gpu file, GPU_TESTS_PART=a..e: one 10-minute call each); tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (start-up phase by phase, cold and warm caches); startup_tests; bench_prefill; compiled_prefill; sampling;
+# Also: gpu_tests (every tests/gpu file, GPU_TESTS_PART=a..e: one 10-minute call each); tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); allreduce (2+ GPUs: the one-shot all-reduce against NCCL, benchmark then GPU tests); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (start-up phase by phase, cold and warm caches); startup_tests; bench_prefill; compiled_prefill; sampling;
 # ab (two trees interleaved: minidsa bench + decode suite per preset, benchmarks/scripts/ab.py); redesign_ab (issue 30: ab against
 # the code before the redesign)
 # (prefill / mixed steps through the compiled layer: GPU tests, then bench_prefill compiled vs eager); flashmla (builds FlashMLA from a
@@ -289,6 +289,21 @@ section_structured() {   # issue 27: structured outputs. GPU tests (the mask ker
     timeout "$TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/gpu/test_structured_gpu.py -rs --durations=5
     local rc=$?
     timeout "$TIMEOUT" $PY benchmarks/scripts/bench_structured.py --out "$OUT" ${STRUCTURED_ARGS:-} || rc=1
+    return $rc
+}
+
+section_allreduce() {   # issue 48 part 2 (2+ GPUs): minidsa's one-shot peer-to-peer all-reduce against NCCL. First
+    # benchmarks/scripts/bench_allreduce.py (in CUDA graphs, 1-256 rows x 7168 bf16, 2 ranks and every GPU; a JSON per rank
+    # count into $OUT with the recommended ONE_SHOT_MAX_BYTES; ALLREDUCE_ARGS e.g. "--sweep --torch-symm-mem"), then
+    # tests/gpu/test_allreduce_gpu.py (eager and CUDA-graph sums against NCCL, TP=2 tokens with it == NCCL only).
+    # Multicast stays off: the three variables are set where the machine has not set them.
+    export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} \
+        NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
+    local rc=0
+    timeout "$TIMEOUT" $PY benchmarks/scripts/bench_allreduce.py --out "$OUT" ${ALLREDUCE_ARGS:-} || rc=1
+    timeout "$TIMEOUT" $PY -m pytest -v -p no:cacheprovider tests/gpu/test_allreduce_gpu.py -rs --durations=5 2>&1 \
+        | timestamped
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     return $rc
 }
 

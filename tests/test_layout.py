@@ -32,7 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"attention", "common", "config", "kernels"},
     "speculative": {"common", "config", "models"},
     "exec": {"attention", "common", "config", "kernels", "models", "sched", "speculative"},
-    "parallel": {"attention", "common", "config", "exec"},
+    "parallel": {"attention", "common", "config", "exec", "kernels"},
     "chat": {"common"},
     "engine": {"chat", "common", "config", "exec", "parallel", "sched"},
     "llm": {"chat", "common", "config", "engine"},

@@ -7,6 +7,12 @@ a plain single-process engine is `TensorParallel.single()` (size 1, no process g
 The collectives are torch's functional collectives (`torch.ops._c10d_functional`): ordinary ops that Dynamo
 traces into the compiled decoder layer and that NCCL runs inside CUDA-graph capture, so the decode graphs of
 every rank hold their all-reduces. On CPU (gloo) they run eagerly the same way.
+
+Small all-reduces: where the ranks' GPUs can map each other's memory, start-up (minidsa/parallel/allreduce.py) hands
+in `peer`, the buffers of a one-shot peer-to-peer all-reduce (kernels/allreduce.py); `all_reduce` then issues the
+opaque op `minidsa::all_reduce`, which serves each call with that kernel up to `peer.max_bytes` and with NCCL above
+(picked inside the op on the concrete size). Without `peer` (gloo, one rank, GPUs that cannot reach each other,
+turned off) the functional NCCL / gloo all-reduce serves every size, as before.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minidsa.kernels.allreduce import PeerBuffers
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -26,12 +34,15 @@ class TensorParallel:
     collectives run on; None without a group (then nothing is ever reduced).
     `expert_parallel`: routed experts are placed whole, `n_routed_experts / size` per rank, instead of each
     expert's intermediate dimension being split.
+    `peer`: the one-shot all-reduce's buffers, where start-up made them (see the module docstring); None: the
+    process group's all-reduce serves every size.
     """
 
     rank: int = 0
     size: int = 1
     group_name: str | None = None
     expert_parallel: bool = False
+    peer: PeerBuffers | None = None
 
     @classmethod
     def single(cls) -> "TensorParallel":
@@ -53,6 +64,10 @@ class TensorParallel:
         """Sum of `x` over the ranks (row-parallel outputs, vocab-parallel embedding rows, MoE partial sums)."""
         if not self.collectives:
             return x
+        peer = self.peer
+        if peer is not None:
+            return torch.ops.minidsa.all_reduce(x, self.group_name, peer.buffer_ptrs, peer.signal_ptrs, peer.rank,
+                                                peer.world, peer.capacity, peer.max_bytes)
         out = torch.ops._c10d_functional.all_reduce(x, "sum", self.group_name)
         return torch.ops._c10d_functional.wait_tensor(out)
 

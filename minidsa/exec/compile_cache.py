@@ -42,7 +42,8 @@ GRAPH_ARGS = ("dtype", "page_size", "max_running_requests", "max_total_tokens", 
               "kv_cache_dtype", "quantization", "kernel_backend", "use_deep_gemm", "use_flash_mla",
               "speculative_num_steps", "speculative_topk", "speculative_num_draft_tokens",
               "index_share_for_mtp_iteration", "enable_cuda_graph", "enable_compile", "cuda_graph_max_bs",
-              "enable_mixed_chunk", "tensor_parallel_size", "enable_expert_parallel")
+              "enable_mixed_chunk", "tensor_parallel_size", "enable_expert_parallel",
+              "enable_custom_all_reduce")
 TOOL_DIRS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton", "DG_JIT_CACHE_DIR": "deep_gemm"}
 MAGIC = b"minidsa compile cache 1\n"
 

@@ -25,7 +25,7 @@ from minidsa.kernels import fused_moe as fused_moe_mod
 from minidsa.kernels import indexer
 from minidsa.kernels import kv_move as kv_move_mod, log_once, mla_store, reference, sparse_mla as sparse_mla_mod
 from minidsa.kernels import norm_quant as norm_quant_mod, router as router_mod, topk as topk_mod
-from minidsa.kernels import gemv, mla_absorb, swiglu_quant as swiglu_quant_mod
+from minidsa.kernels import allreduce as allreduce_mod, gemv, mla_absorb, swiglu_quant as swiglu_quant_mod
 from minidsa.kernels.optional_lib import LibraryCallFailed
 
 logger = logging.getLogger(__name__)
@@ -481,3 +481,21 @@ def fp32_gemv(x: Tensor, weight: Tensor, scale: float) -> Tensor:
 @fp32_gemv.register_fake
 def _(x, weight, scale):
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("minidsa::all_reduce", mutates_args=())
+def all_reduce(x: Tensor, group_name: str, buffer_ptrs: Tensor, signal_ptrs: Tensor, rank: int, world: int,
+               capacity: int, max_bytes: int) -> Tensor:
+    """Sum of x over the ranks of the process group `group_name`: the one-shot peer-to-peer kernel
+    (kernels/allreduce.py, over the buffers of `allreduce.PeerBuffers`) where it serves this size (`allreduce.serves`:
+    up to `max_bytes`, picked here on the concrete size, so compiled graphs get no guards), NCCL (torch's functional
+    all-reduce) above it. Opaque: Dynamo traces one op whatever the size."""
+    if allreduce_mod.serves(x.numel() * x.element_size(), x.dtype, x.is_contiguous(), max_bytes):
+        return allreduce_mod.one_shot_all_reduce(x, buffer_ptrs, signal_ptrs, rank, world, capacity)
+    out = torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+@all_reduce.register_fake
+def _(x, group_name, buffer_ptrs, signal_ptrs, rank, world, capacity, max_bytes):
+    return x.new_empty(x.shape)

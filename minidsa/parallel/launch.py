@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from minidsa.common.tensor_parallel import TensorParallel
 from minidsa.config import ConfigError
+from minidsa.parallel.allreduce import PeerAllReduce, gather_on, start_peer_all_reduce
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class RankGroup:
     control_group: Any  # dist.ProcessGroup (gloo)
     device: torch.device
     processes: "RankProcesses | None" = None  # rank 0 of a group minidsa started
+    all_reduce: PeerAllReduce | None = None  # which all-reduce serves small sizes (tp.peer: its buffers)
 
     @property
     def rank(self) -> int:
@@ -249,7 +251,8 @@ def start_ranks(resolved: Any, kernels: Any) -> RankGroup:
                               "visible (CUDA_VISIBLE_DEVICES)")
         torch.cuda.set_device(torch.device(device))
     if mode == "torchrun":
-        return _init_groups(rank, world, backend, device, None, None, engine_config.enable_expert_parallel)
+        return _init_groups(rank, world, backend, device, None, None, engine_config.enable_expert_parallel,
+                            engine_config.enable_custom_all_reduce)
     addr = "127.0.0.1"
     store = dist.TCPStore(addr, 0, world, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
@@ -266,7 +269,8 @@ def start_ranks(resolved: Any, kernels: Any) -> RankGroup:
                 _write_spec(procs[r], spec)
         watch = RankProcesses(procs)
         _wait_for_check_in(store, watch, world)
-        return _init_groups(0, world, backend, device, store, watch, engine_config.enable_expert_parallel)
+        return _init_groups(0, world, backend, device, store, watch, engine_config.enable_expert_parallel,
+                            engine_config.enable_custom_all_reduce)
     except BaseException:
         if watch is not None:
             watch.stop(timeout=2.0)
@@ -305,11 +309,11 @@ def join_ranks(spec: WorkerSpec) -> RankGroup:
                           timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
     store.set(_JOIN_KEY.format(spec.rank), "1")
     return _init_groups(spec.rank, spec.world_size, spec.backend, spec.resolved.args.device, store, None,
-                        spec.resolved.args.enable_expert_parallel)
+                        spec.resolved.args.enable_expert_parallel, spec.resolved.args.enable_custom_all_reduce)
 
 
 def _init_groups(rank: int, world: int, backend: str, device: str, store: Any, watch: RankProcesses | None,
-                 expert_parallel: bool) -> RankGroup:
+                 expert_parallel: bool, custom_all_reduce: bool = False) -> RankGroup:
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group already exists in this process: one distributed "
                            "minidsa engine per process at a time (close the other one first: LLM.close())")
@@ -332,8 +336,14 @@ def _init_groups(rank: int, world: int, backend: str, device: str, store: Any, w
         torch.cuda.synchronize(dev)
     if watch is not None and backend == "nccl":
         watch.state.on_failure.append(lambda: dist.distributed_c10d._abort_process_group(device_group))
-    tp = TensorParallel(rank=rank, size=world, group_name=device_group.group_name, expert_parallel=expert_parallel)
-    return RankGroup(tp=tp, device_group=device_group, control_group=control_group, device=dev, processes=watch)
+    # Small all-reduces: the one-shot peer-to-peer kernel where every rank can serve it (parallel/allreduce.py; on
+    # CPU, with one rank or turned off it decides at once, without a round), else NCCL / gloo for every size.
+    peer = start_peer_all_reduce(rank, world, dev, gather_on(control_group, world), custom_all_reduce,
+                                 log=world > 1)
+    tp = TensorParallel(rank=rank, size=world, group_name=device_group.group_name, expert_parallel=expert_parallel,
+                        peer=peer.buffers)
+    return RankGroup(tp=tp, device_group=device_group, control_group=control_group, device=dev, processes=watch,
+                     all_reduce=peer)
 
 
 def single_rank_group(device: str, expert_parallel: bool = False) -> RankGroup:
