@@ -252,22 +252,49 @@ def _gone(pid: int, within: float = 2.0) -> bool:
     return False
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank process through /proc")
-@pytest.mark.parametrize("how", ["sigterm-drain", "second-sigint"])
-def test_tensor_parallel_server_exits_promptly_after_a_signal(how):
-    """`minidsa serve --tp 2` with a request streaming: SIGTERM drains it (finish_reason length), a second SIGINT
-    aborts it; either way the server exits 0 within 10 s of the drain's end or of the second signal, and rank 1 is
-    gone. (A killed rank: test_server_ops.py, test_dead_tensor_parallel_rank_fails_the_stream_by_name...)"""
+def _serve(args: list[str], hook: str | None = None, env: dict[str, str] | None = None):
+    """`minidsa serve --port 0 ARGS` (or tests/`hook` serve ...) started and listening -> (process, base url)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "tests", hook)] if hook else [sys.executable, "-m", "minidsa"]
+    env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1", **(env or {}))
+    proc = subprocess.Popen([*cmd, "serve", "--port", "0", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=root, env=env)
+    line = proc.stdout.readline()
+    if "serving" not in line:
+        proc.kill()
+        raise AssertionError((line, proc.communicate()[1]))
+    return proc, line.strip().rsplit(" ", 1)[1]
+
+
+SERVER_ENDINGS = ["sigterm-drain", "second-sigint", "rank-killed", "step-error"]
+
+
+def serve_and_end(how: str, *args: str) -> tuple[int, int]:
+    """`minidsa serve --tp 2 ARGS` (the tiny preset) with a request streaming, ended `how`:
+    - "sigterm-drain": SIGTERM; the request finishes (finish_reason length), the server exits 0;
+    - "second-sigint": SIGINT twice; the request is aborted, the server exits 0;
+    - "rank-killed": SIGKILL to rank 1; within 5 s the stream ends with an error naming it, the server exits 1
+      with the reason on its last line;
+    - "step-error": rank 0 raises inside a step (tests/tp_failing_step.py); the same, naming rank 0's error.
+    Either way within 10 s of the drain's end, the second signal or the error, and rank 1 is gone. Returns the
+    server's and rank 1's pids (the GPU tests check that no GPU process of theirs remains)."""
+    import tempfile
+
     import aiohttp
 
     from test_server import _read_sse
-    from test_server_ops import _children, _serve_process
+    from test_server_ops import _children
+    from tp_failing_step import ENV as FAIL_STEP_GATE
 
     drain = how == "sigterm-drain"
-    proc, url = _serve_process("--tp", "2", "--shutdown-timeout", "60")
+    gate = os.path.join(tempfile.mkdtemp(), "fail")
+    proc, url = _serve(["--tp", "2", "--shutdown-timeout", "60", *args],
+                       hook="tp_failing_step.py" if how == "step-error" else None, env={FAIL_STEP_GATE: gate})
     try:
         ranks = _children(proc.pid)
-        assert len(ranks) == 1, ranks
+        assert len(ranks) == 1, ranks  # rank 1 (rank 0 is the server process)
 
         async def main():
             async with aiohttp.ClientSession() as session:
@@ -275,25 +302,50 @@ def test_tensor_parallel_server_exits_promptly_after_a_signal(how):
                 async with session.post(url + "/v1/completions", json=body) as resp:
                     assert resp.status == 200
                     assert (await resp.content.readline()).startswith(b"data: ")
-                    proc.send_signal(signal.SIGTERM if drain else signal.SIGINT)
-                    if not drain:
+                    started = time.monotonic()
+                    if how == "rank-killed":
+                        os.kill(ranks[0], signal.SIGKILL)
+                    elif how == "step-error":
+                        open(gate, "w").close()
+                    else:
+                        proc.send_signal(signal.SIGTERM if drain else signal.SIGINT)
+                    if how == "second-sigint":
                         await asyncio.sleep(0.5)
                         proc.send_signal(signal.SIGINT)
-                    return await asyncio.wait_for(_read_sse(resp), timeout=60), time.monotonic()
+                    events = await asyncio.wait_for(_read_sse(resp), timeout=60)
+                    return events, started, time.monotonic()
 
-        events, ended = asyncio.run(main())
-        assert events[-1] == "[DONE]"
-        assert events[-2]["choices"][0]["finish_reason"] == ("length" if drain else "abort")
+        events, started, ended = asyncio.run(main())
         code = proc.wait(timeout=30)
         took = time.monotonic() - ended
         err = proc.stderr.read()
-        assert code == 0, err[-2000:]
         assert took < 10, (took, err[-2000:])
+        if how in ("rank-killed", "step-error"):
+            why = "rank 1" if how == "rank-killed" else "rank 0 failed inside a step (ValueError: injected step"
+            errors = [e for e in events if isinstance(e, dict) and "error" in e]
+            assert errors and why in errors[-1]["error"]["message"], events[-3:]
+            assert ended - started < 5, (ended - started, err[-2000:])
+            assert code == 1, err[-2000:]
+            assert "shutting the server down" in err, err[-2000:]
+            last = err.splitlines()[-1]
+            assert "minidsa serve: error: the engine stopped" in last and why in last, err[-2000:]
+        else:
+            assert events[-1] == "[DONE]"
+            assert events[-2]["choices"][0]["finish_reason"] == ("length" if drain else "abort")
+            assert code == 0, err[-2000:]
+            assert "stopped after" in err and "failed" not in err, err[-2000:]
+        assert "did not finish" not in err, err[-2000:]  # no teardown was left behind
         assert _gone(ranks[0]), f"rank 1 (pid {ranks[0]}) outlived the server"
-        assert "stopped after" in err and "failed" not in err and "did not finish" not in err, err[-2000:]
+        return proc.pid, ranks[0]
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank process through /proc")
+@pytest.mark.parametrize("how", SERVER_ENDINGS)
+def test_tensor_parallel_server_exits_promptly_however_it_ends(how):
+    serve_and_end(how, "--device", "cpu")
 
 
 def test_four_ranks_equal_one_process(tiny_llm):
