@@ -148,7 +148,11 @@ def bounded(fn: Any, timeout: float, what: str) -> bool:
     """Run `fn` in a daemon thread for at most `timeout` s: True if it returned (or raised) in time. A call still
     running is left behind (it holds no lock of ours), logged, and remembered (`teardown_stuck`)."""
     thread = threading.Thread(target=_quietly, args=(fn,), name="minidsa-teardown", daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except RuntimeError:  # "can't create new thread at interpreter shutdown": a finaliser at exit; run it here
+        _quietly(fn)
+        return True
     thread.join(timeout)
     if thread.is_alive():
         logger.error("%s did not finish within %.0f s; leaving it behind", what, timeout)
