@@ -268,7 +268,7 @@ def _serve(args: list[str], hook: str | None = None, env: dict[str, str] | None 
     return proc, line.strip().rsplit(" ", 1)[1]
 
 
-SERVER_ENDINGS = ["sigterm-drain", "second-sigint", "rank-killed", "step-error"]
+SERVER_ENDINGS = ["sigterm-drain", "second-sigint", "rank-killed", "step-error", "stuck-teardown"]
 
 
 def serve_and_end(how: str, *args: str) -> tuple[int, int]:
@@ -277,7 +277,9 @@ def serve_and_end(how: str, *args: str) -> tuple[int, int]:
     - "second-sigint": SIGINT twice; the request is aborted, the server exits 0;
     - "rank-killed": SIGKILL to rank 1; within 5 s the stream ends with an error naming it, the server exits 1
       with the reason on its last line;
-    - "step-error": rank 0 raises inside a step (tests/tp_failing_step.py); the same, naming rank 0's error.
+    - "step-error": rank 0 raises inside a step (tests/tp_faults.py); the same, naming rank 0's error;
+    - "stuck-teardown": SIGTERM drain as above, but aborting the process groups never returns (tests/tp_faults.py,
+      as NCCL's teardown can hang): the bounded teardown is left behind and the server still exits 0.
     Either way within 10 s of the drain's end, the second signal or the error, and rank 1 is gone. Returns the
     server's and rank 1's pids (the GPU tests check that no GPU process of theirs remains)."""
     import tempfile
@@ -286,12 +288,13 @@ def serve_and_end(how: str, *args: str) -> tuple[int, int]:
 
     from test_server import _read_sse
     from test_server_ops import _children
-    from tp_failing_step import ENV as FAIL_STEP_GATE
+    from tp_faults import FAIL_STEP_GATE, HANG_ABORT
 
-    drain = how == "sigterm-drain"
+    drain = how in ("sigterm-drain", "stuck-teardown")
     gate = os.path.join(tempfile.mkdtemp(), "fail")
-    proc, url = _serve(["--tp", "2", "--shutdown-timeout", "60", *args],
-                       hook="tp_failing_step.py" if how == "step-error" else None, env={FAIL_STEP_GATE: gate})
+    faults = {"step-error": {FAIL_STEP_GATE: gate}, "stuck-teardown": {HANG_ABORT: "1"}}.get(how)
+    proc, url = _serve(["--tp", "2", "--shutdown-timeout", "60", *args], hook="tp_faults.py" if faults else None,
+                       env=faults)
     try:
         ranks = _children(proc.pid)
         assert len(ranks) == 1, ranks  # rank 1 (rank 0 is the server process)
@@ -334,7 +337,9 @@ def serve_and_end(how: str, *args: str) -> tuple[int, int]:
             assert events[-2]["choices"][0]["finish_reason"] == ("length" if drain else "abort")
             assert code == 0, err[-2000:]
             assert "stopped after" in err and "failed" not in err, err[-2000:]
-        assert "did not finish" not in err, err[-2000:]  # no teardown was left behind
+        left_behind = "aborting the torch.distributed process groups did not finish within 3 s; leaving it behind"
+        assert (left_behind in err) == (how == "stuck-teardown"), err[-2000:]
+        assert "did not finish" not in err.replace(left_behind, ""), err[-2000:]  # no other wait ran out
         assert _gone(ranks[0]), f"rank 1 (pid {ranks[0]}) outlived the server"
         return proc.pid, ranks[0]
     finally:
