@@ -128,7 +128,7 @@ class RankGroup:
                            "out of step and the engine cannot continue")
             if not isinstance(e, Exception):  # Ctrl-C: still an interrupt, the group broken all the same
                 raise
-            logger.error("%s", self.broken, exc_info=True)
+            logger.error("%s", self.broken)  # the traceback travels with the error (`from e`), not in a log record
             raise RankFailedError(self.broken) from e
         finally:
             if watch is not None:
