@@ -146,8 +146,10 @@ class TensorParallelWorker(Worker):
         ranks are not reading plans (a gloo send waits for its receiver), they leave on EOF instead."""
         if self.runner.closed:
             return
-        failed = self.ranks.broken is not None or (self.ranks.processes is not None and
-                                                   self.ranks.processes.failure is not None)
+        watch = self.ranks.processes
+        failed = self.ranks.broken is not None or (watch is not None and watch.failure is not None)
+        if watch is not None:
+            watch.state.stopping = True  # before StopPlan: a rank that exits from now on was stopped, it did not fail
         if self.ranks.world_size > 1 and not failed:
             bounded(lambda: self.channel.send(StopPlan()), TEARDOWN_S, "sending StopPlan to the other ranks")
         self.runner.close()
