@@ -276,18 +276,3 @@ def test_shutdown_drains_answers_503_and_second_signal_aborts():
     finally:
         proc.kill()
         proc.wait()
-
-
-def _children(pid: int) -> list[int]:
-    """Direct child processes of pid (Linux /proc): serve --tp 2's rank 1 (test_tensor_parallel.py's serve_and_end)."""
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(entry))
-    return kids

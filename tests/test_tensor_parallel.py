@@ -255,6 +255,33 @@ def _gone(pid: int, within: float = 2.0) -> bool:
     return False
 
 
+def _children(pid: int) -> list[int]:
+    """Direct child processes of pid (Linux /proc): serve --tp 2's rank 1."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+async def _read_sse(resp) -> list[dict | str]:
+    """All SSE data payloads of an aiohttp response, parsed ('[DONE]' kept as the string). As test_server.py's,
+    which needs openai: the GPU machines may not have it."""
+    events = []
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
 def _serve(args: list[str], hook: str | None = None, env: dict[str, str] | None = None):
     """`minidsa serve --port 0 ARGS` (or tests/`hook` serve ...) started and listening -> (process, base url)."""
     import subprocess
@@ -289,8 +316,6 @@ def serve_and_end(how: str, *args: str) -> tuple[int, int]:
 
     import aiohttp
 
-    from test_server import _read_sse
-    from test_server_ops import _children
     from tp_faults import FAIL_STEP_GATE, HANG_ABORT
 
     drain = how in ("sigterm-drain", "stuck-teardown")
@@ -353,6 +378,8 @@ def serve_and_end(how: str, *args: str) -> tuple[int, int]:
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank process through /proc")
 @pytest.mark.parametrize("how", SERVER_ENDINGS)
 def test_tensor_parallel_server_exits_promptly_however_it_ends(how):
+    pytest.importorskip("aiohttp")  # the server's packages
+    pytest.importorskip("msgspec")
     serve_and_end(how, "--device", "cpu")
 
 

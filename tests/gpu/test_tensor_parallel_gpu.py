@@ -247,6 +247,8 @@ def test_two_gpus_an_error_in_a_step_or_a_rank_killed_mid_request_ends_the_run()
 def test_two_gpus_server_exits_promptly_however_it_ends(how):
     """`minidsa serve --tp 2` on two GPUs, each ending of test_tensor_parallel.py's serve_and_end (bounds, exit
     code, the error named, rank 1 gone); then neither process holds a GPU and the memory is back."""
+    pytest.importorskip("aiohttp")  # the server's packages
+    pytest.importorskip("msgspec")
     from test_tensor_parallel import serve_and_end
 
     before = _free_memory()
