@@ -144,7 +144,12 @@ class RankGroup:
             return
         self.processes.state.stopping = True  # the children's exits from now on are not failures
         leaving = threading.Thread(target=leave_groups, name="minidsa-leave", daemon=True)
-        leaving.start()
+        try:
+            leaving.start()
+        except RuntimeError:  # no new thread at interpreter shutdown (a finaliser): one after the other
+            self.processes.stop()
+            leave_groups()
+            return
         self.processes.stop()
         leaving.join()  # leave_groups is bounded
 
