@@ -6,13 +6,14 @@ It owns the KV memory (caches, req->token table, page and row allocators) for on
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from minidsa.attention.backend import DSABackend
 from minidsa.common.batch import ForwardBatch
 from minidsa.config import ModelConfig
-from minidsa.common.kv_cache import IndexerLayout, KVCache, MLALayout, ReqToTokenTable
-from minidsa.common.kv_cache import slots_of
+from minidsa.common.kv_cache import IndexerLayout, KVCache, MLALayout, ReqToTokenTable, slots_of
 from minidsa.sched.pages import PageAllocator, RowAllocator, pages_needed
 from minidsa.common.plan import StepKind
 from minidsa.attention.topk_recording import TopkRecorder
@@ -155,3 +156,14 @@ def random_fp8_linear(in_features: int, rows: int, generator: torch.Generator, g
     lin.weight_scale_inv.data.copy_(s)
     lin.gemm = gemm
     return lin
+
+
+async def read_sse(resp) -> list[dict | str]:
+    """All SSE data payloads of an aiohttp response, parsed ('[DONE]' kept as the string)."""
+    events = []
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events

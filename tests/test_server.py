@@ -25,6 +25,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness import read_sse
 from minidsa import LLM, SamplingParams
 from minidsa.server.async_engine import AsyncEngine
 from minidsa.server.app import build_app, start_server
@@ -139,16 +140,6 @@ def _assert_error(status: int, data: bytes, expected_status: int, param: str | N
     return err
 
 
-async def _read_sse(resp: aiohttp.ClientResponse) -> list[dict | str]:
-    """All SSE data payloads of a response, parsed ('[DONE]' kept as the string)."""
-    events = []
-    async for raw in resp.content:
-        line = raw.decode().strip()
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
-
 
 # ---------------------------------------------------------------- (1) the official openai client
 
@@ -225,7 +216,7 @@ def test_100_concurrent_streams(server, refs):
         async with session.post(server.url + "/v1/completions", json=body,
                                 headers={"Authorization": f"Bearer {API_KEY}"}) as resp:
             assert resp.status == 200, await resp.text()
-            events = await _read_sse(resp)
+            events = await read_sse(resp)
         assert events[-1] == "[DONE]", events[-3:]
         chunks = events[:-1]
         text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
@@ -283,7 +274,7 @@ def test_killed_client_is_aborted_and_others_unaffected(server, refs):
                     body = {"prompt": CONCURRENT_PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0,
                             "stream": True}
                     async with session.post(server.url + "/v1/completions", json=body) as resp:
-                        events = await _read_sse(resp)
+                        events = await read_sse(resp)
                     assert events[-1] == "[DONE]"
                     return "".join(c["choices"][0]["text"] for c in events[:-1])
 
@@ -479,7 +470,7 @@ def test_sigterm_gives_every_stream_a_final_event():
                 async def short():  # finishes inside the drain window
                     body = {"prompt": "short", "max_tokens": 4, "temperature": 0, "stream": True}
                     async with session.post(url + "/v1/completions", json=body) as resp:
-                        return await _read_sse(resp)
+                        return await read_sse(resp)
 
                 body = {"prompt": "long", "max_tokens": 3000, "ignore_eos": True, "stream": True}
                 async with session.post(url + "/v1/completions", json=body) as resp:
@@ -489,7 +480,7 @@ def test_sigterm_gives_every_stream_a_final_event():
                     short_task = asyncio.create_task(short())
                     await asyncio.sleep(0.1)
                     proc.send_signal(signal.SIGTERM)
-                    long_events = await _read_sse(resp)
+                    long_events = await read_sse(resp)
                 return long_events, await short_task
 
         long_events, short_events = asyncio.run(main())
@@ -523,7 +514,7 @@ def test_engine_step_error_ends_requests_and_server_recovers(server, refs):
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as session:
             body = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "stream": True}
             async with session.post(server.url + "/v1/completions", json=body) as resp:
-                return await _read_sse(resp)
+                return await read_sse(resp)
 
     events = asyncio.run(stream())
     assert events[-1] == "[DONE]" and "injected step failure" in events[-2]["error"]["message"]

@@ -23,7 +23,8 @@ from minidsa import LLM, cli
 from minidsa.server.async_engine import AsyncEngine
 from minidsa.server.app import build_app, start_server
 from test_openai_params import model_logits
-from test_server import LiveServer, _assert_error, _post, _read_sse
+from harness import read_sse
+from test_server import LiveServer, _assert_error, _post
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -110,7 +111,7 @@ def test_echo_logprobs_score_the_prompt_like_lm_eval(server, llm, prompt_ref):
             body = {"prompt": PROMPT_IDS, "echo": True, "logprobs": 1, "max_tokens": 3, "temperature": 0,
                     "stream": True}
             async with session.post(server.url + "/v1/completions", json=body) as resp:
-                return await _read_sse(resp)
+                return await read_sse(resp)
 
     events = asyncio.run(streamed())
     assert events[-1] == "[DONE]"
@@ -262,7 +263,7 @@ def test_shutdown_drains_answers_503_and_second_signal_aborts():
                     assert proc.poll() is None  # still draining: the 60 s are not up
                     second = time.monotonic()
                     proc.send_signal(signal.SIGTERM)
-                    events = await _read_sse(resp)
+                    events = await read_sse(resp)
                     return late_status, late_body, events, time.monotonic() - second
 
         late_status, late_body, events, took = asyncio.run(main())

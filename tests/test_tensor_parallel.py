@@ -26,7 +26,7 @@ import time
 import pytest
 import torch
 
-from harness import count_replays, static_fast_paths
+from harness import count_replays, read_sse, static_fast_paths
 from hf_tiny import save_hf_with_mtp
 from minidsa import LLM, SamplingParams
 from minidsa.config import ConfigError, EngineConfig, ModelConfig
@@ -270,17 +270,6 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-async def _read_sse(resp) -> list[dict | str]:
-    """All SSE data payloads of an aiohttp response, parsed ('[DONE]' kept as the string). As test_server.py's,
-    which needs openai: the GPU machines may not have it."""
-    events = []
-    async for raw in resp.content:
-        line = raw.decode().strip()
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
-
 
 def _serve(args: list[str], hook: str | None = None, env: dict[str, str] | None = None):
     """`minidsa serve --port 0 ARGS` (or tests/`hook` serve ...) started and listening -> (process, base url)."""
@@ -343,7 +332,7 @@ def serve_and_end(how: str, *args: str) -> tuple[int, int]:
                     if how == "second-sigint":
                         await asyncio.sleep(0.5)
                         proc.send_signal(signal.SIGINT)
-                    events = await asyncio.wait_for(_read_sse(resp), timeout=60)
+                    events = await asyncio.wait_for(read_sse(resp), timeout=60)
                     return events, started, time.monotonic()
 
         events, started, ended = asyncio.run(main())
