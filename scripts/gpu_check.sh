@@ -422,14 +422,14 @@ section_multi_gpu() {   # issue 48 (4 GPUs; ~6-9 min, sized for one 10-minute ca
     # MGPU_MODEL (default bench-dsv32:16; bench-glm5:16 for the other architecture), MGPU_TP (default 4),
     # MGPU_PROFILE_ARGS (more profile_tp flags, every profile part), MGPU_SERVE_BENCH_ARGS (more `minidsa bench` flags),
     # MGPU_ENGINE_ARGS (every part's engine flags, default "--kv-cache-dtype fp8"), MGPU_PARTS (default
-    # "profile serve spec shallow"), MGPU_BUDGET_S (default 540: a part that would start with less than its minimum
+    # "profile serve spec shallow"), MGPU_BUDGET_S (default 530: a part that would start with less than its minimum
     # left is skipped, each part's timeout is cut to what is left). $OUT/multi_gpu.json sums it all up (rewritten
     # after each part), $OUT/multi_gpu.md is benchmarks/scripts/multi_gpu_page.py's page of it, the raw outputs go
     # into $OUT/multi_gpu_raw.tgz. Multicast stays off: the three variables are set only where the machine has not.
     export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} \
         NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
     local model=${MGPU_MODEL:-bench-dsv32:16} tp=${MGPU_TP:-4} raw=$OUT/multi_gpu_raw rc=0 part preset tag
-    local engine=${MGPU_ENGINE_ARGS:-"--kv-cache-dtype fp8"} budget=${MGPU_BUDGET_S:-540} t0
+    local engine=${MGPU_ENGINE_ARGS:-"--kv-cache-dtype fp8"} budget=${MGPU_BUDGET_S:-530} t0
     local shallow=${MGPU_SHALLOW:-${model%%:*}:4}
     local one_gpu=${MGPU_ONE_GPU_PRESETS:-"${model%%:*}:4 ${model%%:*}:6"}
     local spec=${MGPU_SPEC_ARGS:-"--batches 1 16 --accept-lens 1.0 3.2"}

@@ -140,3 +140,20 @@ def test_help(script):
     proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, script), "--help"], env=env, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0 and "usage" in proc.stdout
+
+
+def test_bench_speculative_under_tp_starts_one_engine_per_accept_len(tmp_path):
+    """Every rank draws its own simulated acceptance: under --tp 2 each L gets an engine started with it (rank 0's
+    live simulator alone would leave rank 1 accepting differently)."""
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_speculative.py"), "--out", str(tmp_path),
+                           "--allow-cpu", "--model", "tiny", "--tp", "2", "--batches", "1", "--accept-lens", "1.0",
+                           "3.2", "--prompt-len", "16", "--decode-tokens", "6", "--device", "cpu", "--dtype",
+                           "float32", "--max-total-tokens", "2048", "--max-running-requests", "2"], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "speculative.json") as f:
+        spec = json.load(f)["speculative"]
+    assert spec["engine_per_accept_len"] and set(spec["startups_s"]) == {"1.0", "3.2"}
+    assert [(r["accept_len"], r["batch"]) for r in spec["runs"]] == [(1.0, 1), (3.2, 1)]
+    assert spec["runs"][0]["tokens_per_round_total"] == 1.0 and spec["runs"][1]["tokens_per_round_total"] > 2.5

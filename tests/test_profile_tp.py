@@ -106,3 +106,26 @@ def test_profile_tp_all_ranks_on_cpu(tmp_path):
 ])
 def test_kernel_categories(name, want):
     assert _module().category(name) == want
+
+
+def test_kernel_table_from_device_events():
+    """The GPU branch on made-up kernel events: per-step counts and times, busy time as the union of overlapping
+    kernels (a side stream), the gap, CPU events left out."""
+    import torch
+    from torch.autograd.profiler_util import Interval
+
+    class Ev:
+        def __init__(self, name, start, end, device=torch.autograd.DeviceType.CUDA):
+            self.name, self.time_range, self.device_type = name, Interval(start, end), device
+
+    events = [Ev("_w8a8_gemm_kernel", 0, 100), Ev("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 100, 150),
+              Ev("_race_kernel", 140, 160),  # overlaps the all-reduce by 10 us
+              Ev("_w8a8_gemm_kernel", 1000, 1100), Ev("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 1100, 1150),
+              Ev("_race_kernel", 1140, 1160), Ev("aten::mm", 0, 5000, torch.autograd.DeviceType.CPU)]
+    p = _module().summarise(events, steps=2, wall_ms=1.0, on_cuda=True)
+    assert p["kernels_per_step"] == 3 and p["kernel_ms"] == pytest.approx(0.17)
+    assert p["busy_ms"] == pytest.approx(0.16) and p["gap_ms"] == pytest.approx(0.84)
+    c = p["categories"]
+    assert c["FP8 GEMM"]["us_per_step"] == 100 and c["collectives"]["count_per_step"] == 1
+    assert c["sampling"]["share_of_step"] == pytest.approx(0.02) and c["GEMM"]["count_per_step"] == 0
+    assert [k["name"] for k in p["top"]][0] == "_w8a8_gemm_kernel"

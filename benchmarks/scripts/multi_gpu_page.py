@@ -216,10 +216,12 @@ def startup_table(s: dict) -> list[str]:
         rows.append((f"profile_tp {shallow['model']} (shallow)", shallow.get("startup_s"),
                      shallow.get("kv_total_tokens")))
     if spec:
-        for key in ("plain", "speculative"):
-            if spec.get(key):
-                rows.append((f"bench_speculative {spec[key].get('label', key)} (warm caches)",
-                             spec[key].get("startup_s"), None))
+        if spec.get("plain"):
+            rows.append(("bench_speculative plain (the profile's engine flags again: warm caches)",
+                         spec["plain"].get("startup_s"), None))
+        sp = spec.get("speculative") or {}
+        for L, t in (sp.get("startups_s") or {"": sp.get("startup_s")}).items():
+            rows.append((f"bench_speculative {sp.get('label', 'MTP')}{f', simulated L = {L}' if L else ''}", t, None))
     if serve:
         rows.append(("minidsa serve, process start to /health 200 (MTP 3/1/4)", serve.get("ready_s"),
                      serve.get("kv_total_tokens")))

@@ -88,10 +88,6 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _device_us(ev) -> float:
-    return getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
-
-
 def summarise(events, steps: int, wall_ms: float, on_cuda: bool, thread: int | None = None) -> dict:
     """Per-step tables from a profile's events: kernels (CUDA) or the ops of one thread by self time (CPU)."""
     rows: dict[str, list[float]] = {}
@@ -100,7 +96,7 @@ def summarise(events, steps: int, wall_ms: float, on_cuda: bool, thread: int | N
         for ev in events:
             if ev.device_type != torch.autograd.DeviceType.CUDA:
                 continue
-            us = _device_us(ev)
+            us = ev.time_range.elapsed_us()  # a kernel's (or memcpy's) own interval on the device
             r = rows.setdefault(ev.name, [0, 0.0])
             r[0] += 1
             r[1] += us
