@@ -230,6 +230,9 @@ def startup_table(s: dict) -> list[str]:
     L = ["## Start-up and KV capacity", "", "In the order the call started them (the compile caches fill as it goes).",
          "", "| engine | start-up s | KV capacity, tokens |", "|---|---:|---:|"]
     L += [f"| {a} | {_f(b, 1)} | {'-' if c is None else int(c)} |" for a, b, c in rows]
+    L += ["", "Start-up = the engine's construction (weights, KV cache, capture, warm-up; the ranks start inside it); "
+          "each run's device, date, commit and command are with its own table on this page. KV capacity: the "
+          "automatic one (the smallest any rank's free memory allows)."]
     return L + [""]
 
 
