@@ -167,12 +167,6 @@ class _Profile:
         return summarise(self.prof.events(), steps, 1e3 * wall_s / steps, self.on_cuda, threading.get_native_id())
 
 
-def _marker(engine, what: str, **extra) -> None:
-    """--all-ranks: rank 0 tells ranks > 0 to start / stop profiling, between two plans (the plan channel)."""
-    if getattr(engine, "_profile_all_ranks", False):
-        engine.worker.channel.send({"profile_tp": what, **extra})
-
-
 def _step_until(engine, got: dict, done) -> int:
     steps = 0
     while not done() and engine.has_unfinished():
@@ -183,7 +177,9 @@ def _step_until(engine, got: dict, done) -> int:
     return steps
 
 
-def profile_batch(engine, timer: ForwardTimer, bs: int, args, on_cuda: bool) -> dict:
+def profile_batch(engine, timer: ForwardTimer, bs: int, args, on_cuda: bool, send=None) -> dict:
+    """`send`: --all-ranks, rank 0's plan channel: ranks > 0 start / stop their profiles on its markers, which go
+    between two plans (in order with them)."""
     from minidsa import SamplingParams
 
     # Room for the warm-up, both windows and speculation's extra tokens per step; never finishing inside a window.
@@ -219,11 +215,13 @@ def profile_batch(engine, timer: ForwardTimer, bs: int, args, on_cuda: bool) -> 
     # Profiled: the same number of steps again.
     count[0] = 0
     prof = _Profile(on_cuda)
-    _marker(engine, "start", batch=bs)
+    if send is not None:
+        send({"profile_tp": "start", "batch": bs})
     prof.start()
     psteps = _step_until(engine, got, window)
     wall_s = prof.stop()
-    _marker(engine, "stop", batch=bs, steps=psteps)
+    if send is not None:
+        send({"profile_tp": "stop", "batch": bs, "steps": psteps})
     out["profile"] = prof.summarise(psteps, wall_s)
     for rid in ids:
         engine.abort(rid, report=False)
@@ -283,7 +281,7 @@ def run(args) -> dict:
         with open(path, "w") as f:
             json.dump({"rank": rank, "batches": batches}, f, indent=2)
         return {}
-    engine._profile_all_ranks = args.all_ranks and config.tensor_parallel_size > 1
+    send = engine.worker.channel.send if args.all_ranks and config.tensor_parallel_size > 1 else None
     m = engine.metrics()
     result = {"device": _device_name(on_cuda), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "commit": os.environ.get("MINIDSA_COMMIT"), "command": "python3 benchmarks/scripts/profile_tp.py "
@@ -298,7 +296,7 @@ def run(args) -> dict:
     try:
         _warm(engine, timer, args)
         for bs in args.batches:
-            r = profile_batch(engine, timer, bs, args, on_cuda)
+            r = profile_batch(engine, timer, bs, args, on_cuda, send)
             p = r["profile"]
             print(f"batch {bs}: step {r['step_ms']:.3f} ms (profiled {p['step_ms']:.3f}), kernels "
                   f"{p['kernel_ms']:.3f} ms, busy {p['busy_ms']:.3f} ms, gap {p['gap_ms']:.3f} ms, "
