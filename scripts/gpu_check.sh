@@ -451,7 +451,8 @@ section_multi_gpu() {   # issue 48 (4 GPUs; ~6-9 min, sized for one 10-minute ca
         left=$(( budget - ($(date +%s) - t0) - 15 ))
         if [ "$left" -lt "$min" ]; then
             echo "--- $name skipped: ${left}s of the budget left, needs $min"
-            echo "$name skipped left=$left" >> "$raw/parts.txt"
+            echo "$name skipped left=$left reason=budget" >> "$raw/parts.txt"
+            rc=1   # not done: the section fails, so a short call is not mistaken for a complete one
             return
         fi
         limit=$(( left < max ? left : max ))
@@ -468,7 +469,13 @@ section_multi_gpu() {   # issue 48 (4 GPUs; ~6-9 min, sized for one 10-minute ca
         case $part in
             profile) mgpu_part profile 150 300 $PY benchmarks/scripts/profile_tp.py --out "$raw/profile" \
                          --model "$model" --tp "$tp" --batches ${MGPU_BATCHES:-1 16 64} $engine $cpu ${MGPU_PROFILE_ARGS:-} ;;
-            serve) mgpu_part serve 120 240 $PY benchmarks/scripts/serve_check.py --out "$raw/serve" --model "$model" \
+            serve) if ! $PY -c "import aiohttp, msgspec" 2>/dev/null; then  # the server's packages (.gpu/whl)
+                       echo "--- serve skipped: aiohttp / msgspec do not import (carry their wheels in .gpu/whl)"
+                       echo "serve skipped reason=no-aiohttp-or-msgspec" >> "$raw/parts.txt"
+                       rc=1
+                       continue
+                   fi
+                   mgpu_part serve 120 240 $PY benchmarks/scripts/serve_check.py --out "$raw/serve" --model "$model" \
                        --tp "$tp" --requests "${MGPU_SERVE_REQUESTS:-128}" \
                        --concurrency "${MGPU_SERVE_CONCURRENCY:-64}" "--bench-args=${MGPU_SERVE_BENCH_ARGS:-}" \
                        -- $mtp $engine ;;

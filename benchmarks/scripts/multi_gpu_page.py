@@ -212,9 +212,9 @@ def startup_table(s: dict) -> list[str]:
     if prof:
         rows.append((f"profile_tp {prof['model']} (the call's first start: cold when the compile caches were empty)",
                      prof.get("startup_s"), prof.get("kv_total_tokens")))
-    if shallow:
-        rows.append((f"profile_tp {shallow['model']} (shallow)", shallow.get("startup_s"),
-                     shallow.get("kv_total_tokens")))
+    if serve:
+        rows.append(("minidsa serve, process start to /health 200 (MTP 3/1/4)", serve.get("ready_s"),
+                     serve.get("kv_total_tokens")))
     if spec:
         if spec.get("plain"):
             rows.append(("bench_speculative plain (the profile's engine flags again: warm caches)",
@@ -222,12 +222,14 @@ def startup_table(s: dict) -> list[str]:
         sp = spec.get("speculative") or {}
         for L, t in (sp.get("startups_s") or {"": sp.get("startup_s")}).items():
             rows.append((f"bench_speculative {sp.get('label', 'MTP')}{f', simulated L = {L}' if L else ''}", t, None))
-    if serve:
-        rows.append(("minidsa serve, process start to /health 200 (MTP 3/1/4)", serve.get("ready_s"),
-                     serve.get("kv_total_tokens")))
+    if shallow:
+        rows.append((f"profile_tp {shallow['model']} (shallow)", shallow.get("startup_s"),
+                     shallow.get("kv_total_tokens")))
     if not rows:
         return []
-    L = ["## Start-up and KV capacity", "", "In the order the call started them (the compile caches fill as it goes).",
+    L = ["## Start-up and KV capacity", "", "In the section's default order (profile, serve, spec, shallow). The compile "
+         "caches fill as the call goes: the profile's start is cold when the machine is fresh, later starts reuse "
+         "what earlier ones compiled (the MTP graphs are first compiled by the serve part's start).",
          "", "| engine | start-up s | KV capacity, tokens |", "|---|---:|---:|"]
     L += [f"| {a} | {_f(b, 1)} | {'-' if c is None else int(c)} |" for a, b, c in rows]
     L += ["", "Start-up = the engine's construction (weights, KV cache, capture, warm-up; the ranks start inside it); "
@@ -302,8 +304,10 @@ def parts_table(s: dict) -> list[str]:
         return []
     L = ["## Parts of the call", "", "| part | exit status | seconds | limit s |", "|---|---:|---:|---:|"]
     for name, p in parts.items():
-        if p.get("skipped"):
+        if p.get("skipped") and p.get("reason", "budget") == "budget":
             L.append(f"| {name} | skipped ({p.get('left', '?')} s of the budget left) | | |")
+        elif p.get("skipped"):
+            L.append(f"| {name} | skipped ({p['reason']}) | | |")
         else:
             L.append(f"| {name} | {p.get('rc', '?')} | {p.get('seconds', '?')} | {p.get('limit', '?')} |")
     return L + [""]
