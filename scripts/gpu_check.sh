@@ -6,7 +6,8 @@
 # Sections (default: all, in this order): env kernels bench_kernels graphs graphs_bench bench_decode bench_prefix ops mla
 # fp8_gemm moe. Not in the default list: moe_sweep (other MoE tile configs, for tuning); moe_prefill (issue 29 item 3:
 # the prefill MoE before vs after branch moe-prefill, its GPU tests then benchmarks/scripts/bench_moe_prefill.py).
-# Also: gpu_tests (every tests/gpu file, GPU_TESTS_PART=a..e: one 10-minute call each); tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); allreduce (2+ GPUs: the one-shot all-reduce against NCCL, benchmark then GPU tests); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (start-up phase by phase, cold and warm caches); startup_tests; bench_prefill; compiled_prefill; sampling;
+# Also: multi_gpu (issue 48, 4 GPUs in one call: profile_tp, serve_check, bench_speculative under TP, MGPU_* knobs);
+# gpu_tests (every tests/gpu file, GPU_TESTS_PART=a..e: one 10-minute call each); tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); allreduce (2+ GPUs: the one-shot all-reduce against NCCL, benchmark then GPU tests); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (start-up phase by phase, cold and warm caches); startup_tests; bench_prefill; compiled_prefill; sampling;
 # ab (two trees interleaved: minidsa bench + decode suite per preset, benchmarks/scripts/ab.py); redesign_ab (issue 30: ab against
 # the code before the redesign)
 # (prefill / mixed steps through the compiled layer: GPU tests, then bench_prefill compiled vs eager); flashmla (builds FlashMLA from a
@@ -402,6 +403,97 @@ section_ab() {   # two trees on this machine, interleaved (before, after): `mini
 section_redesign_ab() {   # issue 30: the code before the redesign (f6bdc44) against the code now (the `ab` section)
     BEFORE_COMMIT=${BEFORE_COMMIT:-f6bdc44} AB_BEFORE_DECODE="bench --suite decode" AB_NAME=redesign_ab \
         AB_TITLE="Redesign" section_ab
+}
+
+section_multi_gpu() {   # issue 48 (4 GPUs; ~6-9 min, sized for one 10-minute call): the model at depth under tensor
+    # parallelism, in parts that each start their own engine (rank 0 spawns the other ranks), in this order:
+    #   profile  benchmarks/scripts/profile_tp.py at MGPU_BATCHES (default 1 16 64): step wall ms, ITL, forward GPU ms, and
+    #            torch.profiler's kernels per category (GEMM, FP8 GEMM, MoE, attention, indexer, collectives, ...) on
+    #            rank 0, top-20 kernels, gap; start-up (cold when the compile caches are empty) and KV capacity
+    #   serve    benchmarks/scripts/serve_check.py: the guides' recipe (`minidsa serve`, MTP 3/1/4, FP8 cache) driven by
+    #            `minidsa bench --base-url` (MGPU_SERVE_REQUESTS 128 at MGPU_SERVE_CONCURRENCY 64): 0 failed, /health ok,
+    #            0 KV in use afterwards, exit within 10 s of SIGTERM, no minidsa process and no GPU compute process left
+    #   spec     benchmarks/scripts/bench_speculative.py --tp MGPU_TP: plain vs MTP 3/1/4 at simulated acceptance 1.0
+    #            and 3.2, batches 1 and 16 (MGPU_SPEC_ARGS replaces those flags)
+    #   shallow  profile_tp at batch 1 on MGPU_SHALLOW (default the same preset at 4 layers): with `profile`, the
+    #            batch-1 time per layer ((deep - shallow) / layers between)
+    #   one_gpu  (not in the default MGPU_PARTS) profile_tp at batch 1, --tp 1 (the first GPU), for MGPU_ONE_GPU_PRESETS
+    #            (default "<preset>:4 <preset>:6"): the per-layer time on one GPU for the same layer shapes
+    # MGPU_MODEL (default bench-dsv32:16; bench-glm5:16 for the other architecture), MGPU_TP (default 4),
+    # MGPU_PROFILE_ARGS (more profile_tp flags, every profile part), MGPU_SERVE_BENCH_ARGS (more `minidsa bench` flags),
+    # MGPU_ENGINE_ARGS (every part's engine flags, default "--kv-cache-dtype fp8"), MGPU_PARTS (default
+    # "profile serve spec shallow"), MGPU_BUDGET_S (default 530: a part that would start with less than its minimum
+    # left is skipped, each part's timeout is cut to what is left). $OUT/multi_gpu.json sums it all up (rewritten
+    # after each part), $OUT/multi_gpu.md is benchmarks/scripts/multi_gpu_page.py's page of it, the raw outputs go
+    # into $OUT/multi_gpu_raw.tgz. Multicast stays off: the three variables are set only where the machine has not.
+    export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} \
+        NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
+    local model=${MGPU_MODEL:-bench-dsv32:16} tp=${MGPU_TP:-4} raw=$OUT/multi_gpu_raw rc=0 part preset tag
+    local engine=${MGPU_ENGINE_ARGS:-"--kv-cache-dtype fp8"} budget=${MGPU_BUDGET_S:-530} t0
+    local shallow=${MGPU_SHALLOW:-${model%%:*}:4}
+    local one_gpu=${MGPU_ONE_GPU_PRESETS:-"${model%%:*}:4 ${model%%:*}:6"}
+    local spec=${MGPU_SPEC_ARGS:-"--batches 1 16 --accept-lens 1.0 3.2"}
+    local mtp="--speculative-num-steps 3 --speculative-topk 1 --speculative-num-draft-tokens 4"
+    local cpu=""   # MGPU_CPU_SMOKE=1: a dry run of the section on a CPU (tiny presets, --device cpu in MGPU_ENGINE_ARGS)
+    [ "${MGPU_CPU_SMOKE:-0}" = 1 ] && cpu="--allow-cpu"
+    t0=$(date +%s)
+    rm -rf "$raw" && mkdir -p "$raw"
+    echo "multicast: NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST=$TORCH_SYMM_MEM_DISABLE_MULTICAST" \
+        "NVSHMEM_DISABLE_NVLS=$NVSHMEM_DISABLE_NVLS; model $model, TP $tp, engine flags: $engine"
+    nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv 2>&1 | tee "$raw/gpus.txt"
+    mgpu_collect() {
+        $PY benchmarks/scripts/multi_gpu_page.py --collect "$raw" --json "$OUT/multi_gpu.json" \
+            --markdown "$OUT/multi_gpu.md" || rc=1
+    }
+    mgpu_part() {   # NAME MIN_S MAX_S command...: run it with what is left of the budget, record rc and seconds
+        local name=$1 min=$2 max=$3 left limit start prc
+        shift 3
+        left=$(( budget - ($(date +%s) - t0) - 15 ))
+        if [ "$left" -lt "$min" ]; then
+            echo "--- $name skipped: ${left}s of the budget left, needs $min"
+            echo "$name skipped left=$left reason=budget" >> "$raw/parts.txt"
+            rc=1   # not done: the section fails, so a short call is not mistaken for a complete one
+            return
+        fi
+        limit=$(( left < max ? left : max ))
+        echo "--- $name (limit ${limit}s): $*"
+        start=$(date +%s)
+        timeout "$limit" "$@" 2>&1 | grep -v " INFO " | timestamped
+        prc=${PIPESTATUS[0]}
+        echo "$name rc=$prc seconds=$(( $(date +%s) - start )) limit=$limit" | tee -a "$raw/parts.txt"
+        [ "$prc" -eq 0 ] || rc=1
+        mgpu_collect
+    }
+    echo "model=$model tp=$tp engine=$engine date=$(date -u +%FT%TZ) commit=${MINIDSA_COMMIT:-?}" > "$raw/meta.txt"
+    for part in ${MGPU_PARTS:-profile serve spec shallow}; do
+        case $part in
+            profile) mgpu_part profile 150 300 $PY benchmarks/scripts/profile_tp.py --out "$raw/profile" \
+                         --model "$model" --tp "$tp" --batches ${MGPU_BATCHES:-1 16 64} $engine $cpu ${MGPU_PROFILE_ARGS:-} ;;
+            serve) if ! $PY -c "import aiohttp, msgspec" 2>/dev/null; then  # the server's packages (.gpu/whl)
+                       echo "--- serve skipped: aiohttp / msgspec do not import (carry their wheels in .gpu/whl)"
+                       echo "serve skipped reason=no-aiohttp-or-msgspec" >> "$raw/parts.txt"
+                       rc=1
+                       continue
+                   fi
+                   mgpu_part serve 120 240 $PY benchmarks/scripts/serve_check.py --out "$raw/serve" --model "$model" \
+                       --tp "$tp" --requests "${MGPU_SERVE_REQUESTS:-128}" \
+                       --concurrency "${MGPU_SERVE_CONCURRENCY:-64}" "--bench-args=${MGPU_SERVE_BENCH_ARGS:-}" \
+                       -- $mtp $engine ;;
+            spec) mgpu_part spec 150 280 $PY benchmarks/scripts/bench_speculative.py --out "$raw/spec" \
+                      --model "$model" --tp "$tp" $spec $engine $cpu ;;
+            shallow) mgpu_part shallow 60 150 $PY benchmarks/scripts/profile_tp.py --out "$raw/shallow" \
+                         --model "$shallow" --tp "$tp" --batches 1 $engine $cpu ${MGPU_PROFILE_ARGS:-} ;;
+            one_gpu) for preset in $one_gpu; do
+                         tag=one_gpu_${preset//[^A-Za-z0-9]/_}
+                         mgpu_part "$tag" 60 200 $PY benchmarks/scripts/profile_tp.py --out "$raw/$tag" \
+                             --model "$preset" --tp 1 --batches 1 $engine $cpu ${MGPU_PROFILE_ARGS:-}
+                     done ;;
+            *) echo "MGPU_PARTS: no part '$part' (profile serve spec shallow one_gpu)"; rc=1 ;;
+        esac
+    done
+    mgpu_collect
+    (cd "$OUT" && tar -czf multi_gpu_raw.tgz multi_gpu_raw && rm -rf multi_gpu_raw)
+    return $rc
 }
 
 section_run() {   # RUN_CMD (a shell command line) inside this script's environment: DeepGEMM / FlashMLA on PYTHONPATH

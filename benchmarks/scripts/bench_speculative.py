@@ -4,7 +4,9 @@ One process, two engines in turn (plain, then speculative), the same engine argu
 - steady decode at each batch size: B requests with `--prompt-len` tokens are prefilled, then the steps until each
   has `--decode-tokens` more are timed: output tok/s and the inter-token latency (a request's time per token);
 - the speculative engine at each `--accept-lens` L: --speculative-simulate-accept-len's simulator is set to L on
-  the live engine between runs (random MTP weights accept nothing; output is then not the model's);
+  the live engine between runs (random MTP weights accept nothing; output is then not the model's). Under tensor
+  parallelism (--tp N > 1) every rank runs its own speculator and simulator, and only rank 0's is in reach here: one
+  speculative engine per L instead, started with --speculative-simulate-accept-len L (every rank draws the same);
 - where the time goes, per round: GPU time of each forward kind (CUDA events around the runner's forward calls:
   each captured kind, or `uncaptured`), and the host time that is left of the round's wall time;
 - with --bench: `minidsa bench`'s default workload on each engine (speculative at the last L).
@@ -149,7 +151,11 @@ def agreement(plain: list[list[int]], spec: list[list[int]]) -> dict:
             "token_agreement": sum(a == b for p, q in zip(plain, spec) for a, b in zip(p, q)) / max(1, n * len(plain))}
 
 
-def run_engine(args, extra: dict, label: str, accept_lens: list[float | None]) -> dict:
+def run_engine(args, extra: dict, label: str, accept_lens: list[float | None], agreement: bool | None = None,
+               live_simulator: bool = True, bench: bool | None = None) -> dict:
+    """One engine: greedy agreement outputs (`agreement`, default --agreement), steady decode at each L of
+    `accept_lens` (the live simulator set to L on rank 0's speculator when `live_simulator`), `minidsa bench`
+    (`bench`, default --bench)."""
     from minidsa.bench.offline import run_bench
     from minidsa.cli import engine_config_from_args
     from minidsa.engine.core import Engine
@@ -163,17 +169,19 @@ def run_engine(args, extra: dict, label: str, accept_lens: list[float | None]) -
     startup = time.perf_counter() - t0
     timer = ForwardTimer(engine.runner)
     out: dict = {"label": label, "startup_s": startup, "runs": []}
-    if args.agreement:
+    agreement = args.agreement if agreement is None else agreement
+    bench = args.bench if bench is None else bench
+    if agreement:
         if engine.speculator is not None:
             engine.speculator.simulator = None  # the model's own acceptance
         out["greedy"] = greedy_outputs(engine, args.agreement, 64)
         out["greedy_alone"] = greedy_outputs(engine, args.agreement, 64, together=False)
     if args.agreement_only:
         accept_lens = []
-    else:
+    elif accept_lens:
         steady_decode(engine, timer, 2, 64, 8, seed=99)  # warm-up: first-call costs out of the numbers
     for L in accept_lens:
-        if L is not None:
+        if L is not None and live_simulator:
             engine.speculator.simulator = AcceptanceSimulator(L, engine.speculator.opts.num_steps, 0)
         for bs in args.batches:
             r = steady_decode(engine, timer, bs, args.prompt_len, args.decode_tokens, seed=bs)
@@ -186,7 +194,7 @@ def run_engine(args, extra: dict, label: str, accept_lens: list[float | None]) -
             print(f"{label} L={L} bs={bs}: {r['tok_per_s']:.0f} tok/s, ITL {r['itl_ms']:.2f} ms, step "
                   f"{r['step_ms']:.2f} ms, GPU {r['gpu_ms_per_step']}, host {r['host_ms_per_step']:.2f} ms",
                   flush=True)
-    if args.bench:
+    if bench:
         res = run_bench(engine, progress=False)["results"]
         out["bench"] = {k: res[k] for k in ("output_tokens_per_s", "ttft_s", "itl_s", "duration_s", "speculative")}
         print(f"{label} minidsa bench: {res['output_tokens_per_s']:.0f} output tok/s, ITL p50 "
@@ -242,6 +250,28 @@ def _write(out: str, result: dict, lines: list[str]) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def spec_engines_per_accept_len(args, label: str) -> dict:
+    """--tp N > 1: each rank's speculator draws its own simulated acceptance, so L must be the same on every rank from
+    the start: one engine per L (--speculative-simulate-accept-len L), and for --agreement one more without the
+    simulator (the model's own acceptance). Merged into one result like run_engine's."""
+    steps = {"speculative_num_steps": args.steps}
+    spec: dict = {"label": label, "startup_s": None, "startups_s": {}, "runs": [], "engine_per_accept_len": True}
+    if args.agreement:
+        a = run_engine(args, {**steps, "speculative_simulate_accept_len": 0.0}, label, [], agreement=True, bench=False)
+        spec["greedy"], spec["greedy_alone"] = a["greedy"], a["greedy_alone"]
+        spec["startups_s"]["agreement"] = spec["startup_s"] = a["startup_s"]
+    if not args.agreement_only:
+        for i, L in enumerate(args.accept_lens):
+            e = run_engine(args, {**steps, "speculative_simulate_accept_len": L}, label, [L], agreement=False,
+                           live_simulator=False, bench=args.bench and i == len(args.accept_lens) - 1)
+            spec["runs"] += e["runs"]
+            spec["startups_s"][str(L)] = e["startup_s"]
+            spec["startup_s"] = spec["startup_s"] or e["startup_s"]
+            if "bench" in e:
+                spec["bench"] = e["bench"]
+    return spec
+
+
 def main() -> int:
     from minidsa.cli import add_engine_args
 
@@ -273,9 +303,12 @@ def main() -> int:
     if args.agreement:  # written now: a run cut short during the second engine's start-up keeps the floor
         result["agreement"] = {FLOOR: agreement(plain["greedy"], plain["greedy_alone"])}
         _write(args.out, result, agreement_lines(args.agreement, result["agreement"]))
-    spec = run_engine(args, {"speculative_num_steps": args.steps,
-                             "speculative_simulate_accept_len": args.accept_lens[0]},
-                      f"MTP {args.steps}/1/{args.steps + 1}", args.accept_lens)
+    label = f"MTP {args.steps}/1/{args.steps + 1}"
+    if args.tensor_parallel_size > 1:
+        spec = spec_engines_per_accept_len(args, label)
+    else:
+        spec = run_engine(args, {"speculative_num_steps": args.steps,
+                                 "speculative_simulate_accept_len": args.accept_lens[0]}, label, args.accept_lens)
     result["speculative"] = spec
     lines = table(plain, spec)
     if args.agreement:
