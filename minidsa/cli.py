@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import time
 import traceback
@@ -341,7 +342,28 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return ConfigError, InvalidRequest, CheckpointError, ValueError, OSError
 
 
+def _teardown_stuck() -> bool:
+    """A tensor-parallel teardown (a process-group abort) was left running: interpreter exit could wait on it."""
+    launch = sys.modules.get("minidsa.parallel.launch")
+    return launch is not None and launch.teardown_stuck()
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+    except BaseException:
+        if not _teardown_stuck():
+            raise
+        traceback.print_exc()
+        code = 1
+    if _teardown_stuck():  # the process is ending anyway: end it without waiting on what was left behind
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     level = args.log_level or DEFAULT_LOG_LEVEL[args.command]

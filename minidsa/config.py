@@ -764,6 +764,9 @@ def resolve(config: EngineConfig, model_config: ModelConfig | None = None, init_
         raise ConfigError("device", f"'{device}' is not a torch device: {e}") from e
     if on_gpu and not torch.cuda.is_available():
         raise ConfigError("device", f"'{device}' asked for but CUDA is not available")
+    if on_gpu and config.tensor_parallel_size > torch.cuda.device_count():  # one GPU per rank: before any starts
+        raise ConfigError("tensor_parallel_size", f"{config.tensor_parallel_size} needs {config.tensor_parallel_size} "
+                          f"GPUs, {torch.cuda.device_count()} visible (CUDA_VISIBLE_DEVICES)")
     args = dataclasses.replace(
         config, device=device,
         dtype=config.dtype if config.dtype != "auto" else ("bfloat16" if on_gpu else "float32"),

@@ -113,3 +113,19 @@ def test_from_pretrained_reads_config_json(tmp_path):
 def test_engine_config_validation(over, field):
     with pytest.raises(ConfigError, match=field):
         EngineConfig(**over).validate()
+
+
+def test_more_ranks_than_visible_gpus_is_refused_by_resolve(monkeypatch):
+    """--tp larger than the visible GPUs: a ConfigError from resolve, before any rank starts (its GPU count is
+    faked here: the check asks torch.cuda only)."""
+    import torch
+
+    from minidsa.config import resolve
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for device in ("cuda", "auto"):
+        with pytest.raises(ConfigError, match=r"'tensor_parallel_size': 2 needs 2 GPUs, 1 visible"):
+            resolve(EngineConfig(device=device, tensor_parallel_size=2))
+    assert resolve(EngineConfig(device="cuda")).args.tensor_parallel_size == 1
+    assert resolve(EngineConfig(device="cpu", tensor_parallel_size=2)).args.device == "cpu"  # CPU ranks share it

@@ -6,14 +6,22 @@ cache, MTP speculation (a chain on DeepSeek-V3.2, a tree with KV compaction on G
 ranks, see tp_forced_rank.py), expert parallelism with overlapped scheduling, prompt / sampled-token logprobs
 through the vocab-parallel head. Plus: a killed rank ends the run with an error naming it, and the layers'
 checkpoint slicing on its own (no processes).
+
+Exits, each within a bound and with no rank left behind: leaving `with LLM(...)`, `LLM.close()` after an error
+inside a step, a killed rank, and `minidsa serve --tp 2` stopped by SIGTERM (drained) or by a second SIGINT;
+the ranks see the environment the machine set (NVLink multicast off).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import random
 import signal
+import sys
+import time
 
 import pytest
 import torch
@@ -26,6 +34,7 @@ from minidsa.parallel.launch import RankFailedError
 from minidsa.attention.select import triton_usable
 from minidsa.common.plan import StepKind
 from test_speculative import forced_override, run as run_with_forced_drafts
+from tp_env_rank import ENV as RANK_ENV_REPORT
 from tp_forced_rank import ENV as FORCED_DRAFTS_ENV
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True, detokenize=False)
@@ -79,18 +88,22 @@ SPEC = {"deepseek_v32": dict(speculative_num_steps=2),
         "glm_moe_dsa": dict(speculative_num_steps=2, speculative_topk=2, speculative_num_draft_tokens=4)}
 
 
+def ranks_run(monkeypatch, tmp_path, hook: str) -> None:
+    """Ranks > 0 started from now on run tests/`hook` (which ends by running minidsa.parallel) instead of
+    `python -m minidsa.parallel`: the rank launcher's interpreter becomes a script that execs it."""
+    script = tmp_path / f"python_{hook}"
+    rank_main = os.path.join(os.path.dirname(os.path.abspath(__file__)), hook)
+    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{rank_main}"\n')
+    script.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(script))
+
+
 def force_rank_drafts(monkeypatch, tmp_path, reference: dict[str, list[int]], topk: int, seed: int) -> None:
     """Ranks > 0 started from now on run tests/tp_forced_rank.py: their drafts are forced as
     `forced_override(reference, topk, random.Random(seed))` forces rank 0's."""
-    import sys
-
     spec = tmp_path / "forced_drafts.json"
     spec.write_text(json.dumps({"reference": reference, "topk": topk, "seed": seed}))
-    script = tmp_path / "python_forced_rank"
-    rank_main = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_forced_rank.py")
-    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{rank_main}"\n')  # instead of -m minidsa...worker
-    script.chmod(0o755)
-    monkeypatch.setattr(sys, "executable", str(script))
+    ranks_run(monkeypatch, tmp_path, "tp_forced_rank.py")
     monkeypatch.setenv(FORCED_DRAFTS_ENV, str(spec))
 
 
@@ -156,14 +169,218 @@ def test_killed_rank_is_named_and_the_run_ends(tiny_llm):
         child = llm.engine.runner.ranks.processes.procs[1]
         os.kill(child.pid, signal.SIGKILL)
         child.wait(30)
+        started = time.monotonic()
         with pytest.raises(RankFailedError, match="rank 1 .*killed by signal 9"):
             generate(llm, [[5, 6, 7, 8]] * 2, SamplingParams(max_tokens=4, detokenize=False))
+        assert time.monotonic() - started < 5  # named at once, not after a collective's timeout
     finally:
+        started = time.monotonic()
         llm.close()
+    assert time.monotonic() - started < 10
     # every process of the group is gone and a new group can start in this process
     assert llm.engine.runner.ranks.processes.procs[1].poll() is not None
+    assert not torch.distributed.is_initialized()
     for rid in list(llm.engine.requests):  # the failed run's requests: nothing can serve them any more
         llm.engine.abort(rid, report=False)
+
+
+# The variables the lent GPU machines set to keep NVLink multicast off (REFERENCE_NOTES.md, "Several GPUs"): every
+# process minidsa starts must see them too.
+MACHINE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def test_leaving_with_llm_ends_every_rank_and_ranks_see_the_parent_environment(monkeypatch, tmp_path, caplog):
+    """`with LLM(...)`: leaving the block stops rank 1 (a clean exit, code 0, not reported as a failure) and leaves
+    the process groups within seconds; rank 1 saw this process's environment (NCCL_NVLS_ENABLE=0 and the rest), as
+    reported by tests/tp_env_rank.py."""
+    report = tmp_path / "rank_env.json"
+    ranks_run(monkeypatch, tmp_path, "tp_env_rank.py")
+    monkeypatch.setenv(RANK_ENV_REPORT, str(report))
+    for name, value in MACHINE_ENV.items():
+        monkeypatch.setenv(name, os.environ.get(name, value))
+    with LLM(tensor_parallel_size=2, **COMMON) as llm:
+        child = llm.engine.runner.ranks.processes.procs[1]
+        assert len(generate(llm, [[5, 6, 7, 8, 9]])[0]) == GREEDY.max_tokens
+        started = time.monotonic()
+    assert time.monotonic() - started < 10
+    assert child.poll() == 0
+    assert not torch.distributed.is_initialized()
+    time.sleep(0.2)  # the watch thread's poll interval: it would have reported rank 1's exit by now
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "minidsa" in r.name]
+    seen = json.loads(report.read_text())
+    assert {name: seen.get(name) for name in MACHINE_ENV} == {name: os.environ[name] for name in MACHINE_ENV}
+
+
+def test_an_error_inside_a_step_ends_the_run_and_close_ends_every_rank(monkeypatch):
+    """Rank 0's forward raises after the plan went to rank 1 (injected here, test-only): rank 1 waits in a
+    collective rank 0 never joins, so the group cannot go on. The step raises RankFailedError naming rank 0's
+    error, so does every later one (at once), and LLM.close() still ends rank 1 (code 0: it was stopped) within
+    seconds."""
+    llm = LLM(tensor_parallel_size=2, **COMMON)
+    child = llm.engine.runner.ranks.processes.procs[1]
+    try:
+        generate(llm, [[5, 6, 7, 8]])
+
+        def failing_forward(*args, **kwargs):
+            raise ValueError("injected")
+
+        monkeypatch.setattr(llm.engine.runner.model, "forward", failing_forward)
+        with pytest.raises(RankFailedError, match=r"rank 0 failed inside a step \(ValueError: injected\)"):
+            generate(llm, [[9, 10, 11]])
+        started = time.monotonic()
+        with pytest.raises(RankFailedError, match="out of step"):
+            generate(llm, [[9, 10, 11]])
+        assert time.monotonic() - started < 1
+    finally:
+        started = time.monotonic()
+        llm.close()
+    assert time.monotonic() - started < 10
+    assert child.poll() == 0
+    assert not torch.distributed.is_initialized()
+    for rid in list(llm.engine.requests):  # the failed run's requests: nothing can serve them any more
+        llm.engine.abort(rid, report=False)
+
+
+def _gone(pid: int, within: float = 2.0) -> bool:
+    """Whether process `pid` has ended (or is a zombie) within `within` s."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _children(pid: int) -> list[int]:
+    """Direct child processes of pid (Linux /proc): serve --tp 2's rank 1."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+async def _read_sse(resp) -> list[dict | str]:
+    """All SSE data payloads of an aiohttp response, parsed ('[DONE]' kept as the string). As test_server.py's,
+    which needs openai: the GPU machines may not have it."""
+    events = []
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def _serve(args: list[str], hook: str | None = None, env: dict[str, str] | None = None):
+    """`minidsa serve --port 0 ARGS` (or tests/`hook` serve ...) started and listening -> (process, base url)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "tests", hook)] if hook else [sys.executable, "-m", "minidsa"]
+    env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1", **(env or {}))
+    proc = subprocess.Popen([*cmd, "serve", "--port", "0", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=root, env=env)
+    line = proc.stdout.readline()
+    if "serving" not in line:
+        proc.kill()
+        raise AssertionError((line, proc.communicate()[1]))
+    return proc, line.strip().rsplit(" ", 1)[1]
+
+
+SERVER_ENDINGS = ["sigterm-drain", "second-sigint", "rank-killed", "step-error", "stuck-teardown"]
+
+
+def serve_and_end(how: str, *args: str) -> tuple[int, int]:
+    """`minidsa serve --tp 2 ARGS` (the tiny preset) with a request streaming, ended `how`:
+    - "sigterm-drain": SIGTERM; the request finishes (finish_reason length), the server exits 0;
+    - "second-sigint": SIGINT twice; the request is aborted, the server exits 0;
+    - "rank-killed": SIGKILL to rank 1; within 5 s the stream ends with an error naming it, the server exits 1
+      with the reason on its last line;
+    - "step-error": rank 0 raises inside a step (tests/tp_faults.py); the same, naming rank 0's error;
+    - "stuck-teardown": SIGTERM drain as above, but aborting the process groups never returns (tests/tp_faults.py,
+      as NCCL's teardown can hang): the bounded teardown is left behind and the server still exits 0.
+    Either way within 10 s of the drain's end, the second signal or the error, and rank 1 is gone. Returns the
+    server's and rank 1's pids (the GPU tests check that no GPU process of theirs remains)."""
+    import tempfile
+
+    import aiohttp
+
+    from tp_faults import FAIL_STEP_GATE, HANG_ABORT
+
+    drain = how in ("sigterm-drain", "stuck-teardown")
+    gate = os.path.join(tempfile.mkdtemp(), "fail")
+    faults = {"step-error": {FAIL_STEP_GATE: gate}, "stuck-teardown": {HANG_ABORT: "1"}}.get(how)
+    proc, url = _serve(["--tp", "2", "--shutdown-timeout", "60", *args], hook="tp_faults.py" if faults else None,
+                       env=faults)
+    try:
+        ranks = _children(proc.pid)
+        assert len(ranks) == 1, ranks  # rank 1 (rank 0 is the server process)
+
+        async def main():
+            async with aiohttp.ClientSession() as session:
+                body = {"prompt": "long", "max_tokens": 24 if drain else 3000, "ignore_eos": True, "stream": True}
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    assert (await resp.content.readline()).startswith(b"data: ")
+                    started = time.monotonic()
+                    if how == "rank-killed":
+                        os.kill(ranks[0], signal.SIGKILL)
+                    elif how == "step-error":
+                        open(gate, "w").close()
+                    else:
+                        proc.send_signal(signal.SIGTERM if drain else signal.SIGINT)
+                    if how == "second-sigint":
+                        await asyncio.sleep(0.5)
+                        proc.send_signal(signal.SIGINT)
+                    events = await asyncio.wait_for(_read_sse(resp), timeout=60)
+                    return events, started, time.monotonic()
+
+        events, started, ended = asyncio.run(main())
+        code = proc.wait(timeout=30)
+        took = time.monotonic() - ended
+        err = proc.stderr.read()
+        assert took < 10, (took, err[-2000:])
+        if how in ("rank-killed", "step-error"):
+            why = "rank 1" if how == "rank-killed" else "rank 0 failed inside a step (ValueError: injected step"
+            errors = [e for e in events if isinstance(e, dict) and "error" in e]
+            assert errors and why in errors[-1]["error"]["message"], events[-3:]
+            assert ended - started < 5, (ended - started, err[-2000:])
+            assert code == 1, err[-2000:]
+            assert "shutting the server down" in err, err[-2000:]
+            last = err.splitlines()[-1]
+            assert "minidsa serve: error: the engine stopped" in last and why in last, err[-2000:]
+        else:
+            assert events[-1] == "[DONE]"
+            assert events[-2]["choices"][0]["finish_reason"] == ("length" if drain else "abort")
+            assert code == 0, err[-2000:]
+            assert "stopped after" in err and "failed" not in err and "exited with code" not in err, err[-2000:]
+        left_behind = "aborting the torch.distributed process groups did not finish within 3 s; leaving it behind"
+        assert (left_behind in err) == (how == "stuck-teardown"), err[-2000:]
+        assert "did not finish" not in err.replace(left_behind, ""), err[-2000:]  # no other wait ran out
+        assert _gone(ranks[0]), f"rank 1 (pid {ranks[0]}) outlived the server"
+        return proc.pid, ranks[0]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank process through /proc")
+@pytest.mark.parametrize("how", SERVER_ENDINGS)
+def test_tensor_parallel_server_exits_promptly_however_it_ends(how):
+    pytest.importorskip("aiohttp")  # the server's packages
+    pytest.importorskip("msgspec")
+    serve_and_end(how, "--device", "cpu")
 
 
 def test_four_ranks_equal_one_process(tiny_llm):
@@ -177,8 +394,6 @@ def test_four_ranks_equal_one_process(tiny_llm):
 def test_a_rank_that_fails_to_start_is_named(monkeypatch, tmp_path):
     """The child exits before joining the group (here: a stand-in interpreter that exits 3): rank 0 names it
     at once instead of waiting for the rendezvous timeout, and no process group is left behind."""
-    import sys
-
     import torch.distributed as dist
 
     failing = tmp_path / "python"

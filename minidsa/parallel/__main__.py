@@ -3,6 +3,9 @@
 It builds its worker (its shard of the model, the caches, sampler and speculator) and launches each of rank
 0's step plans until told to stop (`ranks.run_rank`). Its stdin stays open as a lifeline: EOF (rank 0
 exited, was killed, or stopped the group) ends the process at once.
+
+Either way out (StopPlan, or EOF while a step still waits on rank 0) the rank aborts its process groups, bounded,
+and leaves with `os._exit`: nothing at interpreter exit may wait on NCCL or on a peer that is gone.
 """
 
 from __future__ import annotations
@@ -16,10 +19,24 @@ import traceback
 logger = logging.getLogger("minidsa.parallel")
 
 
+_leaving = threading.Event()  # set once this rank is on its way out: errors from its aborted groups are expected
+
+
+def _leave(code: int) -> None:
+    """Abort this rank's process groups (bounded) and exit, whatever the main thread is doing."""
+    _leaving.set()
+    from minidsa.parallel.launch import leave_groups
+
+    leave_groups()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _exit_when_rank0_goes(stream) -> None:
     def watch() -> None:
         stream.read()  # returns at EOF only: rank 0 closed the pipe or is gone
-        os._exit(0)
+        _leave(0)
 
     threading.Thread(target=watch, name="minidsa-rank0-lifeline", daemon=True).start()
 
@@ -39,15 +56,15 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))  # CPU ranks share the cores
-    ranks = None
     try:
-        ranks = join_ranks(spec)
-        run_rank(ranks, spec.resolved, spec.kernels)
+        run_rank(join_ranks(spec), spec.resolved, spec.kernels)
     except BaseException:
+        if _leaving.wait(0.5):  # rank 0 stopped the group and the lifeline is aborting it: not a failure
+            threading.Event().wait()  # the lifeline exits the process
         print(f"[rank {spec.rank}] tensor-parallel rank {spec.rank} failed:\n{traceback.format_exc()}",
               file=sys.stderr, flush=True)
         os._exit(1)  # no teardown that could wait on the peers
-    ranks.shutdown()
+    _leave(0)  # StopPlan
     return 0
 
 

@@ -16,6 +16,13 @@ control group for the step plans (a peer that dies closes its sockets: gloo rais
 device group (an NCCL collective waiting for a dead peer would otherwise hang until its timeout), and the next
 or current collective on rank 0 raises `RankFailedError` naming the rank. Should rank 0 stay stuck inside a
 step regardless, the watch ends the process after `STUCK_EXIT_S` rather than leave it hanging.
+
+Leaving (`RankGroup.shutdown`, `leave_groups`): every rank aborts its process groups instead of destroying them.
+`destroy_process_group` flushes and destroys the NCCL communicators (ncclCommFinalize / ncclCommDestroy), which
+waits on the peers: with a peer gone, or one that disagrees about what is in flight, it never returns. Rank 0
+first lets its children go (EOF; they abort their own groups and exit), then aborts. Every wait on the way out
+is bounded (`TEARDOWN_S`): a teardown that does not return in time is left behind in a daemon thread, and a
+process that is ending anyway (`minidsa` commands, ranks > 0) then exits with `os._exit`.
 """
 
 from __future__ import annotations
@@ -40,7 +47,6 @@ import torch
 import torch.distributed as dist
 
 from minidsa.common.tensor_parallel import TensorParallel
-from minidsa.config import ConfigError
 from minidsa.parallel.allreduce import PeerAllReduce, gather_on, start_peer_all_reduce
 
 logger = logging.getLogger(__name__)
@@ -49,6 +55,7 @@ STARTUP_TIMEOUT_S = float(os.environ.get("MINIDSA_DIST_STARTUP_TIMEOUT", "600"))
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("MINIDSA_DIST_TIMEOUT", "600"))  # a device-group collective
 IDLE_FOREVER = datetime.timedelta(days=365)  # workers wait this long for the next plan (an idle server)
 STUCK_EXIT_S = 30.0  # a rank died while rank 0 is inside a step that does not return: exit after this
+TEARDOWN_S = 3.0  # each bounded wait on the way out: children leaving, then this process's groups aborting
 _JOIN_KEY = "minidsa/joined/{}"
 
 
@@ -81,6 +88,7 @@ class RankGroup:
     device: torch.device
     processes: "RankProcesses | None" = None  # rank 0 of a group minidsa started
     all_reduce: PeerAllReduce | None = None  # which all-reduce serves small sizes (tp.peer: its buffers)
+    broken: str | None = None  # rank 0 failed inside a step: the ranks are out of step (see `guard`)
 
     @property
     def rank(self) -> int:
@@ -93,10 +101,16 @@ class RankGroup:
     def check(self) -> None:
         if self.processes is not None:
             self.processes.check()
+        if self.broken is not None:
+            raise RankFailedError(self.broken)
 
     @contextlib.contextmanager
-    def guard(self) -> Iterator[None]:
-        """Collectives inside: a failure caused by a dead rank is re-raised as RankFailedError naming it."""
+    def guard(self, step: bool = False) -> Iterator[None]:
+        """Collectives inside: a failure caused by a dead rank is re-raised as RankFailedError naming it.
+
+        `step`: rank 0 is running a step the other ranks were sent. Any error there leaves them behind (waiting in
+        a collective rank 0 never joins, or a step ahead): the group is broken for good, and this and every later
+        step raise RankFailedError saying so (a server then fails its requests and exits, an LLM says why)."""
         self.check()
         watch = self.processes
         if watch is not None:
@@ -105,23 +119,72 @@ class RankGroup:
             yield
         except RankFailedError:
             raise
-        except Exception as e:  # gloo "connection closed", an aborted NCCL communicator, a timeout
-            failure = watch.wait_for_failure(2.0) if watch is not None else None
-            if failure is None:
+        except BaseException as e:  # gloo "connection closed", an aborted NCCL communicator, a timeout, a bug
+            failure = watch.wait_for_failure(2.0) if watch is not None and isinstance(e, Exception) else None
+            if failure is not None:
+                watch.state.acknowledged.set()
+                raise RankFailedError(failure) from e
+            if not step or self.world_size == 1:
                 raise
-            watch.state.acknowledged.set()
-            raise RankFailedError(failure) from e
+            self.broken = (f"tensor-parallel rank 0 failed inside a step ({type(e).__name__}: {e}); the ranks are "
+                           "out of step and the engine cannot continue")
+            if not isinstance(e, Exception):  # Ctrl-C: still an interrupt, the group broken all the same
+                raise
+            logger.error("%s", self.broken)  # the traceback travels with the error (`from e`), not in a log record
+            raise RankFailedError(self.broken) from e
         finally:
             if watch is not None:
                 watch.state.in_step -= 1
 
     def shutdown(self) -> None:
-        """Stop the children (EOF on their stdin) and leave the process groups."""
+        """Stop the children (EOF on their stdin), then leave the process groups; bounded (see `leave_groups`)."""
         if self.processes is not None:
             self.processes.stop()
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+        leave_groups()
+
+
+_teardown_stuck = threading.Event()  # a bounded teardown did not return: see `teardown_stuck`
+
+
+def bounded(fn: Any, timeout: float, what: str) -> bool:
+    """Run `fn` in a daemon thread for at most `timeout` s: True if it returned (or raised) in time. A call still
+    running is left behind (it holds no lock of ours), logged, and remembered (`teardown_stuck`)."""
+    thread = threading.Thread(target=_quietly, args=(fn,), name="minidsa-teardown", daemon=True)
+    try:
+        thread.start()
+    except RuntimeError:  # "can't create new thread at interpreter shutdown": a finaliser at exit; run it here
+        _quietly(fn)
+        return True
+    thread.join(timeout)
+    if thread.is_alive():
+        logger.error("%s did not finish within %.0f s; leaving it behind", what, timeout)
+        _teardown_stuck.set()
+        return False
+    return True
+
+
+def _quietly(fn: Any) -> None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - leaving: a group already broken by a dead peer may complain
+        logger.debug("teardown: %s: %s", type(e).__name__, e)
+
+
+def leave_groups(timeout: float = TEARDOWN_S) -> None:
+    """Abort every process group of this process (the NCCL communicators included), at most `timeout` s.
+
+    Abort, not destroy: NCCL's graceful teardown waits for the peers and hangs when one has gone (see the module
+    doc); the abort ends whatever is in flight, locally. Afterwards no group is registered, so another engine can
+    start in this process."""
+    if dist.is_initialized():
+        bounded(lambda: dist.distributed_c10d._abort_process_group(), timeout,
+                "aborting the torch.distributed process groups")
+
+
+def teardown_stuck() -> bool:
+    """Whether a bounded teardown of this process was left running: the process should end with `os._exit`
+    (interpreter exit could wait on it)."""
+    return _teardown_stuck.is_set()
 
 
 @dataclass
@@ -145,7 +208,7 @@ class RankProcesses:
         self.state = _WatchState()
         threading.Thread(target=_watch, args=(procs, self.state), name="minidsa-rank-watch", daemon=True).start()
         # Notebook or script: the children go when this object does, or at interpreter exit.
-        self._finalizer = weakref.finalize(self, _stop_children, procs, 10.0, self.state)
+        self._finalizer = weakref.finalize(self, _stop_children, procs, TEARDOWN_S, self.state)
 
     @property
     def failure(self) -> str | None:
@@ -160,7 +223,7 @@ class RankProcesses:
             self.state.acknowledged.set()
             raise RankFailedError(self.state.failure)
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = TEARDOWN_S) -> None:
         self._finalizer.detach()
         _stop_children(self.procs, timeout, self.state)
 
@@ -190,7 +253,9 @@ def _watch(procs: dict[int, subprocess.Popen], state: _WatchState) -> None:
         time.sleep(0.05)
 
 
-def _stop_children(procs: dict[int, subprocess.Popen], timeout: float = 10.0, state: _WatchState | None = None) -> None:
+def _stop_children(procs: dict[int, subprocess.Popen], timeout: float = TEARDOWN_S,
+                   state: _WatchState | None = None) -> None:
+    """EOF to every child (each aborts its groups and exits), `timeout` s for them to go, then SIGKILL."""
     if state is not None:
         state.stopping = True
     for proc in procs.values():
@@ -198,12 +263,15 @@ def _stop_children(procs: dict[int, subprocess.Popen], timeout: float = 10.0, st
             if proc.stdin is not None:
                 proc.stdin.close()  # EOF: the child's stdin watch exits it
     deadline = time.monotonic() + timeout
-    for proc in procs.values():
+    for rank, proc in procs.items():
         try:
             proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            logger.warning("tensor-parallel rank %d (pid %d) did not exit within %.0f s of being stopped: killing it",
+                           rank, proc.pid, timeout)
             proc.kill()
-            proc.wait()
+            with contextlib.suppress(subprocess.TimeoutExpired):  # a GPU process can take a moment to be reaped
+                proc.wait(TEARDOWN_S)
 
 
 def launch_mode(tensor_parallel_size: int) -> tuple[str, int, int]:
@@ -245,10 +313,7 @@ def start_ranks(resolved: Any, kernels: Any) -> RankGroup:
     mode, rank, local_rank = launch_mode(world)
     device = rank_device(engine_config.device, local_rank)
     backend = _backend(device)
-    if torch.device(device).type == "cuda":
-        if torch.cuda.device_count() < world:
-            raise ConfigError("tensor_parallel_size", f"{world} needs {world} GPUs, {torch.cuda.device_count()} "
-                              "visible (CUDA_VISIBLE_DEVICES)")
+    if torch.device(device).type == "cuda":  # enough GPUs: checked by config.resolve, before anything started
         torch.cuda.set_device(torch.device(device))
     if mode == "torchrun":
         return _init_groups(rank, world, backend, device, None, None, engine_config.enable_expert_parallel,

@@ -28,7 +28,6 @@ memory allows) and the group's lifetime (stopping the ranks when the engine goes
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from collections.abc import Callable
@@ -44,7 +43,7 @@ from minidsa.exec.build import build_worker
 from minidsa.exec.runner import ModelRunner
 from minidsa.exec.worker import PendingStep, Worker
 from minidsa.parallel.channel import PlanChannel
-from minidsa.parallel.launch import RankGroup, launch_mode, single_rank_group, start_ranks
+from minidsa.parallel.launch import TEARDOWN_S, RankGroup, bounded, launch_mode, single_rank_group, start_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +89,7 @@ class _GuardedStep:
         self._ranks = ranks
 
     def result(self) -> StepResult:
-        with self._ranks.guard():
+        with self._ranks.guard(step=True):
             return self.pending.result()
 
 
@@ -126,12 +125,12 @@ class TensorParallelWorker(Worker):
         self.channel = PlanChannel(runner.ranks)
 
     def launch(self, plan: StepPlan) -> _GuardedStep:
-        with self.ranks.guard():
+        with self.ranks.guard(step=True):
             self.channel.send(plan)
             return _GuardedStep(super().launch(plan), self.ranks)
 
     def launch_sampling(self, pending: _GuardedStep, bitmask: torch.Tensor | None) -> None:
-        with self.ranks.guard():
+        with self.ranks.guard(step=True):
             super().launch_sampling(pending.pending, bitmask)
 
     def _share_mask(self, mask: torch.Tensor) -> None:
@@ -142,12 +141,17 @@ class TensorParallelWorker(Worker):
             super().prepare_fast_paths()
 
     def close(self) -> None:
-        """Stop the other ranks and leave the process groups (also at exit, or when the runner goes away)."""
+        """Stop the other ranks and leave the process groups (also at exit, or when the runner goes away). Bounded:
+        StopPlan lets the ranks leave their loop (under torchrun, their only way out). Not after a failed step: the
+        ranks are not reading plans (a gloo send waits for its receiver), they leave on EOF instead."""
         if self.runner.closed:
             return
-        if self.ranks.processes is None or self.ranks.processes.failure is None:
-            with contextlib.suppress(Exception):  # a rank already gone: stopping the rest is all there is to do
-                self.channel.send(StopPlan())
+        watch = self.ranks.processes
+        failed = self.ranks.broken is not None or (watch is not None and watch.failure is not None)
+        if watch is not None:
+            watch.state.stopping = True  # before StopPlan: a rank that exits from now on was stopped, it did not fail
+        if self.ranks.world_size > 1 and not failed:
+            bounded(lambda: self.channel.send(StopPlan()), TEARDOWN_S, "sending StopPlan to the other ranks")
         self.runner.close()
 
 

@@ -742,13 +742,15 @@ def serve(engine_config: Any, host: str = "127.0.0.1", port: int = 8000, api_key
     ends with finish_reason "abort"). An engine that stops by itself (a dead tensor-parallel rank) fails the
     open requests, shuts the server down the same way and raises EngineDied naming why.
     `engine_factory(engine_config)` builds the engine (default: `Engine`)."""
-    from minidsa.config import EngineConfig, resolve_model
+    from minidsa.config import EngineConfig, resolve
     from minidsa.engine import Engine
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_config = engine_config if engine_config is not None else EngineConfig()
-    resolve_model(engine_config.model)  # a model that does not exist fails now, in one line, before listening
+    # Bad input (a model that does not exist, a --tp the GPUs or the model's shapes cannot take) fails now, in one
+    # line, before listening or starting any rank.
+    resolve(engine_config)
     if sock is None:
         sock = bind_socket(host, port)
     try:

@@ -6,13 +6,24 @@
 - Two or more GPUs: TP=2 gives one GPU's tokens: MTP speculation on a tiny checkpoint (read in slices), and
   expert parallelism on the bench preset in FP8 (real shapes: 128x128 blocks cut at rank boundaries; random
   presets are drawn whole and sharded, so they are the same model at every size).
+- Two GPUs, every way a run ends, over NCCL (issue 48: NCCL's graceful teardown hung rank 0): leaving
+  `with LLM(...)`, `LLM.close()`, an error inside a step, a rank killed mid-request, and `minidsa serve --tp 2`
+  stopped by SIGTERM (drained) or a second SIGINT, or losing a rank, or failing a step. Each ends within its
+  bound, rank 1 exits, and both GPUs' memory is given back.
 
-Skipped without CUDA (CPU CI); run by `scripts/gpu_check.sh tp`.
+Skipped without CUDA (CPU CI); run by `scripts/gpu_check.sh tp`. A shutdown regression hangs rather than fails:
+the two-GPU tests carry a timeout (pytest-timeout's thread method, which ends the run with every thread's stack;
+the signal method cannot interrupt a call blocked in NCCL).
 """
 
 from __future__ import annotations
 
 import gc
+import os
+import signal
+import subprocess
+import threading
+import time
 
 import pytest
 import torch
@@ -20,6 +31,8 @@ import torch
 from minidsa.common.plan import StepKind
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+EXIT_S = 10.0  # every way a run ends: the process (or LLM.close()) is done within this
 
 PARAMS = dict(max_tokens=12, ignore_eos=True, detokenize=False)
 
@@ -72,7 +85,8 @@ def test_single_rank_distributed_path_equals_plain_engine_on_bench_preset(spec):
     assert same == len(prompts), f"{same}/{len(prompts)} prompts token-identical; plain {plain}\nmp {dist}"
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@TWO_GPUS
+@pytest.mark.timeout(900, method="thread")
 def test_two_gpus_equal_one_with_speculation(tmp_path):
     from test_tensor_parallel import checkpoint_with_mtp
 
@@ -85,7 +99,8 @@ def test_two_gpus_equal_one_with_speculation(tmp_path):
     assert two == one
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@TWO_GPUS
+@pytest.mark.timeout(900, method="thread")
 def test_two_gpus_equal_one_with_expert_parallelism_on_the_fp8_bench_preset():
     prompts = _prompts(3, 300, 120000)
     exact = dict(dtype="float32", indexer_cache_dtype="model", max_total_tokens=16384, max_model_len=2048)
@@ -95,3 +110,147 @@ def test_two_gpus_equal_one_with_expert_parallelism_on_the_fp8_bench_preset():
     assert overlap and replays.get(StepKind.DECODE, 0) > 0, replays
     same = sum(a == b for a, b in zip(one, two))
     assert same == len(prompts), f"{same}/{len(prompts)} prompts token-identical; TP=1 {one}\nTP=2 {two}"
+
+
+# ---------------------------------------------------------------- exits (two GPUs, NCCL)
+
+TINY_TP2 = dict(tensor_parallel_size=2, device="cuda", max_total_tokens=4096, max_running_requests=4,
+                cuda_graph_max_bs=4, enable_compile=False, progress=False)
+SERVE_TP2 = ("--device", "cuda", "--max-total-tokens", "4096", "--cuda-graph-max-bs", "4", "--disable-compile")
+SLACK = 512 << 20  # free memory back to where it was, give or take the driver's and allocator's own
+
+
+def _free_memory() -> list[int]:
+    """Free bytes on GPUs 0 and 1 as the driver reports them (this process keeps a context on each)."""
+    return [torch.cuda.mem_get_info(d)[0] for d in range(2)]
+
+
+def _gpu_pids() -> set[int]:
+    """PIDs of the processes with a context on a GPU (nvidia-smi; empty where it cannot see them)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return set()
+    return {int(x) for x in out.split() if x.strip().isdigit()}
+
+
+def _assert_released(before: list[int], *pids: int) -> None:
+    """The ended processes hold no GPU (nvidia-smi) and both GPUs' free memory is back, within 10 s (the driver
+    reclaims an ended process's memory a moment after it exits)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    deadline = time.monotonic() + 10
+    while True:
+        free, held = _free_memory(), _gpu_pids() & set(pids)
+        if not held and all(f >= b - SLACK for f, b in zip(free, before)):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"GPU not given back: processes {sorted(held)} still hold a GPU; free MiB "
+                                 f"{[f >> 20 for f in free]}, before {[b >> 20 for b in before]}")
+        time.sleep(0.2)
+
+
+def _close_within(llm) -> float:
+    started = time.monotonic()
+    llm.close()
+    return time.monotonic() - started
+
+
+@TWO_GPUS
+@pytest.mark.timeout(600, method="thread")
+def test_two_gpus_with_llm_and_close_end_every_rank_and_give_the_memory_back():
+    """`with LLM(...)` and `LLM.close()` after a run: rank 1 exits 0 and the NCCL group is left within EXIT_S,
+    nothing holds either GPU afterwards, and a new group starts in this process (the second engine)."""
+    import torch.distributed as dist
+
+    from minidsa import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)
+    before = _free_memory()
+    with LLM(**TINY_TP2) as llm:
+        child = llm.engine.runner.ranks.processes.procs[1]
+        assert len(llm.generate([[5, 6, 7, 8]] * 3, params)[0].token_ids) == 8
+        started = time.monotonic()
+    took = time.monotonic() - started
+    assert took < EXIT_S, took
+    assert child.poll() == 0 and not dist.is_initialized()
+    del llm
+    _assert_released(before, child.pid)
+
+    llm = LLM(**TINY_TP2)
+    child = llm.engine.runner.ranks.processes.procs[1]
+    assert len(llm.generate([[9, 10, 11]], params)[0].token_ids) == 8
+    took = _close_within(llm)
+    assert took < EXIT_S, took
+    assert child.poll() == 0 and not dist.is_initialized()
+    del llm
+    _assert_released(before, child.pid)
+
+
+@TWO_GPUS
+@pytest.mark.timeout(600, method="thread")
+def test_two_gpus_an_error_in_a_step_or_a_rank_killed_mid_request_ends_the_run():
+    """An error inside rank 0's step (injected, test-only: its forward raises after rank 1 was sent the plan):
+    RankFailedError naming it, close within EXIT_S. A rank killed while a long request decodes: named within 5 s,
+    close within EXIT_S. Both GPUs given back each time."""
+    import torch.distributed as dist
+
+    from minidsa import LLM, SamplingParams
+    from minidsa.parallel.launch import RankFailedError
+
+    before = _free_memory()
+    llm = LLM(**TINY_TP2)
+    child = llm.engine.runner.ranks.processes.procs[1]
+    try:
+        llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, detokenize=False))
+
+        def failing_forward(*args, **kwargs):
+            raise ValueError("injected")
+
+        llm.engine.runner.model.forward = failing_forward  # goes with the engine: nothing else keeps the model
+        with pytest.raises(RankFailedError, match=r"rank 0 failed inside a step \(ValueError: injected\)"):
+            llm.generate([[9, 10, 11]], SamplingParams(max_tokens=4, detokenize=False))
+    finally:
+        took = _close_within(llm)
+    assert took < EXIT_S, took
+    assert child.poll() is not None and not dist.is_initialized()
+    for rid in list(llm.engine.requests):
+        llm.engine.abort(rid, report=False)
+    del llm, failing_forward
+    _assert_released(before, child.pid)
+
+    llm = LLM(**TINY_TP2)
+    child = llm.engine.runner.ranks.processes.procs[1]
+    killed = []
+    timer = threading.Timer(0.5, lambda: (killed.append(time.monotonic()), os.kill(child.pid, signal.SIGKILL)))
+    try:
+        timer.start()  # while the request decodes (4000 tokens: seconds even with graphs)
+        with pytest.raises(RankFailedError, match="rank 1 .*killed by signal 9"):
+            llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4000, ignore_eos=True, detokenize=False))
+        named = time.monotonic() - killed[0]
+        assert named < 5, named
+    finally:
+        timer.cancel()
+        took = _close_within(llm)
+    assert took < EXIT_S, took
+    assert child.poll() is not None and not dist.is_initialized()
+    for rid in list(llm.engine.requests):
+        llm.engine.abort(rid, report=False)
+    del llm
+    _assert_released(before, child.pid)
+
+
+@TWO_GPUS
+@pytest.mark.timeout(300, method="thread")
+@pytest.mark.parametrize("how", ["sigterm-drain", "second-sigint", "rank-killed", "step-error", "stuck-teardown"])
+def test_two_gpus_server_exits_promptly_however_it_ends(how):
+    """`minidsa serve --tp 2` on two GPUs, each ending of test_tensor_parallel.py's serve_and_end (bounds, exit
+    code, the error named, rank 1 gone); then neither process holds a GPU and the memory is back."""
+    pytest.importorskip("aiohttp")  # the server's packages
+    pytest.importorskip("msgspec")
+    from test_tensor_parallel import serve_and_end
+
+    before = _free_memory()
+    pids = serve_and_end(how, *SERVE_TP2)
+    _assert_released(before, *pids)
