@@ -50,6 +50,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [N] int64, tokens whose logits are wanted
     max_kv_len: int  # host-side bound on seq_lens (sizes the reference ops' buffers)
     tree_mask: torch.Tensor | None = None  # [T, W] bool, extra visible positions after kv_lens
+    # DP attention (host ints): every attention rank's token count this forward, so that each MoE layer can
+    # gather and scatter the ranks' rows (None: every rank runs as many tokens as this batch; no DP attention)
+    dp_tokens: tuple[int, ...] | None = None
 
     @property
     def batch_size(self) -> int:
