@@ -26,6 +26,13 @@ N+1's masks on the host and launches N+1's sampling. The device runs N+1's forwa
 grammar rows launch as before. Masks only touch sampling: prefix caching, preemption (a grammar follows the
 request's output ids, not its KV) and chunked prefill are unaffected. In a speculative round a constrained request
 takes no draft: its token is sampled under its mask from the verify's first position (mtp.SpecRows.constrained).
+
+Data-parallel attention (`--enable-dp-attention`, minidsa/parallel/dp_attention.py): the engine keeps one scheduler,
+allocator pair and prefix cache per attention rank (`attention_ranks.py`; `self.scheduler` and the allocators are
+rank 0's, the only ones without it). A new request goes to one rank (`place`) and stays there. A step asks every
+rank's scheduler for its batch and launches the plans together (`DPStepPlan`, a rank without work gets None); each
+rank's part of the result is processed as a step of its own. Such steps never overlap (`config.resolve` turns
+overlap off), and structured outputs are refused.
 """
 
 from __future__ import annotations
