@@ -20,7 +20,6 @@ them), no grammar masks (the engine refuses structured outputs under DP attentio
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -55,14 +54,14 @@ class _AttentionRank:
     dp_tokens: tuple[int, ...] | None = None
 
     def _batch(self, plan: StepPlan) -> ForwardBatch:
-        return dataclasses.replace(super()._batch(plan), dp_tokens=self.dp_tokens)  # type: ignore[misc]
+        return super()._batch(plan).for_dp_attention(self.dp_tokens)  # type: ignore[misc]
 
     def launch_own(self, step: DPStepPlan) -> PendingStep | None:
         self.dp_tokens = step.dp_tokens
         plan = step.plans[self.ranks.rank]
         if plan is None:  # nothing here this step: one dummy token, for the MoE layers' collectives
             runner = self.runner  # type: ignore[attr-defined]
-            runner.forward(dataclasses.replace(runner.idle_batch(), dp_tokens=step.dp_tokens))
+            runner.forward(runner.idle_batch().for_dp_attention(step.dp_tokens))
             return None
         if plan.grammar_rows:
             raise RuntimeError("grammar rows in a DP-attention plan: structured outputs are refused under "
