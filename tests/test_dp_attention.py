@@ -4,7 +4,7 @@ Each rank runs attention, the indexer and its own KV cache over the requests ran
 rows meet in every MoE layer (routed experts whole, half per rank). Several concurrent requests of different lengths
 and output lengths, so both ranks get work and one is idle in some steps (it runs a dummy token so that its MoE
 collectives match). Plus: the combinations this first slice refuses, one line and exit code 2 before any rank starts,
-and `minidsa generate` as a user runs it.
+`minidsa generate` as a user runs it, where a new request goes, and a killed rank named at once.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from hf_tiny import save_hf_with_mtp
 from minidsa import LLM, SamplingParams
-from minidsa.common.request import InvalidRequest
+from minidsa.common.request import InvalidRequest, Request
 from minidsa.config import ConfigError, EngineConfig
 from minidsa.parallel.dp_attention import DPStepPlan
 
@@ -169,3 +169,44 @@ def test_generate_with_dp_attention_from_the_command_line():
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(proc.stderr.splitlines()) == 1 and "config field 'enable_dp_attention'" in proc.stderr, proc.stderr
+
+
+def test_a_new_request_goes_to_the_rank_with_the_fewest_requests_then_the_most_free_kv():
+    from minidsa.engine.attention_ranks import AttentionRank, place
+    from minidsa.sched.pages import KVCapacity
+
+    def rank(r: int) -> AttentionRank:
+        return AttentionRank.build(r, KVCapacity(num_pages=65, page_size=1, num_rows=4), True, 0,
+                                   max_running_requests=4, max_prefill_tokens=64, chunked_prefill_size=64)
+
+    ranks = [rank(0), rank(1)]
+    assert place(ranks) is ranks[0]  # a tie: the lowest rank
+    ranks[0].page_allocator.alloc(10)  # rank 0 holds KV: rank 1 has more free
+    assert place(ranks) is ranks[1]
+    for _ in range(2):
+        ranks[1].scheduler.add(Request(request_id="x", prompt_ids=[1, 2], params=SamplingParams()))
+    assert place(ranks) is ranks[0]  # fewer requests before more free pages
+
+
+def test_a_killed_rank_ends_a_dp_attention_run_with_its_name():
+    import signal
+    import time
+
+    from minidsa.parallel.launch import RankFailedError
+
+    llm = LLM(tensor_parallel_size=2, enable_dp_attention=True, **COMMON)
+    try:
+        params = SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False)
+        assert len(llm.generate([[5, 6, 7], [8, 9]], params)) == 2
+        child = llm.engine.worker.ranks.processes.procs[1]
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(30)
+        started = time.monotonic()
+        with pytest.raises(RankFailedError, match="rank 1 .*killed by signal 9"):
+            llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=50, ignore_eos=True, detokenize=False))
+        assert time.monotonic() - started < 5  # named at once, not after a collective's timeout
+    finally:
+        llm.close()
+    assert not torch.distributed.is_initialized()
+    for rid in list(llm.engine.requests):  # the failed run's requests: nothing can serve them any more
+        llm.engine.abort(rid, report=False)
