@@ -20,9 +20,10 @@ step regardless, the watch ends the process after `STUCK_EXIT_S` rather than lea
 Leaving (`RankGroup.shutdown`, `leave_groups`): every rank aborts its process groups instead of destroying them.
 `destroy_process_group` flushes and destroys the NCCL communicators (ncclCommFinalize / ncclCommDestroy), which
 waits on the peers: with a peer gone, or one that disagrees about what is in flight, it never returns. Rank 0
-first lets its children go (EOF; they abort their own groups and exit), then aborts. Every wait on the way out
-is bounded (`TEARDOWN_S`): a teardown that does not return in time is left behind in a daemon thread, and a
-process that is ending anyway (`minidsa` commands, ranks > 0) then exits with `os._exit`.
+sends StopPlan, then closes its children's stdin and aborts its own groups at the same time as they abort theirs
+and exit. Every wait on the way out is bounded (`TEARDOWN_S`; ncclCommAbort itself has been seen to hang): a
+teardown that does not return in time is left behind in a daemon thread, a child that does not exit is killed,
+and a process that is ending anyway (`minidsa` commands, ranks > 0) exits with `os._exit`.
 """
 
 from __future__ import annotations
@@ -137,10 +138,22 @@ class RankGroup:
                 watch.state.in_step -= 1
 
     def shutdown(self) -> None:
-        """Stop the children (EOF on their stdin), then leave the process groups; bounded (see `leave_groups`)."""
-        if self.processes is not None:
+        """Stop the children (EOF on their stdin) and leave the process groups, both at once and bounded: every
+        rank of a node aborts its NCCL communicators at the same time, as NCCL asks (an abort may wait for its
+        peers' to free memory they share)."""
+        if self.processes is None:
+            leave_groups()
+            return
+        self.processes.state.stopping = True  # the children's exits from now on are not failures
+        leaving = threading.Thread(target=leave_groups, name="minidsa-leave", daemon=True)
+        try:
+            leaving.start()
+        except RuntimeError:  # no new thread at interpreter shutdown (a finaliser): one after the other
             self.processes.stop()
-        leave_groups()
+            leave_groups()
+            return
+        self.processes.stop()
+        leaving.join()  # leave_groups is bounded
 
 
 _teardown_stuck = threading.Event()  # a bounded teardown did not return: see `teardown_stuck`
