@@ -515,6 +515,11 @@ class EngineConfig:
     enable_expert_parallel: bool = _arg(False, "with tensor parallelism, place routed experts whole "
                                         "(n_routed_experts / tp per rank) instead of splitting each expert's "
                                         "intermediate dimension")
+    enable_dp_attention: bool = _arg(False, "with --tp N: data-parallel attention (each rank runs attention, the "
+                                     "indexer and its own KV cache for its own requests, all heads; the ranks' "
+                                     "tokens meet in each MoE layer, routed experts whole, n_routed_experts / N per "
+                                     "rank; everything else replicated). First slice: eager only (no CUDA graphs, "
+                                     "no speculative decoding, no overlap scheduling)")
     # Off until bench_allreduce.py has measured it against NCCL on the GPUs (it has not run on any yet).
     enable_custom_all_reduce: bool = _arg(False, "with tensor parallelism on GPUs that reach each other peer to "
                                           "peer, serve small all-reduces with minidsa's one-shot kernel over CUDA "
@@ -582,6 +587,9 @@ class EngineConfig:
     def validate_parallel(self, model: "ModelConfig") -> None:
         """Clear errors for a tensor_parallel_size the model's shapes do not split into."""
         n = self.tensor_parallel_size
+        if self.enable_dp_attention:
+            self._validate_dp_attention(model)
+            return
         if n == 1:
             return
         splits = [("num_attention_heads", model.num_attention_heads), ("vocab_size", model.vocab_size),
@@ -596,6 +604,24 @@ class EngineConfig:
             if size % n:
                 hint = " (or --enable-expert-parallel)" if what == "moe_intermediate_size" else ""
                 raise ConfigError("tensor_parallel_size", f"{n} does not divide the model's {what} ({size}){hint}")
+
+    def _validate_dp_attention(self, model: "ModelConfig") -> None:
+        """--enable-dp-attention: what it needs, and the combinations this first slice does not run yet."""
+        n = self.tensor_parallel_size
+        if n < 2:
+            raise ConfigError("enable_dp_attention", f"needs --tp N with N >= 2 (one attention rank per GPU), got "
+                              f"tensor_parallel_size {n}")
+        if not model.n_routed_experts:
+            raise ConfigError("enable_dp_attention", "needs a MoE model (its routed experts are what the ranks share)")
+        if model.n_routed_experts % n:
+            raise ConfigError("enable_dp_attention", f"--tp {n} does not divide the model's n_routed_experts "
+                              f"({model.n_routed_experts}): each rank holds n_routed_experts / N whole experts")
+        if self.speculative_num_steps:
+            raise ConfigError("enable_dp_attention", "does not run with speculative decoding yet: drop "
+                              "--speculative-num-steps")
+        if self.distributed_executor_backend == "uni":
+            raise ConfigError("enable_dp_attention", "needs one process per rank: drop "
+                              "--distributed-executor-backend uni")
 
 
 # -- resolution: the one place every "auto" is decided ----------------------------------------------------------
@@ -779,6 +805,15 @@ def resolve(config: EngineConfig, model_config: ModelConfig | None = None, init_
     else:
         model, path, init_std, name = resolve_model(args.model)
     args.validate_parallel(model)
+    if args.enable_dp_attention:
+        if on_gpu and args.enable_cuda_graph:
+            raise ConfigError("enable_dp_attention", "does not run with CUDA graphs yet: add --disable-cuda-graph")
+        if launched_by_torchrun():
+            raise ConfigError("enable_dp_attention", "does not run under torchrun yet: let minidsa start the ranks "
+                              "(run the command without torchrun)")
+        # Each rank's tokens travel back to rank 0 after its step: no step is planned before the last one's tokens
+        # arrived (decided here, once; nothing writes into the configuration later)
+        args = dataclasses.replace(args, overlap_schedule=False)
     spec = speculative_options(args, model)
     threads = _env_int(GRAMMAR_THREADS_ENV, minimum=1)
     cache_dir = compile_cache_root(args.compile_cache_dir) if on_gpu else None
@@ -786,6 +821,11 @@ def resolve(config: EngineConfig, model_config: ModelConfig | None = None, init_
         args=args, model=model, model_path=path, init_std=init_std, served_model_name=name, spec=spec,
         decode_reserve=spec.reserved_tokens if spec is not None else 1, compile_cache_dir=cache_dir,
         deepgemm_jit_workers=_env_int(DEEPGEMM_WORKERS_ENV), grammar_threads=threads or 1)
+
+
+def launched_by_torchrun() -> bool:
+    """Whether a launcher (torchrun) started every rank (RANK / WORLD_SIZE set, more than one rank)."""
+    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
 
 
 def make_engine_config(model: str | None = None, **engine_args: Any) -> EngineConfig:

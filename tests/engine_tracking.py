@@ -25,6 +25,7 @@ class TrackedEngine:
             self.page_allocator = engine.page_allocator
             self.row_allocator = engine.row_allocator
             self.requests = engine.requests
+            self.attention_ranks = engine.attention_ranks  # one, or each DP-attention rank's bookkeeping
 
     def tracks(self, engine: Engine) -> bool:
         return self.is_driver and getattr(engine, "scheduler", None) is self.scheduler

@@ -14,6 +14,7 @@ Layout conventions (all tensors on the model's device):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -50,6 +51,20 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [N] int64, tokens whose logits are wanted
     max_kv_len: int  # host-side bound on seq_lens (sizes the reference ops' buffers)
     tree_mask: torch.Tensor | None = None  # [T, W] bool, extra visible positions after kv_lens
+    # DP attention (host ints): every attention rank's token count this forward, so that each MoE layer can
+    # gather and scatter the ranks' rows (None: every rank runs as many tokens as this batch; no DP attention)
+    dp_tokens: tuple[int, ...] | None = None
+    # DP attention, where the counts differ: which rows of the all-gathered [ranks * max(dp_tokens)] are real
+    dp_real_rows: torch.Tensor | None = None
+
+    def for_dp_attention(self, dp_tokens: tuple[int, ...]) -> "ForwardBatch":
+        """This batch as one attention rank's part of a DP-attention step whose ranks run `dp_tokens` tokens."""
+        most = max(dp_tokens)
+        real = None
+        if any(n != most for n in dp_tokens):
+            real = ints_to_device([r * most + i for r, n in enumerate(dp_tokens) for i in range(n)],
+                                  self.input_ids.device)
+        return dataclasses.replace(self, dp_tokens=tuple(dp_tokens), dp_real_rows=real)
 
     @property
     def batch_size(self) -> int:

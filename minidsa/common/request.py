@@ -191,6 +191,8 @@ class Request(Struct):
     # Structured outputs: the request's place in its grammar (minidsa.chat.grammar.GrammarState), fed every
     # generated token; None when unconstrained
     grammar: Any = None
+    # DP attention: the attention rank whose scheduler and KV cache hold the request (0: the only one without)
+    attention_rank: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -36,6 +36,10 @@ class TensorParallel:
     expert's intermediate dimension being split.
     `peer`: the one-shot all-reduce's buffers, where start-up made them (see the module docstring); None: the
     process group's all-reduce serves every size.
+    `dp_attention`: data-parallel attention (`--enable-dp-attention`): every rank holds attention, the indexer,
+    embeddings, dense MLPs, shared experts and lm_head whole (built with `dense`, no collectives) over its own
+    requests; only the routed experts are placed per rank (expert parallel), and each MoE layer exchanges the
+    ranks' rows (`all_gather_rows` / `reduce_scatter_rows`).
     """
 
     rank: int = 0
@@ -43,10 +47,27 @@ class TensorParallel:
     group_name: str | None = None
     expert_parallel: bool = False
     peer: PeerBuffers | None = None
+    dp_attention: bool = False
 
     @classmethod
     def single(cls) -> "TensorParallel":
         return cls()
+
+    @property
+    def dense(self) -> "TensorParallel":
+        """What every layer but the routed experts is built with: this, or under DP attention a group of one (the
+        layer is whole on this rank and issues no collective)."""
+        return TensorParallel.single() if self.dp_attention else self
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, n] on each rank (the same rows everywhere) -> [size * rows, n], rank-major."""
+        out = torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), self.size, self.group_name)
+        return torch.ops._c10d_functional.wait_tensor(out)
+
+    def reduce_scatter_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[size * rows, n] on each rank -> [rows, n]: rank r gets the sum over the ranks of block r."""
+        out = torch.ops._c10d_functional.reduce_scatter_tensor(x.contiguous(), "sum", self.size, self.group_name)
+        return torch.ops._c10d_functional.wait_tensor(out)
 
     @property
     def collectives(self) -> bool:
@@ -98,5 +119,11 @@ def building_with(tp: TensorParallel) -> Iterator[TensorParallel]:
 
 
 def building_tp() -> TensorParallel:
-    """The TensorParallel of the model being built now: size 1 outside `building_with`."""
+    """The TensorParallel the layer being built now shards itself for: size 1 outside `building_with`, and under DP
+    attention (every layer whole on each rank but the routed experts: `building_experts_tp`)."""
+    return building_experts_tp().dense
+
+
+def building_experts_tp() -> TensorParallel:
+    """The TensorParallel the routed experts being built now are placed for (the group's, DP attention or not)."""
     return _BUILDING[-1] if _BUILDING else TensorParallel.single()

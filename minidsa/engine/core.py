@@ -26,6 +26,13 @@ N+1's masks on the host and launches N+1's sampling. The device runs N+1's forwa
 grammar rows launch as before. Masks only touch sampling: prefix caching, preemption (a grammar follows the
 request's output ids, not its KV) and chunked prefill are unaffected. In a speculative round a constrained request
 takes no draft: its token is sampled under its mask from the verify's first position (mtp.SpecRows.constrained).
+
+Data-parallel attention (`--enable-dp-attention`, minidsa/parallel/dp_attention.py): the engine keeps one scheduler,
+allocator pair and prefix cache per attention rank (`attention_ranks.py`; `self.scheduler` and the allocators are
+rank 0's, the only ones without it). A new request goes to one rank (`place`) and stays there. A step asks every
+rank's scheduler for its batch and launches the plans together (`DPStepPlan`, a rank without work gets None); each
+rank's part of the result is processed as a step of its own. Such steps never overlap (`config.resolve` turns
+overlap off), and structured outputs are refused.
 """
 
 from __future__ import annotations
@@ -54,14 +61,14 @@ from minidsa.common.request import (
 from minidsa.common.sampling import Sampler
 from minidsa.common.tokenizer import Tokenizer, load_tokenizer
 from minidsa.config import ConfigError, EngineConfig, make_engine_config, resolve
+from minidsa.engine.attention_ranks import AttentionRank, place
 from minidsa.engine.outputs import OutputProcessor
 from minidsa.exec.build import choose_kernels, start_local_worker
 from minidsa.exec.memory import check_fit
 from minidsa.exec.runner import ModelRunner
 from minidsa.exec.worker import PendingStep, Worker
-from minidsa.parallel.ranks import start_parallel_worker
-from minidsa.sched.pages import PageAllocator, RowAllocator
-from minidsa.sched.prefix_cache import PrefixCache
+from minidsa.parallel.dp_attention import DPAttentionWorker, DPPendingStep, DPStepPlan
+from minidsa.parallel.ranks import TensorParallelWorker, start_parallel_worker
 from minidsa.sched.scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -97,6 +104,28 @@ class _InFlight:
     completes: list[bool]  # the step completes the request's prefill (or is a decode row)
     pending: PendingStep
 
+    @property
+    def awaits_mask(self) -> bool:
+        return bool(self.plan.grammar_rows)
+
+
+class _RankResult:
+    """One attention rank's part of a DP step: its result comes with every rank's (`DPPendingStep.results`)."""
+
+    def __init__(self, step: DPPendingStep, rank: int):
+        self._step, self._rank = step, rank
+
+    def result(self):
+        return self._step.results()[self._rank]
+
+
+@dataclass
+class _DPInFlight:
+    """A launched DP-attention step: each busy rank's part, processed as a step of its own (`Engine._finish`)."""
+
+    parts: list[_InFlight]
+    awaits_mask = False
+
 
 class Engine:
     """Step-level engine. Used from one thread at a time (the server runs it in one background thread)."""
@@ -125,7 +154,10 @@ class Engine:
                             cfg.dtype)
         # One process, or a rank of a tensor-parallel group (rank 0 starts the others; under torchrun every rank
         # builds an Engine and ranks > 0 follow rank 0's plans: `follow`)
-        self.worker: Worker = start_parallel_worker(resolved, kernels, progress) if cfg.distributed \
+        # Data-parallel attention: one attention rank per process, each with its own requests and KV cache
+        self.dp_attention = cfg.enable_dp_attention
+        driver = DPAttentionWorker if self.dp_attention else TensorParallelWorker
+        self.worker: Worker = start_parallel_worker(resolved, kernels, progress, driver) if cfg.distributed \
             else start_local_worker(resolved, kernels, progress)
         self.is_driver = self.worker.is_driver
         runner, speculator = self.worker.runner, self.worker.speculator
@@ -135,22 +167,24 @@ class Engine:
             return
         eos_token_ids = frozenset(self.model_config.eos_token_ids or self._tokenizer_eos())
         try:  # a failure from here on must not leave tensor-parallel ranks behind
-            # The host-side bookkeeping of the worker's KV memory: which pages and req_to_token rows are free.
+            # The host-side bookkeeping of the worker's KV memory: which pages and req_to_token rows are free. One
+            # set (scheduler, allocators, prefix cache) per attention rank: one, or N under DP attention (each rank
+            # has its own KV cache of the capacity the ranks agreed on).
             capacity = self.worker.kv_capacity
-            self.page_allocator = PageAllocator(capacity.num_pages, capacity.page_size)
-            self.row_allocator = RowAllocator(capacity.num_rows)
-            # With MTP speculation a page's last MTP slot depends on the token after the page: it is part of the key.
-            self.prefix_cache = PrefixCache(self.page_allocator, lookahead=1 if resolved.spec else 0) \
-                if cfg.enable_prefix_caching else None
             # The speculator verifies pure decode batches: with it, prefill and decode steps alternate.
             self.mixed_steps = cfg.enable_mixed_chunk and speculator is None
-            self.scheduler = Scheduler(self.page_allocator, self.row_allocator,
-                                       max_running_requests=cfg.max_running_requests,
-                                       max_prefill_tokens=cfg.max_prefill_tokens,
-                                       max_mixed_prefill_tokens=cfg.max_mixed_prefill_tokens,
-                                       chunked_prefill_size=cfg.chunked_prefill_size,
-                                       decode_reserve=resolved.decode_reserve, prefix_cache=self.prefix_cache,
-                                       mixed=self.mixed_steps)
+            self.attention_ranks = [
+                AttentionRank.build(r, capacity, cfg.enable_prefix_caching, lookahead=1 if resolved.spec else 0,
+                                    max_running_requests=cfg.max_running_requests,
+                                    max_prefill_tokens=cfg.max_prefill_tokens,
+                                    max_mixed_prefill_tokens=cfg.max_mixed_prefill_tokens,
+                                    chunked_prefill_size=cfg.chunked_prefill_size,
+                                    decode_reserve=resolved.decode_reserve, mixed=self.mixed_steps)
+                for r in range(cfg.tensor_parallel_size if self.dp_attention else 1)]
+            # Attention rank 0's (the only one without DP attention)
+            first = self.attention_ranks[0]
+            self.page_allocator, self.row_allocator = first.page_allocator, first.row_allocator
+            self.prefix_cache, self.scheduler = first.prefix_cache, first.scheduler
             self.worker.prepare_fast_paths()
         except BaseException:
             self.worker.close()
@@ -272,8 +306,8 @@ class Engine:
             raise InvalidRequest(f"request_id must be a non-empty string, got {request_id!r}")
         elif request_id in self.requests:
             raise InvalidRequest(f"request_id '{request_id}' is already in use")
-        if len(self.scheduler.waiting) >= self.config.args.max_queued_requests:
-            raise QueueFull(f"queue full: {len(self.scheduler.waiting)} requests waiting "
+        if self.num_waiting() >= self.config.args.max_queued_requests:
+            raise QueueFull(f"queue full: {self.num_waiting()} requests waiting "
                             f"(max_queued_requests {self.config.args.max_queued_requests})")
         if self._pending:  # an id reused right after its abort must not receive the old abort output
             self._pending = [o for o in self._pending if o.request_id != request_id]
@@ -282,7 +316,9 @@ class Engine:
         if params.prompt_logprobs is not None:
             req.prompt_logprobs, req.prompt_top_logprobs = [None], [None]  # the first prompt token has none
         self.requests[request_id] = req
-        self.scheduler.add(req)
+        rank = place(self.attention_ranks)  # the attention rank it lives on (the only one without DP attention)
+        req.attention_rank = rank.rank
+        rank.scheduler.add(req)
         return request_id
 
     def _grammar_state(self, params: SamplingParams) -> GrammarState | None:
@@ -296,6 +332,9 @@ class Engine:
         fmt = parse_response_format(params.response_format)
         if fmt is None:
             return None
+        if self.dp_attention:
+            raise InvalidRequest("response_format (structured outputs) is not supported with --enable-dp-attention "
+                                 "yet")
         if self._structured is None:
             try:
                 tokenizer = self.tokenizer
@@ -314,7 +353,7 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
-        self.scheduler.abort(req)
+        self.attention_ranks[req.attention_rank].scheduler.abort(req)
         req.finish_reason = "abort"
         self._finished_total += 1
         if report:
@@ -326,10 +365,10 @@ class Engine:
         return bool(self.requests) or bool(self._pending)
 
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        return sum(len(r.scheduler.running) for r in self.attention_ranks)
 
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return sum(len(r.scheduler.waiting) for r in self.attention_ranks)
 
     # -- the step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -343,16 +382,17 @@ class Engine:
         launched = self._launch_next()
         if previous is not None:  # the device runs `launched` meanwhile
             outputs += self._finish(previous)
-        if launched is not None and launched.plan.grammar_rows:  # its masks needed the tokens just taken
+        if launched is not None and launched.awaits_mask:  # its masks needed the tokens just taken
             self._launch_sampling(launched)
         if launched is not None:
             if self.overlap and self._can_overlap():
                 self._in_flight = launched
             else:
                 outputs += self._finish(launched)
-        elif previous is None and self.requests and not self.scheduler.running:
+        elif previous is None and self.requests and not self.num_running():
+            free = sum(r.page_allocator.num_free_pages for r in self.attention_ranks)
             raise RuntimeError(f"scheduler made no progress with {len(self.requests)} requests waiting "
-                               f"and {self.page_allocator.num_free_pages} free KV pages")
+                               f"and {free} free KV pages")
         return outputs
 
     def _take_in_flight(self) -> _InFlight | None:
@@ -363,12 +403,33 @@ class Engine:
         """Planning the next step needs nothing the in-flight step has not delivered to the host."""
         return self.overlap and not any(r.params.penalised for r in self.requests.values())
 
-    def _launch_next(self) -> _InFlight | None:
+    def _launch_next(self) -> _InFlight | _DPInFlight | None:
+        if self.dp_attention:
+            return self._launch_next_dp()
         sched = self.scheduler.schedule()
         if sched is None:
             return None
-        plan, completes = self._plan(sched)
+        plan, completes = self._plan(sched, self.scheduler)
         return _InFlight(plan, list(sched.reqs), completes, self.worker.launch(plan))
+
+    def _launch_next_dp(self) -> _DPInFlight | None:
+        """DP attention: every attention rank's scheduler plans its own requests; one step runs all the plans in
+        lockstep (a rank with none runs an idle token). None when no rank has anything to run."""
+        plans: list[StepPlan | None] = []
+        parts: list[tuple[int, StepPlan, list[Request], list[bool]]] = []
+        for rank in self.attention_ranks:
+            sched = rank.scheduler.schedule()
+            if sched is None:
+                plans.append(None)
+                continue
+            plan, completes = self._plan(sched, rank.scheduler)
+            plans.append(plan)
+            parts.append((rank.rank, plan, list(sched.reqs), completes))
+        if not parts:
+            return None
+        pending = self.worker.launch_dp(DPStepPlan(plans))
+        return _DPInFlight([_InFlight(plan, reqs, completes, _RankResult(pending, r))  # type: ignore[arg-type]
+                            for r, plan, reqs, completes in parts])
 
     def _launch_sampling(self, step: _InFlight) -> None:
         """The sampling half of a step with grammar rows: their masks, from the grammars as they stand now (every
@@ -380,7 +441,7 @@ class Engine:
             [step.reqs[b].grammar if step.reqs[b].finish_reason is None else None for b in rows], bitmask)
         self.worker.launch_sampling(step.pending, bitmask)
 
-    def _plan(self, sched: ScheduledBatch) -> tuple[StepPlan, list[bool]]:
+    def _plan(self, sched: ScheduledBatch, scheduler: Scheduler) -> tuple[StepPlan, list[bool]]:
         """The step plan of a scheduled batch; advances each request's planned state (seq_len, num_pending)."""
         reqs = sched.reqs
         spec = self.speculator is not None and sched.kind == StepKind.DECODE
@@ -406,7 +467,7 @@ class Engine:
             kind=StepKind.SPEC if spec else sched.kind, rows=[r.row for r in reqs], prefix_lens=[r.seq_len for r in reqs],
             extend_lens=list(sched.extend_lens), input_ids=input_ids, from_device=from_device, sample=sample,
             params=[r.params for r in reqs], output_positions=positions,
-            table_writes=self.scheduler.take_table_writes(), request_ids=[r.request_id for r in reqs],
+            table_writes=scheduler.take_table_writes(), request_ids=[r.request_id for r in reqs],
             penalty_context=([(r.prompt_ids, list(r.output_ids)) if r.params.penalised else None for r in reqs]
                              if any(r.params.penalised for r in reqs) else None),
             prompt_scoring=scoring if any(s is not None for s in scoring) else None,
@@ -433,8 +494,10 @@ class Engine:
         targets = tuple(req.prompt_ids[first + 1:end + 1]) if end > first else ()
         return PromptScoring(first - req.seq_len, targets, req.params.prompt_logprobs)
 
-    def _finish(self, step: _InFlight) -> list[RequestOutput]:
+    def _finish(self, step: _InFlight | _DPInFlight) -> list[RequestOutput]:
         """Take a launched step's result: tokens into their requests, finished requests freed."""
+        if isinstance(step, _DPInFlight):  # each attention rank's part, in rank order
+            return [out for part in step.parts for out in self._finish(part)]
         result = step.pending.result()
         plan = step.plan
         outputs: list[RequestOutput] = []
@@ -487,19 +550,24 @@ class Engine:
 
     def _retire(self, req: Request) -> None:
         """A request finished: free its KV now (exactly once; later steps' tokens for it are dropped)."""
+        scheduler = self.attention_ranks[req.attention_rank].scheduler
         if req.status == RequestStatus.RUNNING:
-            self.scheduler.finish(req)
+            scheduler.finish(req)
         elif req.status == RequestStatus.WAITING:  # preempted while its last token was in flight
-            self.scheduler.abort(req)
+            scheduler.abort(req)
         if self.requests.get(req.request_id) is req:
             del self.requests[req.request_id]
         self._finished_total += 1
 
     # -- introspection ------------------------------------------------------------
     def metrics(self) -> EngineMetrics:
-        alloc = self.page_allocator
-        used = alloc.num_held_pages * alloc.page_size  # evictable cached pages are free for the taking
-        total = alloc.num_usable_pages * alloc.page_size
+        """Totals over the attention ranks (one, or N under DP attention: N KV caches)."""
+        allocs = [r.page_allocator for r in self.attention_ranks]
+        page_size = allocs[0].page_size
+        used = sum(a.num_held_pages for a in allocs) * page_size  # evictable cached pages are free for the taking
+        total = sum(a.num_usable_pages for a in allocs) * page_size
+        cached = sum(a.num_cached_pages for a in allocs)
+        scheds = [r.scheduler for r in self.attention_ranks]
         spec = getattr(self.speculator, "stats", None)
         return EngineMetrics(
             num_running=self.num_running(),
@@ -510,24 +578,23 @@ class Engine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self.outputs.generation_tokens_total,
             requests_finished_total=self._finished_total,
-            preemptions_total=self.scheduler.num_preemptions,
+            preemptions_total=sum(s.num_preemptions for s in scheds),
             spec_draft_tokens_total=getattr(spec, "draft_tokens", 0),
             spec_accepted_tokens_total=getattr(spec, "accepted_tokens", 0),
             spec_verify_steps_total=getattr(spec, "verify_steps", 0),
             spec_simulated_accept_len=sim.accept_len if (sim := getattr(self.speculator, "simulator", None)) else 0.0,
-            prefix_cache_query_tokens_total=self.scheduler.cache_query_tokens,
-            prefix_cache_hit_tokens_total=self.scheduler.cache_hit_tokens,
-            prefix_cache_pages=alloc.num_cached_pages,
-            prefix_cache_tokens=alloc.num_cached_pages * alloc.page_size,
+            prefix_cache_query_tokens_total=sum(s.cache_query_tokens for s in scheds),
+            prefix_cache_hit_tokens_total=sum(s.cache_hit_tokens for s in scheds),
+            prefix_cache_pages=cached,
+            prefix_cache_tokens=cached * page_size,
         )
 
     def check_no_leaks(self) -> None:
         """AssertionError if KV pages or req_to_token rows are held by no running request, or a page's
-        reference count is not the number of running requests holding it (prefix-cache pages aside)."""
-        self.scheduler.check_consistent()
-        if not self.requests:
-            self.page_allocator.check_all_free()
-            self.row_allocator.check_all_free()
+        reference count is not the number of running requests holding it (prefix-cache pages aside). Every
+        attention rank's (DP attention: each rank's KV cache)."""
+        for rank in self.attention_ranks:
+            rank.check_no_leaks(idle=not self.requests)
 
 
 

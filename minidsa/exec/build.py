@@ -24,12 +24,14 @@ def choose_kernels(resolved: ResolvedConfig) -> select.KernelChoice:
     args, model = resolved.args, resolved.model
     if resolved.compile_cache_dir is not None:  # the library probes below may compile: into the persistent cache
         CompileCache.activate_dirs(resolved.compile_cache_dir)
+    # attention heads on each rank: split by TP, all of them under DP attention
+    heads_per_rank = model.num_attention_heads // (1 if args.enable_dp_attention else args.tensor_parallel_size)
     try:
         return select.select_kernels(args.device, args.kernel_backend, args.use_deep_gemm, args.use_flash_mla,
                                      select.IndexerShape(model.index_n_heads, model.index_head_dim, args.page_size,
                                                          args.indexer_cache_dtype == "fp8"),
                                      select.RouterShape(model.n_routed_experts, model.n_group),
-                                     model.num_attention_heads // args.tensor_parallel_size)
+                                     heads_per_rank)
     except ValueError as e:
         raise ConfigError("kernel_backend", str(e)) from e
 

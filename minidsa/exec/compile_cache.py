@@ -43,7 +43,7 @@ GRAPH_ARGS = ("dtype", "page_size", "max_running_requests", "max_total_tokens", 
               "speculative_num_steps", "speculative_topk", "speculative_num_draft_tokens",
               "index_share_for_mtp_iteration", "enable_cuda_graph", "enable_compile", "cuda_graph_max_bs",
               "enable_mixed_chunk", "tensor_parallel_size", "enable_expert_parallel",
-              "enable_custom_all_reduce")
+              "enable_custom_all_reduce", "enable_dp_attention")
 TOOL_DIRS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton", "DG_JIT_CACHE_DIR": "deep_gemm"}
 MAGIC = b"minidsa compile cache 1\n"
 

@@ -98,6 +98,7 @@ def check_fit(resolved: ResolvedConfig, kv_bytes_per_token: int) -> FitReport:
     config, model_config, decode_reserve = resolved.args, resolved.model, resolved.decode_reserve
     device, dtype = resolved.device, resolved.dtype
     weights = weight_bytes(model_config, resolved.model_path, dtype, config.quantization) // config.tensor_parallel_size
+    # DP attention replicates everything but the routed experts: this per-rank figure is a lower bound there
     longest = config.max_model_len or min(model_config.max_position_embeddings, MIN_KV_TOKENS)
     # A given max_total_tokens is allocated as given (not sized from what is free): all of it must fit.
     kv_tokens = max(longest + decode_reserve, config.max_total_tokens)

@@ -571,6 +571,11 @@ class ModelRunner:
                      "contexts)", time.perf_counter() - start, shapes)
         return shapes
 
+    def idle_batch(self) -> ForwardBatch:
+        """A one-token batch that touches no request's cache (the dummy slot 0): what a DP-attention rank with no
+        requests this step runs, so that its MoE layers still join the other ranks'."""
+        return self._scratch_extend_batch([1], 1)
+
     def _scratch_extend_batch(self, lens: list[int], context: int) -> ForwardBatch:
         """An EXTEND batch of len(lens) requests and `context` key positions that touches no request's cache:
         every token writes the reserved dummy slot 0 and sees only row position 0 of req_to_token row 0 (a read,

@@ -32,7 +32,7 @@ from torch import nn
 
 from minidsa.attention.backend import DSABackend, IndexStep, LayerCaches
 from minidsa.common.batch import ForwardBatch
-from minidsa.common.tensor_parallel import building_tp
+from minidsa.common.tensor_parallel import building_experts_tp, building_tp
 from minidsa.config import ModelConfig
 from minidsa.kernels import gemv, mla_absorb, norm_quant, reference
 from minidsa.kernels.fp8 import FP8_BLOCK, FP8_DTYPE, block_scale_shape
@@ -455,7 +455,7 @@ class Experts(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        tp = self.tp = building_tp()
+        tp = self.tp = building_experts_tp()
         e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         self.n_experts, self.full_inter = e, i
         self.top_k = config.num_experts_per_tok  # each token's pairs: what sizes the grouped GEMM's rows
@@ -575,16 +575,49 @@ class MoE(nn.Module):
             if config.n_shared_experts > 0 else None
         )
         self.tp = building_tp()
+        self.dp = building_experts_tp() if building_experts_tp().dp_attention else None  # DP attention's group
 
-    def forward(self, x: torch.Tensor, x_quantized: QuantizedInput | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_quantized: QuantizedInput | None = None,
+                dp_batch: ForwardBatch | None = None) -> torch.Tensor:
         """Routed + shared experts. The shared experts run before the routed ones, whose op adds their output in
         the launch that sums its rows: a MoE layer runs no add launch of its own (the residual add is the next
         layer's input norm's, `DecoderLayer.forward`). One rounding of routed + shared, from fp32: in bf16 not the
-        bytes of adding the rounded routed output to the shared one (eager before), in fp32 the same."""
+        bytes of adding the rounded routed output to the shared one (eager before), in fp32 the same.
+
+        `dp_batch`: under DP attention, this rank's batch (every rank's row count: `ForwardBatch.dp_tokens`)."""
+        if self.dp is not None:
+            return self._forward_dp(x, x_quantized, dp_batch)
         ids, weights = self.gate(x)
         shared = self.shared_experts(x, x_quantized) if self.shared_experts is not None else None
         y = self.experts(x, ids, weights, x_quantized, addend=shared)
         return self.tp.all_reduce(y)  # routed and shared partial sums: one all-reduce per MoE layer
+
+    def _forward_dp(self, x: torch.Tensor, x_quantized: QuantizedInput | None, batch: ForwardBatch | None
+                    ) -> torch.Tensor:
+        """DP attention: the rows of every rank meet here. Each rank's rows, padded to the step's most, are
+        all-gathered; the (replicated) router chooses for all of them; this rank's experts add their share for every
+        row; a reduce-scatter (sum) hands each rank back its own rows, complete; the (replicated) shared experts
+        run on this rank's rows alone. Every rank's row count comes with the batch (`ForwardBatch.dp_tokens`, and
+        `dp_real_rows`, the gathered rows that are not padding); without them every rank has as many rows as this
+        one (start-up's warm-up and activation profile run the same batches on every rank)."""
+        dp, rows = self.dp, x.shape[0]
+        dp_tokens = batch.dp_tokens if batch is not None else None
+        real = batch.dp_real_rows if dp_tokens is not None else None
+        counts = dp_tokens if dp_tokens is not None else (rows,) * dp.size
+        assert counts[dp.rank] == rows, (counts, dp.rank, rows)
+        most = max(counts)
+        padded = x if rows == most else torch.cat([x, x.new_zeros(most - rows, x.shape[1])])
+        gathered = dp.all_gather_rows(padded)  # [size * most, H], rank-major
+        if real is not None:  # only real rows reach the router and the experts
+            gathered = gathered[real]
+        ids, weights = self.gate(gathered)
+        y = self.experts(gathered, ids, weights)  # this rank's experts' share of every row
+        if real is not None:
+            y = y.new_zeros(dp.size * most, y.shape[1]).index_copy_(0, real, y)
+        y = dp.reduce_scatter_rows(y)[:rows]  # this rank's rows, summed over every rank's experts
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x, x_quantized)
+        return y
 
 
 class DecoderLayer(nn.Module):
@@ -607,6 +640,8 @@ class DecoderLayer(nn.Module):
             h, x, x_quantized = self.input_layernorm.add_normed(pending, h)
         a, topk = self.self_attn(x, ctx, prev_topk, caches, x_quantized)
         h, x, x_quantized = self.post_attention_layernorm.add_normed(a, h)
+        if isinstance(self.mlp, MoE) and self.mlp.dp is not None:  # DP attention: the ranks' rows meet
+            return h, self.mlp(x, x_quantized, ctx.batch), topk
         return h, self.mlp(x, x_quantized), topk
 
     def norm_consumers(self) -> list[tuple[RMSNorm, list[nn.Module]]]:

@@ -57,7 +57,12 @@ def main() -> int:
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))  # CPU ranks share the cores
     try:
-        run_rank(join_ranks(spec), spec.resolved, spec.kernels)
+        if spec.resolved.args.enable_dp_attention:
+            from minidsa.parallel.dp_attention import run_dp_rank
+
+            run_dp_rank(join_ranks(spec), spec.resolved, spec.kernels)
+        else:
+            run_rank(join_ranks(spec), spec.resolved, spec.kernels)
     except BaseException:
         if _leaving.wait(0.5):  # rank 0 stopped the group and the lifeline is aborting it: not a failure
             threading.Event().wait()  # the lifeline exits the process

@@ -330,7 +330,7 @@ def start_ranks(resolved: Any, kernels: Any) -> RankGroup:
         torch.cuda.set_device(torch.device(device))
     if mode == "torchrun":
         return _init_groups(rank, world, backend, device, None, None, engine_config.enable_expert_parallel,
-                            engine_config.enable_custom_all_reduce)
+                            engine_config.enable_custom_all_reduce, engine_config.enable_dp_attention)
     addr = "127.0.0.1"
     store = dist.TCPStore(addr, 0, world, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
@@ -348,7 +348,7 @@ def start_ranks(resolved: Any, kernels: Any) -> RankGroup:
         watch = RankProcesses(procs)
         _wait_for_check_in(store, watch, world)
         return _init_groups(0, world, backend, device, store, watch, engine_config.enable_expert_parallel,
-                            engine_config.enable_custom_all_reduce)
+                            engine_config.enable_custom_all_reduce, engine_config.enable_dp_attention)
     except BaseException:
         if watch is not None:
             watch.stop(timeout=2.0)
@@ -387,11 +387,12 @@ def join_ranks(spec: WorkerSpec) -> RankGroup:
                           timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
     store.set(_JOIN_KEY.format(spec.rank), "1")
     return _init_groups(spec.rank, spec.world_size, spec.backend, spec.resolved.args.device, store, None,
-                        spec.resolved.args.enable_expert_parallel, spec.resolved.args.enable_custom_all_reduce)
+                        spec.resolved.args.enable_expert_parallel, spec.resolved.args.enable_custom_all_reduce,
+                        spec.resolved.args.enable_dp_attention)
 
 
 def _init_groups(rank: int, world: int, backend: str, device: str, store: Any, watch: RankProcesses | None,
-                 expert_parallel: bool, custom_all_reduce: bool = False) -> RankGroup:
+                 expert_parallel: bool, custom_all_reduce: bool = False, dp_attention: bool = False) -> RankGroup:
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group already exists in this process: one distributed "
                            "minidsa engine per process at a time (close the other one first: LLM.close())")
@@ -418,8 +419,9 @@ def _init_groups(rank: int, world: int, backend: str, device: str, store: Any, w
     # CPU, with one rank or turned off it decides at once, without a round), else NCCL / gloo for every size.
     peer = start_peer_all_reduce(rank, world, dev, gather_on(control_group, world), custom_all_reduce,
                                  log=world > 1)
-    tp = TensorParallel(rank=rank, size=world, group_name=device_group.group_name, expert_parallel=expert_parallel,
-                        peer=peer.buffers)
+    # DP attention: routed experts whole per rank (expert parallel), every other layer whole on each rank
+    tp = TensorParallel(rank=rank, size=world, group_name=device_group.group_name,
+                        expert_parallel=expert_parallel or dp_attention, peer=peer.buffers, dp_attention=dp_attention)
     return RankGroup(tp=tp, device_group=device_group, control_group=control_group, device=dev, processes=watch,
                      all_reduce=peer)
 

@@ -198,11 +198,12 @@ def run_rank(ranks: RankGroup, resolved: ResolvedConfig, kernels: KernelChoice) 
     serve_plans(PlanChannel(ranks), worker.launch)
 
 
-def start_parallel_worker(resolved: ResolvedConfig, kernels: KernelChoice, progress: bool = True) -> Worker:
+def start_parallel_worker(resolved: ResolvedConfig, kernels: KernelChoice, progress: bool = True,
+                          driver_cls: type[TensorParallelWorker] = TensorParallelWorker) -> Worker:
     """This process's worker in a tensor-parallel group: rank 0's broadcasting worker (it starts ranks 1..N-1, or
     joins torchrun's group; a group of one at tensor_parallel_size 1), or, on a rank > 0 of a torchrun launch, a
     `FollowerWorker` (`is_driver` False): every rank returns from building its engine, and only rank 0 runs the
-    control plane."""
+    control plane. `driver_cls`: rank 0's worker class (DP attention's: `dp_attention.DPAttentionWorker`)."""
     try:
         mode, rank, _ = launch_mode(resolved.args.tensor_parallel_size)
     except ValueError as e:
@@ -215,11 +216,16 @@ def start_parallel_worker(resolved: ResolvedConfig, kernels: KernelChoice, progr
     driver = not (mode == "torchrun" and rank > 0)
     try:
         worker = build_rank_worker(ranks, resolved, kernels, progress and driver,
-                                   TensorParallelWorker if driver else FollowerWorker)
+                                   driver_cls if driver else FollowerWorker)
     except BaseException:
         ranks.shutdown()
         raise
-    if driver:
+    if driver and resolved.args.enable_dp_attention:
+        logger.info("DP attention: %d attention ranks (%s), each with its own requests and KV cache; routed experts "
+                    "whole, %d per rank; rank 0 places each request on a rank and broadcasts each step's plans "
+                    "(overlap scheduling off)", ranks.world_size, ranks.device_group.name(),
+                    resolved.model.n_routed_experts // ranks.world_size)
+    elif driver:
         logger.info("tensor parallel: %d ranks (%s), expert parallel %s; rank 0 runs the engine and broadcasts "
                     "each step plan (overlap scheduling %s)", ranks.world_size, ranks.device_group.name(),
                     resolved.args.enable_expert_parallel, "on" if resolved.args.overlap_schedule else "off")

@@ -1,0 +1,212 @@
+"""Data-parallel attention on CPU (gloo): `--tp 2 --enable-dp-attention` produces exactly the tokens of one process.
+
+Each rank runs attention, the indexer and its own KV cache over the requests rank 0's engine placed on it; the ranks'
+rows meet in every MoE layer (routed experts whole, half per rank). Several concurrent requests of different lengths
+and output lengths, so both ranks get work and one is idle in some steps (it runs a dummy token so that its MoE
+collectives match). Plus: the combinations this first slice refuses, one line and exit code 2 before any rank starts,
+`minidsa generate` as a user runs it, where a new request goes, and a killed rank named at once.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_tiny import save_hf_with_mtp
+from minidsa import LLM, SamplingParams
+from minidsa.common.request import InvalidRequest, Request
+from minidsa.config import ConfigError, EngineConfig
+from minidsa.parallel.dp_attention import DPStepPlan
+
+LOGPROBS = SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False, logprobs=True, top_logprobs=2,
+                          prompt_logprobs=1)
+COMMON = dict(device="cpu", dtype="float32", max_total_tokens=2048, max_running_requests=4, progress=False)
+
+
+def workload(vocab: int, index_topk: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Six requests: prompts shorter and longer than index_topk (sparse attention), two sharing a long prefix (each
+    rank's prefix cache), and output lengths from 1 to 12, so that ranks finish at different steps."""
+    rng = random.Random(5)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randint(2, vocab - 1) for _ in range(n)]
+
+    shared = tokens(2 * index_topk)
+    prompts = [tokens(index_topk + 5), shared + [5, 6, 7], tokens(3), shared + [9], tokens(2 * index_topk + 11),
+               tokens(17)]
+    lengths = [12, 3, 9, 1, 6, 10]
+    return prompts, [SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False) for n in lengths]
+
+
+def record_steps(engine) -> list[DPStepPlan]:
+    """Every DP step the engine launches from now on."""
+    steps: list[DPStepPlan] = []
+    launch = engine.worker.launch_dp
+
+    def recording(step):
+        steps.append(step)
+        return launch(step)
+
+    engine.worker.launch_dp = recording
+    return steps
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_dp_attention_over_two_ranks_gives_one_process_tokens(arch, tmp_path):
+    over = dict(num_hidden_layers=3)
+    if arch == "glm_moe_dsa":
+        over.update(index_topk_freq=2, index_skip_topk_offset=1)
+    path = save_hf_with_mtp(arch, str(tmp_path / arch), seed=7, **over)
+    with LLM(path, **COMMON) as single:
+        config = single.engine.model_config
+        prompts, params = workload(config.vocab_size, config.index_topk)
+        reference = [o.token_ids for o in single.generate(prompts, params)]
+        one_rank_kv = single.engine.metrics().kv_total_tokens
+        ref_lp = single.generate(prompts[:3], LOGPROBS)
+
+    with LLM(path, tensor_parallel_size=2, enable_dp_attention=True, **COMMON) as dp:
+        engine = dp.engine
+        assert len(engine.attention_ranks) == 2 and not engine.overlap
+        model = engine.runner.model
+        experts = model.model.layers[1].mlp.experts
+        assert experts.num_local_experts == experts.n_experts // 2  # routed experts: half per rank, whole
+        assert model.model.layers[0].self_attn.num_heads == config.num_attention_heads  # attention: every head
+        assert model.lm_head.weight.shape[0] == config.vocab_size  # lm_head whole (no logits all-gather)
+        steps = record_steps(engine)
+        assert [o.token_ids for o in dp.generate(prompts, params)] == reference
+        busy = [[p is not None for p in step.plans] for step in steps]
+        assert all(any(b) for b in busy)
+        assert any(b[0] for b in busy) and any(b[1] for b in busy)  # both ranks served requests
+        assert any(b[0] != b[1] for b in busy)  # and one rank was idle while the other ran
+        # the second round: one request alone (the other rank idle throughout), then all again (prefix cache hits)
+        assert [o.token_ids for o in dp.generate(prompts[:1], params[:1])] == reference[:1]
+        assert [o.token_ids for o in dp.generate(prompts, params)] == reference
+        # sampled and prompt logprobs come back from the rank that ran the request
+        for got, want in zip(dp.generate(prompts[:3], LOGPROBS), ref_lp):
+            assert got.token_ids == want.token_ids
+            assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+            assert got.prompt_logprobs[1:] == pytest.approx(want.prompt_logprobs[1:], abs=1e-4)
+        metrics = engine.metrics()
+        assert metrics.kv_total_tokens == 2 * one_rank_kv  # each rank its own KV cache
+        assert metrics.prefix_cache_hit_tokens_total > 0
+        engine.check_no_leaks()
+        if arch == "deepseek_v32":  # not yet: structured outputs (grammar masks live on rank 0 only)
+            with pytest.raises(InvalidRequest, match="enable-dp-attention"):
+                engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, response_format={"type": "json_object"}))
+            assert not engine.has_unfinished()
+
+
+def _experts_checkpoint(path, experts: int) -> str:
+    import json
+
+    from minidsa.common.presets import preset_config
+
+    cfg = dict(preset_config("tiny"), n_routed_experts=experts, n_group=1, topk_group=1)
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+BAD_DP = {  # bad input -> (arguments, what the one line says)
+    "no-tp": (["--device", "cpu"], "needs --tp N with N >= 2"),
+    "tp-1": (["--tp", "1", "--device", "cpu"], "needs --tp N with N >= 2"),
+    "experts": (["--tp", "2", "--device", "cpu"], "--tp 2 does not divide the model's n_routed_experts (5)"),
+    "speculative": (["--tp", "2", "--device", "cpu", "--speculative-num-steps", "2"],
+                    "does not run with speculative decoding yet"),
+    "graphs": (["--tp", "2", "--device", "cuda"],
+               "does not run with CUDA graphs yet: add --disable-cuda-graph"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_DP))
+def test_unsupported_dp_attention_input_is_one_line_and_exit_2_before_any_rank_starts(bad, monkeypatch, tmp_path,
+                                                                                      capsys):
+    from minidsa import cli
+    from minidsa.parallel import ranks
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(ranks, "start_ranks", no_ranks)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # two GPUs visible, as far as minidsa can tell
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    args, says = BAD_DP[bad]
+    model = ["--model", _experts_checkpoint(tmp_path / "ckpt", 5)] if bad == "experts" else []
+    assert cli.main(["generate", *model, "--enable-dp-attention", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("minidsa generate: error: config field 'enable_dp_attention': ")
+    assert says in err, err
+
+
+def test_dp_attention_config_checks_without_a_model_file():
+    from minidsa.config import resolve_model
+
+    model = resolve_model(None)[0]  # the tiny preset: 8 routed experts, 4 heads
+    EngineConfig(tensor_parallel_size=2, enable_dp_attention=True).validate_parallel(model)
+    # heads do not need to split under DP attention (each rank holds them all); the experts do
+    with pytest.raises(ConfigError, match="--tp 3 does not divide the model's n_routed_experts"):
+        EngineConfig(tensor_parallel_size=3, enable_dp_attention=True).validate_parallel(model)
+    with pytest.raises(ConfigError, match="uni"):
+        EngineConfig(tensor_parallel_size=2, enable_dp_attention=True,
+                     distributed_executor_backend="uni").validate_parallel(model)
+
+
+def test_generate_with_dp_attention_from_the_command_line():
+    """As a user runs it: `minidsa generate --tp 2 --enable-dp-attention` on CPU, then a bad line in a fresh process
+    (nothing on stderr but the one line, exit code 2)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "minidsa", "generate", "--tp", "2", "--enable-dp-attention",
+                           "--device", "cpu", "--dtype", "float32", "--max-tokens", "6", "--prompt", "Hello"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip(), proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "-m", "minidsa", "generate", "--enable-dp-attention", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(proc.stderr.splitlines()) == 1 and "config field 'enable_dp_attention'" in proc.stderr, proc.stderr
+
+
+def test_a_new_request_goes_to_the_rank_with_the_fewest_requests_then_the_most_free_kv():
+    from minidsa.engine.attention_ranks import AttentionRank, place
+    from minidsa.sched.pages import KVCapacity
+
+    def rank(r: int) -> AttentionRank:
+        return AttentionRank.build(r, KVCapacity(num_pages=65, page_size=1, num_rows=4), True, 0,
+                                   max_running_requests=4, max_prefill_tokens=64, chunked_prefill_size=64)
+
+    ranks = [rank(0), rank(1)]
+    assert place(ranks) is ranks[0]  # a tie: the lowest rank
+    ranks[0].page_allocator.alloc(10)  # rank 0 holds KV: rank 1 has more free
+    assert place(ranks) is ranks[1]
+    for _ in range(2):
+        ranks[1].scheduler.add(Request(request_id="x", prompt_ids=[1, 2], params=SamplingParams()))
+    assert place(ranks) is ranks[0]  # fewer requests before more free pages
+
+
+def test_a_killed_rank_ends_a_dp_attention_run_with_its_name():
+    import signal
+    import time
+
+    from minidsa.parallel.launch import RankFailedError
+
+    llm = LLM(tensor_parallel_size=2, enable_dp_attention=True, **COMMON)
+    try:
+        params = SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False)
+        assert len(llm.generate([[5, 6, 7], [8, 9]], params)) == 2
+        child = llm.engine.worker.ranks.processes.procs[1]
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(30)
+        started = time.monotonic()
+        with pytest.raises(RankFailedError, match="rank 1 .*killed by signal 9"):
+            llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=50, ignore_eos=True, detokenize=False))
+        assert time.monotonic() - started < 5  # named at once, not after a collective's timeout
+    finally:
+        llm.close()
+    assert not torch.distributed.is_initialized()
+    for rid in list(llm.engine.requests):  # the failed run's requests: nothing can serve them any more
+        llm.engine.abort(rid, report=False)
