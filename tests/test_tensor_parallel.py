@@ -277,7 +277,8 @@ def _serve(args: list[str], hook: str | None = None, env: dict[str, str] | None 
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, os.path.join(root, "tests", hook)] if hook else [sys.executable, "-m", "minidsa"]
-    env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1", **(env or {}))
+    path = os.environ.get("PYTHONPATH")  # kept: the GPU machine's carried wheels (msgspec) are on it
+    env = dict(os.environ, PYTHONPATH=root + (os.pathsep + path if path else ""), OMP_NUM_THREADS="1", **(env or {}))
     proc = subprocess.Popen([*cmd, "serve", "--port", "0", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=root, env=env)
     line = proc.stdout.readline()

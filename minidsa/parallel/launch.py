@@ -57,6 +57,7 @@ COLLECTIVE_TIMEOUT_S = float(os.environ.get("MINIDSA_DIST_TIMEOUT", "600"))  # a
 IDLE_FOREVER = datetime.timedelta(days=365)  # workers wait this long for the next plan (an idle server)
 STUCK_EXIT_S = 30.0  # a rank died while rank 0 is inside a step that does not return: exit after this
 TEARDOWN_S = 3.0  # each bounded wait on the way out: children leaving, then this process's groups aborting
+EXIT_MARGIN_S = 3.0  # a stopped child past its own TEARDOWN_S: time for its os._exit (a CUDA context to free)
 _JOIN_KEY = "minidsa/joined/{}"
 
 
@@ -268,20 +269,22 @@ def _watch(procs: dict[int, subprocess.Popen], state: _WatchState) -> None:
 
 def _stop_children(procs: dict[int, subprocess.Popen], timeout: float = TEARDOWN_S,
                    state: _WatchState | None = None) -> None:
-    """EOF to every child (each aborts its groups and exits), `timeout` s for them to go, then SIGKILL."""
+    """EOF to every child (each aborts its groups, bounded by `timeout` s itself, and exits), `timeout` s plus
+    `EXIT_MARGIN_S` for them to go, then SIGKILL. The margin: a child whose abort used its whole bound still exits
+    by itself (seen on two H200s: NCCL's abort ran the full 3 s and the child was killed just before its exit)."""
     if state is not None:
         state.stopping = True
     for proc in procs.values():
         with contextlib.suppress(OSError, ValueError):
             if proc.stdin is not None:
                 proc.stdin.close()  # EOF: the child's stdin watch exits it
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout + EXIT_MARGIN_S
     for rank, proc in procs.items():
         try:
             proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             logger.warning("tensor-parallel rank %d (pid %d) did not exit within %.0f s of being stopped: killing it",
-                           rank, proc.pid, timeout)
+                           rank, proc.pid, timeout + EXIT_MARGIN_S)
             proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):  # a GPU process can take a moment to be reaped
                 proc.wait(TEARDOWN_S)
