@@ -9,6 +9,7 @@ collectives match). Plus: the combinations this first slice refuses, one line an
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -17,10 +18,12 @@ import sys
 import pytest
 import torch
 
+from dp_graphs_rank import ENV as REPLAYS_ENV, static_graphs
 from hf_tiny import save_hf_with_mtp
 from minidsa import LLM, SamplingParams
 from minidsa.common.request import InvalidRequest, Request
 from minidsa.config import ConfigError, EngineConfig
+from minidsa.common.plan import StepKind
 from minidsa.parallel.dp_attention import DPStepPlan
 
 LOGPROBS = SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False, logprobs=True, top_logprobs=2,
@@ -101,6 +104,76 @@ def test_dp_attention_over_two_ranks_gives_one_process_tokens(arch, tmp_path):
             assert not engine.has_unfinished()
 
 
+def ranks_run(monkeypatch, tmp_path, hook: str) -> None:
+    """Ranks > 0 started from now on run tests/`hook` (which ends by running minidsa.parallel) instead of
+    `python -m minidsa.parallel`."""
+    script = tmp_path / f"python_{hook}"
+    rank_main = os.path.join(os.path.dirname(os.path.abspath(__file__)), hook)
+    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{rank_main}"\n')
+    script.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(script))
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_dp_attention_decode_graphs_replay_in_lockstep_and_give_one_process_tokens(arch, tmp_path, monkeypatch):
+    """Through the CUDA graphs' static, padded buffers (run eagerly on CPU: `static_fast_paths`) on both ranks: a
+    step whose busy ranks all decode replays the DECODE graph of one bucket on every rank (the smallest that holds
+    the largest rank's batch; an idle rank replays it with padding rows only), any other step (a rank prefills)
+    runs every rank uncaptured; the tokens are one process's. Each rank logs the graphs it replays: the same
+    keys, in the same order, as rank 0 chose in the steps."""
+    over = dict(num_hidden_layers=3)
+    if arch == "glm_moe_dsa":
+        over.update(index_topk_freq=2, index_skip_topk_offset=1)
+    path = save_hf_with_mtp(arch, str(tmp_path / arch), seed=7, **over)
+    with LLM(path, **COMMON) as single:
+        config = single.engine.model_config
+        prompts, params = workload(config.vocab_size, config.index_topk)
+        reference = [o.token_ids for o in single.generate(prompts, params)]
+
+    log = tmp_path / "rank1_replays.jsonl"
+    rank0: list[list] = []
+    static_graphs(monkeypatch.setattr, lambda key: rank0.append([key[0].name, key[1], key[2]]))
+    ranks_run(monkeypatch, tmp_path, "dp_graphs_rank.py")
+    monkeypatch.setenv(REPLAYS_ENV, str(log))
+    with LLM(path, tensor_parallel_size=2, enable_dp_attention=True, cuda_graph_max_bs=2, **COMMON) as dp:
+        engine = dp.engine
+        graphs = engine.runner.graphs
+        assert graphs is not None and graphs.buckets == [1, 2] and list(graphs.shapes) == [StepKind.DECODE]
+        steps = record_steps(engine)
+        assert [o.token_ids for o in dp.generate(prompts, params)] == reference
+        assert [o.token_ids for o in dp.generate(prompts[:1], params[:1])] == reference[:1]  # rank 1 idle
+        # a request arrives while both ranks decode: its rank prefills beside the other's decode step
+        got: dict[str, list[int]] = {}
+        ids = {engine.add_request(prompts[i], params[i]): i for i in (0, 2)}
+        for _ in range(3):
+            got.update({o.request_id: o.token_ids for o in engine.step()})
+        ids[engine.add_request(prompts[5], params[5])] = 5
+        while engine.has_unfinished():
+            got.update({o.request_id: o.token_ids for o in engine.step()})
+        assert {ids[r]: t for r, t in got.items()} == {i: reference[i] for i in (0, 2, 5)}
+        engine.check_no_leaks()
+    rank1 = [json.loads(line) for line in log.read_text().splitlines()]
+    chosen = [["DECODE", *s.graph] for s in steps if s.graph is not None]
+    assert rank0 == rank1 == chosen  # both ranks replayed the graph rank 0 chose, every graph step, in lockstep
+
+    def kinds(step):
+        return [None if p is None else p.kind for p in step.plans]
+
+    def sizes(step):
+        return [0 if p is None else p.batch_size for p in step.plans]
+
+    for s in steps:
+        decoding = all(k in (None, StepKind.DECODE) for k in kinds(s))
+        assert (s.graph is not None) == (decoding and max(sizes(s)) <= 2), (kinds(s), sizes(s), s.graph)
+        if s.graph is not None:
+            assert s.graph[0] == (1 if max(sizes(s)) == 1 else 2)
+    graphed = [s for s in steps if s.graph is not None]
+    assert any(all(sizes(s)) and sizes(s)[0] != sizes(s)[1] for s in graphed)  # both decode, different batches
+    assert any(0 in sizes(s) for s in graphed)  # one rank idle, replaying padding rows only
+    assert any(set(kinds(s)) == {StepKind.EXTEND, StepKind.DECODE} for s in steps)  # one prefills: uncaptured
+    assert any(s.graph is None and set(kinds(s)) == {StepKind.DECODE} for s in steps)  # past the largest bucket
+
+
 def _experts_checkpoint(path, experts: int) -> str:
     import json
 
@@ -118,8 +191,6 @@ BAD_DP = {  # bad input -> (arguments, what the one line says)
     "experts": (["--tp", "2", "--device", "cpu"], "--tp 2 does not divide the model's n_routed_experts (5)"),
     "speculative": (["--tp", "2", "--device", "cpu", "--speculative-num-steps", "2"],
                     "does not run with speculative decoding yet"),
-    "graphs": (["--tp", "2", "--device", "cuda"],
-               "does not run with CUDA graphs yet: add --disable-cuda-graph"),
 }
 
 
