@@ -116,8 +116,9 @@ def ranks_run(monkeypatch, tmp_path, hook: str) -> None:
 
 @pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
 def test_dp_attention_decode_graphs_replay_in_lockstep_and_give_one_process_tokens(arch, tmp_path, monkeypatch):
-    """Through the CUDA graphs' static, padded buffers (run eagerly on CPU: `static_fast_paths`) on both ranks: a
-    step whose busy ranks all decode replays the DECODE graph of one bucket on every rank (the smallest that holds
+    """Through the CUDA graphs' static, padded buffers (run eagerly on CPU, as `static_fast_paths` does) and a
+    compiled engine's step functions (the layer uncompiled; start-up's warm-up of the uncaptured path included) on
+    both ranks (`dp_graphs_rank.static_graphs`): a step whose busy ranks all decode replays the DECODE graph of one bucket on every rank (the smallest that holds
     the largest rank's batch; an idle rank replays it with padding rows only), any other step (a rank prefills)
     runs every rank uncaptured; the tokens are one process's. Each rank logs the graphs it replays: the same
     keys, in the same order, as rank 0 chose in the steps."""
@@ -174,6 +175,57 @@ def test_dp_attention_decode_graphs_replay_in_lockstep_and_give_one_process_toke
     assert any(s.graph is None and set(kinds(s)) == {StepKind.DECODE} for s in steps)  # past the largest bucket
 
 
+def test_compiled_moe_exchange_does_not_compile_again_for_new_row_counts():
+    """torch.compile of the MoE layer under DP attention (a group of one, in this process; dynamic sizes as the
+    engine's compiled layer): steps whose ranks run different row counts (this rank padding to the step's most,
+    by nothing when it has the most) compile one graph beside the one for equal counts (the DECODE graphs and the
+    warm-up), not one per mix of counts; the outputs are the uncompiled layer's."""
+    import dataclasses
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from minidsa.common.batch import ForwardBatch
+    from minidsa.common.presets import preset_config
+    from minidsa.common.tensor_parallel import building_with
+    from minidsa.config import ModelConfig
+    from minidsa.exec.runner import layer_tracing
+    from minidsa.models.deepseek_v32 import MoE
+    from minidsa.parallel.launch import single_rank_group
+
+    group = single_rank_group("cpu", expert_parallel=True)
+    try:
+        raw = preset_config("tiny")
+        raw.pop("initializer_range", None)
+        cfg = ModelConfig.from_dict(raw)
+        torch.manual_seed(0)
+        with building_with(dataclasses.replace(group.tp, dp_attention=True)):
+            moe = MoE(cfg)
+        for p in moe.parameters():
+            if p.is_floating_point():
+                p.data.normal_(0, 0.05)
+        if moe.shared_experts is not None:
+            moe.shared_experts.fuse()
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(lambda x, b: moe(x, None, b), dynamic=True, fullgraph=True, backend=counter)
+        # (this rank's rows, the step's most): a one-rank group stands for a rank of a larger step
+        for rows, most in [(3, 3), (2, 5), (4, 4), (1, 6), (6, 6), (6, 9), (2, 2), (1, 1), (5, 8), (7, 7)]:
+            batch = ForwardBatch.build(StepKind.EXTEND, list(range(rows)), [0], [0], [rows],
+                                       torch.zeros(rows, dtype=torch.int64), "cpu").for_dp_attention((rows,))
+            if (rows, most) in ((6, 6), (7, 7)):  # the rank with the most rows of a step whose counts differ
+                batch = dataclasses.replace(batch, dp_pad=torch.empty(0, dtype=torch.int64),
+                                            dp_real_rows=torch.arange(rows))
+            elif most != rows:
+                batch = dataclasses.replace(batch, dp_pad=torch.empty(most - rows, dtype=torch.int64),
+                                            dp_real_rows=torch.arange(rows))
+            x = torch.randn(rows, cfg.hidden_size)
+            with torch.no_grad(), layer_tracing():
+                torch.testing.assert_close(compiled(x, batch), moe(x, None, batch), atol=1e-5, rtol=1e-5)
+        assert counter.frame_count == 2
+    finally:
+        group.shutdown()
+    assert not torch.distributed.is_initialized()
+
+
 def _experts_checkpoint(path, experts: int) -> str:
     import json
 
@@ -225,6 +277,17 @@ def test_dp_attention_config_checks_without_a_model_file():
     with pytest.raises(ConfigError, match="uni"):
         EngineConfig(tensor_parallel_size=2, enable_dp_attention=True,
                      distributed_executor_backend="uni").validate_parallel(model)
+
+
+def test_dp_attention_on_gpus_keeps_cuda_graphs_and_compile(monkeypatch):
+    """Two GPUs (as far as minidsa can tell): resolve keeps CUDA graphs and torch.compile on under DP attention (no
+    start-up refusal any more) and turns only overlap scheduling off."""
+    from minidsa.config import resolve
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    args = resolve(EngineConfig(device="cuda", tensor_parallel_size=2, enable_dp_attention=True)).args
+    assert args.enable_cuda_graph and args.enable_compile and not args.overlap_schedule
 
 
 def test_generate_with_dp_attention_from_the_command_line():

@@ -228,6 +228,7 @@ class ModelRunner:
         self.table_width = table_width
         mark_fixed_dims(self.attn)
         self.graphs: StepGraphs | None = None
+        self._idle_decode: ForwardBatch | None = None  # `idle_batch(decode_graph=True)`
         # How a batch without a captured graph runs (prefill chunks, mixed steps, oversized decode batches):
         # the plain modules, or the compiled layer once `prepare_fast_paths` compiled it. Chosen there, once.
         self._run_uncaptured: Callable[[ForwardBatch], ModelOutput] = self.forward_eager
@@ -563,6 +564,15 @@ class ModelRunner:
                               leave=False):
             batch = self._scratch_extend_batch(lens, ctx)
             self.graphs.run_main(_aligned_keys(batch, self.table_width), layers)
+            if self.config.enable_dp_attention and (lens, ctx) == shapes[0]:
+                # DP attention: a step whose ranks' row counts differ reaches the MoE layers with its padding and
+                # real rows (`ForwardBatch.dp_pad`, `dp_real_rows`): the layer's other graph, traced here (every
+                # rank alike: no padding, every gathered row real)
+                n, ranks = batch.num_tokens, self.config.tensor_parallel_size
+                uneven = dataclasses.replace(batch, dp_tokens=(n,) * ranks,
+                                             dp_pad=torch.empty(0, dtype=torch.int64, device=self.device),
+                                             dp_real_rows=torch.arange(n * ranks, device=self.device))
+                self.graphs.run_main(_aligned_keys(uneven, self.table_width), layers)
             if with_mtp and self.model.mtp_layer is not None:
                 hidden = torch.zeros(batch.num_tokens, self.model_config.hidden_size, dtype=self.dtype,
                                      device=self.device)
@@ -580,8 +590,11 @@ class ModelRunner:
         ranks': a one-token batch that touches no request's cache (the dummy slot 0); with `decode_graph`, an empty
         DECODE batch (the DECODE graph it replays then runs padding rows only, at the dummy slot)."""
         if decode_graph:
-            nothing = torch.zeros(0, dtype=torch.int64, device=self.device)
-            return ForwardBatch.build(StepKind.DECODE, nothing, [], [], [], nothing, self.device, max_kv_len=1)
+            if self._idle_decode is None:  # made once: its tensors are only read (copied into the graph's inputs)
+                nothing = torch.zeros(0, dtype=torch.int64, device=self.device)
+                self._idle_decode = ForwardBatch.build(StepKind.DECODE, nothing, [], [], [], nothing, self.device,
+                                                       max_kv_len=1)
+            return self._idle_decode
         return self._scratch_extend_batch([1], 1)
 
     def _scratch_extend_batch(self, lens: list[int], context: int) -> ForwardBatch:
