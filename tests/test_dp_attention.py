@@ -18,11 +18,12 @@ import sys
 import pytest
 import torch
 
-from dp_graphs_rank import ENV as REPLAYS_ENV, static_graphs
+from dp_graphs_rank import ENV as REPLAYS_ENV, FRAMES_ENV, static_graphs
 from hf_tiny import save_hf_with_mtp
 from minidsa import LLM, SamplingParams
 from minidsa.common.request import InvalidRequest, Request
 from minidsa.config import ConfigError, EngineConfig
+from minidsa.attention.select import triton_usable
 from minidsa.common.plan import StepKind
 from minidsa.parallel.dp_attention import DPStepPlan
 
@@ -173,6 +174,47 @@ def test_dp_attention_decode_graphs_replay_in_lockstep_and_give_one_process_toke
     assert any(0 in sizes(s) for s in graphed)  # one rank idle, replaying padding rows only
     assert any(set(kinds(s)) == {StepKind.EXTEND, StepKind.DECODE} for s in steps)  # one prefills: uncaptured
     assert any(s.graph is None and set(kinds(s)) == {StepKind.DECODE} for s in steps)  # past the largest bucket
+
+
+@pytest.mark.skipif(not triton_usable(torch.device("cpu"))[0], reason="needs Triton's interpreter on CPU")
+def test_compiled_dp_attention_engine_compiles_nothing_after_start_up(tmp_path, monkeypatch):
+    """Both ranks compile their decoder layers (aot_eager, counted) and warm them up at start-up, as on a GPU; then
+    steps of every mix (both ranks decoding different batches through the decode graphs' buffers, one idle, one
+    prefilling chunks beside the other's decode, batches past the largest bucket) compile nothing more on either
+    rank, and the tokens are the plain one-process engine's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    engine_args = dict(model=None, device="cpu", dtype="float32", max_total_tokens=1024, max_running_requests=4,
+                       cuda_graph_max_bs=2, progress=False, kernel_backend="triton", chunked_prefill_size=8,
+                       max_prefill_tokens=12)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False)
+    rng = random.Random(7)
+    with LLM(**engine_args) as single:
+        vocab = single.engine.model_config.vocab_size
+        waves = [[[rng.randint(2, vocab - 1) for _ in range(n)] for n in (9, 34, 11, 2, 5, 20)],
+                 [[rng.randint(2, vocab - 1) for _ in range(n)] for n in (3,)]]
+        want = [[o.token_ids for o in single.generate(wave, params)] for wave in waves]
+
+    counter = CompileCounterWithBackend("aot_eager")
+    frames = tmp_path / "rank1_frames.txt"
+    static_graphs(monkeypatch.setattr, lambda key: None, counter)
+    ranks_run(monkeypatch, tmp_path, "dp_graphs_rank.py")
+    monkeypatch.setenv(REPLAYS_ENV, str(tmp_path / "rank1_replays.jsonl"))
+    monkeypatch.setenv(FRAMES_ENV, str(frames))
+    with LLM(tensor_parallel_size=2, enable_dp_attention=True, **engine_args) as dp:
+        assert dp.engine.runner.compiled
+        at_start_up = counter.frame_count
+        assert at_start_up > 0
+        steps = record_steps(dp.engine)
+        assert [[o.token_ids for o in dp.generate(wave, params)] for wave in waves] == want
+        assert counter.frame_count == at_start_up, "rank 0 compiled again while serving"
+    rank1 = [int(line) for line in frames.read_text().split()]
+    assert rank1[0] > 0 and rank1[-1] == rank1[0], "rank 1 compiled again while serving"
+    kinds = [{p.kind for p in s.plans if p is not None} for s in steps]
+    assert any(s.graph is not None for s in steps) and any(s.graph is None for s in steps)
+    assert any(k == {StepKind.EXTEND, StepKind.DECODE} for k in kinds)
+    assert any(None in s.plans for s in steps)
+    assert any(s.graph is None and k == {StepKind.DECODE} for s, k in zip(steps, kinds))  # past the largest bucket
 
 
 def test_compiled_moe_exchange_does_not_compile_again_for_new_row_counts():
