@@ -518,8 +518,9 @@ class EngineConfig:
     enable_dp_attention: bool = _arg(False, "with --tp N: data-parallel attention (each rank runs attention, the "
                                      "indexer and its own KV cache for its own requests, all heads; the ranks' "
                                      "tokens meet in each MoE layer, routed experts whole, n_routed_experts / N per "
-                                     "rank; everything else replicated). First slice: eager only (no CUDA graphs, "
-                                     "no speculative decoding, no overlap scheduling)")
+                                     "rank; everything else replicated). Decode steps replay CUDA graphs on every "
+                                     "rank at one batch bucket; prefill runs uncaptured; no speculative decoding, "
+                                     "no overlap scheduling yet)")
     # Off until bench_allreduce.py has measured it against NCCL on the GPUs (it has not run on any yet).
     enable_custom_all_reduce: bool = _arg(False, "with tensor parallelism on GPUs that reach each other peer to "
                                           "peer, serve small all-reduces with minidsa's one-shot kernel over CUDA "
@@ -806,8 +807,6 @@ def resolve(config: EngineConfig, model_config: ModelConfig | None = None, init_
         model, path, init_std, name = resolve_model(args.model)
     args.validate_parallel(model)
     if args.enable_dp_attention:
-        if on_gpu and args.enable_cuda_graph:
-            raise ConfigError("enable_dp_attention", "does not run with CUDA graphs yet: add --disable-cuda-graph")
         if launched_by_torchrun():
             raise ConfigError("enable_dp_attention", "does not run under torchrun yet: let minidsa start the ranks "
                               "(run the command without torchrun)")

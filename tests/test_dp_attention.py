@@ -9,6 +9,7 @@ collectives match). Plus: the combinations this first slice refuses, one line an
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -17,10 +18,13 @@ import sys
 import pytest
 import torch
 
+from dp_graphs_rank import ENV as REPLAYS_ENV, FRAMES_ENV, static_graphs
 from hf_tiny import save_hf_with_mtp
 from minidsa import LLM, SamplingParams
 from minidsa.common.request import InvalidRequest, Request
 from minidsa.config import ConfigError, EngineConfig
+from minidsa.attention.select import triton_usable
+from minidsa.common.plan import StepKind
 from minidsa.parallel.dp_attention import DPStepPlan
 
 LOGPROBS = SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False, logprobs=True, top_logprobs=2,
@@ -101,6 +105,169 @@ def test_dp_attention_over_two_ranks_gives_one_process_tokens(arch, tmp_path):
             assert not engine.has_unfinished()
 
 
+def ranks_run(monkeypatch, tmp_path, hook: str) -> None:
+    """Ranks > 0 started from now on run tests/`hook` (which ends by running minidsa.parallel) instead of
+    `python -m minidsa.parallel`."""
+    script = tmp_path / f"python_{hook}"
+    rank_main = os.path.join(os.path.dirname(os.path.abspath(__file__)), hook)
+    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{rank_main}"\n')
+    script.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(script))
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_dp_attention_decode_graphs_replay_in_lockstep_and_give_one_process_tokens(arch, tmp_path, monkeypatch):
+    """Through the CUDA graphs' static, padded buffers (run eagerly on CPU, as `static_fast_paths` does) and a
+    compiled engine's step functions (the layer uncompiled; start-up's warm-up of the uncaptured path included) on
+    both ranks (`dp_graphs_rank.static_graphs`): a step whose busy ranks all decode replays the DECODE graph of one bucket on every rank (the smallest that holds
+    the largest rank's batch; an idle rank replays it with padding rows only), any other step (a rank prefills)
+    runs every rank uncaptured; the tokens are one process's. Each rank logs the graphs it replays: the same
+    keys, in the same order, as rank 0 chose in the steps."""
+    over = dict(num_hidden_layers=3)
+    if arch == "glm_moe_dsa":
+        over.update(index_topk_freq=2, index_skip_topk_offset=1)
+    path = save_hf_with_mtp(arch, str(tmp_path / arch), seed=7, **over)
+    with LLM(path, **COMMON) as single:
+        config = single.engine.model_config
+        prompts, params = workload(config.vocab_size, config.index_topk)
+        reference = [o.token_ids for o in single.generate(prompts, params)]
+
+    log = tmp_path / "rank1_replays.jsonl"
+    rank0: list[list] = []
+    static_graphs(monkeypatch.setattr, lambda key: rank0.append([key[0].name, key[1], key[2]]))
+    ranks_run(monkeypatch, tmp_path, "dp_graphs_rank.py")
+    monkeypatch.setenv(REPLAYS_ENV, str(log))
+    with LLM(path, tensor_parallel_size=2, enable_dp_attention=True, cuda_graph_max_bs=2, **COMMON) as dp:
+        engine = dp.engine
+        graphs = engine.runner.graphs
+        assert graphs is not None and graphs.buckets == [1, 2] and list(graphs.shapes) == [StepKind.DECODE]
+        steps = record_steps(engine)
+        assert [o.token_ids for o in dp.generate(prompts, params)] == reference
+        assert [o.token_ids for o in dp.generate(prompts[:1], params[:1])] == reference[:1]  # rank 1 idle
+        # a request arrives while both ranks decode: its rank prefills beside the other's decode step
+        got: dict[str, list[int]] = {}
+        ids = {engine.add_request(prompts[i], params[i]): i for i in (0, 2)}
+        for _ in range(3):
+            got.update({o.request_id: o.token_ids for o in engine.step()})
+        ids[engine.add_request(prompts[5], params[5])] = 5
+        while engine.has_unfinished():
+            got.update({o.request_id: o.token_ids for o in engine.step()})
+        assert {ids[r]: t for r, t in got.items()} == {i: reference[i] for i in (0, 2, 5)}
+        engine.check_no_leaks()
+    rank1 = [json.loads(line) for line in log.read_text().splitlines()]
+    chosen = [["DECODE", *s.graph] for s in steps if s.graph is not None]
+    assert rank0 == rank1 == chosen  # both ranks replayed the graph rank 0 chose, every graph step, in lockstep
+
+    def kinds(step):
+        return [None if p is None else p.kind for p in step.plans]
+
+    def sizes(step):
+        return [0 if p is None else p.batch_size for p in step.plans]
+
+    for s in steps:
+        decoding = all(k in (None, StepKind.DECODE) for k in kinds(s))
+        assert (s.graph is not None) == (decoding and max(sizes(s)) <= 2), (kinds(s), sizes(s), s.graph)
+        if s.graph is not None:
+            assert s.graph[0] == (1 if max(sizes(s)) == 1 else 2)
+    graphed = [s for s in steps if s.graph is not None]
+    assert any(all(sizes(s)) and sizes(s)[0] != sizes(s)[1] for s in graphed)  # both decode, different batches
+    assert any(0 in sizes(s) for s in graphed)  # one rank idle, replaying padding rows only
+    assert any(set(kinds(s)) == {StepKind.EXTEND, StepKind.DECODE} for s in steps)  # one prefills: uncaptured
+    assert any(s.graph is None and set(kinds(s)) == {StepKind.DECODE} for s in steps)  # past the largest bucket
+
+
+@pytest.mark.skipif(not triton_usable(torch.device("cpu"))[0], reason="needs Triton's interpreter on CPU")
+def test_compiled_dp_attention_engine_compiles_nothing_after_start_up(tmp_path, monkeypatch):
+    """Both ranks compile their decoder layers (aot_eager, counted) and warm them up at start-up, as on a GPU; then
+    steps of every mix (both ranks decoding different batches through the decode graphs' buffers, one idle, one
+    prefilling chunks beside the other's decode, batches past the largest bucket) compile nothing more on either
+    rank, and the tokens are the plain one-process engine's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    engine_args = dict(model=None, device="cpu", dtype="float32", max_total_tokens=1024, max_running_requests=4,
+                       cuda_graph_max_bs=2, progress=False, kernel_backend="triton", chunked_prefill_size=8,
+                       max_prefill_tokens=12)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False)
+    rng = random.Random(7)
+    with LLM(**engine_args) as single:
+        vocab = single.engine.model_config.vocab_size
+        waves = [[[rng.randint(2, vocab - 1) for _ in range(n)] for n in (9, 34, 11, 2, 5, 20)],
+                 [[rng.randint(2, vocab - 1) for _ in range(n)] for n in (3,)]]
+        want = [[o.token_ids for o in single.generate(wave, params)] for wave in waves]
+
+    counter = CompileCounterWithBackend("aot_eager")
+    frames = tmp_path / "rank1_frames.txt"
+    static_graphs(monkeypatch.setattr, lambda key: None, counter)
+    ranks_run(monkeypatch, tmp_path, "dp_graphs_rank.py")
+    monkeypatch.setenv(REPLAYS_ENV, str(tmp_path / "rank1_replays.jsonl"))
+    monkeypatch.setenv(FRAMES_ENV, str(frames))
+    with LLM(tensor_parallel_size=2, enable_dp_attention=True, **engine_args) as dp:
+        assert dp.engine.runner.compiled
+        at_start_up = counter.frame_count
+        assert at_start_up > 0
+        steps = record_steps(dp.engine)
+        assert [[o.token_ids for o in dp.generate(wave, params)] for wave in waves] == want
+        assert counter.frame_count == at_start_up, "rank 0 compiled again while serving"
+    rank1 = [int(line) for line in frames.read_text().split()]
+    assert rank1[0] > 0 and rank1[-1] == rank1[0], "rank 1 compiled again while serving"
+    kinds = [{p.kind for p in s.plans if p is not None} for s in steps]
+    assert any(s.graph is not None for s in steps) and any(s.graph is None for s in steps)
+    assert any(k == {StepKind.EXTEND, StepKind.DECODE} for k in kinds)
+    assert any(None in s.plans for s in steps)
+    assert any(s.graph is None and k == {StepKind.DECODE} for s, k in zip(steps, kinds))  # past the largest bucket
+
+
+def test_compiled_moe_exchange_does_not_compile_again_for_new_row_counts():
+    """torch.compile of the MoE layer under DP attention (a group of one, in this process; dynamic sizes as the
+    engine's compiled layer): steps whose ranks run different row counts (this rank padding to the step's most,
+    by nothing when it has the most) compile one graph beside the one for equal counts (the DECODE graphs and the
+    warm-up), not one per mix of counts; the outputs are the uncompiled layer's."""
+    import dataclasses
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from minidsa.common.batch import ForwardBatch
+    from minidsa.common.presets import preset_config
+    from minidsa.common.tensor_parallel import building_with
+    from minidsa.config import ModelConfig
+    from minidsa.exec.runner import layer_tracing
+    from minidsa.models.deepseek_v32 import MoE
+    from minidsa.parallel.launch import single_rank_group
+
+    group = single_rank_group("cpu", expert_parallel=True)
+    try:
+        raw = preset_config("tiny")
+        raw.pop("initializer_range", None)
+        cfg = ModelConfig.from_dict(raw)
+        torch.manual_seed(0)
+        with building_with(dataclasses.replace(group.tp, dp_attention=True)):
+            moe = MoE(cfg)
+        for p in moe.parameters():
+            if p.is_floating_point():
+                p.data.normal_(0, 0.05)
+        if moe.shared_experts is not None:
+            moe.shared_experts.fuse()
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(lambda x, b: moe(x, None, b), dynamic=True, fullgraph=True, backend=counter)
+        # (this rank's rows, the step's most): a one-rank group stands for a rank of a larger step
+        for rows, most in [(3, 3), (2, 5), (4, 4), (1, 6), (6, 6), (6, 9), (2, 2), (1, 1), (5, 8), (7, 7)]:
+            batch = ForwardBatch.build(StepKind.EXTEND, list(range(rows)), [0], [0], [rows],
+                                       torch.zeros(rows, dtype=torch.int64), "cpu").for_dp_attention((rows,))
+            if (rows, most) in ((6, 6), (7, 7)):  # the rank with the most rows of a step whose counts differ
+                batch = dataclasses.replace(batch, dp_pad=torch.empty(0, dtype=torch.int64),
+                                            dp_real_rows=torch.arange(rows))
+            elif most != rows:
+                batch = dataclasses.replace(batch, dp_pad=torch.empty(most - rows, dtype=torch.int64),
+                                            dp_real_rows=torch.arange(rows))
+            x = torch.randn(rows, cfg.hidden_size)
+            with torch.no_grad(), layer_tracing():
+                torch.testing.assert_close(compiled(x, batch), moe(x, None, batch), atol=1e-5, rtol=1e-5)
+        assert counter.frame_count == 2
+    finally:
+        group.shutdown()
+    assert not torch.distributed.is_initialized()
+
+
 def _experts_checkpoint(path, experts: int) -> str:
     import json
 
@@ -118,8 +285,6 @@ BAD_DP = {  # bad input -> (arguments, what the one line says)
     "experts": (["--tp", "2", "--device", "cpu"], "--tp 2 does not divide the model's n_routed_experts (5)"),
     "speculative": (["--tp", "2", "--device", "cpu", "--speculative-num-steps", "2"],
                     "does not run with speculative decoding yet"),
-    "graphs": (["--tp", "2", "--device", "cuda"],
-               "does not run with CUDA graphs yet: add --disable-cuda-graph"),
 }
 
 
@@ -154,6 +319,17 @@ def test_dp_attention_config_checks_without_a_model_file():
     with pytest.raises(ConfigError, match="uni"):
         EngineConfig(tensor_parallel_size=2, enable_dp_attention=True,
                      distributed_executor_backend="uni").validate_parallel(model)
+
+
+def test_dp_attention_on_gpus_keeps_cuda_graphs_and_compile(monkeypatch):
+    """Two GPUs (as far as minidsa can tell): resolve keeps CUDA graphs and torch.compile on under DP attention (no
+    start-up refusal any more) and turns only overlap scheduling off."""
+    from minidsa.config import resolve
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    args = resolve(EngineConfig(device="cuda", tensor_parallel_size=2, enable_dp_attention=True)).args
+    assert args.enable_cuda_graph and args.enable_compile and not args.overlap_schedule
 
 
 def test_generate_with_dp_attention_from_the_command_line():

@@ -52,19 +52,31 @@ class ForwardBatch:
     max_kv_len: int  # host-side bound on seq_lens (sizes the reference ops' buffers)
     tree_mask: torch.Tensor | None = None  # [T, W] bool, extra visible positions after kv_lens
     # DP attention (host ints): every attention rank's token count this forward, so that each MoE layer can
-    # gather and scatter the ranks' rows (None: every rank runs as many tokens as this batch; no DP attention)
+    # gather and scatter the ranks' rows (None: every rank runs as many tokens as this batch; no DP attention).
+    # Read on the host only (never inside the compiled layer: the tensors below carry what the layer needs).
     dp_tokens: tuple[int, ...] | None = None
-    # DP attention, where the counts differ: which rows of the all-gathered [ranks * max(dp_tokens)] are real
+    # DP attention, where the counts differ: which rows of the all-gathered [ranks * max(dp_tokens)] are real,
+    # and an empty int64 tensor of max(dp_tokens) - T elements, the padding this rank adds before the all-gather
+    # (a tensor's size, not an int: the compiled layer sees a symbolic size, not a value to guard on per step)
     dp_real_rows: torch.Tensor | None = None
+    dp_pad: torch.Tensor | None = None
+    # DP attention: the (batch-size bucket, context bucket) of the DECODE graph every rank replays this step, chosen
+    # by rank 0 for all ranks (`parallel.dp_attention.decode_graph`); None: every rank runs uncaptured
+    dp_graph: tuple[int, int] | None = None
 
-    def for_dp_attention(self, dp_tokens: tuple[int, ...]) -> "ForwardBatch":
-        """This batch as one attention rank's part of a DP-attention step whose ranks run `dp_tokens` tokens."""
+    def for_dp_attention(self, dp_tokens: tuple[int, ...], graph: tuple[int, int] | None = None) -> "ForwardBatch":
+        """This batch as one attention rank's part of a DP-attention step whose ranks run `dp_tokens` tokens (and,
+        with `graph`, replay the DECODE graph of that bucket: every rank's rows are then the bucket's, all taken as
+        real inside the graph, the padding rows at the dummy slot)."""
+        if graph is not None:
+            return dataclasses.replace(self, dp_tokens=tuple(dp_tokens), dp_graph=tuple(graph))
         most = max(dp_tokens)
-        real = None
+        real = pad = None
         if any(n != most for n in dp_tokens):
-            real = ints_to_device([r * most + i for r, n in enumerate(dp_tokens) for i in range(n)],
-                                  self.input_ids.device)
-        return dataclasses.replace(self, dp_tokens=tuple(dp_tokens), dp_real_rows=real)
+            device = self.input_ids.device
+            real = ints_to_device([r * most + i for r, n in enumerate(dp_tokens) for i in range(n)], device)
+            pad = torch.empty(most - self.num_tokens, dtype=torch.int64, device=device)
+        return dataclasses.replace(self, dp_tokens=tuple(dp_tokens), dp_real_rows=real, dp_pad=pad)
 
     @property
     def batch_size(self) -> int:

@@ -30,8 +30,8 @@ takes no draft: its token is sampled under its mask from the verify's first posi
 Data-parallel attention (`--enable-dp-attention`, minidsa/parallel/dp_attention.py): the engine keeps one scheduler,
 allocator pair and prefix cache per attention rank (`attention_ranks.py`; `self.scheduler` and the allocators are
 rank 0's, the only ones without it). A new request goes to one rank (`place`) and stays there. A step asks every
-rank's scheduler for its batch and launches the plans together (`DPStepPlan`, a rank without work gets None); each
-rank's part of the result is processed as a step of its own. Such steps never overlap (`config.resolve` turns
+rank's scheduler for its batch and launches the plans together (`DPStepPlan`, a rank without work gets None, with
+the DECODE graph every rank replays when all of them decode: `DPAttentionWorker.dp_step`); each rank's part of the result is processed as a step of its own. Such steps never overlap (`config.resolve` turns
 overlap off), and structured outputs are refused.
 """
 
@@ -67,7 +67,7 @@ from minidsa.exec.build import choose_kernels, start_local_worker
 from minidsa.exec.memory import check_fit
 from minidsa.exec.runner import ModelRunner
 from minidsa.exec.worker import PendingStep, Worker
-from minidsa.parallel.dp_attention import DPAttentionWorker, DPPendingStep, DPStepPlan
+from minidsa.parallel.dp_attention import DPAttentionWorker, DPPendingStep
 from minidsa.parallel.ranks import TensorParallelWorker, start_parallel_worker
 from minidsa.sched.scheduler import ScheduledBatch, Scheduler
 
@@ -427,7 +427,7 @@ class Engine:
             parts.append((rank.rank, plan, list(sched.reqs), completes))
         if not parts:
             return None
-        pending = self.worker.launch_dp(DPStepPlan(plans))
+        pending = self.worker.launch_dp(self.worker.dp_step(plans))
         return _DPInFlight([_InFlight(plan, reqs, completes, _RankResult(pending, r))  # type: ignore[arg-type]
                             for r, plan, reqs, completes in parts])
 

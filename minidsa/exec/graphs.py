@@ -331,13 +331,22 @@ class StepGraphs:
         return plan
 
     # -- replay -----------------------------------------------------------------
-    def replay(self, batch: ForwardBatch, hidden_in: torch.Tensor | None = None) -> ModelOutput:
+    def replay(self, batch: ForwardBatch, hidden_in: torch.Tensor | None = None,
+               key: tuple[StepKind, int, int] | None = None) -> ModelOutput:
         """Run `batch` through the graph of its kind (`hidden_in`: the MTP layer's hidden-state input). The outputs
-        are views of the kind's buffers: valid until the next replay of the same kind."""
+        are views of the kind's buffers: valid until the next replay of the same kind.
+
+        `key`: this graph, not the smallest that takes the batch (DP attention: every rank replays the bucket rank 0
+        chose for all of them, its own batch possibly smaller, or empty on an idle rank)."""
         shape = self.shapes[batch.kind]
-        key = self.key_for(batch)
-        assert key is not None, (f"no {batch.kind.name} graph for {batch.num_tokens} tokens of {batch.batch_size} "
-                                 f"requests at context {batch.max_kv_len}")
+        if key is None:
+            key = self.key_for(batch)
+            assert key is not None, (f"no {batch.kind.name} graph for {batch.num_tokens} tokens of "
+                                     f"{batch.batch_size} requests at context {batch.max_kv_len}")
+        else:
+            own = self.key_for(batch) if batch.batch_size else (batch.kind, key[1], key[2])
+            assert own is not None and own[0] == key[0] and own[1] <= key[1] and own[2] <= key[2] \
+                and key[1] in self._sizes(shape) and key[2] in self.ctx_buckets, (own, key)
         g = self._graph_for(key)
         t, bs, n = batch.num_tokens, batch.batch_size, batch.logits_indices.numel()
         # Refresh every per-step tensor, real rows then padding rows (the dummy slot / row 0), in ONE launch: a

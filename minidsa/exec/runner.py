@@ -228,6 +228,7 @@ class ModelRunner:
         self.table_width = table_width
         mark_fixed_dims(self.attn)
         self.graphs: StepGraphs | None = None
+        self._idle_decode: ForwardBatch | None = None  # `idle_batch(decode_graph=True)`
         # How a batch without a captured graph runs (prefill chunks, mixed steps, oversized decode batches):
         # the plain modules, or the compiled layer once `prepare_fast_paths` compiled it. Chosen there, once.
         self._run_uncaptured: Callable[[ForwardBatch], ModelOutput] = self.forward_eager
@@ -400,7 +401,8 @@ class ModelRunner:
         kinds_tokens, kinds_rows = ([nd, nd, 1], [logit_rows, 1, 1]) if with_mtp else ([1], [1])
         buffers = graph_buffer_bytes(mc, self.dtype, min(cfg.cuda_graph_max_bs, cfg.max_running_requests),
                                      kinds_tokens, kinds_rows, max(b for b in EXTEND_TOKEN_BUCKETS
-                                                                   if b <= step_tokens) if cfg.enable_cuda_graph else 0,
+                                                                   if b <= step_tokens)
+                                     if cfg.enable_cuda_graph and not cfg.enable_dp_attention else 0,
                                      cfg.max_running_requests) if cfg.enable_cuda_graph else 0
         reserve = peaks["prefill"] + peaks["decode"] + buffers + margin_bytes(total)
         logger.info("activation reserve %.2f GiB: prefill step of %d tokens at context %d %.2f GiB%s, decode-like "
@@ -447,7 +449,10 @@ class ModelRunner:
         buckets = [b for b in DEFAULT_BUCKETS if b <= limit] or [1]
         if buckets[-1] < limit:
             buckets.append(limit)
-        extend_buckets = [b for b in EXTEND_TOKEN_BUCKETS if b <= self.step_tokens]
+        # Under DP attention prefill chunks and mixed steps run uncaptured (a step whose ranks do not all decode
+        # runs every rank uncaptured: `parallel.dp_attention.decode_graph`), so no EXTEND graph is captured
+        extend_buckets = [] if cfg.enable_dp_attention else \
+            [b for b in EXTEND_TOKEN_BUCKETS if b <= self.step_tokens]
         if extend_buckets:  # prefill chunks and mixed steps up to a bucket's tokens
             shapes.append(GraphShape(StepKind.EXTEND, 0, 0))
         return StepGraphs(run_main, run_mtp, shapes, buckets, self.table_width, self.model_config.hidden_size,
@@ -559,6 +564,15 @@ class ModelRunner:
                               leave=False):
             batch = self._scratch_extend_batch(lens, ctx)
             self.graphs.run_main(_aligned_keys(batch, self.table_width), layers)
+            if self.config.enable_dp_attention and (lens, ctx) == shapes[0]:
+                # DP attention: a step whose ranks' row counts differ reaches the MoE layers with its padding and
+                # real rows (`ForwardBatch.dp_pad`, `dp_real_rows`): the layer's other graph, traced here (every
+                # rank alike: no padding, every gathered row real)
+                n, ranks = batch.num_tokens, self.config.tensor_parallel_size
+                uneven = dataclasses.replace(batch, dp_tokens=(n,) * ranks,
+                                             dp_pad=torch.empty(0, dtype=torch.int64, device=self.device),
+                                             dp_real_rows=torch.arange(n * ranks, device=self.device))
+                self.graphs.run_main(_aligned_keys(uneven, self.table_width), layers)
             if with_mtp and self.model.mtp_layer is not None:
                 hidden = torch.zeros(batch.num_tokens, self.model_config.hidden_size, dtype=self.dtype,
                                      device=self.device)
@@ -571,9 +585,16 @@ class ModelRunner:
                      "contexts)", time.perf_counter() - start, shapes)
         return shapes
 
-    def idle_batch(self) -> ForwardBatch:
-        """A one-token batch that touches no request's cache (the dummy slot 0): what a DP-attention rank with no
-        requests this step runs, so that its MoE layers still join the other ranks'."""
+    def idle_batch(self, decode_graph: bool = False) -> ForwardBatch:
+        """What a DP-attention rank with no requests this step runs, so that its MoE layers still join the other
+        ranks': a one-token batch that touches no request's cache (the dummy slot 0); with `decode_graph`, an empty
+        DECODE batch (the DECODE graph it replays then runs padding rows only, at the dummy slot)."""
+        if decode_graph:
+            if self._idle_decode is None:  # made once: its tensors are only read (copied into the graph's inputs)
+                nothing = torch.zeros(0, dtype=torch.int64, device=self.device)
+                self._idle_decode = ForwardBatch.build(StepKind.DECODE, nothing, [], [], [], nothing, self.device,
+                                                       max_kv_len=1)
+            return self._idle_decode
         return self._scratch_extend_batch([1], 1)
 
     def _scratch_extend_batch(self, lens: list[int], context: int) -> ForwardBatch:
@@ -601,6 +622,10 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         """Run the main model on a batch (EXTEND, DECODE, VERIFY): a captured graph when one fits, else uncaptured."""
         assert not batch.kind.runs_mtp, f"a {batch.kind.name} batch runs the MTP layer (forward_mtp)"
+        if batch.dp_tokens is not None:  # DP attention: rank 0 chose for every rank (the MoE exchanges must match)
+            if batch.dp_graph is not None:
+                return self.graphs.replay(batch, key=(batch.kind, *batch.dp_graph))
+            return self._run_uncaptured(batch)
         if self.has_graph(batch):
             return self.graphs.replay(batch)
         return self._run_uncaptured(batch)

@@ -597,16 +597,18 @@ class MoE(nn.Module):
         """DP attention: the rows of every rank meet here. Each rank's rows, padded to the step's most, are
         all-gathered; the (replicated) router chooses for all of them; this rank's experts add their share for every
         row; a reduce-scatter (sum) hands each rank back its own rows, complete; the (replicated) shared experts
-        run on this rank's rows alone. Every rank's row count comes with the batch (`ForwardBatch.dp_tokens`, and
-        `dp_real_rows`, the gathered rows that are not padding); without them every rank has as many rows as this
-        one (start-up's warm-up and activation profile run the same batches on every rank)."""
+        run on this rank's rows alone. Where the ranks' row counts differ the batch says how (`ForwardBatch.dp_pad`:
+        the rows this rank adds; `dp_real_rows`: the gathered rows that are not padding, the only ones the router
+        and the experts see); without them every rank has as many rows as this one: start-up's warm-up and
+        activation profile (the same batches on every rank) and the DECODE graphs, which every rank replays at the
+        same bucket (their padding rows, at the dummy slot, go through the experts like real ones: each row's
+        result is its own, and only reaches its own rank's padding row). Nothing here reads a per-step host int,
+        so the compiled layer does not guard on the step's counts."""
         dp, rows = self.dp, x.shape[0]
-        dp_tokens = batch.dp_tokens if batch is not None else None
-        real = batch.dp_real_rows if dp_tokens is not None else None
-        counts = dp_tokens if dp_tokens is not None else (rows,) * dp.size
-        assert counts[dp.rank] == rows, (counts, dp.rank, rows)
-        most = max(counts)
-        padded = x if rows == most else torch.cat([x, x.new_zeros(most - rows, x.shape[1])])
+        pad = batch.dp_pad if batch is not None else None
+        real = batch.dp_real_rows if batch is not None else None
+        padded = x if pad is None else torch.cat([x, x.new_zeros(pad.shape[0], x.shape[1])])
+        most = padded.shape[0]
         gathered = dp.all_gather_rows(padded)  # [size * most, H], rank-major
         if real is not None:  # only real rows reach the router and the experts
             gathered = gathered[real]

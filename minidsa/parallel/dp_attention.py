@@ -14,8 +14,15 @@ comes back to rank 0 through one gather over the control group. Every rank knows
 plan (`DPStepPlan.dp_tokens`): each forward's batch carries them (`ForwardBatch.dp_tokens`) for the MoE exchange.
 
 Steps run in lockstep, one forward per rank per step: no overlap scheduling (a rank's tokens reach rank 0 after
-its step; `config.resolve` turns it off), no speculative decoding and no CUDA graphs yet (`config.resolve` refuses
-them), no grammar masks (the engine refuses structured outputs under DP attention).
+its step; `config.resolve` turns it off), no speculative decoding yet (`config.resolve` refuses it), no grammar masks
+(the engine refuses structured outputs under DP attention).
+
+CUDA graphs: every rank captures the same DECODE graphs (the same batch buckets, in the same order, at the same
+point: `prepare_fast_paths` under the group's guard), whose MoE exchanges are bucket x N rows. Each step rank 0
+decides for all ranks (`decode_graph`, carried in `DPStepPlan.graph`): when every busy rank decodes and the largest
+batch fits a bucket, every rank replays the DECODE graph of that one bucket (an idle rank with padding rows only);
+otherwise every rank runs uncaptured (torch.compile's layer on a GPU), padded to the step's most rows. Prefill
+chunks and mixed steps never run as graphs under DP attention (no EXTEND graph is captured).
 """
 
 from __future__ import annotations
@@ -26,8 +33,9 @@ import torch.distributed as dist
 
 from minidsa.attention.select import KernelChoice
 from minidsa.common.batch import ForwardBatch
-from minidsa.common.plan import StepPlan, StepResult
+from minidsa.common.plan import StepKind, StepPlan, StepResult
 from minidsa.config import ResolvedConfig
+from minidsa.exec.graphs import StepGraphs
 from minidsa.exec.worker import PendingStep, Worker
 from minidsa.parallel.channel import PlanChannel
 from minidsa.parallel.launch import RankGroup
@@ -36,9 +44,14 @@ from minidsa.parallel.ranks import RankWorker, TensorParallelWorker, build_rank_
 
 @dataclass(frozen=True)
 class DPStepPlan:
-    """One lockstep step of every attention rank: `plans[r]` is rank r's plan, None where rank r is idle."""
+    """One lockstep step of every attention rank: `plans[r]` is rank r's plan, None where rank r is idle.
+
+    `graph`: the (batch-size bucket, context bucket) of the DECODE graph every rank replays this step (an idle rank
+    too, with padding rows only), chosen by rank 0 for all of them (`decode_graph`); None: every rank runs
+    uncaptured. A rank never picks its own: the graph's MoE exchanges are bucket x N rows, on every rank alike."""
 
     plans: list[StepPlan | None]
+    graph: tuple[int, int] | None = None
 
     @property
     def dp_tokens(self) -> tuple[int, ...]:
@@ -46,22 +59,42 @@ class DPStepPlan:
         return tuple(p.num_tokens if p is not None else 1 for p in self.plans)
 
 
+def decode_graph(plans: list[StepPlan | None], graphs: StepGraphs | None) -> tuple[int, int] | None:
+    """The DECODE graph every rank replays for a step of `plans` (rank 0 decides, from the plans alone): when every
+    busy rank decodes and the largest batch fits a captured bucket, the smallest bucket that holds the largest
+    batch, at the smallest context bucket that holds the longest context of any rank (a context bucket's graph
+    that is not captured yet is then captured on every rank in the same step: the capture's warm-up run issues the
+    MoE collectives). Otherwise (a rank prefills, or a batch is past the largest bucket) None: every rank runs
+    uncaptured, padded to the step's most rows."""
+    if graphs is None or StepKind.DECODE not in graphs.shapes:
+        return None
+    busy = [p for p in plans if p is not None]
+    if not busy or any(p.kind != StepKind.DECODE for p in busy):
+        return None
+    bucket = graphs.bucket_for(StepKind.DECODE, max(p.batch_size for p in busy))
+    ctx = graphs.ctx_bucket_for(max(s + n for p in busy for s, n in zip(p.prefix_lens, p.extend_lens)))
+    if bucket is None or ctx is None:
+        return None
+    return bucket, ctx
+
+
 class _AttentionRank:
-    """What every rank's DP worker does: run its own plan of a `DPStepPlan` (or the idle token), each batch
-    carrying every rank's token count."""
+    """What every rank's DP worker does: run its own plan of a `DPStepPlan` (or the idle batch), each batch
+    carrying every rank's token count and the step's graph."""
 
     ranks: RankGroup
-    dp_tokens: tuple[int, ...] | None = None
+    step: DPStepPlan | None = None
 
     def _batch(self, plan: StepPlan) -> ForwardBatch:
-        return super()._batch(plan).for_dp_attention(self.dp_tokens)  # type: ignore[misc]
+        step = self.step
+        return super()._batch(plan).for_dp_attention(step.dp_tokens, step.graph)  # type: ignore[misc]
 
     def launch_own(self, step: DPStepPlan) -> PendingStep | None:
-        self.dp_tokens = step.dp_tokens
+        self.step = step
         plan = step.plans[self.ranks.rank]
-        if plan is None:  # nothing here this step: one dummy token, for the MoE layers' collectives
+        if plan is None:  # nothing here this step: padding rows, for the MoE layers' collectives
             runner = self.runner  # type: ignore[attr-defined]
-            runner.forward(runner.idle_batch().for_dp_attention(step.dp_tokens))
+            runner.forward(runner.idle_batch(step.graph is not None).for_dp_attention(step.dp_tokens, step.graph))
             return None
         if plan.grammar_rows:
             raise RuntimeError("grammar rows in a DP-attention plan: structured outputs are refused under "
@@ -104,6 +137,10 @@ class DPPendingStep:
 
 class DPAttentionWorker(_AttentionRank, TensorParallelWorker):
     """Rank 0's worker under DP attention: `launch_dp` sends a step to the ranks and runs rank 0's part of it."""
+
+    def dp_step(self, plans: list[StepPlan | None]) -> DPStepPlan:
+        """The step of every rank's plan, with the DECODE graph all of them replay (if any)."""
+        return DPStepPlan(plans, decode_graph(plans, self.runner.graphs))
 
     def launch_dp(self, step: DPStepPlan) -> DPPendingStep:
         with self.ranks.guard(step=True):

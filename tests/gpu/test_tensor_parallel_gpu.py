@@ -5,7 +5,8 @@
   on the bench preset, with MTP speculation and with overlapped scheduling.
 - Two or more GPUs: TP=2 gives one GPU's tokens: MTP speculation on a tiny checkpoint (read in slices), and
   expert parallelism on the bench preset in FP8 (real shapes: 128x128 blocks cut at rank boundaries; random
-  presets are drawn whole and sharded, so they are the same model at every size).
+  presets are drawn whole and sharded, so they are the same model at every size). DP attention over two GPUs
+  with CUDA graphs (every rank replaying the DECODE graph of one bucket) gives one GPU's tokens on the bench preset.
 - Two GPUs, every way a run ends, over NCCL (issue 48: NCCL's graceful teardown hung rank 0): leaving
   `with LLM(...)`, `LLM.close()`, an error inside a step, a rank killed mid-request, and `minidsa serve --tp 2`
   stopped by SIGTERM (drained) or a second SIGINT, or losing a rank, or failing a step. Each ends within its
@@ -110,6 +111,24 @@ def test_two_gpus_equal_one_with_expert_parallelism_on_the_fp8_bench_preset():
     assert overlap and replays.get(StepKind.DECODE, 0) > 0, replays
     same = sum(a == b for a, b in zip(one, two))
     assert same == len(prompts), f"{same}/{len(prompts)} prompts token-identical; TP=1 {one}\nTP=2 {two}"
+
+
+@TWO_GPUS
+@pytest.mark.timeout(900, method="thread")
+def test_two_gpus_with_dp_attention_and_cuda_graphs_equal_one_on_the_bench_preset():
+    """DP attention (each rank its own requests and KV cache, routed experts half per rank) with CUDA graphs and
+    torch.compile: decode steps replay every rank's DECODE graph of one bucket (rank 0's choice; the MoE all-gather
+    and reduce-scatter captured inside, bucket x 2 rows), prefill steps run the compiled layer uncaptured; the
+    tokens are one GPU's. Four prompts of different lengths, two per rank."""
+    prompts = _prompts(4, 300, 120000)
+    exact = dict(dtype="float32", indexer_cache_dtype="model", max_total_tokens=16384, max_model_len=2048)
+    one, _, _, _ = _run("bench-dsv32:4", prompts, **exact)
+    two, replays, worker, overlap = _run("bench-dsv32:4", prompts, tensor_parallel_size=2, enable_dp_attention=True,
+                                         **exact)
+    assert worker == "DPAttentionWorker" and not overlap
+    assert replays.get(StepKind.DECODE, 0) > 0 and replays.get(StepKind.EXTEND, 0) == 0, replays
+    same = sum(a == b for a, b in zip(one, two))
+    assert same == len(prompts), f"{same}/{len(prompts)} prompts token-identical; one GPU {one}\nDP attention {two}"
 
 
 # ---------------------------------------------------------------- exits (two GPUs, NCCL)
