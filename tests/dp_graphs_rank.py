@@ -1,7 +1,7 @@
 """A DP-attention rank > 0 that serves through the step graphs' static, padded buffers on CPU and a compiled engine's
-step functions (the decoder layer compiled, or left uncompiled), as rank 0 does in tests/test_dp_attention.py (`static_graphs`),
-and logs the key of every graph it replays, one JSON line each, to the
-file `DP_GRAPH_REPLAYS` names. The test points the rank launcher's interpreter at a script running this file
+step functions (the decoder layer compiled, or left uncompiled), as rank 0 does in tests/test_dp_attention.py
+(`static_graphs`), and logs the key of every graph it replays, one JSON line each, to the file `DP_GRAPH_REPLAYS`
+names. The test points the rank launcher's interpreter at a script running this file
 instead of `-m minidsa.parallel`."""
 
 from __future__ import annotations

@@ -60,12 +60,17 @@ def record_steps(engine) -> list[DPStepPlan]:
     return steps
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
-def test_dp_attention_over_two_ranks_gives_one_process_tokens(arch, tmp_path):
+def _checkpoint(arch: str, tmp_path) -> str:
+    """A tiny 3-layer checkpoint of `arch` (GLM: every other layer shares its top-k)."""
     over = dict(num_hidden_layers=3)
     if arch == "glm_moe_dsa":
         over.update(index_topk_freq=2, index_skip_topk_offset=1)
-    path = save_hf_with_mtp(arch, str(tmp_path / arch), seed=7, **over)
+    return save_hf_with_mtp(arch, str(tmp_path / arch), seed=7, **over)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_dp_attention_over_two_ranks_gives_one_process_tokens(arch, tmp_path):
+    path = _checkpoint(arch, tmp_path)
     with LLM(path, **COMMON) as single:
         config = single.engine.model_config
         prompts, params = workload(config.vocab_size, config.index_topk)
@@ -119,14 +124,12 @@ def ranks_run(monkeypatch, tmp_path, hook: str) -> None:
 def test_dp_attention_decode_graphs_replay_in_lockstep_and_give_one_process_tokens(arch, tmp_path, monkeypatch):
     """Through the CUDA graphs' static, padded buffers (run eagerly on CPU, as `static_fast_paths` does) and a
     compiled engine's step functions (the layer uncompiled; start-up's warm-up of the uncaptured path included) on
-    both ranks (`dp_graphs_rank.static_graphs`): a step whose busy ranks all decode replays the DECODE graph of one bucket on every rank (the smallest that holds
-    the largest rank's batch; an idle rank replays it with padding rows only), any other step (a rank prefills)
+    both ranks (`dp_graphs_rank.static_graphs`): a step whose busy ranks all decode replays the DECODE graph of one
+    bucket on every rank (the smallest that holds the largest rank's batch; an idle rank replays it with padding
+    rows only), any other step (a rank prefills)
     runs every rank uncaptured; the tokens are one process's. Each rank logs the graphs it replays: the same
     keys, in the same order, as rank 0 chose in the steps."""
-    over = dict(num_hidden_layers=3)
-    if arch == "glm_moe_dsa":
-        over.update(index_topk_freq=2, index_skip_topk_offset=1)
-    path = save_hf_with_mtp(arch, str(tmp_path / arch), seed=7, **over)
+    path = _checkpoint(arch, tmp_path)
     with LLM(path, **COMMON) as single:
         config = single.engine.model_config
         prompts, params = workload(config.vocab_size, config.index_topk)

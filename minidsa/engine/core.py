@@ -31,8 +31,9 @@ Data-parallel attention (`--enable-dp-attention`, minidsa/parallel/dp_attention.
 allocator pair and prefix cache per attention rank (`attention_ranks.py`; `self.scheduler` and the allocators are
 rank 0's, the only ones without it). A new request goes to one rank (`place`) and stays there. A step asks every
 rank's scheduler for its batch and launches the plans together (`DPStepPlan`, a rank without work gets None, with
-the DECODE graph every rank replays when all of them decode: `DPAttentionWorker.dp_step`); each rank's part of the result is processed as a step of its own. Such steps never overlap (`config.resolve` turns
-overlap off), and structured outputs are refused.
+the DECODE graph every rank replays when all of them decode: `DPAttentionWorker.dp_step`); each rank's part of the
+result is processed as a step of its own. Such steps never overlap (`config.resolve` turns overlap off), and
+structured outputs are refused.
 """
 
 from __future__ import annotations

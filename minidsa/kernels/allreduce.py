@@ -51,11 +51,12 @@ import torch
 from minidsa.kernels.launch import pdl_launch, wait_for_producers
 from minidsa.kernels.triton_compat import tl, triton
 
-# Largest all-reduce (bytes) the one-shot kernel serves; NCCL above. NOT YET MEASURED: to be replaced by the
-# smallest `recommended_max_bytes` over the rank counts served, from the allreduce_h200_x<ranks>_<commit>.json files
-# benchmarks/scripts/bench_allreduce.py writes (NCCL against this kernel inside CUDA graphs, 1-256 rows x 7168 bf16, on the
-# H200s). Until then 64 rows x 7168 bf16, the largest decode batch (vLLM's one-stage kernel serves up to 512 KB at
-# 4 ranks, 256 KB at 8; its two-stage kernel above).
+# Largest all-reduce (bytes) the one-shot kernel serves; NCCL above. The rule: the smallest `recommended_max_bytes`
+# over the rank counts served, from the allreduce_h200_x<ranks>_<commit>.json files
+# benchmarks/scripts/bench_allreduce.py writes (NCCL against this kernel inside CUDA graphs, 1-256 rows x 7168 bf16).
+# Measured at 2 ranks only (benchmarks/multi_gpu/allreduce_h200_x2_3e069a9.json: 256 rows recommended); until 4 ranks
+# are, 64 rows x 7168 bf16, the largest decode batch (vLLM's one-stage kernel serves up to 512 KB at 4 ranks, 256 KB
+# at 8; its two-stage kernel above).
 ONE_SHOT_MAX_BYTES = 64 * 7168 * 2
 MAX_WORLD = 8  # ranks of one host that can map each other's memory
 # The launch (`Launch`; benchmarks/scripts/bench_allreduce.py --sweep times others): NOT YET TUNED on the H200s.

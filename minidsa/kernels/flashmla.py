@@ -136,7 +136,8 @@ def unsupported(q: torch.Tensor, kv_cache: torch.Tensor, topk: int, v_dim: int) 
 
 
 # FP8 decode with 16 heads per rank padded to 64 (4x the MMA work of the real heads): FlashMLA from this many query
-# tokens on, the Triton kernel below. H200, bench_mla's padded section (benchmarks/kernels/mla_padded_h200_8af7fc2.json):
+# tokens on, the Triton kernel below. H200, bench_mla's padded section
+# (benchmarks/kernels/mla_padded_h200_8af7fc2.json):
 # Triton 0.017 / 0.032 ms at 1 / 16 tokens against FlashMLA's 0.021 / 0.038; FlashMLA 0.088 against 0.116 at 64.
 # At 32 heads (2x) FlashMLA was faster at every batch measured (1, 16, 64).
 FP8_QUARTER_HEADS_MIN_TOKENS = 64
