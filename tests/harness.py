@@ -167,3 +167,27 @@ async def read_sse(resp) -> list[dict | str]:
             data = line[len("data: "):]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+def experts_checkpoint(path, experts: int = 5) -> str:
+    """config.json alone (resolve reads nothing else): the tiny preset with `experts` routed experts (5: two ranks
+    cannot hold them whole; the 4 heads still split)."""
+    from minidsa.common.presets import preset_config
+
+    cfg = dict(preset_config("tiny"), n_routed_experts=experts, n_group=1, topk_group=1)
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+def pretend_gpus_and_forbid_ranks(monkeypatch, gpus: int) -> None:
+    """minidsa sees `gpus` CUDA GPUs, and starting a tensor-parallel rank fails the test (bad input must be refused
+    before any rank starts)."""
+    from minidsa.parallel import ranks
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(ranks, "start_ranks", no_ranks)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from harness import experts_checkpoint, pretend_gpus_and_forbid_ranks
 from minidsa import cli
 from minidsa.config import EngineConfig
 
@@ -123,17 +124,6 @@ def test_precompile_starts_the_engine_once_and_says_where_the_cache_is(capsys):
     assert "compile cache: off" in capsys.readouterr().out
 
 
-def _experts_checkpoint(path) -> str:
-    """config.json alone (resolve reads nothing else): the tiny preset with 5 routed experts, which two ranks
-    cannot hold whole under expert parallelism (4 heads still split)."""
-    from minidsa.common.presets import preset_config
-
-    cfg = dict(preset_config("tiny"), n_routed_experts=5, n_group=1, topk_group=1)
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(cfg))
-    return str(path)
-
-
 BAD_PARALLEL = {  # bad input -> (arguments, what the one line names)
     "heads": (["--tp", "3", "--device", "cpu"], "3 does not divide the model's num_attention_heads (4)"),
     "experts": (["--tp", "2", "--enable-expert-parallel", "--device", "cpu"],
@@ -146,16 +136,9 @@ BAD_PARALLEL = {  # bad input -> (arguments, what the one line names)
 @pytest.mark.parametrize("command", ["generate", "bench", "serve"])
 def test_bad_parallel_input_is_one_line_and_exit_2_before_any_rank_starts(command, bad, monkeypatch, tmp_path,
                                                                           capsys):
-    from minidsa.parallel import ranks
-
-    def no_ranks(*args, **kwargs):
-        raise AssertionError("a rank was started")
-
-    monkeypatch.setattr(ranks, "start_ranks", no_ranks)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # one GPU visible, as far as minidsa can tell
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    pretend_gpus_and_forbid_ranks(monkeypatch, 1)  # one GPU visible, as far as minidsa can tell
     args, names = BAD_PARALLEL[bad]
-    model = ["--model", _experts_checkpoint(tmp_path / "ckpt")] if bad == "experts" else []
+    model = ["--model", experts_checkpoint(tmp_path / "ckpt")] if bad == "experts" else []
     port = ["--port", "0"] if command == "serve" else []
     assert cli.main([command, *model, *port, *args]) == 2
     err = capsys.readouterr().err
@@ -166,7 +149,7 @@ def test_bad_parallel_input_in_a_fresh_process_prints_one_line(tmp_path):
     """As a user runs it: nothing on stderr but the one line, exit code 2, no rank process."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for argv in (["serve", "--port", "0", "--tp", "3"],
-                 ["generate", "--model", _experts_checkpoint(tmp_path / "ckpt"), "--tp", "2",
+                 ["generate", "--model", experts_checkpoint(tmp_path / "ckpt"), "--tp", "2",
                   "--enable-expert-parallel"]):
         proc = subprocess.run([sys.executable, "-m", "minidsa", *argv], capture_output=True, text=True, timeout=120,
                               env=env)

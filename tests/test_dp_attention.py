@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from dp_graphs_rank import ENV as REPLAYS_ENV, FRAMES_ENV, static_graphs
+from harness import experts_checkpoint, pretend_gpus_and_forbid_ranks
 from hf_tiny import save_hf_with_mtp
 from minidsa import LLM, SamplingParams
 from minidsa.common.request import InvalidRequest, Request
@@ -271,17 +272,6 @@ def test_compiled_moe_exchange_does_not_compile_again_for_new_row_counts():
     assert not torch.distributed.is_initialized()
 
 
-def _experts_checkpoint(path, experts: int) -> str:
-    import json
-
-    from minidsa.common.presets import preset_config
-
-    cfg = dict(preset_config("tiny"), n_routed_experts=experts, n_group=1, topk_group=1)
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(cfg))
-    return str(path)
-
-
 BAD_DP = {  # bad input -> (arguments, what the one line says)
     "no-tp": (["--device", "cpu"], "needs --tp N with N >= 2"),
     "tp-1": (["--tp", "1", "--device", "cpu"], "needs --tp N with N >= 2"),
@@ -295,16 +285,10 @@ BAD_DP = {  # bad input -> (arguments, what the one line says)
 def test_unsupported_dp_attention_input_is_one_line_and_exit_2_before_any_rank_starts(bad, monkeypatch, tmp_path,
                                                                                       capsys):
     from minidsa import cli
-    from minidsa.parallel import ranks
 
-    def no_ranks(*args, **kwargs):
-        raise AssertionError("a rank was started")
-
-    monkeypatch.setattr(ranks, "start_ranks", no_ranks)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # two GPUs visible, as far as minidsa can tell
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    pretend_gpus_and_forbid_ranks(monkeypatch, 2)  # two GPUs visible, as far as minidsa can tell
     args, says = BAD_DP[bad]
-    model = ["--model", _experts_checkpoint(tmp_path / "ckpt", 5)] if bad == "experts" else []
+    model = ["--model", experts_checkpoint(tmp_path / "ckpt")] if bad == "experts" else []
     assert cli.main(["generate", *model, "--enable-dp-attention", *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("minidsa generate: error: config field 'enable_dp_attention': ")

@@ -23,14 +23,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return None
+from ab import _load  # noqa: E402  (a JSON file, or None when missing or broken)
 
 
 def _slim_profile(r: dict | None) -> dict | None:
