@@ -30,12 +30,13 @@ from harness import count_replays, read_sse, static_fast_paths
 from hf_tiny import save_hf_with_mtp
 from minidsa import LLM, SamplingParams
 from minidsa.config import ConfigError, EngineConfig, ModelConfig
-from minidsa.parallel.launch import RankFailedError
+from minidsa.parallel.launch import TEARDOWN_S, RankFailedError
 from minidsa.attention.select import triton_usable
 from minidsa.common.plan import StepKind
 from test_speculative import forced_override, run as run_with_forced_drafts
 from tp_env_rank import ENV as RANK_ENV_REPORT
 from tp_forced_rank import ENV as FORCED_DRAFTS_ENV
+from tp_graph_rule import LIVE as GRAPHS_ALIVE, follow_nccl_graph_rule
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True, detokenize=False)
 COMMON = dict(device="cpu", dtype="float32", max_total_tokens=2048, max_running_requests=4, progress=False)
@@ -209,6 +210,25 @@ def test_leaving_with_llm_ends_every_rank_and_ranks_see_the_parent_environment(m
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "minidsa" in r.name]
     seen = json.loads(report.read_text())
     assert {name: seen.get(name) for name in MACHINE_ENV} == {name: os.environ[name] for name in MACHINE_ENV}
+
+
+def test_close_destroys_every_ranks_graphs_before_aborting_the_groups(monkeypatch, tmp_path):
+    """NCCL aborts a communicator only once every CUDA graph that captured it is gone (tests/tp_graph_rule.py makes
+    both ranks obey that on CPU, with a stand-in graph each). LLM.close() destroys each rank's graphs first, so both
+    aborts return at once (one left waiting costs TEARDOWN_S), rank 1 exits 0 and this process's group is gone:
+    another engine can start here."""
+    ranks_run(monkeypatch, tmp_path, "tp_graph_rule.py")
+    follow_nccl_graph_rule(monkeypatch.setattr)
+    llm = LLM(tensor_parallel_size=2, **COMMON)
+    child = llm.engine.runner.ranks.processes.procs[1]
+    assert len(GRAPHS_ALIVE) == 1 and llm.engine.runner.graphs.captured
+    assert len(generate(llm, [[5, 6, 7, 8, 9]])[0]) == GREEDY.max_tokens
+    started = time.monotonic()
+    llm.close()
+    assert time.monotonic() - started < TEARDOWN_S
+    assert child.poll() == 0
+    assert not GRAPHS_ALIVE
+    assert not torch.distributed.is_initialized()
 
 
 def test_an_error_inside_a_step_ends_the_run_and_close_ends_every_rank(monkeypatch):

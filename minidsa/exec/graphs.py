@@ -124,6 +124,7 @@ class StepGraphs:
         self.static: dict[tuple[StepKind, int, int], _Graph] = {}
         self.captured_lazily: list[tuple[StepKind, int, int]] = []
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.captured: list[torch.cuda.CUDAGraph] = []  # every graph captured so far: see `release_captured`
         self._buffers = {s.kind: self._kind_buffers(s) for s in shapes}
         # Padding values `replay` copies from (`_fill`): each as long as the longest static input, in 8-byte words.
         inputs = [getattr(b.batch, f.name) for b in self._buffers.values() for f in dataclasses.fields(b.batch)]
@@ -298,7 +299,14 @@ class StepGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             self._run(shape, g)
         g.graph = graph
+        self.captured.append(graph)
         return g
+
+    def release(self) -> None:
+        """Destroy every captured graph now (`release_captured`); this object serves no replay afterwards."""
+        release_captured(self.captured)
+        self.static.clear()
+        self._refreshes.clear()
 
     def _graph_for(self, key: tuple[StepKind, int, int]) -> _Graph:
         g = self.static.get(key)
@@ -376,3 +384,13 @@ class StepGraphs:
             self._run(shape, g)
         b = self._buffers[batch.kind]
         return ModelOutput(hidden=b.hidden[:t], logits=b.logits[:n], topk=None if b.topk is None else b.topk[:t])
+
+
+def release_captured(graphs: list) -> None:
+    """Destroy the CUDA graphs in `graphs` (a StepGraphs' `captured`) now. NCCL (2.26 on) does not destroy or abort
+    a communicator while a graph that captured one of its collectives lives: it polls until the graph is gone. A
+    tensor-parallel rank calls this before leaving its process groups (parallel/launch.py `release_device_state`),
+    so the order does not rest on the garbage collector. The list holds no reference to the runner, so a rank
+    group can keep it without keeping the engine alive."""
+    while graphs:
+        graphs.pop().reset()

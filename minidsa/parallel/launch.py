@@ -21,9 +21,11 @@ Leaving (`RankGroup.shutdown`, `leave_groups`): every rank aborts its process gr
 `destroy_process_group` flushes and destroys the NCCL communicators (ncclCommFinalize / ncclCommDestroy), which
 waits on the peers: with a peer gone, or one that disagrees about what is in flight, it never returns. Rank 0
 sends StopPlan, then closes its children's stdin and aborts its own groups at the same time as they abort theirs
-and exit. Every wait on the way out is bounded (`TEARDOWN_S`; ncclCommAbort itself has been seen to hang): a
-teardown that does not return in time is left behind in a daemon thread, a child that does not exit is killed,
-and a process that is ending anyway (`minidsa` commands, ranks > 0) exits with `os._exit`.
+and exit. Before aborting, every rank destroys its CUDA graphs (`RankGroup.before_leaving`): NCCL (2.26 on) aborts
+a communicator only once every graph that captured one of its collectives is gone, and polls until then (seen on
+two H200s: with the graphs alive, neither rank's abort returned). Every wait on the way out is still bounded
+(`TEARDOWN_S`): a teardown that does not return in time is left behind in a daemon thread, a child that does not
+exit is killed, and a process that is ending anyway (`minidsa` commands, ranks > 0) exits with `os._exit`.
 """
 
 from __future__ import annotations
@@ -91,6 +93,9 @@ class RankGroup:
     processes: "RankProcesses | None" = None  # rank 0 of a group minidsa started
     all_reduce: PeerAllReduce | None = None  # which all-reduce serves small sizes (tp.peer: its buffers)
     broken: str | None = None  # rank 0 failed inside a step: the ranks are out of step (see `guard`)
+    # Run before the groups go: each destroys device state that holds a communicator (a rank's CUDA graphs; see
+    # `release_device_state`). None may keep the engine alive (a dropped engine's finaliser runs them).
+    before_leaving: list = field(default_factory=list)
 
     @property
     def rank(self) -> int:
@@ -138,10 +143,20 @@ class RankGroup:
             if watch is not None:
                 watch.state.in_step -= 1
 
+    def release_device_state(self) -> None:
+        """Destroy what holds the NCCL communicators besides the groups, before they are aborted: CUDA graphs that
+        captured a collective. NCCL (2.26 on) destroys or aborts a communicator only once every such graph is gone;
+        it polls until then, so an abort with graphs alive never returned (two H200s: both ranks stuck the whole
+        TEARDOWN_S, and rank 0's default group stayed registered)."""
+        hooks, self.before_leaving = self.before_leaving, []
+        for hook in hooks:
+            _quietly(hook)
+
     def shutdown(self) -> None:
-        """Stop the children (EOF on their stdin) and leave the process groups, both at once and bounded: every
-        rank of a node aborts its NCCL communicators at the same time, as NCCL asks (an abort may wait for its
-        peers' to free memory they share)."""
+        """Release the device state that holds the communicators, then stop the children (EOF on their stdin) and
+        leave the process groups, both at once and bounded: every rank of a node aborts its NCCL communicators at
+        the same time, as NCCL asks (an abort may wait for its peers' to free memory they share)."""
+        self.release_device_state()
         if self.processes is None:
             leave_groups()
             return
@@ -253,9 +268,8 @@ def _watch(procs: dict[int, subprocess.Popen], state: _WatchState) -> None:
                              "(its own error, if any, is printed above)")
             logger.error("%s", state.failure)
             state.failed.set()
-            for fn in state.on_failure:
-                with contextlib.suppress(Exception):
-                    fn()
+            for fn in state.on_failure:  # bounded: an abort waits for rank 0's CUDA graphs to go (see shutdown)
+                bounded(fn, TEARDOWN_S, "aborting the device group after a rank failed")
             for other in procs.values():
                 if other.poll() is None:
                     with contextlib.suppress(OSError):

@@ -28,6 +28,7 @@ memory allows) and the group's lifetime (stopping the ranks when the engine goes
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from minidsa.common.plan import StepPlan, StepResult
 from minidsa.common.tensor_parallel import building_with
 from minidsa.config import ConfigError, ResolvedConfig
 from minidsa.exec.build import build_worker
+from minidsa.exec.graphs import StepGraphs, release_captured
 from minidsa.exec.runner import ModelRunner
 from minidsa.exec.worker import PendingStep, Worker
 from minidsa.parallel.channel import PlanChannel
@@ -65,6 +67,11 @@ class RankModelRunner(ModelRunner):
         self._release = weakref.finalize(self, ranks.shutdown)
         with ranks.guard(), building_with(ranks.tp):
             super().__init__(resolved, kernels, progress)
+
+    def use_graphs(self, graphs: StepGraphs, warm_up_tokens: int) -> None:
+        # The graphs go before the communicators they captured, however the engine ends (RankGroup.shutdown).
+        self.ranks.before_leaving.append(functools.partial(release_captured, graphs.captured))
+        super().use_graphs(graphs, warm_up_tokens)
 
     def _auto_kv_tokens(self, reserve: int | None) -> int:
         tokens = torch.tensor([super()._auto_kv_tokens(reserve)], dtype=torch.int64)

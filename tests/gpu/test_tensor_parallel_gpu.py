@@ -86,6 +86,29 @@ def test_single_rank_distributed_path_equals_plain_engine_on_bench_preset(spec):
     assert same == len(prompts), f"{same}/{len(prompts)} prompts token-identical; plain {plain}\nmp {dist}"
 
 
+@pytest.mark.timeout(300, method="thread")
+def test_single_rank_group_with_graphs_leaves_at_once_and_another_engine_starts():
+    """An NCCL group of one whose collectives are captured in the decode graphs: close() destroys the graphs
+    before aborting the group (NCCL aborts a communicator only once they are gone), so the abort returns at once,
+    not after TEARDOWN_S, the group is unregistered, and a second engine starts in this process."""
+    import torch.distributed as dist
+
+    from minidsa import LLM, SamplingParams
+    from minidsa.parallel.launch import TEARDOWN_S
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)
+    one = dict(TINY_TP2, tensor_parallel_size=1, distributed_executor_backend="mp")
+    for _ in range(2):
+        llm = LLM(**one)
+        assert llm.engine.runner.graphs.captured, "no CUDA graph captured: nothing holds the communicator"
+        assert len(llm.generate([[5, 6, 7, 8]], params)[0].token_ids) == 8
+        took = _close_within(llm)
+        assert took < TEARDOWN_S / 2, took
+        assert not dist.is_initialized()
+        del llm
+        gc.collect()
+
+
 @TWO_GPUS
 @pytest.mark.timeout(900, method="thread")
 def test_two_gpus_equal_one_with_speculation(tmp_path):
