@@ -45,7 +45,14 @@ from minidsa.exec.graphs import StepGraphs, release_captured
 from minidsa.exec.runner import ModelRunner
 from minidsa.exec.worker import PendingStep, Worker
 from minidsa.parallel.channel import PlanChannel
-from minidsa.parallel.launch import TEARDOWN_S, RankGroup, bounded, launch_mode, single_rank_group, start_ranks
+from minidsa.parallel.launch import (
+    TEARDOWN_S,
+    RankGroup,
+    bounded,
+    launch_mode,
+    single_rank_group,
+    start_ranks,
+)
 
 logger = logging.getLogger(__name__)
 
