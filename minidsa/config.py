@@ -617,9 +617,9 @@ class EngineConfig:
         if model.n_routed_experts % n:
             raise ConfigError("enable_dp_attention", f"--tp {n} does not divide the model's n_routed_experts "
                               f"({model.n_routed_experts}): each rank holds n_routed_experts / N whole experts")
-        if self.speculative_num_steps:
-            raise ConfigError("enable_dp_attention", "does not run with speculative decoding yet: drop "
-                              "--speculative-num-steps")
+        if self.speculative_num_steps and self.speculative_topk > 1:
+            raise ConfigError("enable_dp_attention", "runs speculative decoding with chains only (speculative_topk "
+                              f"1), not tree drafts (speculative_topk {self.speculative_topk})")
         if self.distributed_executor_backend == "uni":
             raise ConfigError("enable_dp_attention", "needs one process per rank: drop "
                               "--distributed-executor-backend uni")

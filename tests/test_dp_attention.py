@@ -20,6 +20,8 @@ import torch
 
 from dp_graphs_rank import ENV as REPLAYS_ENV, FRAMES_ENV, static_graphs
 from harness import experts_checkpoint, pretend_gpus_and_forbid_ranks
+from test_speculative import force_drafts, forced_override
+from tp_forced_rank import ENV as FORCED_DRAFTS_ENV, known_ids_only
 from hf_tiny import save_hf_with_mtp
 from minidsa import LLM, SamplingParams
 from minidsa.common.request import InvalidRequest, Request
@@ -111,6 +113,59 @@ def test_dp_attention_over_two_ranks_gives_one_process_tokens(arch, tmp_path):
             assert not engine.has_unfinished()
 
 
+def _run(engine, prompts, params, prefix: str) -> dict[int, list[int]]:
+    """Every prompt's tokens, by index, its request id `prefix` + index."""
+    ids = {engine.add_request(p, sp, request_id=f"{prefix}{i}"): i for i, (p, sp) in enumerate(zip(prompts, params))}
+    got: dict[int, list[int]] = {}
+    while engine.has_unfinished():
+        got.update({ids[o.request_id]: o.token_ids for o in engine.step() if o.finished})
+    return got
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_dp_attention_with_mtp_speculation_gives_one_process_tokens(arch, tmp_path, monkeypatch):
+    """MTP chains (3 steps: 2 draft forwards, verify, draft extend per round) under DP attention over two ranks: one
+    process's greedy tokens, with the real (random) drafts and with drafts forced to the right tokens up to a random
+    depth on both ranks, so long paths are accepted. Steps mix a speculating rank with a prefilling or idle one: each
+    joins the other's forwards it has nothing for with a dummy token, in the order rank 0 laid out."""
+    path = _checkpoint(arch, tmp_path)
+    with LLM(path, **COMMON) as single:
+        config = single.engine.model_config
+        prompts, params = workload(config.vocab_size, config.index_topk)
+        reference = _run(single.engine, prompts, params, "r")
+    by_id = {f"r{i}": tokens for i, tokens in reference.items()}
+    spec = tmp_path / "forced_drafts.json"  # rank 1 forces the drafts of the "r" requests as rank 0 does
+    spec.write_text(json.dumps({"reference": by_id, "topk": 1, "seed": 3}))
+    ranks_run(monkeypatch, tmp_path, "tp_forced_rank.py")
+    monkeypatch.setenv(FORCED_DRAFTS_ENV, str(spec))
+    with LLM(path, tensor_parallel_size=2, enable_dp_attention=True, speculative_num_steps=3, **COMMON) as dp:
+        engine = dp.engine
+        steps = record_steps(engine)
+        assert _run(engine, prompts, params, "real") == reference  # ids the forcing does not know: real drafts
+        force_drafts(engine.speculator, known_ids_only(by_id, forced_override(by_id, 1, random.Random(3))))
+        before = engine.metrics().spec_accepted_tokens_total
+        assert _run(engine, prompts, params, "r") == reference
+        metrics = engine.metrics()
+        assert metrics.spec_accepted_tokens_total - before >= 8  # long paths accepted, counted over both ranks
+        # a request arrives while both ranks speculate: its rank prefills beside the other's round
+        got: dict[str, list[int]] = {}
+        ids = {engine.add_request(prompts[i], params[i], request_id=f"late{i}"): i for i in (0, 2)}
+        for _ in range(2):
+            got.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        ids[engine.add_request(prompts[5], params[5], request_id="late5")] = 5
+        while engine.has_unfinished():
+            got.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        assert {ids[r]: t for r, t in got.items()} == {i: reference[i] for i in (0, 2, 5)}
+        engine.check_no_leaks()
+    kinds = [tuple(None if p is None else p.kind for p in step.plans) for step in steps]
+    assert (StepKind.SPEC, StepKind.EXTEND) in kinds or (StepKind.EXTEND, StepKind.SPEC) in kinds
+    assert (StepKind.SPEC, None) in kinds or (None, StepKind.SPEC) in kinds
+    for step, busy in zip(steps, kinds):  # a round's layout: 2 draft forwards, verify, draft extend
+        if StepKind.SPEC in busy:
+            main = StepKind.EXTEND if StepKind.EXTEND in busy else StepKind.VERIFY  # a prefill beside: mixed
+            assert [kind for kind, _ in step.forwards] == [StepKind.DRAFT] * 2 + [main, StepKind.DRAFT_EXTEND]
+
+
 def ranks_run(monkeypatch, tmp_path, hook: str) -> None:
     """Ranks > 0 started from now on run tests/`hook` (which ends by running minidsa.parallel) instead of
     `python -m minidsa.parallel`."""
@@ -180,12 +235,50 @@ def test_dp_attention_decode_graphs_replay_in_lockstep_and_give_one_process_toke
     assert any(s.graph is None and set(kinds(s)) == {StepKind.DECODE} for s in steps)  # past the largest bucket
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_dp_attention_speculative_rounds_replay_graphs_in_lockstep(arch, tmp_path, monkeypatch):
+    """MTP chains through the graphs' static, padded buffers on both ranks (as the test above): a step whose busy
+    ranks all run a speculative round replays each of its forwards' graphs (DRAFT twice, VERIFY, DRAFT_EXTEND) at the
+    one pair of buckets rank 0 chose, on every rank (an idle rank with padding rows only); a step where a rank prefills
+    runs uncaptured. The tokens are one process's; both ranks replay the same keys, in the order rank 0 laid out."""
+    path = _checkpoint(arch, tmp_path)
+    with LLM(path, **COMMON) as single:
+        config = single.engine.model_config
+        prompts, params = workload(config.vocab_size, config.index_topk)
+        reference = _run(single.engine, prompts, params, "r")
+
+    log = tmp_path / "rank1_replays.jsonl"
+    rank0: list[list] = []
+    static_graphs(monkeypatch.setattr, lambda key: rank0.append([key[0].name, key[1], key[2]]))
+    ranks_run(monkeypatch, tmp_path, "dp_graphs_rank.py")
+    monkeypatch.setenv(REPLAYS_ENV, str(log))
+    with LLM(path, tensor_parallel_size=2, enable_dp_attention=True, speculative_num_steps=3, cuda_graph_max_bs=2,
+             **COMMON) as dp:
+        engine = dp.engine
+        assert set(engine.runner.graphs.shapes) == {StepKind.DRAFT, StepKind.VERIFY, StepKind.DRAFT_EXTEND}
+        steps = record_steps(engine)
+        assert _run(engine, prompts, params, "r") == reference
+        assert _run(engine, prompts[:1], params[:1], "alone") == {0: reference[0]}  # rank 1 idle throughout
+        engine.check_no_leaks()
+    rank1 = [json.loads(line) for line in log.read_text().splitlines()]
+    chosen = [[kind.name, *s.graph] for s in steps if s.graph is not None for kind, _ in s.forwards]
+    assert rank0 == rank1 == chosen
+    graphed = [[p is not None for p in s.plans] for s in steps if s.graph is not None]
+    assert [True, True] in graphed and ([True, False] in graphed or [False, True] in graphed)
+    for s in steps:
+        kinds = {p.kind for p in s.plans if p is not None}
+        fits = max(p.batch_size for p in s.plans if p is not None) <= 2
+        assert (s.graph is not None) == (kinds == {StepKind.SPEC} and fits), (kinds, s.graph)
+
+
 @pytest.mark.skipif(not triton_usable(torch.device("cpu"))[0], reason="needs Triton's interpreter on CPU")
-def test_compiled_dp_attention_engine_compiles_nothing_after_start_up(tmp_path, monkeypatch):
+@pytest.mark.parametrize("spec_steps", [0, 3], ids=["plain", "mtp"])
+def test_compiled_dp_attention_engine_compiles_nothing_after_start_up(spec_steps, tmp_path, monkeypatch):
     """Both ranks compile their decoder layers (aot_eager, counted) and warm them up at start-up, as on a GPU; then
-    steps of every mix (both ranks decoding different batches through the decode graphs' buffers, one idle, one
-    prefilling chunks beside the other's decode, batches past the largest bucket) compile nothing more on either
-    rank, and the tokens are the plain one-process engine's."""
+    steps of every mix (both ranks decoding different batches through the graphs' buffers, one idle, one prefilling
+    chunks beside the other's decode, batches past the largest bucket) compile nothing more on either rank, and the
+    tokens are the plain one-process engine's. With MTP chains, the same for speculative rounds (draft, verify and
+    draft-extend forwards, a prefill's MTP catch-up beside another rank's round, dummy forwards of both layers)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     engine_args = dict(model=None, device="cpu", dtype="float32", max_total_tokens=1024, max_running_requests=4,
@@ -205,7 +298,8 @@ def test_compiled_dp_attention_engine_compiles_nothing_after_start_up(tmp_path, 
     ranks_run(monkeypatch, tmp_path, "dp_graphs_rank.py")
     monkeypatch.setenv(REPLAYS_ENV, str(tmp_path / "rank1_replays.jsonl"))
     monkeypatch.setenv(FRAMES_ENV, str(frames))
-    with LLM(tensor_parallel_size=2, enable_dp_attention=True, **engine_args) as dp:
+    with LLM(tensor_parallel_size=2, enable_dp_attention=True, speculative_num_steps=spec_steps,
+             **engine_args) as dp:
         assert dp.engine.runner.compiled
         at_start_up = counter.frame_count
         assert at_start_up > 0
@@ -215,10 +309,11 @@ def test_compiled_dp_attention_engine_compiles_nothing_after_start_up(tmp_path, 
     rank1 = [int(line) for line in frames.read_text().split()]
     assert rank1[0] > 0 and rank1[-1] == rank1[0], "rank 1 compiled again while serving"
     kinds = [{p.kind for p in s.plans if p is not None} for s in steps]
+    decode = StepKind.SPEC if spec_steps else StepKind.DECODE
     assert any(s.graph is not None for s in steps) and any(s.graph is None for s in steps)
-    assert any(k == {StepKind.EXTEND, StepKind.DECODE} for k in kinds)
+    assert any(k == {StepKind.EXTEND, decode} for k in kinds)
     assert any(None in s.plans for s in steps)
-    assert any(s.graph is None and k == {StepKind.DECODE} for s, k in zip(steps, kinds))  # past the largest bucket
+    assert any(s.graph is None and k == {decode} for s, k in zip(steps, kinds))  # past the largest bucket
 
 
 def test_compiled_moe_exchange_does_not_compile_again_for_new_row_counts():
@@ -276,8 +371,8 @@ BAD_DP = {  # bad input -> (arguments, what the one line says)
     "no-tp": (["--device", "cpu"], "needs --tp N with N >= 2"),
     "tp-1": (["--tp", "1", "--device", "cpu"], "needs --tp N with N >= 2"),
     "experts": (["--tp", "2", "--device", "cpu"], "--tp 2 does not divide the model's n_routed_experts (5)"),
-    "speculative": (["--tp", "2", "--device", "cpu", "--speculative-num-steps", "2"],
-                    "does not run with speculative decoding yet"),
+    "tree-drafts": (["--tp", "2", "--device", "cpu", "--speculative-num-steps", "2", "--speculative-topk", "2",
+                     "--speculative-num-draft-tokens", "4", "--page-size", "1"], "chains only"),
 }
 
 

@@ -60,14 +60,14 @@ class ForwardBatch:
     # (a tensor's size, not an int: the compiled layer sees a symbolic size, not a value to guard on per step)
     dp_real_rows: torch.Tensor | None = None
     dp_pad: torch.Tensor | None = None
-    # DP attention: the (batch-size bucket, context bucket) of the DECODE graph every rank replays this step, chosen
-    # by rank 0 for all ranks (`parallel.dp_attention.decode_graph`); None: every rank runs uncaptured
+    # DP attention: the (batch-size bucket, context bucket) of the graph every rank replays for this forward, chosen
+    # by rank 0 for all ranks (`parallel.dp_attention.step_graph`); None: every rank runs uncaptured
     dp_graph: tuple[int, int] | None = None
 
     def for_dp_attention(self, dp_tokens: tuple[int, ...], graph: tuple[int, int] | None = None) -> "ForwardBatch":
         """This batch as one attention rank's part of a DP-attention step whose ranks run `dp_tokens` tokens (and,
-        with `graph`, replay the DECODE graph of that bucket: every rank's rows are then the bucket's, all taken as
-        real inside the graph, the padding rows at the dummy slot)."""
+        with `graph`, replay the graph of its kind at those buckets: every rank's rows are then the bucket's, all taken
+        as real inside the graph, the padding rows at the dummy slot)."""
         if graph is not None:
             return dataclasses.replace(self, dp_tokens=tuple(dp_tokens), dp_graph=tuple(graph))
         most = max(dp_tokens)

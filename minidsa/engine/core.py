@@ -31,8 +31,8 @@ Data-parallel attention (`--enable-dp-attention`, minidsa/parallel/dp_attention.
 allocator pair and prefix cache per attention rank (`attention_ranks.py`; `self.scheduler` and the allocators are
 rank 0's, the only ones without it). A new request goes to one rank (`place`) and stays there. A step asks every
 rank's scheduler for its batch and launches the plans together (`DPStepPlan`, a rank without work gets None, with
-the DECODE graph every rank replays when all of them decode: `DPAttentionWorker.dp_step`); each rank's part of the
-result is processed as a step of its own. Such steps never overlap (`config.resolve` turns overlap off), and
+the step's forwards and the graphs every rank replays: `DPAttentionWorker.dp_step`); each rank's part of the result
+is processed as a step of its own. Such steps never overlap (`config.resolve` turns overlap off), and
 structured outputs are refused.
 """
 
@@ -203,6 +203,8 @@ class Engine:
         self._ids = itertools.count()
         self._prompt_tokens_total = 0
         self._finished_total = 0
+        # Speculative rounds, counted from their results (under DP attention each rank's speculator sees its own)
+        self._spec_rounds = self._spec_drafted = self._spec_accepted = 0
 
     def follow(self) -> None:
         """A tensor-parallel rank > 0 under torchrun: run rank 0's steps until its engine closes, then leave the
@@ -502,6 +504,10 @@ class Engine:
         result = step.pending.result()
         plan = step.plan
         outputs: list[RequestOutput] = []
+        if plan.kind == StepKind.SPEC:  # a round yields its accepted drafts + 1 per request
+            self._spec_rounds += plan.batch_size
+            self._spec_drafted += plan.batch_size * (self.speculator.opts.num_draft_tokens - 1)
+            self._spec_accepted += sum(len(toks) - 1 for toks in result.tokens)
         for b, req in enumerate(step.reqs):
             toks = result.tokens[b]
             if plan.sample[b] or plan.kind == StepKind.SPEC:
@@ -569,7 +575,6 @@ class Engine:
         total = sum(a.num_usable_pages for a in allocs) * page_size
         cached = sum(a.num_cached_pages for a in allocs)
         scheds = [r.scheduler for r in self.attention_ranks]
-        spec = getattr(self.speculator, "stats", None)
         return EngineMetrics(
             num_running=self.num_running(),
             num_waiting=self.num_waiting(),
@@ -580,9 +585,9 @@ class Engine:
             generation_tokens_total=self.outputs.generation_tokens_total,
             requests_finished_total=self._finished_total,
             preemptions_total=sum(s.num_preemptions for s in scheds),
-            spec_draft_tokens_total=getattr(spec, "draft_tokens", 0),
-            spec_accepted_tokens_total=getattr(spec, "accepted_tokens", 0),
-            spec_verify_steps_total=getattr(spec, "verify_steps", 0),
+            spec_draft_tokens_total=self._spec_drafted,
+            spec_accepted_tokens_total=self._spec_accepted,
+            spec_verify_steps_total=self._spec_rounds,
             spec_simulated_accept_len=sim.accept_len if (sim := getattr(self.speculator, "simulator", None)) else 0.0,
             prefix_cache_query_tokens_total=sum(s.cache_query_tokens for s in scheds),
             prefix_cache_hit_tokens_total=sum(s.cache_hit_tokens for s in scheds),

@@ -228,7 +228,7 @@ class ModelRunner:
         self.table_width = table_width
         mark_fixed_dims(self.attn)
         self.graphs: StepGraphs | None = None
-        self._idle_decode: ForwardBatch | None = None  # `idle_batch(decode_graph=True)`
+        self._idle_batches: dict[StepKind, ForwardBatch] = {}  # `idle_batch(kind, in_graph=True)`
         # How a batch without a captured graph runs (prefill chunks, mixed steps, oversized decode batches):
         # the plain modules, or the compiled layer once `prepare_fast_paths` compiled it. Chosen there, once.
         self._run_uncaptured: Callable[[ForwardBatch], ModelOutput] = self.forward_eager
@@ -450,7 +450,7 @@ class ModelRunner:
         if buckets[-1] < limit:
             buckets.append(limit)
         # Under DP attention prefill chunks and mixed steps run uncaptured (a step whose ranks do not all decode
-        # runs every rank uncaptured: `parallel.dp_attention.decode_graph`), so no EXTEND graph is captured
+        # runs every rank uncaptured: `parallel.dp_attention.step_graph`), so no EXTEND graph is captured
         extend_buckets = [] if cfg.enable_dp_attention else \
             [b for b in EXTEND_TOKEN_BUCKETS if b <= self.step_tokens]
         if extend_buckets:  # prefill chunks and mixed steps up to a bucket's tokens
@@ -574,28 +574,38 @@ class ModelRunner:
                                              dp_real_rows=torch.arange(n * ranks, device=self.device))
                 self.graphs.run_main(_aligned_keys(uneven, self.table_width), layers)
             if with_mtp and self.model.mtp_layer is not None:
-                hidden = torch.zeros(batch.num_tokens, self.model_config.hidden_size, dtype=self.dtype,
-                                     device=self.device)
+                hidden = self.idle_hidden(batch.num_tokens)
                 topk = torch.zeros(batch.num_tokens, self.model_config.index_topk, dtype=torch.int32,
                                    device=self.device)
                 self._run_mtp_uncaptured(dataclasses.replace(batch, kind=StepKind.DRAFT_EXTEND), hidden, topk)
+                if self.config.enable_dp_attention and (lens, ctx) == shapes[0]:
+                    # DP attention runs a speculative round uncaptured beside a prefilling rank: the MTP layer's
+                    # MoE with either row layout, and its draft forwards compute their own top-k (none handed)
+                    for dp_batch, handed in ((uneven, topk), (batch, None), (uneven, None)):
+                        self._run_mtp_uncaptured(dataclasses.replace(dp_batch, kind=StepKind.DRAFT_EXTEND), hidden,
+                                                 handed)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         logger.debug("compiled prefill / mixed path warmed up in %.1f s (extends of %s tokens per request, with "
                      "contexts)", time.perf_counter() - start, shapes)
         return shapes
 
-    def idle_batch(self, decode_graph: bool = False) -> ForwardBatch:
-        """What a DP-attention rank with no requests this step runs, so that its MoE layers still join the other
-        ranks': a one-token batch that touches no request's cache (the dummy slot 0); with `decode_graph`, an empty
-        DECODE batch (the DECODE graph it replays then runs padding rows only, at the dummy slot)."""
-        if decode_graph:
-            if self._idle_decode is None:  # made once: its tensors are only read (copied into the graph's inputs)
+    def idle_batch(self, kind: StepKind, in_graph: bool = False) -> ForwardBatch:
+        """What a DP-attention rank with nothing to run in one of a step's forwards runs, so that its MoE layers still
+        join the other ranks': a one-token batch that touches no request's cache (the dummy slot 0), EXTEND for the
+        main model, DRAFT_EXTEND for the MTP layer; `in_graph`: an empty batch of `kind` (the graph it replays then
+        runs padding rows only, at the dummy slot)."""
+        if in_graph:
+            if kind not in self._idle_batches:  # made once: its tensors are only read (copied into graph inputs)
                 nothing = torch.zeros(0, dtype=torch.int64, device=self.device)
-                self._idle_decode = ForwardBatch.build(StepKind.DECODE, nothing, [], [], [], nothing, self.device,
-                                                       max_kv_len=1)
-            return self._idle_decode
-        return self._scratch_extend_batch([1], 1)
+                self._idle_batches[kind] = ForwardBatch.build(kind, nothing, [], [], [], nothing, self.device,
+                                                              max_kv_len=1)
+            return self._idle_batches[kind]
+        batch = self._scratch_extend_batch([1], 1)
+        return dataclasses.replace(batch, kind=StepKind.DRAFT_EXTEND) if kind.runs_mtp else batch
+
+    def idle_hidden(self, tokens: int) -> torch.Tensor:
+        return torch.zeros(tokens, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
 
     def _scratch_extend_batch(self, lens: list[int], context: int) -> ForwardBatch:
         """An EXTEND batch of len(lens) requests and `context` key positions that touches no request's cache:
@@ -658,6 +668,10 @@ class ModelRunner:
         """Run the MTP layer on a DRAFT or DRAFT_EXTEND batch. Graph-captured draft steps take no handed top-k: the
         layer computes its own (the gating rule's fallback), which is exact, only not shared."""
         assert batch.kind.runs_mtp, f"a {batch.kind.name} batch runs the main model (forward)"
+        if batch.dp_tokens is not None:  # DP attention: rank 0 chose for every rank (the MoE exchanges must match)
+            if batch.dp_graph is not None:
+                return self.graphs.replay(batch, hidden_prev, key=(batch.kind, *batch.dp_graph))
+            return self._run_mtp_uncaptured(batch, hidden_prev, prev_topk)
         if self.has_graph(batch):
             return self.graphs.replay(batch, hidden_prev)
         return self._run_mtp_uncaptured(batch, hidden_prev, prev_topk)

@@ -181,8 +181,9 @@ def serve_plans(channel: PlanChannel, execute: Callable[[StepPlan], object]) -> 
 
 def build_rank_worker(ranks: RankGroup, resolved: ResolvedConfig, kernels: KernelChoice, progress: bool,
                       worker_cls: type = Worker) -> Worker:
-    """This rank's worker, built and captured the same way on every rank (the same collectives, in order)."""
-    runner = RankModelRunner(ranks, resolved, kernels, progress)
+    """This rank's worker, built and captured the same way on every rank (the same collectives, in order). Its runner
+    is `worker_cls.runner_cls` where the worker names one (DP attention's), else a RankModelRunner."""
+    runner = getattr(worker_cls, "runner_cls", RankModelRunner)(ranks, resolved, kernels, progress)
     try:
         with ranks.guard():
             return build_worker(runner, resolved, worker_cls)

@@ -138,18 +138,21 @@ def test_two_gpus_equal_one_with_expert_parallelism_on_the_fp8_bench_preset():
 
 @TWO_GPUS
 @pytest.mark.timeout(900, method="thread")
-def test_two_gpus_with_dp_attention_and_cuda_graphs_equal_one_on_the_bench_preset():
+@pytest.mark.parametrize("spec_steps", [0, 3], ids=["plain", "mtp"])
+def test_two_gpus_with_dp_attention_and_cuda_graphs_equal_one_on_the_bench_preset(spec_steps):
     """DP attention (each rank its own requests and KV cache, routed experts half per rank) with CUDA graphs and
     torch.compile: decode steps replay every rank's DECODE graph of one bucket (rank 0's choice; the MoE all-gather
     and reduce-scatter captured inside, bucket x 2 rows), prefill steps run the compiled layer uncaptured; the
-    tokens are one GPU's. Four prompts of different lengths, two per rank."""
+    tokens are one GPU's. Four prompts of different lengths, two per rank. With MTP chains (3 steps): speculative
+    rounds replay their DRAFT, VERIFY and DRAFT_EXTEND graphs in lockstep, still one GPU's greedy tokens."""
     prompts = _prompts(4, 300, 120000)
     exact = dict(dtype="float32", indexer_cache_dtype="model", max_total_tokens=16384, max_model_len=2048)
     one, _, _, _ = _run("bench-dsv32:4", prompts, **exact)
     two, replays, worker, overlap = _run("bench-dsv32:4", prompts, tensor_parallel_size=2, enable_dp_attention=True,
-                                         **exact)
+                                         speculative_num_steps=spec_steps, **exact)
     assert worker == "DPAttentionWorker" and not overlap
-    assert replays.get(StepKind.DECODE, 0) > 0 and replays.get(StepKind.EXTEND, 0) == 0, replays
+    graphed = StepKind.VERIFY if spec_steps else StepKind.DECODE
+    assert replays.get(graphed, 0) > 0 and replays.get(StepKind.EXTEND, 0) == 0, replays
     same = sum(a == b for a, b in zip(one, two))
     assert same == len(prompts), f"{same}/{len(prompts)} prompts token-identical; one GPU {one}\nDP attention {two}"
 
