@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -48,11 +49,13 @@ from minidsa.common.plan import StepKind, StepPlan, StepResult
 from minidsa.config import ResolvedConfig, SpecOptions
 from minidsa.exec.graphs import StepGraphs
 from minidsa.exec.worker import PendingStep, Worker
-from minidsa.models.deepseek_v32 import ModelOutput
 from minidsa.parallel.channel import PlanChannel
 from minidsa.parallel.launch import RankGroup
 from minidsa.parallel.ranks import (RankModelRunner, RankWorker, TensorParallelWorker, build_rank_worker,
                                     serve_plans)
+
+if TYPE_CHECKING:
+    from minidsa.models.deepseek_v32 import ModelOutput
 
 
 @dataclass(frozen=True)
