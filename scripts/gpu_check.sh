@@ -7,6 +7,8 @@
 # fp8_gemm moe. Not in the default list: moe_sweep (other MoE tile configs, for tuning); moe_prefill (issue 29 item 3:
 # the prefill MoE before vs after branch moe-prefill, its GPU tests then benchmarks/scripts/bench_moe_prefill.py).
 # Also: multi_gpu (issue 48, 4 GPUs in one call: profile_tp, serve_check, bench_speculative under TP, MGPU_* knobs);
+# dp_attention (issue 49, 4 GPUs in one call: DP attention vs TP vs one GPU on bench-dsv32:10 side by side, then
+# the MoE exchange, all-gather + reduce-scatter vs all-to-all; DP_* knobs);
 # gpu_tests (every tests/gpu file, GPU_TESTS_PART=a..e: one 10-minute call each); tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); allreduce (2+ GPUs: the one-shot all-reduce against NCCL, benchmark then GPU tests); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (start-up phase by phase, cold and warm caches); startup_tests; bench_prefill; compiled_prefill; sampling;
 # ab (two trees interleaved: minidsa bench + decode suite per preset, benchmarks/scripts/ab.py); redesign_ab (issue 30: ab against
 # the code before the redesign)
@@ -405,6 +407,30 @@ section_redesign_ab() {   # issue 30: the code before the redesign (f6bdc44) aga
         AB_TITLE="Redesign" section_ab
 }
 
+budget_part() {   # NAME MIN_S MAX_S command...: one part of a section that has a time budget (multi_gpu, dp_attention),
+    # run with what is left of it (15 s kept for the tarball), its exit status and seconds recorded. Reads the calling
+    # section's locals (bash scopes are dynamic): budget (s), t0 (the section's start), raw (parts.txt goes there),
+    # collect (a command run after the part: the section's page); sets the section's rc to 1 when the part fails or
+    # is skipped, so a short call is not mistaken for a complete one.
+    local name=$1 min=$2 max=$3 left limit start prc
+    shift 3
+    left=$(( budget - ($(date +%s) - t0) - 15 ))
+    if [ "$left" -lt "$min" ]; then
+        echo "--- $name skipped: ${left}s of the budget left, needs $min"
+        echo "$name skipped left=$left reason=budget" >> "$raw/parts.txt"
+        rc=1
+        return
+    fi
+    limit=$(( left < max ? left : max ))
+    echo "--- $name (limit ${limit}s): $*"
+    start=$(date +%s)
+    timeout "$limit" "$@" 2>&1 | grep -v " INFO " | timestamped
+    prc=${PIPESTATUS[0]}
+    echo "$name rc=$prc seconds=$(( $(date +%s) - start )) limit=$limit" | tee -a "$raw/parts.txt"
+    [ "$prc" -eq 0 ] || rc=1
+    $collect
+}
+
 section_multi_gpu() {   # issue 48 (4 GPUs; ~6-9 min, sized for one 10-minute call): the model at depth under tensor
     # parallelism, in parts that each start their own engine (rank 0 spawns the other ranks), in this order:
     #   profile  benchmarks/scripts/profile_tp.py at MGPU_BATCHES (default 1 16 64): step wall ms, ITL, forward GPU ms, and
@@ -445,47 +471,30 @@ section_multi_gpu() {   # issue 48 (4 GPUs; ~6-9 min, sized for one 10-minute ca
         $PY benchmarks/scripts/multi_gpu_page.py --collect "$raw" --json "$OUT/multi_gpu.json" \
             --markdown "$OUT/multi_gpu.md" || rc=1
     }
-    mgpu_part() {   # NAME MIN_S MAX_S command...: run it with what is left of the budget, record rc and seconds
-        local name=$1 min=$2 max=$3 left limit start prc
-        shift 3
-        left=$(( budget - ($(date +%s) - t0) - 15 ))
-        if [ "$left" -lt "$min" ]; then
-            echo "--- $name skipped: ${left}s of the budget left, needs $min"
-            echo "$name skipped left=$left reason=budget" >> "$raw/parts.txt"
-            rc=1   # not done: the section fails, so a short call is not mistaken for a complete one
-            return
-        fi
-        limit=$(( left < max ? left : max ))
-        echo "--- $name (limit ${limit}s): $*"
-        start=$(date +%s)
-        timeout "$limit" "$@" 2>&1 | grep -v " INFO " | timestamped
-        prc=${PIPESTATUS[0]}
-        echo "$name rc=$prc seconds=$(( $(date +%s) - start )) limit=$limit" | tee -a "$raw/parts.txt"
-        [ "$prc" -eq 0 ] || rc=1
-        mgpu_collect
-    }
+    local collect=mgpu_collect   # budget_part's page after each part
     echo "model=$model tp=$tp engine=$engine date=$(date -u +%FT%TZ) commit=${MINIDSA_COMMIT:-?}" > "$raw/meta.txt"
     for part in ${MGPU_PARTS:-profile serve spec shallow}; do
         case $part in
-            profile) mgpu_part profile 150 300 $PY benchmarks/scripts/profile_tp.py --out "$raw/profile" \
-                         --model "$model" --tp "$tp" --batches ${MGPU_BATCHES:-1 16 64} $engine $cpu ${MGPU_PROFILE_ARGS:-} ;;
+            profile) budget_part profile 150 300 $PY benchmarks/scripts/profile_tp.py --out "$raw/profile" \
+                         --model "$model" --tp "$tp" --batches ${MGPU_BATCHES:-1 16 64} $engine $cpu \
+                         ${MGPU_PROFILE_ARGS:-} ;;
             serve) if ! $PY -c "import aiohttp, msgspec" 2>/dev/null; then  # the server's packages (.gpu/whl)
                        echo "--- serve skipped: aiohttp / msgspec do not import (carry their wheels in .gpu/whl)"
                        echo "serve skipped reason=no-aiohttp-or-msgspec" >> "$raw/parts.txt"
                        rc=1
                        continue
                    fi
-                   mgpu_part serve 120 240 $PY benchmarks/scripts/serve_check.py --out "$raw/serve" --model "$model" \
+                   budget_part serve 120 240 $PY benchmarks/scripts/serve_check.py --out "$raw/serve" --model "$model" \
                        --tp "$tp" --requests "${MGPU_SERVE_REQUESTS:-128}" \
                        --concurrency "${MGPU_SERVE_CONCURRENCY:-64}" "--bench-args=${MGPU_SERVE_BENCH_ARGS:-}" \
                        -- $mtp $engine ;;
-            spec) mgpu_part spec 150 280 $PY benchmarks/scripts/bench_speculative.py --out "$raw/spec" \
+            spec) budget_part spec 150 280 $PY benchmarks/scripts/bench_speculative.py --out "$raw/spec" \
                       --model "$model" --tp "$tp" $spec $engine $cpu ;;
-            shallow) mgpu_part shallow 60 150 $PY benchmarks/scripts/profile_tp.py --out "$raw/shallow" \
+            shallow) budget_part shallow 60 150 $PY benchmarks/scripts/profile_tp.py --out "$raw/shallow" \
                          --model "$shallow" --tp "$tp" --batches 1 $engine $cpu ${MGPU_PROFILE_ARGS:-} ;;
             one_gpu) for preset in $one_gpu; do
                          tag=one_gpu_${preset//[^A-Za-z0-9]/_}
-                         mgpu_part "$tag" 60 200 $PY benchmarks/scripts/profile_tp.py --out "$raw/$tag" \
+                         budget_part "$tag" 60 200 $PY benchmarks/scripts/profile_tp.py --out "$raw/$tag" \
                              --model "$preset" --tp 1 --batches 1 $engine $cpu ${MGPU_PROFILE_ARGS:-}
                      done ;;
             *) echo "MGPU_PARTS: no part '$part' (profile serve spec shallow one_gpu)"; rc=1 ;;
@@ -493,6 +502,69 @@ section_multi_gpu() {   # issue 48 (4 GPUs; ~6-9 min, sized for one 10-minute ca
     done
     mgpu_collect
     (cd "$OUT" && tar -czf multi_gpu_raw.tgz multi_gpu_raw && rm -rf multi_gpu_raw)
+    return $rc
+}
+
+section_dp_attention() {   # issue 49 (4 GPUs; sized for one 10-minute call, DP_BUDGET_S): data-parallel attention
+    # against tensor parallelism and one GPU on a preset that fits one GPU, side by side in one call, then the MoE
+    # exchange. Parts, in this order (most wanted first; each side starts its own engine, whose start, cold while the
+    # compile caches are empty, is most of its time):
+    #   dp        benchmarks/scripts/bench_dp_attention.py --tp DP_TP --enable-dp-attention: start-up, KV capacity,
+    #             steady decode at DP_BATCHES (default "1 64/gpu": one request, and 64 per GPU), then `minidsa bench`
+    #             (default workload, requests x DP_TP; 64 running per attention rank)
+    #   tp        the same at --tp DP_TP, with --max-running-requests and --cuda-graph-max-bs 64 x DP_TP (DP_TP_ARGS):
+    #             the concurrency DP attention has
+    #   one       the same on one GPU (cuda:0): the unscaled workload
+    #   exchange  benchmarks/scripts/bench_moe_exchange.py: the MoE exchange of one decode step, all-gather +
+    #             reduce-scatter (minidsa today) against all-to-all, DP_EXCHANGE_ROWS (default 1 16 64 128 256) rows
+    #             per rank x 7168 bf16, DP_TP ranks, CUDA graphs; outputs checked equal
+    # Seconds a part needs left to start / at most (not measured yet: from bench-dsv32's recorded start-ups and
+    # `minidsa bench` runs): dp 150 / 210, tp 150 / 210, one 90 / 150, exchange 40 / 100.
+    # DP_MODEL (default bench-dsv32:10), DP_TP (4), DP_ENGINE_ARGS (every side's engine flags, default
+    # "--kv-cache-dtype fp8"), DP_SIDE_ARGS (more bench_dp_attention.py flags, every side), DP_EXCHANGE_ARGS (more
+    # bench_moe_exchange.py flags), DP_PARTS (default "dp tp one exchange"), DP_BUDGET_S (default 530: a part that
+    # would start with less than its minimum left is skipped and recorded, each part's timeout is cut to what is
+    # left). $OUT/dp_attention.json sums it up and $OUT/dp_attention.md is benchmarks/scripts/dp_attention_page.py's
+    # page of it (both rewritten after each part); raw outputs in $OUT/dp_attention_raw.tgz. DP_CPU_SMOKE=1: a dry run
+    # on a CPU (tests/test_multi_gpu_scripts.py: tiny model, --device cpu in DP_ENGINE_ARGS). Multicast stays off: the
+    # three variables are set only where the machine has not set them.
+    export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} \
+        TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} \
+        NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
+    local model=${DP_MODEL:-bench-dsv32:10} tp=${DP_TP:-4} raw=$OUT/dp_attention_raw rc=0 part t0
+    local engine=${DP_ENGINE_ARGS:-"--kv-cache-dtype fp8"} budget=${DP_BUDGET_S:-530}
+    local batches=${DP_BATCHES:-"1 64/gpu"}
+    local tp_args=${DP_TP_ARGS:-"--max-running-requests $(( 64 * tp )) --cuda-graph-max-bs $(( 64 * tp ))"}
+    local side="$PY benchmarks/scripts/bench_dp_attention.py --model $model --batches $batches"
+    local cpu="" exchange_device=""
+    if [ "${DP_CPU_SMOKE:-0}" = 1 ]; then cpu="--allow-cpu"; exchange_device="--device cpu"; fi
+    t0=$(date +%s)
+    rm -rf "$raw" && mkdir -p "$raw/sides"
+    echo "multicast: NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE" \
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST=$TORCH_SYMM_MEM_DISABLE_MULTICAST" \
+        "NVSHMEM_DISABLE_NVLS=$NVSHMEM_DISABLE_NVLS; model $model, N $tp, engine flags: $engine"
+    nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv 2>&1 | tee "$raw/gpus.txt"
+    dp_collect() {
+        $PY benchmarks/scripts/dp_attention_page.py --collect "$raw" --json "$OUT/dp_attention.json" \
+            --markdown "$OUT/dp_attention.md" || rc=1
+    }
+    local collect=dp_collect   # budget_part's page after each part
+    echo "model=$model tp=$tp engine=$engine date=$(date -u +%FT%TZ) commit=${MINIDSA_COMMIT:-?}" > "$raw/meta.txt"
+    for part in ${DP_PARTS:-dp tp one exchange}; do
+        case $part in
+            dp) budget_part dp 150 210 $side --out "$raw/sides" --label dp --tp "$tp" --enable-dp-attention \
+                    $engine $cpu ${DP_SIDE_ARGS:-} ;;
+            tp) budget_part tp 150 210 $side --out "$raw/sides" --label tp --tp "$tp" $tp_args \
+                    $engine $cpu ${DP_SIDE_ARGS:-} ;;
+            one) budget_part one 90 150 $side --out "$raw/sides" --label one --tp 1 $engine $cpu ${DP_SIDE_ARGS:-} ;;
+            exchange) budget_part exchange 40 100 $PY benchmarks/scripts/bench_moe_exchange.py --out "$raw/exchange" \
+                          --ranks "$tp" --rows ${DP_EXCHANGE_ROWS:-1 16 64 128 256} $exchange_device \
+                          ${DP_EXCHANGE_ARGS:-} ;;
+            *) echo "DP_PARTS: no part '$part' (dp tp one exchange)"; rc=1 ;;
+        esac
+    done
+    dp_collect
+    (cd "$OUT" && tar -czf dp_attention_raw.tgz dp_attention_raw && rm -rf dp_attention_raw)
     return $rc
 }
 

@@ -250,23 +250,33 @@ def recommended_max_bytes(results: list[dict]) -> int:
     return best
 
 
-def run(world: int, args: argparse.Namespace) -> dict:
+def spawn_ranks(rank_fn, world: int, args: argparse.Namespace, timeout_s: float) -> dict:
+    """rank_fn(rank, world, args, result_path) in `world` spawned processes (this environment, a fresh port); the JSON
+    rank 0 wrote at result_path. The ranks are killed past timeout_s (a collective that never returns ends the run,
+    not the call) and when this process is interrupted (SIGTERM raises SystemExit where main installs it)."""
     import torch.multiprocessing as mp
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(_free_port())
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
-        ctx = mp.start_processes(_rank, args=(world, args, path), nprocs=world, start_method="spawn", join=False)
-        deadline = time.monotonic() + TIMEOUT_S
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                raise TimeoutError(f"{world} ranks did not finish within {TIMEOUT_S} s (a wait that never ended?)")
+        ctx = mp.start_processes(rank_fn, args=(world, args, path), nprocs=world, start_method="spawn", join=False)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{world} ranks did not finish within {timeout_s} s (a wait that never ended?)")
+        except BaseException:  # a timeout here, or the caller's (SIGTERM): no rank keeps its GPU
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise
         with open(path) as f:
             return json.load(f)
+
+
+def run(world: int, args: argparse.Namespace) -> dict:
+    return spawn_ranks(_rank, world, args, TIMEOUT_S)
 
 
 def main(argv=None) -> int:

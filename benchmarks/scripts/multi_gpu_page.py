@@ -59,7 +59,8 @@ def _parts(path: str) -> dict[str, dict]:
     return out
 
 
-def collect(raw: str) -> dict:
+def read_meta(raw: str) -> dict:
+    """A section's meta.txt (`model=M tp=N engine=FLAGS date=D commit=C`) and gpus.txt (nvidia-smi's list)."""
     meta: dict = {}
     try:
         with open(os.path.join(raw, "meta.txt")) as f:
@@ -77,6 +78,11 @@ def collect(raw: str) -> dict:
             meta["gpus"] = f.read().strip()
     except OSError:
         pass
+    return meta
+
+
+def collect(raw: str) -> dict:
+    meta = read_meta(raw)
     out: dict = {"meta": meta, "parts": _parts(os.path.join(raw, "parts.txt")),
                  "profile": _slim_profile(_load(os.path.join(raw, "profile", "profile_tp.json"))),
                  "shallow": _slim_profile(_load(os.path.join(raw, "shallow", "profile_tp.json"))),
