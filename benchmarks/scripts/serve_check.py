@@ -78,13 +78,23 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def leftover_minidsa() -> list[str]:
-    """Command lines of `minidsa serve` / `minidsa.parallel` processes still alive (this one excluded)."""
+# Set in the server's environment, so every process it starts carries it: the leftovers counted are this check's
+# own, not those of another minidsa running on the machine (a concurrent test).
+RUN_MARK = "MINIDSA_SERVE_CHECK_RUN"
+
+
+def leftover_minidsa(mark: str | None = None) -> list[str]:
+    """Command lines of `minidsa serve` / `minidsa.parallel` processes still alive (this one excluded); with `mark`,
+    only those whose environment carries RUN_MARK=mark (this check's server and its ranks)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
+            if mark is not None:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if f"{RUN_MARK}={mark}".encode() not in f.read().split(b"\0"):
+                        continue
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
             with open(f"/proc/{entry}/stat") as f:
@@ -131,6 +141,7 @@ def main() -> int:
     p.add_argument("--bench-args", default="", help="more `minidsa bench` flags, one string")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then `minidsa serve` flags")
     args = p.parse_args()
+    args.run_mark = f"{os.getpid()}-{time.time_ns()}"
     # A timeout (gpu_check.sh's) sends SIGTERM: leave through `finally`, which stops the server this script started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     serve_args = [a for a in args.serve_args if a != "--"] if args.serve_args[:1] == ["--"] else args.serve_args
@@ -145,7 +156,8 @@ def main() -> int:
                "requests": args.requests, "concurrency": args.concurrency, "checks": {}, "ok": False}
     log = open(os.path.join(args.out, "serve.log"), "w")
     t0 = time.perf_counter()
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                              env={**os.environ, RUN_MARK: args.run_mark})
     try:
         return _check(args, server, base, r, t0)
     finally:
@@ -234,7 +246,7 @@ def _check(args, server: subprocess.Popen, base: str, r: dict, t0: float) -> int
     while any(_alive(pid) for pid in ranks) and time.perf_counter() < deadline:
         time.sleep(0.2)
     r["ranks_left"] = [pid for pid in ranks if _alive(pid)]
-    r["minidsa_processes_left"] = leftover_minidsa()
+    r["minidsa_processes_left"] = leftover_minidsa(args.run_mark)
     checks["no_process_left"] = not r["ranks_left"] and not r["minidsa_processes_left"]
     deadline = time.perf_counter() + 10.0
     while True:
