@@ -24,7 +24,7 @@ from test_speculative import force_drafts, forced_override
 from tp_forced_rank import ENV as FORCED_DRAFTS_ENV, known_ids_only
 from hf_tiny import save_hf_with_mtp
 from minidsa import LLM, SamplingParams
-from minidsa.common.request import InvalidRequest, Request
+from minidsa.common.request import Request
 from minidsa.config import ConfigError, EngineConfig
 from minidsa.attention.select import triton_usable
 from minidsa.common.plan import StepKind
@@ -107,10 +107,6 @@ def test_dp_attention_over_two_ranks_gives_one_process_tokens(arch, tmp_path):
         assert metrics.kv_total_tokens == 2 * one_rank_kv  # each rank its own KV cache
         assert metrics.prefix_cache_hit_tokens_total > 0
         engine.check_no_leaks()
-        if arch == "deepseek_v32":  # not yet: structured outputs (grammar masks live on rank 0 only)
-            with pytest.raises(InvalidRequest, match="enable-dp-attention"):
-                engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, response_format={"type": "json_object"}))
-            assert not engine.has_unfinished()
 
 
 def _run(engine, prompts, params, prefix: str) -> dict[int, list[int]]:
@@ -164,6 +160,32 @@ def test_dp_attention_with_mtp_speculation_gives_one_process_tokens(arch, tmp_pa
         if StepKind.SPEC in busy:
             main = StepKind.EXTEND if StepKind.EXTEND in busy else StepKind.VERIFY  # a prefill beside: mixed
             assert [kind for kind, _ in step.forwards] == [StepKind.DRAFT] * 2 + [main, StepKind.DRAFT_EXTEND]
+
+
+@pytest.mark.parametrize("spec_steps", [0, 3], ids=["plain", "mtp"])
+def test_structured_outputs_under_dp_attention_give_one_process_answers(spec_steps):
+    """Rank 0 makes each rank's grammar masks with its plan (no overlap: every earlier token is in the grammars) and
+    they travel with the step: JSON-schema answers, greedy and sampled, beside unconstrained requests, placed on both
+    ranks, are one process's token for token and follow their schemas; with MTP chains too (a constrained row
+    samples its token from the verify's first position under its mask, on its own rank)."""
+    from test_structured_outputs import _check_answer, _requests
+
+    reqs = _requests()[:6] + [([5, 17, 902], SamplingParams(max_tokens=12, temperature=1.0, seed=3)),
+                              ([9, 8, 7, 6], SamplingParams(max_tokens=12, ignore_eos=True))]
+    prompts, params = [p for p, _ in reqs], [sp for _, sp in reqs]
+    args = dict(device="cpu", dtype="float32", progress=False, max_running_requests=4,
+                speculative_num_steps=spec_steps)
+    with LLM(**args) as single:
+        want = single.generate(prompts, params)
+    with LLM(tensor_parallel_size=2, enable_dp_attention=True, **args) as dp:
+        steps = record_steps(dp.engine)
+        got = dp.generate(prompts, params)
+        dp.engine.check_no_leaks()
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for (_, sp), out in zip(reqs[:6], got):
+        _check_answer(out, sp.response_format["json_schema"]["schema"])
+    masked = [[p is not None and bool(p.grammar_rows) for p in s.plans] for s in steps]
+    assert [True, True] in masked  # both ranks sampled constrained rows in one step, each with its own masks
 
 
 def ranks_run(monkeypatch, tmp_path, hook: str) -> None:

@@ -24,6 +24,25 @@ def test_weight_bytes_counts_the_serving_formats():
     assert memory.weight_bytes(tiny, None, torch.float32, "auto") < 2**28
 
 
+def test_under_dp_attention_a_rank_holds_its_share_of_the_routed_experts_and_the_rest_whole():
+    """The per-rank weights the start-up check counts: 1/N of everything under tensor parallelism; under DP attention
+    1/N of the routed experts plus every other weight whole (what each rank loads)."""
+    config = ModelConfig.from_dict(preset_config("bench-dsv32"))
+    whole = memory.weight_bytes(config, None, torch.bfloat16, "auto")
+    tp4 = memory.weight_bytes(config, None, torch.bfloat16, "auto", ranks=4)
+    dp4 = memory.weight_bytes(config, None, torch.bfloat16, "auto", ranks=4, dp_attention=True)
+    assert tp4 == whole // 4
+    with torch.device("meta"):
+        from minidsa.models.deepseek_v32 import DeepseekV32ForCausalLM
+
+        model = DeepseekV32ForCausalLM(config)
+    layer = next(m for m in model.model.layers if hasattr(m.mlp, "experts"))
+    assert layer.mlp.experts.num_local_experts == config.n_routed_experts  # built whole here: the share is counted
+    assert tp4 < dp4 < whole
+    routed = (whole - dp4) * 4 // 3  # dp4 = whole - routed + routed / 4
+    assert 0.6 * whole < routed < whole  # the routed experts are most of a MoE model's bytes
+
+
 @pytest.fixture
 def small_machine(monkeypatch):
     """A machine with 8 GiB available, and a model build that must not be reached."""

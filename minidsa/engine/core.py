@@ -32,8 +32,8 @@ allocator pair and prefix cache per attention rank (`attention_ranks.py`; `self.
 rank 0's, the only ones without it). A new request goes to one rank (`place`) and stays there. A step asks every
 rank's scheduler for its batch and launches the plans together (`DPStepPlan`, a rank without work gets None, with
 the step's forwards and the graphs every rank replays: `DPAttentionWorker.dp_step`); each rank's part of the result
-is processed as a step of its own. Such steps never overlap (`config.resolve` turns overlap off), and
-structured outputs are refused.
+is processed as a step of its own. Such steps never overlap (`config.resolve` turns overlap off), so a rank's
+grammar masks are made when its plan is (every earlier token is in the grammars) and travel with it.
 """
 
 from __future__ import annotations
@@ -335,9 +335,6 @@ class Engine:
         fmt = parse_response_format(params.response_format)
         if fmt is None:
             return None
-        if self.dp_attention:
-            raise InvalidRequest("response_format (structured outputs) is not supported with --enable-dp-attention "
-                                 "yet")
         if self._structured is None:
             try:
                 tokenizer = self.tokenizer
@@ -419,18 +416,23 @@ class Engine:
         """DP attention: every attention rank's scheduler plans its own requests; one step runs all the plans in
         lockstep (a rank with none runs an idle token). None when no rank has anything to run."""
         plans: list[StepPlan | None] = []
+        masks: list[Any] = []  # each rank's grammar bitmask (host), or None
         parts: list[tuple[int, StepPlan, list[Request], list[bool]]] = []
         for rank in self.attention_ranks:
             sched = rank.scheduler.schedule()
             if sched is None:
                 plans.append(None)
+                masks.append(None)
                 continue
             plan, completes = self._plan(sched, rank.scheduler)
             plans.append(plan)
+            # No overlap under DP attention: every earlier step's tokens are in the grammars already, so a rank's
+            # masks travel with its plan
+            masks.append(self._grammar_bitmask(plan, sched.reqs) if plan.grammar_rows else None)
             parts.append((rank.rank, plan, list(sched.reqs), completes))
         if not parts:
             return None
-        pending = self.worker.launch_dp(self.worker.dp_step(plans))
+        pending = self.worker.launch_dp(self.worker.dp_step(plans, masks))
         return _DPInFlight([_InFlight(plan, reqs, completes, _RankResult(pending, r))  # type: ignore[arg-type]
                             for r, plan, reqs, completes in parts])
 
@@ -438,11 +440,15 @@ class Engine:
         """The sampling half of a step with grammar rows: their masks, from the grammars as they stand now (every
         earlier step's tokens accepted). A request that finished since the step was planned gets no mask (its
         token will be dropped)."""
-        rows = step.plan.grammar_rows
+        self.worker.launch_sampling(step.pending, self._grammar_bitmask(step.plan, step.reqs))
+
+    def _grammar_bitmask(self, plan: StepPlan, reqs: list[Request]) -> Any:
+        """The bitmask of a plan's grammar rows (host, `Worker.mask_buffer`), from the grammars as they stand now."""
+        rows = plan.grammar_rows
         bitmask = self.worker.mask_buffer(len(rows))
-        self._structured.fill_bitmask(
-            [step.reqs[b].grammar if step.reqs[b].finish_reason is None else None for b in rows], bitmask)
-        self.worker.launch_sampling(step.pending, bitmask)
+        self._structured.fill_bitmask([reqs[b].grammar if reqs[b].finish_reason is None else None for b in rows],
+                                      bitmask)
+        return bitmask
 
     def _plan(self, sched: ScheduledBatch, scheduler: Scheduler) -> tuple[StepPlan, list[bool]]:
         """The step plan of a scheduled batch; advances each request's planned state (seq_len, num_pending)."""

@@ -40,8 +40,11 @@ class DoesNotFit(ConfigError):
         self.field_name = "memory"
 
 
-def weight_bytes(model_config: ModelConfig, model_path: str | None, dtype: torch.dtype, quantization: str) -> int:
-    """Bytes of the weights as served (FP8 where they will be FP8), counted on a meta-device model."""
+def weight_bytes(model_config: ModelConfig, model_path: str | None, dtype: torch.dtype, quantization: str,
+                 ranks: int = 1, dp_attention: bool = False) -> int:
+    """Bytes of the weights one of `ranks` ranks holds as served (FP8 where they will be FP8), counted on a meta-device
+    model: a 1/N share of everything under tensor parallelism; under DP attention a 1/N share of the routed experts
+    and everything else whole (attention, dense MLPs, shared experts, embeddings and lm_head are replicated)."""
     from minidsa.models.deepseek_v32 import DeepseekV32ForCausalLM
     from minidsa.models.loader import checkpoint_files, fp8_modules, serving_dtypes_
 
@@ -49,8 +52,14 @@ def weight_bytes(model_config: ModelConfig, model_path: str | None, dtype: torch
         model = DeepseekV32ForCausalLM(model_config)
     fp8_modules(model, quantization, checkpoint_files(model_path) if model_path is not None else None)
     serving_dtypes_(model, dtype)
-    tensors = [*model.parameters(), *model.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    total = routed = 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        size = t.numel() * t.element_size()
+        total += size
+        routed += size if ".experts." in f".{name}" else 0  # MoE.experts (not shared_experts)
+    if dp_attention:
+        return routed // ranks + total - routed
+    return total // ranks
 
 
 def available_bytes(device: torch.device) -> tuple[int, str]:
@@ -97,8 +106,8 @@ def check_fit(resolved: ResolvedConfig, kv_bytes_per_token: int) -> FitReport:
     + the activations cannot fit in what the device (or RAM) has free."""
     config, model_config, decode_reserve = resolved.args, resolved.model, resolved.decode_reserve
     device, dtype = resolved.device, resolved.dtype
-    weights = weight_bytes(model_config, resolved.model_path, dtype, config.quantization) // config.tensor_parallel_size
-    # DP attention replicates everything but the routed experts: this per-rank figure is a lower bound there
+    weights = weight_bytes(model_config, resolved.model_path, dtype, config.quantization,
+                           config.tensor_parallel_size, config.enable_dp_attention)
     longest = config.max_model_len or min(model_config.max_position_embeddings, MIN_KV_TOKENS)
     # A given max_total_tokens is allocated as given (not sized from what is free): all of it must fit.
     kv_tokens = max(longest + decode_reserve, config.max_total_tokens)

@@ -14,7 +14,7 @@ comes back to rank 0 through one gather over the control group. Every rank knows
 plan (`DPStepPlan.dp_tokens`): each forward's batch carries them (`ForwardBatch.dp_tokens`) for the MoE exchange.
 
 Steps run in lockstep: no overlap scheduling (a rank's tokens reach rank 0 after its step; `config.resolve` turns it
-off), no grammar masks (the engine refuses structured outputs under DP attention).
+off), so rank 0 makes a rank's grammar masks with its plan and they travel in the step (`DPStepPlan.masks`).
 
 Speculative decoding (MTP chains): a step may run several forwards per rank, of the main model or of the MTP layer,
 and every rank must join every one of them, in the same order. A speculative round is `num_steps - 1` draft forwards
@@ -71,6 +71,8 @@ class DPStepPlan:
     # The step's forwards in order, every rank joining each: (the slot's kind, each rank's tokens). See
     # `step_forwards`.
     forwards: tuple[tuple[StepKind, tuple[int, ...]], ...] = ()
+    # Per rank, the grammar bitmask of its plan's grammar rows (host int32, `Worker.mask_buffer`), or None
+    masks: tuple[torch.Tensor | None, ...] | None = None
 
 
 def rank_forwards(plan: StepPlan | None, spec: SpecOptions | None) -> list[tuple[StepKind, int]]:
@@ -226,12 +228,18 @@ class _AttentionRank:
     runner_cls = DPModelRunner
 
     def launch_own(self, step: DPStepPlan) -> PendingStep | None:
-        plan = step.plans[self.ranks.rank]
-        if plan is not None and plan.grammar_rows:
-            raise RuntimeError("grammar rows in a DP-attention plan: structured outputs are refused under "
-                               "--enable-dp-attention")
+        rank = self.ranks.rank
+        plan = step.plans[rank]
         with self.runner.walk(step):  # every forward of the plan is launched inside (speculation's included)
-            return None if plan is None else Worker.launch(self, plan)  # type: ignore[arg-type]  # nothing to send
+            if plan is None:
+                return None
+            pending = Worker.launch(self, plan)  # type: ignore[arg-type]  # not TP's: nothing to send
+            if plan.grammar_rows:  # its masks came with the step (rank 0 made them with the plan)
+                Worker.launch_sampling(self, pending, step.masks[rank])  # type: ignore[arg-type]
+            return pending
+
+    def _share_mask(self, mask: torch.Tensor) -> None:
+        """Each rank samples its own requests with its own masks: nothing to share."""
 
 
 class DPRankWorker(_AttentionRank, RankWorker):
@@ -270,10 +278,12 @@ class DPPendingStep:
 class DPAttentionWorker(_AttentionRank, TensorParallelWorker):
     """Rank 0's worker under DP attention: `launch_dp` sends a step to the ranks and runs rank 0's part of it."""
 
-    def dp_step(self, plans: list[StepPlan | None]) -> DPStepPlan:
-        """The step of every rank's plan: its forwards, and the graphs' buckets all of them replay (if any)."""
+    def dp_step(self, plans: list[StepPlan | None], masks: list[torch.Tensor | None] | None = None) -> DPStepPlan:
+        """The step of every rank's plan (and grammar masks): its forwards, and the graphs' buckets all of them
+        replay (if any)."""
         spec = self.speculator.opts if self.speculator is not None else None
-        return DPStepPlan(plans, step_graph(plans, self.runner.graphs, spec), step_forwards(plans, spec))
+        return DPStepPlan(plans, step_graph(plans, self.runner.graphs, spec), step_forwards(plans, spec),
+                          tuple(masks) if masks is not None and any(m is not None for m in masks) else None)
 
     def launch_dp(self, step: DPStepPlan) -> DPPendingStep:
         with self.ranks.guard(step=True):
