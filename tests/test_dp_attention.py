@@ -95,6 +95,15 @@ def test_dp_attention_over_two_ranks_gives_one_process_tokens(arch, tmp_path):
         assert all(any(b) for b in busy)
         assert any(b[0] for b in busy) and any(b[1] for b in busy)  # both ranks served requests
         assert any(b[0] != b[1] for b in busy)  # and one rank was idle while the other ran
+        # a new prompt sharing the long prefix goes to the rank whose cache holds it (and hits it there)
+        holder = max(engine.attention_ranks, key=lambda r: r.cached_prefix_tokens(prompts[1]))
+        assert holder.cached_prefix_tokens(prompts[1]) >= config.index_topk
+        hits = engine.metrics().prefix_cache_hit_tokens_total
+        rid = engine.add_request(prompts[1][:-3] + [11, 12], params[1])
+        assert engine.requests[rid].attention_rank == holder.rank
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.metrics().prefix_cache_hit_tokens_total - hits >= config.index_topk
         # the second round: one request alone (the other rank idle throughout), then all again (prefix cache hits)
         assert [o.token_ids for o in dp.generate(prompts[:1], params[:1])] == reference[:1]
         assert [o.token_ids for o in dp.generate(prompts, params)] == reference
@@ -466,6 +475,31 @@ def test_a_new_request_goes_to_the_rank_with_the_fewest_requests_then_the_most_f
     for _ in range(2):
         ranks[1].scheduler.add(Request(request_id="x", prompt_ids=[1, 2], params=SamplingParams()))
     assert place(ranks) is ranks[0]  # fewer requests before more free pages
+
+
+def test_a_request_goes_where_its_prefix_is_cached_unless_that_rank_is_too_busy():
+    """Cache-aware placement: a prompt whose prefix rank 1 caches goes to rank 1, though rank 0 has fewer requests,
+    while rank 1 runs at most `load_gap` more; past that, the least loaded rank. Nothing cached: the least loaded."""
+    from minidsa.engine.attention_ranks import AttentionRank, place
+    from minidsa.sched.pages import KVCapacity
+
+    def rank(r: int) -> AttentionRank:
+        return AttentionRank.build(r, KVCapacity(num_pages=65, page_size=4, num_rows=8), True, 0,
+                                   max_running_requests=8, max_prefill_tokens=64, chunked_prefill_size=64)
+
+    ranks = [rank(0), rank(1)]
+    system = list(range(10, 22))  # three pages
+    cache = ranks[1].prefix_cache
+    cache.insert(None, system, ranks[1].page_allocator.alloc(3))
+    prompt = system + [7, 8, 9]
+    assert ranks[1].cached_prefix_tokens(prompt) == 12 and ranks[0].cached_prefix_tokens(prompt) == 0
+    ranks[1].scheduler.add(Request(request_id="a", prompt_ids=[1, 2], params=SamplingParams()))
+    assert place(ranks, prompt, load_gap=2) is ranks[1]  # cached there: one request more is fine
+    assert place(ranks, [5] * 15, load_gap=2) is ranks[0]  # nothing cached: the least loaded
+    for i in range(2):
+        ranks[1].scheduler.add(Request(request_id=f"b{i}", prompt_ids=[1, 2], params=SamplingParams()))
+    assert place(ranks, prompt, load_gap=2) is ranks[0]  # three more than rank 0: balance first
+    assert place(ranks, prompt, load_gap=3) is ranks[1]
 
 
 def test_a_killed_rank_ends_a_dp_attention_run_with_its_name():

@@ -3,11 +3,12 @@
 One process, or tensor parallelism: one `AttentionRank` (every rank holds the same, replicated cache). Data-parallel
 attention (`--enable-dp-attention`, minidsa/parallel/dp_attention.py): one per rank, each over that rank's own KV
 cache (the ranks agree on one capacity, so the engine's is N times it). A request lives on one attention rank from
-its admission to its end (preemption and recomputation included); `place` picks it.
+its admission to its end (preemption and recomputation included); `place` picks it, by cached prefix and load.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from minidsa.sched.pages import KVCapacity, PageAllocator, RowAllocator
@@ -45,7 +46,24 @@ class AttentionRank:
             self.row_allocator.check_all_free()
 
 
-def place(ranks: list[AttentionRank]) -> AttentionRank:
-    """The attention rank a new request goes to: the fewest requests (running and waiting), then the most free KV
-    pages, then the lowest rank. (Requests with a shared prefix are not steered to the rank that caches it yet.)"""
-    return min(ranks, key=lambda r: (r.num_requests, -r.page_allocator.num_free_pages, r.rank))
+    def cached_prefix_tokens(self, prompt_ids: Sequence[int]) -> int:
+        """Tokens of `prompt_ids` this rank's prefix cache holds (whole pages; nothing is locked)."""
+        if self.prefix_cache is None or len(prompt_ids) < 2:
+            return 0
+        return len(self.prefix_cache.match(prompt_ids, len(prompt_ids) - 1)) * self.page_allocator.page_size
+
+
+def place(ranks: list[AttentionRank], prompt_ids: Sequence[int] | None = None, load_gap: int = 0) -> AttentionRank:
+    """The attention rank a new request goes to. The rank whose prefix cache holds the longest prefix of its prompt
+    (a page at least), unless that rank runs more than `load_gap` requests over the least loaded one: a shared
+    system prompt or a conversation's earlier turns are prefilled once, not once per rank. Otherwise (nothing cached,
+    or too much load there) the fewest requests (running and waiting), then the most free KV pages, then the lowest
+    rank."""
+    least = min(ranks, key=lambda r: (r.num_requests, -r.page_allocator.num_free_pages, r.rank))
+    if prompt_ids is None or len(ranks) == 1:
+        return least
+    cached = {r.rank: r.cached_prefix_tokens(prompt_ids) for r in ranks}
+    best = max(ranks, key=lambda r: (cached[r.rank], -r.num_requests, r.page_allocator.num_free_pages, -r.rank))
+    if cached[best.rank] and best.num_requests - least.num_requests <= load_gap:
+        return best
+    return least

@@ -319,7 +319,10 @@ class Engine:
         if params.prompt_logprobs is not None:
             req.prompt_logprobs, req.prompt_top_logprobs = [None], [None]  # the first prompt token has none
         self.requests[request_id] = req
-        rank = place(self.attention_ranks)  # the attention rank it lives on (the only one without DP attention)
+        # the attention rank it lives on (the only one without DP attention): where its prefix is cached, unless that
+        # rank runs an eighth of a rank's batch more than the least loaded one
+        rank = place(self.attention_ranks, ids if req.use_prefix_cache else None,
+                     load_gap=max(1, self.config.args.max_running_requests // 8))
         req.attention_rank = rank.rank
         rank.scheduler.add(req)
         return request_id
