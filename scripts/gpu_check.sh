@@ -7,6 +7,8 @@
 # fp8_gemm moe. Not in the default list: moe_sweep (other MoE tile configs, for tuning); moe_prefill (issue 29 item 3:
 # the prefill MoE before vs after branch moe-prefill, its GPU tests then benchmarks/scripts/bench_moe_prefill.py).
 # Also: multi_gpu (issue 48, 4 GPUs in one call: profile_tp, serve_check, bench_speculative under TP, MGPU_* knobs);
+# two_gpus (issues 48 and 49 on 2 GPUs in one call: the endings over NCCL, DP attention plain and with MTP, the
+# one-shot all-reduce's tests, TP=2 equality; TWO_GPUS_BUDGET_S);
 # dp_attention (issue 49, 4 GPUs in one call: DP attention vs TP vs one GPU on bench-dsv32:10 side by side, then
 # the MoE exchange, all-gather + reduce-scatter vs all-to-all; DP_* knobs);
 # gpu_tests (every tests/gpu file, GPU_TESTS_PART=a..e: one 10-minute call each); tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); allreduce (2+ GPUs: the one-shot all-reduce against NCCL, benchmark then GPU tests); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (start-up phase by phase, cold and warm caches); startup_tests; bench_prefill; compiled_prefill; sampling;
@@ -307,6 +309,26 @@ section_allreduce() {   # issue 48 part 2 (2+ GPUs): minidsa's one-shot peer-to-
     timeout "$TIMEOUT" $PY -m pytest -v -p no:cacheprovider tests/gpu/test_allreduce_gpu.py -rs --durations=5 2>&1 \
         | timestamped
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    return $rc
+}
+
+section_two_gpus() {   # issues 48 and 49 on 2 GPUs (nvidia-h200-x2), one 10-minute call (TWO_GPUS_BUDGET_S, default
+    # 540), in order of value, each part with what is left: (1) every way a run ends over NCCL (with LLM, close, an
+    # error in a step, a killed rank, the five `minidsa serve --tp 2` endings) and the graph release before the abort;
+    # (2) DP attention with graphs and compile, plain and with MTP, against one GPU; (3) the one-shot all-reduce's
+    # GPU tests; (4) TP=2 equality with speculation and with expert parallelism. $OUT/two_gpus_raw/parts.txt says
+    # what ran, with its exit status; pytest's lines go to the log.
+    export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} \
+        NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
+    local budget=${TWO_GPUS_BUDGET_S:-540} t0 raw=$OUT/two_gpus_raw rc=0 collect=true
+    local tests="$PY -m pytest -v -p no:cacheprovider -rs --durations=5"
+    local tp=tests/gpu/test_tensor_parallel_gpu.py
+    t0=$(date +%s)
+    mkdir -p "$raw"
+    budget_part endings 60 300 $tests $tp -k "leaves_at_once or llm_and_close or error_in_a_step or server_exits"
+    budget_part dp_attention 120 300 $tests $tp -k "dp_attention"
+    budget_part allreduce 60 180 $tests tests/gpu/test_allreduce_gpu.py
+    budget_part tp_equality 120 300 $tests $tp -k "equal_one_with"
     return $rc
 }
 
