@@ -7,6 +7,8 @@ It owns the KV memory (caches, req->token table, page and row allocators) for on
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import torch
 
@@ -191,3 +193,13 @@ def pretend_gpus_and_forbid_ranks(monkeypatch, gpus: int) -> None:
     monkeypatch.setattr(ranks, "start_ranks", no_ranks)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+
+
+def ranks_run(monkeypatch, tmp_path, hook: str) -> None:
+    """Tensor-parallel ranks > 0 started from now on run tests/`hook` (which ends by running minidsa.parallel) instead
+    of `python -m minidsa.parallel`: the rank launcher's interpreter becomes a script that execs it."""
+    script = tmp_path / f"python_{hook}"
+    rank_main = os.path.join(os.path.dirname(os.path.abspath(__file__)), hook)
+    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{rank_main}"\n')
+    script.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(script))

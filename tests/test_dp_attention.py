@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dp_graphs_rank import ENV as REPLAYS_ENV, FRAMES_ENV, static_graphs
-from harness import experts_checkpoint, pretend_gpus_and_forbid_ranks
+from harness import experts_checkpoint, pretend_gpus_and_forbid_ranks, ranks_run
 from test_speculative import force_drafts, forced_override
 from tp_forced_rank import ENV as FORCED_DRAFTS_ENV, known_ids_only
 from hf_tiny import save_hf_with_mtp
@@ -195,16 +195,6 @@ def test_structured_outputs_under_dp_attention_give_one_process_answers(spec_ste
         _check_answer(out, sp.response_format["json_schema"]["schema"])
     masked = [[p is not None and bool(p.grammar_rows) for p in s.plans] for s in steps]
     assert [True, True] in masked  # both ranks sampled constrained rows in one step, each with its own masks
-
-
-def ranks_run(monkeypatch, tmp_path, hook: str) -> None:
-    """Ranks > 0 started from now on run tests/`hook` (which ends by running minidsa.parallel) instead of
-    `python -m minidsa.parallel`."""
-    script = tmp_path / f"python_{hook}"
-    rank_main = os.path.join(os.path.dirname(os.path.abspath(__file__)), hook)
-    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{rank_main}"\n')
-    script.chmod(0o755)
-    monkeypatch.setattr(sys, "executable", str(script))
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])

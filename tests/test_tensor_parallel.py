@@ -26,7 +26,7 @@ import time
 import pytest
 import torch
 
-from harness import count_replays, read_sse, static_fast_paths
+from harness import count_replays, ranks_run, read_sse, static_fast_paths
 from hf_tiny import save_hf_with_mtp
 from minidsa import LLM, SamplingParams
 from minidsa.config import ConfigError, EngineConfig, ModelConfig
@@ -87,16 +87,6 @@ def count_overlapped_launches(engine) -> list[int]:
 
 SPEC = {"deepseek_v32": dict(speculative_num_steps=2),
         "glm_moe_dsa": dict(speculative_num_steps=2, speculative_topk=2, speculative_num_draft_tokens=4)}
-
-
-def ranks_run(monkeypatch, tmp_path, hook: str) -> None:
-    """Ranks > 0 started from now on run tests/`hook` (which ends by running minidsa.parallel) instead of
-    `python -m minidsa.parallel`: the rank launcher's interpreter becomes a script that execs it."""
-    script = tmp_path / f"python_{hook}"
-    rank_main = os.path.join(os.path.dirname(os.path.abspath(__file__)), hook)
-    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{rank_main}"\n')
-    script.chmod(0o755)
-    monkeypatch.setattr(sys, "executable", str(script))
 
 
 def force_rank_drafts(monkeypatch, tmp_path, reference: dict[str, list[int]], topk: int, seed: int) -> None:
