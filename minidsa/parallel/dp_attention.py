@@ -11,7 +11,7 @@ A step is one `DPStepPlan`: a `StepPlan` per rank, None for a rank with nothing 
 control group (the same `PlanChannel` as TP's plans), every rank runs its own plan (an idle rank runs one token at
 the dummy slot 0, so its MoE layers join the others' collectives in the same order), and each rank's `StepResult`
 comes back to rank 0 through one gather over the control group. Every rank knows every rank's token count from the
-plan (`DPStepPlan.dp_tokens`): each forward's batch carries them (`ForwardBatch.dp_tokens`) for the MoE exchange.
+plan (`DPStepPlan.forwards`): each forward's batch carries them (`ForwardBatch.dp_tokens`) for the MoE exchange.
 
 Steps run in lockstep: no overlap scheduling (a rank's tokens reach rank 0 after its step; `config.resolve` turns it
 off), so rank 0 makes a rank's grammar masks with its plan and they travel in the step (`DPStepPlan.masks`).
