@@ -11,6 +11,9 @@
 # one-shot all-reduce's tests, TP=2 equality; TWO_GPUS_BUDGET_S);
 # dp_attention (issue 49, 4 GPUs in one call: DP attention vs TP vs one GPU on bench-dsv32:10 side by side, then
 # the MoE exchange, all-gather + reduce-scatter vs all-to-all; DP_* knobs);
+# eight_gpus (issue 50, 8 GPUs, one (model, mode) per call: the whole model through `minidsa serve` with the guides'
+# recipe, ITL at concurrency 1/16/64, 2k in / 100 out and the default workload, MTP at simulated acceptance 3.2 against
+# plain, KV capacity, start-up cold and warm, peak memory per GPU; X8_* knobs);
 # gpu_tests (every tests/gpu file, GPU_TESTS_PART=a..e: one 10-minute call each); tp (tensor-parallel path, ~5 min on one H100; TP=2 checks too when 2+ GPUs are visible); allreduce (2+ GPUs: the one-shot all-reduce against NCCL, benchmark then GPU tests); bench_indexer (DeepGEMM vs Triton indexer logits side by side); startup (start-up phase by phase, cold and warm caches); startup_tests; bench_prefill; compiled_prefill; sampling;
 # ab (two trees interleaved: minidsa bench + decode suite per preset, benchmarks/scripts/ab.py); redesign_ab (issue 30: ab against
 # the code before the redesign)
@@ -29,6 +32,7 @@
 # writes $OUT/NAME.log; its exit status goes to $OUT/summary.txt, and the script's exit status is
 # non-zero if any section failed. (At most 8 files come back from $OUT: keep one log per section.)
 set -u
+script_t0=$(date +%s)   # eight_gpus counts its budget from here: the library builds are inside the call's limit too
 OUT=${OUT:-$(pwd)/gpu_out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
@@ -587,6 +591,98 @@ section_dp_attention() {   # issue 49 (4 GPUs; sized for one 10-minute call, DP_
     done
     dp_collect
     (cd "$OUT" && tar -czf dp_attention_raw.tgz dp_attention_raw && rm -rf dp_attention_raw)
+    return $rc
+}
+
+section_eight_gpus() {   # issue 50 (nvidia-h200-x8; sized for one 10-minute call, X8_BUDGET_S): the whole model served
+    # by `minidsa serve` with the guides' recipe, one (model, parallel mode) per call. Parts, in this order (most
+    # wanted first), each a server started and driven by benchmarks/scripts/serve_check.py (0 failed per workload,
+    # nothing left after SIGTERM, nvidia-smi's memory.used per GPU sampled every second):
+    #   mtp    the recipe (MTP 3/1/4 at simulated acceptance X8_ACCEPT_LEN, default 3.2; X8_ENGINE_ARGS, default
+    #          "--kv-cache-dtype fp8"), started cold (an empty compile cache: MINIDSA_CACHE_DIR, else a fresh
+    #          directory for this call), then `minidsa bench --base-url` workloads: ITL at each of X8_CONCURRENCIES
+    #          (default 1 16 64; 2 x C requests, at least 4, of X8_ITL_ARGS, default 1024 in / 256 out), 2k in / 100
+    #          out (X8_2K_ARGS, default 256 requests sent at once), then the default workload (X8_DEFAULT_ARGS, empty:
+    #          minidsa bench's own, 256 requests of 100-1024 in and out, sent at once)
+    #   warm   the same server command again on the caches the mtp part filled: the warm start-up, and 4 requests
+    #          at concurrency 1 to show it serves
+    #   plain  the same without MTP: the ITL workloads and 2k / 100 again (X8_PLAIN_SERIES, default "itl 2k"; add
+    #          "default" for the default workload), for MTP against plain
+    # Seconds a part needs left to start / at most (estimates, not measured: a 61-layer cold start from the 4-layer
+    # ones in benchmarks/startup/NOTES.md, plus the workloads): mtp 240 / 400, warm 60 / 150, plain 150 / 300.
+    # X8_MODEL (default bench-dsv32:61; bench-glm5:78 for GLM-5), X8_MODE (tp: --tp X8_TP; dp: --tp X8_TP
+    # --enable-dp-attention), X8_TP (default 8; 4 for the nvidia-h200-x4 rehearsal), X8_PARTS (default "mtp warm
+    # plain"), X8_SERVE_ARGS (more serve_check.py flags, every part), X8_BUDGET_S (default 540, counted from the
+    # script's start, builds included: a part that would start with less than its minimum left is skipped and
+    # recorded, each part's timeout is cut to what is left). $OUT/eight_gpus.json sums it up and $OUT/eight_gpus.md
+    # is benchmarks/scripts/eight_gpu_page.py's page of it, beside the published 8xH200 figures (both rewritten
+    # after each part); raw outputs in $OUT/eight_gpus_raw.tgz. On a CPU (tests/test_multi_gpu_scripts.py) it runs as
+    # it is, with the tiny model, --device cpu in X8_ENGINE_ARGS and small workloads. Multicast stays off: the three
+    # variables are set only where the machine has not set them.
+    export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} \
+        TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} \
+        NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
+    local model=${X8_MODEL:-bench-dsv32:61} mode=${X8_MODE:-tp} tp=${X8_TP:-8} raw=$OUT/eight_gpus_raw rc=0
+    local budget=${X8_BUDGET_S:-540} t0=$script_t0 part c parallel name
+    local engine=${X8_ENGINE_ARGS:-"--kv-cache-dtype fp8"} itl=${X8_ITL_ARGS:-"--input-len 1024 --output-len 256"}
+    local mtp="--speculative-num-steps 3 --speculative-topk 1 --speculative-num-draft-tokens 4"
+    mtp="$mtp --speculative-simulate-accept-len ${X8_ACCEPT_LEN:-3.2}"
+    case $mode in
+        tp) parallel="" ;;
+        dp) parallel="--enable-dp-attention" ;;
+        *) echo "X8_MODE: no mode '$mode' (tp dp)"; return 2 ;;
+    esac
+    # `minidsa bench --base-url` workloads, NAME=FLAGS for serve_check.py's --series
+    local itl_series=() two_k=("2k=${X8_2K_ARGS:-"--num-requests 256 --input-len 2048 --output-len 100"}")
+    local default=("default=${X8_DEFAULT_ARGS:-}") plain_series=()
+    for c in ${X8_CONCURRENCIES:-1 16 64}; do
+        itl_series+=("itl_c$c=--num-requests $(( 2 * c > 4 ? 2 * c : 4 )) --max-concurrency $c $itl")
+    done
+    for name in ${X8_PLAIN_SERIES:-itl 2k}; do
+        case $name in
+            itl) plain_series+=("${itl_series[@]}") ;;
+            2k) plain_series+=("${two_k[@]}") ;;
+            default) plain_series+=("${default[@]}") ;;
+            *) echo "X8_PLAIN_SERIES: no workload '$name' (itl 2k default)"; return 2 ;;
+        esac
+    done
+    series_of() { local s; for s in "$@"; do printf '%s\0' "--series=$s"; done; }
+    # The first start is cold by construction: a compile cache of this call's own (a caller's MINIDSA_CACHE_DIR wins)
+    [ -n "${MINIDSA_CACHE_DIR:-}" ] || export MINIDSA_CACHE_DIR=$(mktemp -d /tmp/x8_cache.XXXXXX)/cache
+    rm -rf "$raw" && mkdir -p "$raw"
+    echo "multicast: NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE" \
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST=$TORCH_SYMM_MEM_DISABLE_MULTICAST" \
+        "NVSHMEM_DISABLE_NVLS=$NVSHMEM_DISABLE_NVLS; model $model, mode $mode, TP $tp, engine flags: $engine;" \
+        "compile cache $MINIDSA_CACHE_DIR ($(du -sh "$MINIDSA_CACHE_DIR" 2>/dev/null | cut -f1 || echo empty))"
+    nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv 2>&1 | tee "$raw/gpus.txt"
+    x8_collect() {
+        $PY benchmarks/scripts/eight_gpu_page.py --collect "$raw" --json "$OUT/eight_gpus.json" \
+            --markdown "$OUT/eight_gpus.md" || rc=1
+    }
+    local collect=x8_collect   # budget_part's page after each part
+    echo "model=$model tp=$tp mode=$mode engine=$engine date=$(date -u +%FT%TZ) commit=${MINIDSA_COMMIT:-?}" \
+        > "$raw/meta.txt"
+    local check="$PY benchmarks/scripts/serve_check.py --model $model --tp $tp --requests 0 ${X8_SERVE_ARGS:-}"
+    if ! $PY -c "import aiohttp, msgspec" 2>/dev/null; then  # the server's packages (.gpu/whl)
+        echo "aiohttp / msgspec do not import (carry their wheels in .gpu/whl): nothing to serve with"
+        echo "all skipped reason=no-aiohttp-or-msgspec" >> "$raw/parts.txt"
+        x8_collect
+        return 1
+    fi
+    local -a args
+    for part in ${X8_PARTS:-mtp warm plain}; do
+        case $part in
+            mtp) mapfile -d '' args < <(series_of "${itl_series[@]}" "${two_k[@]}" "${default[@]}")
+                 budget_part mtp 240 400 $check --out "$raw/mtp" "${args[@]}" -- $parallel $mtp $engine ;;
+            warm) budget_part warm 60 150 $check --out "$raw/warm" \
+                      "--series=warm_c1=--num-requests 4 --max-concurrency 1 $itl" -- $parallel $mtp $engine ;;
+            plain) mapfile -d '' args < <(series_of "${plain_series[@]}")
+                   budget_part plain 150 300 $check --out "$raw/plain" "${args[@]}" -- $parallel $engine ;;
+            *) echo "X8_PARTS: no part '$part' (mtp warm plain)"; rc=1 ;;
+        esac
+    done
+    x8_collect
+    (cd "$OUT" && tar -czf eight_gpus_raw.tgz eight_gpus_raw && rm -rf eight_gpus_raw)
     return $rc
 }
 

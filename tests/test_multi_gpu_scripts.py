@@ -9,6 +9,10 @@ dp_attention: benchmarks/scripts/bench_moe_exchange.py's three exchanges over 2 
 bit; benchmarks/scripts/dp_attention_page.py's ratios and pass / fail from made-up sides; the section itself on a CPU
 (DP_CPU_SMOKE: a DP-attention side of the tiny model and the exchange; a budget that fits nothing skips and fails).
 
+eight_gpus (issue 50): the section on a CPU (the tiny model at --tp 2 through `minidsa serve`, MTP at simulated
+acceptance and plain, each workload 0 failed, under tensor parallelism and DP attention); eight_gpu_page.py's tables
+and published-figure column from made-up servers; serve_check.py's nvidia-smi memory parsing and peak.
+
 What only runs on GPUs (NCCL, CUDA graphs, nvidia-smi's process list, the timings) is left to the sections.
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -145,7 +150,8 @@ def test_serve_check_on_cpu(tmp_path, dp):
 
 
 @pytest.mark.parametrize("script", ["profile_tp.py", "serve_check.py", "multi_gpu_page.py", "bench_dp_attention.py",
-                                    "bench_moe_exchange.py", "dp_attention_page.py"])
+                                    "bench_moe_exchange.py", "dp_attention_page.py",
+                                    "eight_gpu_page.py"])
 def test_help(script):
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, script), "--help"], env=env, capture_output=True,
@@ -315,3 +321,146 @@ def test_dp_attention_section_skips_what_does_not_fit(tmp_path):
                           "exchange": {"skipped": True, "left": s["parts"]["exchange"]["left"], "reason": "budget"}}
     assert s["sides"] == {} and s["exchange"] is None
     assert "dp_attention rc=1" in (out / "summary.txt").read_text()
+
+
+def _x8_section(tmp_path, **env) -> subprocess.CompletedProcess:
+    """scripts/gpu_check.sh eight_gpus on this CPU from a copy of the scripts (see _section): the tiny model at
+    X8_TP=2, tiny workloads."""
+    tree = tmp_path / "tree"
+    shutil.copytree(SCRIPTS, tree / "benchmarks" / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
+    (tree / "scripts").mkdir()
+    shutil.copy(os.path.join(REPO, "scripts", "gpu_check.sh"), tree / "scripts")
+    env = {**_env(), "OUT": str(tmp_path / "out"), "X8_MODEL": "tiny", "X8_TP": "2",
+           "X8_ENGINE_ARGS": "--device cpu --dtype float32 --max-total-tokens 2048", "X8_CONCURRENCIES": "1 2",
+           "X8_ITL_ARGS": "--input-len 16 --output-len 4",
+           "X8_2K_ARGS": "--num-requests 2 --input-len 32 --output-len 4",
+           "X8_DEFAULT_ARGS": "--num-requests 2 --input-len 16-32 --output-len 4-8", **env}
+    return subprocess.run(["bash", str(tree / "scripts" / "gpu_check.sh"), "eight_gpus"], env=env,
+                          capture_output=True, text=True, timeout=240)
+
+
+def test_eight_gpus_section_mtp_on_cpu(tmp_path):
+    """The recipe's part under tensor parallelism: one server, every workload in order with 0 failed, the simulated
+    acceptance on the server's command line, KV capacity; the page and the raw tarball come back."""
+    proc = _x8_section(tmp_path, X8_MODE="tp", X8_PARTS="mtp")
+    out = tmp_path / "out"
+    log = (out / "eight_gpus.log").read_text()
+    assert proc.returncode == 0, log[-4000:]
+    with open(out / "eight_gpus.json") as f:
+        s = json.load(f)
+    mtp = s["servers"]["mtp"]
+    assert mtp["ok"] and list(mtp["series"]) == ["itl_c1", "itl_c2", "2k", "default"]
+    assert [mtp["series"][n]["results"]["completed"] for n in mtp["series"]] == [4, 4, 2, 2]
+    assert all(x["results"]["failed"] == 0 and "stdout_tail" not in x for x in mtp["series"].values())
+    assert "--max-concurrency 2 --input-len 16 --output-len 4" in mtp["series"]["itl_c2"]["command"]
+    assert "--speculative-num-draft-tokens 4 --speculative-simulate-accept-len 3.2" in mtp["command"]
+    assert "--enable-dp-attention" not in mtp["command"] and mtp["kv_total_tokens"] == 2048
+    assert any(re.search(r"start-up [\d.]+ s:", line) for line in mtp["startup_log"])
+    assert mtp["gpu_memory_peak_mib"] is None and "bench" not in mtp  # --requests 0: the series only
+    assert s["meta"]["mode"] == "tp" and s["parts"]["mtp"]["rc"] == 0 and set(s["servers"]) == {"mtp"}
+    text = (out / "eight_gpus.md").read_text()
+    assert "| 2 | 4 (0) / - |" in text and "| 2k in / 100 out | MTP 3/1/4 | 2 / 0 |" in text
+    assert "X8_MODEL=tiny X8_MODE=tp X8_TP=2 bash scripts/gpu_check.sh eight_gpus" in text
+    assert (out / "eight_gpus_raw.tgz").exists() and not (out / "eight_gpus_raw").exists()
+
+
+def test_eight_gpus_section_plain_under_dp_attention_on_cpu(tmp_path):
+    """The plain part under DP attention: no MTP flags, the ITL workloads alone (X8_PLAIN_SERIES), both ranks'
+    caches; an unknown mode stops the section before any server starts."""
+    proc = _x8_section(tmp_path, X8_MODE="dp", X8_PARTS="plain", X8_PLAIN_SERIES="itl", X8_CONCURRENCIES="2")
+    out = tmp_path / "out"
+    assert proc.returncode == 0, (out / "eight_gpus.log").read_text()[-4000:]
+    with open(out / "eight_gpus.json") as f:
+        plain = json.load(f)["servers"]["plain"]
+    assert plain["ok"] and list(plain["series"]) == ["itl_c2"] and plain["series"]["itl_c2"]["results"]["failed"] == 0
+    assert "--enable-dp-attention" in plain["command"] and "--speculative" not in plain["command"]
+    assert plain["kv_total_tokens"] == 2 * 2048
+    bad = _x8_section(tmp_path / "bad", X8_MODE="ep", X8_PARTS="plain")
+    assert bad.returncode != 0 and "X8_MODE: no mode 'ep'" in (tmp_path / "bad" / "out" / "eight_gpus.log").read_text()
+
+
+def _server(command: str, series: dict[str, tuple[float, float, float]], ready: float, peak: dict) -> dict:
+    """A made-up serve_check.json: series NAME -> (output tok/s, total tok/s, TPOT p50 ms)."""
+    def results(out_tok, total, tpot):
+        return {"num_requests": 8, "completed": 8, "failed": 0, "input_tokens_per_s": total - out_tok,
+                "output_tokens_per_s": out_tok, "total_tokens_per_s": total, "duration_s": 10.0,
+                "ttft_s": {"p50": 0.5, "p99": 1.0}, "itl_s": {"p50": 3 * tpot / 1e3, "p99": 4 * tpot / 1e3},
+                "tpot_s": {"p50": tpot / 1e3}}
+    return {"command": command, "ok": True, "ready_s": ready, "kv_total_tokens": 3000000, "exit_s": 2.0,
+            "checks": {"ready": True, **{f"{n}_zero_failed": True for n in series}},
+            "series": {n: {"command": f"minidsa bench --base-url x --json /o/{n}.json --flags-{n}", "rc": 0,
+                           "results": results(*v)} for n, v in series.items()},
+            "startup_log": ["INFO start-up: compile cache 0.0 s (no artifacts for this configuration yet)",
+                            f"INFO start-up {ready - 5:.1f} s: weights 2.0 s, capture 40.0 s"],
+            "gpu_memory_peak_mib": peak, "gpu_memory_total_mib": {k: 143771.0 for k in peak}}
+
+
+def test_eight_gpu_page_tables_and_published_figures(tmp_path):
+    """GLM-5 under TP: ITL rows with MTP / plain ratios and the published 118 tok/s at concurrency 1, the published
+    row at 100 marked not measured, cold / warm start-up and the highest GPU's peak; V3.2 under DP attention: the
+    2k / 100 total against the published 27.7k; a rehearsal on 4 GPUs says it is not comparable."""
+    page = _module("eight_gpu_page")
+    raw = tmp_path / "raw"
+    for part in ("mtp", "warm", "plain"):
+        (raw / part).mkdir(parents=True)
+    (raw / "meta.txt").write_text("model=bench-glm5:78 tp=8 mode=tp engine=--kv-cache-dtype fp8 "
+                                  "date=2026-12-05T10:00:00Z commit=abc1234\n")
+    (raw / "gpus.txt").write_text("index, name, memory.used [MiB], memory.total [MiB]\n" +
+                                  "".join(f"{i}, NVIDIA H200, 0 MiB, 143771 MiB\n" for i in range(8)))
+    (raw / "parts.txt").write_text("mtp rc=0 seconds=300 limit=400\nwarm rc=0 seconds=70 limit=150\n"
+                                   "plain skipped left=100 reason=budget\n")
+    serve = "minidsa serve --model bench-glm5:78 --tp 8 --speculative-simulate-accept-len 3.2 --kv-cache-dtype fp8"
+    mtp = _server(serve, {"itl_c1": (100.0, 120.0, 8.0), "itl_c16": (1200.0, 1500.0, 12.0),
+                          "2k": (800.0, 17000.0, 20.0), "default": (5000.0, 9000.0, 25.0)}, 200.0,
+                  {"0": 120000.0, "1": 125952.0})
+    mtp["series"]["itl_c1"]["stdout_tail"] = "x" * 100
+    plain = _server(serve.replace(" --speculative-simulate-accept-len 3.2", ""),
+                    {"itl_c1": (50.0, 60.0, 20.0), "itl_c16": (800.0, 1000.0, 20.0)}, 90.0, {"0": 110000.0})
+    for part, server in (("mtp", mtp), ("warm", _server(serve, {"warm_c1": (90.0, 100.0, 9.0)}, 60.0, {})),
+                         ("plain", plain)):
+        (raw / part / "serve_check.json").write_text(json.dumps(server))
+    s = page.collect(str(raw))
+    assert s["meta"]["device"] == "8 x NVIDIA H200" and s["meta"]["mode"] == "tp"
+    assert "stdout_tail" not in s["servers"]["mtp"]["series"]["itl_c1"]
+    text = page.page(json.loads(json.dumps(s)))
+    assert "| 1 | 8 (0) / 8 (0) | 24.00 / 32.00 | 8.00 | 100.0 | 60.00 / 80.00 | 20.00 | 50.0 | 2.00x | 118 tok/s, " \
+           "TPOT 7.5 ms, accept length 3.48 |" in text
+    assert "| 16 | 8 (0) / 8 (0) |" in text and "| 1.50x | - |" in text
+    assert "| 100 | not measured | | | | | | | | 1215 tok/s, TPOT 38.7 ms |" in text
+    assert "| 2k in / 100 out | MTP 3/1/4 | 8 / 0 | 16200.0 | 800.0 | 17000.0 | 10.0 | 0.500 / 1.000 | - | - |" in text
+    assert "the flags of its command below" in text and "(3.2 on average here)" in text
+    assert "| MTP 3/1/4, first start (cold: an empty compile cache) | 200.0 | 195.0 | no artifacts for this " \
+           "configuration yet | 3000000 | max 123.0 GiB (GPU 1) of 140.4; per GPU 0: 117.2, 1: 123.0 |" in text
+    assert "| MTP 3/1/4 again (warm: the caches the first start filled) | 60.0 | 55.0 |" in text
+    assert "| plain | skipped (100 s of the budget left) | | |" in text
+    assert "Published: SGLang, GLM-5-FP8, 8xH200, TP8, MTP 3/1/4" in text
+    assert "Published GLM-5 accept length: 3.48" in text
+    assert "the published figures are at 1 and 100; here at 1, 16." in text and "Not comparable" not in text
+    # DeepSeek-V3.2 under DP attention: the 2k / 100 total against 27.7k
+    (raw / "meta.txt").write_text("model=bench-dsv32:61 tp=8 mode=dp engine=--kv-cache-dtype fp8 date=d commit=c\n")
+    text = page.page(page.collect(str(raw)))
+    assert "| 2k in / 100 out | MTP 3/1/4 | 8 / 0 | 16200.0 | 800.0 | 17000.0 | 10.0 | 0.500 / 1.000 | 27.7k total " \
+           "tok/s at 2k in / 100 out | 0.61x |" in text
+    assert "| 1 | 8 (0) / 8 (0) |" in text and "| 100 | not measured |" not in text
+    assert "`--tp 8 --enable-dp-attention` here; published: TP8 with DP attention" in text
+    # the x4 rehearsal: fewer layers on 4 GPUs
+    (raw / "meta.txt").write_text("model=bench-dsv32:40 tp=4 mode=tp engine=--kv-cache-dtype fp8 date=d commit=c\n")
+    text = page.page(page.collect(str(raw)))
+    assert "Not comparable as it stands: 40 layers of 61 on 4 GPUs" in text
+    assert "published: TP8 with DP attention" in text
+
+
+def test_gpu_memory_peak_per_gpu():
+    """nvidia-smi's CSV parsed per GPU; the peak keeps each GPU's highest sample; without nvidia-smi nothing."""
+    sc = _module("serve_check")
+    assert sc.parse_gpu_memory("0, 1000, 143771\n1, 2000, 143771\nbad line\n") == {
+        "0": (1000.0, 143771.0), "1": (2000.0, 143771.0)}
+    peak = sc.GpuMemoryPeak(0)  # interval 0: no thread, no samples
+    assert peak.peak_mib is None
+    peak.peak_mib = {}
+    for text in ("0, 1000, 143771\n1, 5000, 143771", "0, 3000, 143771\n1, 4000, 143771", ""):
+        peak.add(sc.parse_gpu_memory(text))
+    assert peak.peak_mib == {"0": 3000.0, "1": 5000.0} and peak.samples == 2
+    assert sc.parse_series("itl_c16=--max-concurrency 16") == ("itl_c16", "--max-concurrency 16")
+    with pytest.raises(Exception):
+        sc.parse_series("no flags")

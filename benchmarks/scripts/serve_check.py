@@ -9,6 +9,14 @@ started and no `minidsa serve` / `minidsa.parallel` process is left, and (on a G
 compute process. Writes serve_check.json (and serve.log, bench.json) under --out; exit status 0 when every check
 passed.
 
+`--series NAME=FLAGS` (repeatable) runs more `minidsa bench --base-url` workloads against the same server after the
+first, in order (issue 50: ITL at a few concurrencies, 2k in / 100 out), each with its own 0-failed check and results
+under `series` (written as each ends: a run cut by a timeout keeps the finished ones); `--requests 0` leaves the first
+out. On a GPU machine a thread samples nvidia-smi's memory.used per GPU every `--gpu-memory-poll` s from the server's
+start to its exit: `gpu_memory_peak_mib` (every process on the GPU, the CUDA contexts included; a spike shorter than
+the interval can be missed). The server log's start-up lines (each phase, the total, the kernel choice) are copied
+into `startup_log`.
+
     python3 benchmarks/scripts/serve_check.py --out /tmp/serve --model bench-dsv32:16 --tp 4 -- \\
         --speculative-num-steps 3 --speculative-topk 1 --speculative-num-draft-tokens 4 --kv-cache-dtype fp8
 """
@@ -23,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -128,6 +137,83 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def parse_gpu_memory(text: str) -> dict[str, tuple[float, float]]:
+    """nvidia-smi's `index, memory.used, memory.total` CSV (noheader, nounits) -> {index: (used MiB, total MiB)}."""
+    out: dict[str, tuple[float, float]] = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) == 3:
+            try:
+                out[cells[0]] = (float(cells[1]), float(cells[2]))
+            except ValueError:
+                pass
+    return out
+
+
+class GpuMemoryPeak:
+    """The highest memory.used nvidia-smi reports per GPU while running (a background thread, every `interval` s);
+    `peak_mib` stays None where there is no nvidia-smi."""
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self.peak_mib: dict[str, float] | None = None
+        self.total_mib: dict[str, float] = {}
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = None
+        if interval > 0 and shutil.which("nvidia-smi") is not None:
+            self.peak_mib = {}
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                text = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used,memory.total",
+                                       "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                                      timeout=10).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                text = ""
+            self.add(parse_gpu_memory(text))
+            self._stop.wait(self.interval)
+
+    def add(self, sample: dict[str, tuple[float, float]]) -> None:
+        if self.peak_mib is None:
+            return
+        for index, (used, total) in sample.items():
+            self.peak_mib[index] = max(used, self.peak_mib.get(index, 0.0))
+            self.total_mib[index] = total
+        self.samples += bool(sample)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(15)
+
+
+def startup_log(path: str, limit: int = 60) -> list[str]:
+    """The server log's start-up lines (rank 0's phases, the total, the kernel choice), in order, `limit` at most."""
+    found = []
+    try:
+        with open(path, errors="replace") as f:
+            for line in f:
+                if "start-up" in line or "Kernel choice" in line:
+                    found.append(line.strip()[:400])
+                    if len(found) == limit:
+                        break
+    except OSError:
+        pass
+    return found
+
+
+def parse_series(text: str) -> tuple[str, str]:
+    """`NAME=FLAGS` -> (NAME, FLAGS); NAME is a word (it names a JSON file and a check)."""
+    name, sep, flags = text.partition("=")
+    if not sep or not name.replace("_", "").isalnum():
+        raise argparse.ArgumentTypeError(f"a series is NAME=FLAGS with NAME a word, got {text!r}")
+    return name, flags
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
@@ -139,6 +225,10 @@ def main() -> int:
     p.add_argument("--bench-timeout", type=float, default=300.0)
     p.add_argument("--exit-limit", type=float, default=10.0, help="seconds from SIGTERM to the server's exit")
     p.add_argument("--bench-args", default="", help="more `minidsa bench` flags, one string")
+    p.add_argument("--series", type=parse_series, action="append", default=[], metavar="NAME=FLAGS",
+                   help="another `minidsa bench --base-url` run after the first, with these flags (repeatable)")
+    p.add_argument("--gpu-memory-poll", type=float, default=1.0,
+                   help="seconds between nvidia-smi's memory samples (0: none)")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then `minidsa serve` flags")
     args = p.parse_args()
     args.run_mark = f"{os.getpid()}-{time.time_ns()}"
@@ -155,12 +245,16 @@ def main() -> int:
     r: dict = {"command": "minidsa serve " + " ".join(cmd[4:]), "model": args.model, "tp": args.tp,
                "requests": args.requests, "concurrency": args.concurrency, "checks": {}, "ok": False}
     log = open(os.path.join(args.out, "serve.log"), "w")
+    memory = GpuMemoryPeak(args.gpu_memory_poll)
     t0 = time.perf_counter()
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                               env={**os.environ, RUN_MARK: args.run_mark})
     try:
         return _check(args, server, base, r, t0)
     finally:
+        memory.stop()
+        r["gpu_memory_peak_mib"], r["gpu_memory_total_mib"] = memory.peak_mib, memory.total_mib or None
+        r["gpu_memory_samples"] = memory.samples
         if server.poll() is None:  # a check failed before SIGTERM, or the server did not exit: its group goes
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 try:
@@ -170,9 +264,45 @@ def main() -> int:
                 except (OSError, subprocess.TimeoutExpired):
                     pass
         log.close()
-        with open(os.path.join(args.out, "serve_check.json"), "w") as f:
-            json.dump(r, f, indent=2)
-        print(json.dumps({k: v for k, v in r.items() if k != "bench"}, indent=2))
+        r["startup_log"] = startup_log(os.path.join(args.out, "serve.log"))
+        write(args.out, r)
+        print(json.dumps({k: v for k, v in r.items() if k not in ("bench", "series", "startup_log")}, indent=2))
+
+
+def write(out: str, r: dict) -> None:
+    path = os.path.join(out, "serve_check.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(r, f, indent=2)
+    os.replace(path + ".tmp", path)  # a reader never sees half a file
+
+
+# What a run's JSON keeps of `minidsa bench`'s results (its per-chunk timeline stays in the bench's own file).
+BENCH_KEYS = ("num_requests", "completed", "failed", "input_tokens_per_s", "output_tokens_per_s", "total_tokens_per_s",
+              "requests_per_s", "duration_s", "ttft_s", "itl_s", "tpot_s", "e2e_s", "first_error")
+
+
+def run_bench(args, base: str, out_json: str, flags: list[str]) -> dict:
+    """`minidsa bench --base-url base` with `flags`: its command, results (BENCH_KEYS; None without a JSON), exit
+    status (None: timed out), seconds, output's tail and error (None when it wrote results in time)."""
+    bench = [sys.executable, "-m", "minidsa.cli", "bench", "--base-url", base, "--no-progress", "--json", out_json,
+             *flags]
+    command = "minidsa bench " + " ".join(bench[4:])
+    t = time.perf_counter()
+    rc, error, tail = None, None, ""
+    try:
+        proc = subprocess.run(bench, capture_output=True, text=True, timeout=args.bench_timeout)
+        rc, tail = proc.returncode, proc.stdout[-3000:] + proc.stderr[-2000:]
+    except subprocess.TimeoutExpired:
+        error = f"minidsa bench did not finish in {args.bench_timeout:.0f} s"
+    seconds = time.perf_counter() - t
+    try:
+        with open(out_json) as f:
+            res = json.load(f)["results"]
+        results = {k: res.get(k) for k in BENCH_KEYS}
+    except (OSError, KeyError, json.JSONDecodeError):
+        results = None
+        error = error or f"no results (exit status {rc}): {tail[-500:]}"
+    return {"command": command, "results": results, "rc": rc, "seconds": seconds, "stdout_tail": tail, "error": error}
 
 
 def _check(args, server: subprocess.Popen, base: str, r: dict, t0: float) -> int:
@@ -190,30 +320,25 @@ def _check(args, server: subprocess.Popen, base: str, r: dict, t0: float) -> int
         return 1
     before = metrics(base)
     r["kv_total_tokens"] = before.get("minidsa_kv_cache_total_tokens")
-    bench_json = os.path.join(args.out, "bench.json")
-    bench = [sys.executable, "-m", "minidsa.cli", "bench", "--base-url", base, "--num-requests", str(args.requests),
-             "--max-concurrency", str(args.concurrency), "--no-progress", "--json", bench_json,
-             *args.bench_args.split()]
-    r["bench_command"] = "minidsa bench " + " ".join(bench[4:])
-    t1 = time.perf_counter()
-    try:
-        proc = subprocess.run(bench, capture_output=True, text=True, timeout=args.bench_timeout)
-        r["bench_rc"] = proc.returncode
-        r["bench_stdout_tail"] = proc.stdout[-3000:] + proc.stderr[-2000:]
-    except subprocess.TimeoutExpired:
-        r["bench_rc"] = None
-        r["error"] = f"minidsa bench did not finish in {args.bench_timeout:.0f} s"
-    r["bench_s"] = time.perf_counter() - t1
-    try:
-        with open(bench_json) as f:
-            res = json.load(f)["results"]
-        r["bench"] = {k: res.get(k) for k in ("completed", "failed", "output_tokens_per_s", "requests_per_s",
-                                              "duration_s", "ttft_s", "itl_s", "tpot_s", "first_error")}
-    except (OSError, KeyError, json.JSONDecodeError):
-        r["bench"] = None
-    b = r["bench"] or {}
-    checks["all_completed"] = b.get("completed") == args.requests
-    checks["zero_failed"] = b.get("failed") == 0
+    if args.requests:
+        run = run_bench(args, base, os.path.join(args.out, "bench.json"),
+                        ["--num-requests", str(args.requests), "--max-concurrency", str(args.concurrency),
+                         *args.bench_args.split()])
+        r.update(bench_command=run["command"], bench=run["results"], bench_rc=run["rc"], bench_s=run["seconds"],
+                 bench_stdout_tail=run["stdout_tail"])
+        if run["error"]:
+            r["error"] = run["error"]
+        b = r["bench"] or {}
+        checks["all_completed"] = b.get("completed") == args.requests
+        checks["zero_failed"] = b.get("failed") == 0
+    r["series"] = {}
+    for name, flags in args.series:
+        run = run_bench(args, base, os.path.join(args.out, f"bench_{name}.json"), flags.split())
+        r["series"][name] = {k: v for k, v in run.items() if k != "stdout_tail"}
+        r["series"][name]["stdout_tail"] = run["stdout_tail"][-1500:]
+        res = run["results"] or {}
+        checks[f"{name}_zero_failed"] = res.get("failed") == 0 and res.get("completed") == res.get("num_requests")
+        write(args.out, r)
     deadline = time.perf_counter() + 10.0  # the last requests' pages go back as their streams close
     while True:
         after = metrics(base)
