@@ -13,6 +13,8 @@ eight_gpus (issue 50): the section on a CPU (the tiny model at --tp 2 through `m
 acceptance and plain, each workload 0 failed, under tensor parallelism and DP attention); eight_gpu_page.py's tables
 and published-figure column from made-up servers; serve_check.py's nvidia-smi memory parsing and peak.
 
+two_gpus (issues 48 and 49 on 2 GPUs): each of its test selections still selects GPU tests (collected, not run).
+
 What only runs on GPUs (NCCL, CUDA graphs, nvidia-smi's process list, the timings) is left to the sections.
 """
 
@@ -464,3 +466,20 @@ def test_gpu_memory_peak_per_gpu():
     assert sc.parse_series("itl_c16=--max-concurrency 16") == ("itl_c16", "--max-concurrency 16")
     with pytest.raises(Exception):
         sc.parse_series("no flags")
+
+
+def test_every_test_selection_of_the_two_gpus_section_selects_gpu_tests():
+    """Each `-k` of section_two_gpus selects at least one test of the file it names (collected here, skipped without
+    GPUs): a renamed GPU test would otherwise drop out of the two-GPU call unnoticed."""
+    script = open(os.path.join(REPO, "scripts", "gpu_check.sh")).read()
+    section = script[script.index("section_two_gpus() {"):]
+    section = section[:section.index("\n}\n")]
+    selections = re.findall(r'budget_part (\w+) \d+ \d+ \$tests (\S+)(?: -k "([^"]+)")?', section)
+    assert [name for name, _, _ in selections] == ["endings", "dp_attention", "allreduce", "tp_equality"]
+    paths = {"$tp": "tests/gpu/test_tensor_parallel_gpu.py"}
+    for name, path, expr in selections:
+        cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+               os.path.join(REPO, paths.get(path, path))] + (["-k", expr] if expr else [])
+        out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120).stdout
+        assert re.search(r"^\d+ tests? collected|^\d+/\d+ tests? collected", out, re.M), (name, out[-800:])
+        assert not re.search(r"^0/\d+ tests collected|no tests collected", out, re.M), (name, out[-800:])
