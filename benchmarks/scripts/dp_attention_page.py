@@ -16,7 +16,6 @@ The page alone, from a summary JSON brought back:
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import operator
@@ -25,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ab import _load  # noqa: E402
-from multi_gpu_page import _f, _parts, parts_table, read_meta  # noqa: E402
+from multi_gpu_page import _f, _parts, parts_table, read_meta, run_page  # noqa: E402
 
 SIDES = ("one", "tp", "dp")  # the table's column order
 
@@ -212,28 +211,7 @@ def page(s: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--collect", metavar="RAW_DIR", help="gather the parts' outputs from this folder into --json first")
-    p.add_argument("--json", required=True, help="the summary JSON (written with --collect, else read)")
-    p.add_argument("--markdown", help="write the page here (default: print it)")
-    args = p.parse_args(argv)
-    if args.collect:
-        summary = collect(args.collect)
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
-    else:
-        summary = _load(args.json)
-        if summary is None:
-            print(f"cannot read {args.json}", file=sys.stderr)
-            return 1
-    text = page(summary)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text)
-    else:
-        print(text)
-    return 0
-
+    return run_page(__doc__, collect, page, argv, indent=1)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -312,22 +312,25 @@ def parts_table(s: dict) -> list[str]:
     return L + [""]
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_page(doc: str, collect_raw, render, argv: list[str] | None = None, indent: int = 2) -> int:
+    """A page script's command line (this one's, dp_attention_page.py's, eight_gpu_page.py's): with --collect, gather
+    a section's raw outputs (`collect_raw`) into --json, else read --json; write `render(summary)` to --markdown, or
+    print it."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--collect", metavar="RAW_DIR", help="gather the parts' outputs from this folder into --json first")
     p.add_argument("--json", required=True, help="the summary JSON (written with --collect, else read)")
     p.add_argument("--markdown", help="write the page here (default: print it)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.collect:
-        summary = collect(args.collect)
+        summary = collect_raw(args.collect)
         with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
+            json.dump(summary, f, indent=indent)
     else:
         summary = _load(args.json)
         if summary is None:
             print(f"cannot read {args.json}", file=sys.stderr)
             return 1
-    text = page(summary)
+    text = render(summary)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(text)
@@ -335,6 +338,9 @@ def main() -> int:
         print(text)
     return 0
 
+
+def main() -> int:
+    return run_page(__doc__, collect, page)
 
 if __name__ == "__main__":
     sys.exit(main())

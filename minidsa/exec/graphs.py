@@ -302,12 +302,6 @@ class StepGraphs:
         self.captured.append(graph)
         return g
 
-    def release(self) -> None:
-        """Destroy every captured graph now (`release_captured`); this object serves no replay afterwards."""
-        release_captured(self.captured)
-        self.static.clear()
-        self._refreshes.clear()
-
     def _graph_for(self, key: tuple[StepKind, int, int]) -> _Graph:
         g = self.static.get(key)
         if g is None:  # a context bucket this deployment meets for the first time
