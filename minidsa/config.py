@@ -518,9 +518,17 @@ class EngineConfig:
     enable_dp_attention: bool = _arg(False, "with --tp N: data-parallel attention (each rank runs attention, the "
                                      "indexer and its own KV cache for its own requests, all heads; the ranks' "
                                      "tokens meet in each MoE layer, routed experts whole, n_routed_experts / N per "
-                                     "rank; everything else replicated). Decode steps replay CUDA graphs on every "
-                                     "rank at one batch bucket; prefill runs uncaptured; no speculative decoding, "
-                                     "no overlap scheduling yet)")
+                                     "rank; everything else replicated). Decode steps and speculative rounds "
+                                     "(MTP chains) replay CUDA graphs on every rank at one batch bucket; prefill "
+                                     "runs uncaptured; no overlap scheduling")
+    enable_two_batch_overlap: bool = _arg(False, "with --enable-dp-attention: run each CUDA-graph decode / verify "
+                                          "batch of at least --two-batch-overlap-min-requests requests per rank as "
+                                          "two micro-batches, so that one's MoE exchange runs while the other "
+                                          "computes (each keeps its own shared top-k); experimental: not yet "
+                                          "measured on GPUs")
+    two_batch_overlap_min_requests: int = _arg(32, "with --enable-two-batch-overlap: the smallest batch bucket "
+                                               "split into two micro-batches (smaller ones run whole: both halves "
+                                               "read every weight, which costs more than the exchange hides)")
     # Off until bench_allreduce.py has measured it against NCCL on the GPUs (it has not run on any yet).
     enable_custom_all_reduce: bool = _arg(False, "with tensor parallelism on GPUs that reach each other peer to "
                                           "peer, serve small all-reduces with minidsa's one-shot kernel over CUDA "
@@ -575,6 +583,17 @@ class EngineConfig:
                               f"'{self.distributed_executor_backend}' is not auto, mp or uni")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ConfigError("chat_template", f"'{self.chat_template}' is not a file (a jinja chat template)")
+        if self.enable_two_batch_overlap:
+            if not self.enable_dp_attention:
+                raise ConfigError("enable_two_batch_overlap", "needs --enable-dp-attention (it overlaps the MoE "
+                                  "exchange of data-parallel attention's ranks)")
+            if not self.enable_cuda_graph:
+                raise ConfigError("enable_two_batch_overlap", "splits the CUDA graphs' batches: drop "
+                                  "--disable-cuda-graph (enable_cuda_graph=False)")
+            if isinstance(self.two_batch_overlap_min_requests, bool) or \
+                    not isinstance(self.two_batch_overlap_min_requests, int) or self.two_batch_overlap_min_requests < 2:
+                raise ConfigError("two_batch_overlap_min_requests", "must be an integer >= 2 (two micro-batches of "
+                                  f"at least one request), got {self.two_batch_overlap_min_requests!r}")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ConfigError("distributed_executor_backend", f"uni (one process) cannot serve tensor_parallel_size "
                               f"{self.tensor_parallel_size}: use auto or mp")

@@ -197,15 +197,39 @@ def test_structured_outputs_under_dp_attention_give_one_process_answers(spec_ste
     assert [True, True] in masked  # both ranks sampled constrained rows in one step, each with its own masks
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
-def test_dp_attention_decode_graphs_replay_in_lockstep_and_give_one_process_tokens(arch, tmp_path, monkeypatch):
+def count_two_batch_runs(monkeypatch) -> list[int]:
+    """From now on, every forward of this process that runs its MoE layers as two micro-batches appends its token
+    count (two-batch overlap, models/two_batch.py)."""
+    from minidsa.models import two_batch
+
+    runs: list[int] = []
+    run_layers = two_batch.run_layers
+
+    def counted(layers, caches, halves, *args):
+        runs.append(sum(h.num_tokens for h in halves))
+        return run_layers(layers, caches, halves, *args)
+
+    monkeypatch.setattr(two_batch, "run_layers", counted)
+    return runs
+
+
+# Two-batch overlap splits the bucket-2 graphs' batches (one request per micro-batch)
+OVERLAP = dict(enable_two_batch_overlap=True, two_batch_overlap_min_requests=2)
+ARCH_AND_OVERLAP = [("deepseek_v32", False), ("glm_moe_dsa", False), ("glm_moe_dsa", True)]
+
+
+@pytest.mark.parametrize("arch,overlap", ARCH_AND_OVERLAP, ids=["deepseek_v32", "glm_moe_dsa", "glm_two_batch"])
+def test_dp_attention_decode_graphs_replay_in_lockstep_and_give_one_process_tokens(arch, overlap, tmp_path,
+                                                                                     monkeypatch):
     """Through the CUDA graphs' static, padded buffers (run eagerly on CPU, as `static_fast_paths` does) and a
     compiled engine's step functions (the layer uncompiled; start-up's warm-up of the uncaptured path included) on
     both ranks (`dp_graphs_rank.static_graphs`): a step whose busy ranks all decode replays the DECODE graph of one
     bucket on every rank (the smallest that holds the largest rank's batch; an idle rank replays it with padding
     rows only), any other step (a rank prefills)
     runs every rank uncaptured; the tokens are one process's. Each rank logs the graphs it replays: the same
-    keys, in the same order, as rank 0 chose in the steps."""
+    keys, in the same order, as rank 0 chose in the steps. With two-batch overlap (GLM: layers reusing the
+    previous layer's top-k, each micro-batch its own) every bucket-2 replay runs as two micro-batches on both
+    ranks (their exchanges must match), with the same tokens."""
     path = _checkpoint(arch, tmp_path)
     with LLM(path, **COMMON) as single:
         config = single.engine.model_config
@@ -217,7 +241,9 @@ def test_dp_attention_decode_graphs_replay_in_lockstep_and_give_one_process_toke
     static_graphs(monkeypatch.setattr, lambda key: rank0.append([key[0].name, key[1], key[2]]))
     ranks_run(monkeypatch, tmp_path, "dp_graphs_rank.py")
     monkeypatch.setenv(REPLAYS_ENV, str(log))
-    with LLM(path, tensor_parallel_size=2, enable_dp_attention=True, cuda_graph_max_bs=2, **COMMON) as dp:
+    split = count_two_batch_runs(monkeypatch)
+    with LLM(path, tensor_parallel_size=2, enable_dp_attention=True, cuda_graph_max_bs=2,
+             **(OVERLAP if overlap else {}), **COMMON) as dp:
         engine = dp.engine
         graphs = engine.runner.graphs
         assert graphs is not None and graphs.buckets == [1, 2] and list(graphs.shapes) == [StepKind.DECODE]
@@ -237,6 +263,9 @@ def test_dp_attention_decode_graphs_replay_in_lockstep_and_give_one_process_toke
     rank1 = [json.loads(line) for line in log.read_text().splitlines()]
     chosen = [["DECODE", *s.graph] for s in steps if s.graph is not None]
     assert rank0 == rank1 == chosen  # both ranks replayed the graph rank 0 chose, every graph step, in lockstep
+    # every bucket-2 step ran as two micro-batches (nothing runs at a capture on CPU)
+    assert split == ([2] * sum(s.graph[0] == 2 for s in steps if s.graph is not None) if overlap else [])
+    assert not overlap or split
 
     def kinds(step):
         return [None if p is None else p.kind for p in step.plans]
@@ -256,12 +285,14 @@ def test_dp_attention_decode_graphs_replay_in_lockstep_and_give_one_process_toke
     assert any(s.graph is None and set(kinds(s)) == {StepKind.DECODE} for s in steps)  # past the largest bucket
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
-def test_dp_attention_speculative_rounds_replay_graphs_in_lockstep(arch, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch,overlap", ARCH_AND_OVERLAP, ids=["deepseek_v32", "glm_moe_dsa", "glm_two_batch"])
+def test_dp_attention_speculative_rounds_replay_graphs_in_lockstep(arch, overlap, tmp_path, monkeypatch):
     """MTP chains through the graphs' static, padded buffers on both ranks (as the test above): a step whose busy
     ranks all run a speculative round replays each of its forwards' graphs (DRAFT twice, VERIFY, DRAFT_EXTEND) at the
     one pair of buckets rank 0 chose, on every rank (an idle rank with padding rows only); a step where a rank prefills
-    runs uncaptured. The tokens are one process's; both ranks replay the same keys, in the order rank 0 laid out."""
+    runs uncaptured. The tokens are one process's; both ranks replay the same keys, in the order rank 0 laid out.
+    With two-batch overlap every bucket-2 VERIFY runs as two micro-batches of one request's 4 tokens each (the MTP
+    layer's forwards run whole)."""
     path = _checkpoint(arch, tmp_path)
     with LLM(path, **COMMON) as single:
         config = single.engine.model_config
@@ -273,8 +304,9 @@ def test_dp_attention_speculative_rounds_replay_graphs_in_lockstep(arch, tmp_pat
     static_graphs(monkeypatch.setattr, lambda key: rank0.append([key[0].name, key[1], key[2]]))
     ranks_run(monkeypatch, tmp_path, "dp_graphs_rank.py")
     monkeypatch.setenv(REPLAYS_ENV, str(log))
+    split = count_two_batch_runs(monkeypatch)
     with LLM(path, tensor_parallel_size=2, enable_dp_attention=True, speculative_num_steps=3, cuda_graph_max_bs=2,
-             **COMMON) as dp:
+             **(OVERLAP if overlap else {}), **COMMON) as dp:
         engine = dp.engine
         assert set(engine.runner.graphs.shapes) == {StepKind.DRAFT, StepKind.VERIFY, StepKind.DRAFT_EXTEND}
         steps = record_steps(engine)
@@ -284,6 +316,8 @@ def test_dp_attention_speculative_rounds_replay_graphs_in_lockstep(arch, tmp_pat
     rank1 = [json.loads(line) for line in log.read_text().splitlines()]
     chosen = [[kind.name, *s.graph] for s in steps if s.graph is not None for kind, _ in s.forwards]
     assert rank0 == rank1 == chosen
+    assert split == ([8] * sum(s.graph[0] == 2 for s in steps if s.graph is not None) if overlap else [])
+    assert not overlap or split
     graphed = [[p is not None for p in s.plans] for s in steps if s.graph is not None]
     assert [True, True] in graphed and ([True, False] in graphed or [False, True] in graphed)
     for s in steps:
@@ -388,12 +422,75 @@ def test_compiled_moe_exchange_does_not_compile_again_for_new_row_counts():
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.skipif(not triton_usable(torch.device("cpu"))[0], reason="needs Triton's interpreter on CPU")
+def test_two_batch_overlap_stages_compile_whole_once_for_every_batch():
+    """Two-batch overlap's compiled stages (`ModelRunner.compile_overlap`: a MoE layer up to its exchange with the
+    shared experts, and the routed experts over the gathered rows) trace without a graph break, as the engine
+    compiles them (dynamic sizes, `layer_tracing`), once for every micro-batch size, and give the plain stages'
+    outputs. In one process, on a tiny engine's first MoE layer, its kernels Triton's (opaque ops, as on a GPU)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from minidsa.exec.runner import layer_tracing
+    from minidsa.models.two_batch import call_attend, call_routed
+
+    with LLM(**COMMON, kernel_backend="triton") as llm:
+        runner = llm.engine.runner
+        model = runner.model
+        i = next(i for i, layer in enumerate(model.main_layers) if not hasattr(layer.mlp, "gate_proj"))
+        layer, caches = model.main_layers[i], runner.attn.layer_caches[i]
+        counter = CompileCounterWithBackend("aot_eager")
+        stages = runner.compile_overlap(counter)
+        hidden, first = model.config.hidden_size, 0
+        for rows in (2, 3, 1, 5):
+            batch = runner._scratch_extend_batch([1] * rows, 1)  # the dummy slot: no request's cache
+            ctx = model._context(batch, runner.attn)
+            h, pending = torch.randn(rows, hidden), torch.randn(rows, hidden)
+            with torch.no_grad(), layer_tracing():
+                got, want = stages.attend(layer, h, pending, ctx, None, caches), call_attend(
+                    layer, h, pending, ctx, None, caches)
+                for g, w in zip(got, want):
+                    torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+                gathered = torch.randn(2 * rows, hidden)
+                torch.testing.assert_close(stages.routed(layer.mlp, gathered), call_routed(layer.mlp, gathered),
+                                           atol=1e-5, rtol=1e-5)
+            first = first or counter.frame_count
+            assert counter.frame_count == first  # the first size's graphs serve every other
+
+
+def test_two_batch_layer_loop_gives_each_micro_batch_its_own_layers_output():
+    """`two_batch.run_layers` over three MoE layers (real experts, a stand-in attention stage) in a gloo group of
+    one: the two micro-batches' exchanges interleaved give exactly what each micro-batch gets through the MoE
+    layer's own exchange alone; the top-k travels with its micro-batch."""
+    from two_batch_check import experts_in_group, inputs, overlapped, reference
+
+    from minidsa.parallel.launch import single_rank_group
+
+    group = single_rank_group("cpu", expert_parallel=True)
+    try:
+        moes = experts_in_group(group.tp, 3, "cpu")
+        for rows, split in ((5, 2), (2, 1), (8, 4)):
+            h, pending, topk = inputs(rows, moes[0].gate.weight.shape[1], "cpu", rows)
+            with torch.no_grad():
+                for got, want in zip(overlapped(moes, h, pending, topk, split), reference(moes, h, pending, topk,
+                                                                                           split)):
+                    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    finally:
+        group.shutdown()
+
+
 BAD_DP = {  # bad input -> (arguments, what the one line says)
     "no-tp": (["--device", "cpu"], "needs --tp N with N >= 2"),
     "tp-1": (["--tp", "1", "--device", "cpu"], "needs --tp N with N >= 2"),
     "experts": (["--tp", "2", "--device", "cpu"], "--tp 2 does not divide the model's n_routed_experts (5)"),
     "tree-drafts": (["--tp", "2", "--device", "cpu", "--speculative-num-steps", "2", "--speculative-topk", "2",
                      "--speculative-num-draft-tokens", "4", "--page-size", "1"], "chains only"),
+    # two-batch overlap (the flag is given without --enable-dp-attention in these: see the test)
+    "overlap-alone": (["--enable-two-batch-overlap"], "'enable_two_batch_overlap': needs --enable-dp-attention"),
+    "overlap-no-graphs": (["--enable-dp-attention", "--tp", "2", "--enable-two-batch-overlap",
+                           "--disable-cuda-graph"], "'enable_two_batch_overlap': splits the CUDA graphs' batches"),
+    "overlap-min": (["--enable-dp-attention", "--tp", "2", "--enable-two-batch-overlap",
+                     "--two-batch-overlap-min-requests", "1"],
+                    "'two_batch_overlap_min_requests': must be an integer >= 2"),
 }
 
 
@@ -405,9 +502,11 @@ def test_unsupported_dp_attention_input_is_one_line_and_exit_2_before_any_rank_s
     pretend_gpus_and_forbid_ranks(monkeypatch, 2)  # two GPUs visible, as far as minidsa can tell
     args, says = BAD_DP[bad]
     model = ["--model", experts_checkpoint(tmp_path / "ckpt")] if bad == "experts" else []
-    assert cli.main(["generate", *model, "--enable-dp-attention", *args]) == 2
+    dp = [] if "--enable-two-batch-overlap" in args else ["--enable-dp-attention"]
+    assert cli.main(["generate", *model, *dp, *args]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("minidsa generate: error: config field 'enable_dp_attention': ")
+    field = "" if says.startswith("'") else "'enable_dp_attention': "
+    assert err.count("\n") == 1 and err.startswith(f"minidsa generate: error: config field {field}"), err
     assert says in err, err
 
 

@@ -215,10 +215,12 @@ def test_moe_exchange_shares_follow_the_routing():
     assert torch.equal(ex.check_weights(shares)[:, 3], 4 * shares[:, 3])
 
 
-def _side(label: str, gpus: int, dp: bool, kv: int, tok_s: float, itl_p99_ms: float, startup: float) -> dict:
+def _side(label: str, gpus: int, dp: bool, kv: int, tok_s: float, itl_p99_ms: float, startup: float,
+          two_batch: bool = False, step_ms: float = 20.0) -> dict:
     bs = 64 * gpus
-    return {"label": label, "side": _module("bench_dp_attention").side_name(gpus, dp), "gpus": gpus,
-            "dp_attention": dp, "attention_ranks": gpus if dp else 1, "preset": "bench-dsv32:10",
+    return {"label": label, "side": _module("bench_dp_attention").side_name(gpus, dp, two_batch), "gpus": gpus,
+            "dp_attention": dp, "two_batch_overlap": two_batch, "attention_ranks": gpus if dp else 1,
+            "preset": "bench-dsv32:10",
             "device": "NVIDIA H200", "date": "2026-12-02 10:00 UTC", "commit": "abc1234",
             "command": f"python3 benchmarks/scripts/bench_dp_attention.py --label {label} --tp {gpus}",
             "max_running_requests": 64, "startup_s": startup, "kv_total_tokens": kv,
@@ -227,7 +229,7 @@ def _side(label: str, gpus: int, dp: bool, kv: int, tok_s: float, itl_p99_ms: fl
                                                                           "p99": itl_p99_ms / 1e3},
                                   "ttft_s": {"p50": 1.0, "p99": 2.0}, "timeline": [[0.1, 5, 0]] * 100}},
             "decode": [{"batch": 1, "batch_asked": "1", "step_ms": 10.0, "tok_per_s": 100.0},
-                       {"batch": bs, "batch_asked": "64/gpu", "step_ms": 20.0, "tok_per_s": bs * 50.0}]}
+                       {"batch": bs, "batch_asked": "64/gpu", "step_ms": step_ms, "tok_per_s": bs * 1e3 / step_ms}]}
 
 
 def test_dp_attention_page_ratios_and_targets(tmp_path):
@@ -273,6 +275,15 @@ def test_dp_attention_page_ratios_and_targets(tmp_path):
     text = page.page(s)
     assert "| KV capacity, DP attention / one GPU | >= 3.5x | - | not measured |" in text
     assert "| ITL p99, DP attention / TP | <= 1.5x | 1.62x | **FAIL** |" in text
+    # a second call's two-batch overlap side (DP_PARTS="dp tbo"): its own column, over DP attention without it
+    (raw / "sides" / "d.json").write_text(json.dumps(_side("tbo", 4, True, 400000, 3300.0, 12.0, 115.0,
+                                                           two_batch=True, step_ms=16.0)))
+    text = page.page(page.collect(str(raw)))
+    assert ("| decode batch 64/gpu (64 / 256 / 256 / 256): ms per step | 20.000 | 20.000 | 20.000 | 16.000 | 1.00x "
+            "| 1.00x | 0.80x |") in text
+    head = next(line for line in text.splitlines() if line.startswith("| measure |"))
+    assert head.endswith("| DP attention 4 + two-batch overlap | DP attention 4 / one GPU | DP attention 4 / TP=4 | "
+                         "DP attention 4 + two-batch overlap / DP attention 4 |"), head
 
 
 def _section(tmp_path, **env) -> subprocess.CompletedProcess:

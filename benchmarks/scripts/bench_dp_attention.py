@@ -49,8 +49,10 @@ def parse_batch(text: str) -> tuple[int, bool]:
     return int(m.group(1)), m.group(2) is not None
 
 
-def side_name(gpus: int, dp_attention: bool) -> str:
-    return f"DP attention {gpus}" if dp_attention else f"TP={gpus}" if gpus > 1 else "one GPU"
+def side_name(gpus: int, dp_attention: bool, two_batch: bool = False) -> str:
+    if dp_attention:
+        return f"DP attention {gpus}" + (" + two-batch overlap" if two_batch else "")
+    return f"TP={gpus}" if gpus > 1 else "one GPU"
 
 
 def run(args, write) -> dict:
@@ -62,7 +64,9 @@ def run(args, write) -> dict:
     config = engine_config_from_args(args)
     gpus = config.tensor_parallel_size
     dp = config.enable_dp_attention
-    result = {"label": args.label, "side": side_name(gpus, dp), "gpus": gpus, "dp_attention": dp,
+    two_batch = config.enable_two_batch_overlap
+    result = {"label": args.label, "side": side_name(gpus, dp, two_batch), "gpus": gpus, "dp_attention": dp,
+              "two_batch_overlap": two_batch, "two_batch_overlap_min_requests": config.two_batch_overlap_min_requests,
               "attention_ranks": gpus if dp else 1, "preset": args.model,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": offline.git_commit(),
               "command": "python3 benchmarks/scripts/bench_dp_attention.py " + " ".join(sys.argv[1:]),

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ab import _load  # noqa: E402
 from multi_gpu_page import _f, _parts, parts_table, read_meta, run_page  # noqa: E402
 
-SIDES = ("one", "tp", "dp")  # the table's column order
+SIDES = ("one", "tp", "dp", "tbo")  # the table's column order (tbo: DP attention with two-batch overlap)
 
 # (what, metric, side, against, comparison, bound): the issue's targets, DP attention's figure over another side's.
 TARGETS = [
@@ -40,7 +40,9 @@ COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 
 def side_key(r: dict) -> str:
     """Which column a side's JSON is: DP attention, TP (several GPUs), or one GPU."""
-    return "dp" if r.get("dp_attention") else "tp" if (r.get("gpus") or 1) > 1 else "one"
+    if r.get("dp_attention"):
+        return "tbo" if r.get("two_batch_overlap") else "dp"
+    return "tp" if (r.get("gpus") or 1) > 1 else "one"
 
 
 def _slim(r: dict) -> dict:
@@ -115,7 +117,7 @@ def sides_table(s: dict) -> list[str]:
         return []
     cols = [k for k in SIDES if k in sides]
     names = {k: sides[k].get("side", k) for k in cols}
-    ratio_cols = [(a, b) for a, b in (("dp", "one"), ("dp", "tp")) if a in sides and b in sides]
+    ratio_cols = [(a, b) for a, b in (("dp", "one"), ("dp", "tp"), ("tbo", "dp")) if a in sides and b in sides]
     head = ["measure"] + [names[k] for k in cols] + [f"{names[a]} / {names[b]}" for a, b in ratio_cols]
     L = ["## One GPU, tensor parallelism and DP attention side by side", "",
          "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]

@@ -63,6 +63,9 @@ class ForwardBatch:
     # DP attention: the (batch-size bucket, context bucket) of the graph every rank replays for this forward, chosen
     # by rank 0 for all ranks (`parallel.dp_attention.step_graph`); None: every rank runs uncaptured
     dp_graph: tuple[int, int] | None = None
+    # Two-batch overlap (a DP-attention graph's static batch, `exec.graphs.StepGraphs`): (requests, tokens, logits
+    # rows) of the first of the two micro-batches the MoE layers interleave (`micro_batches`); None: one batch
+    two_batches: tuple[int, int, int] | None = None
 
     def for_dp_attention(self, dp_tokens: tuple[int, ...], graph: tuple[int, int] | None = None) -> "ForwardBatch":
         """This batch as one attention rank's part of a DP-attention step whose ranks run `dp_tokens` tokens (and,
@@ -77,6 +80,26 @@ class ForwardBatch:
             real = ints_to_device([r * most + i for r, n in enumerate(dp_tokens) for i in range(n)], device)
             pad = torch.empty(most - self.num_tokens, dtype=torch.int64, device=device)
         return dataclasses.replace(self, dp_tokens=tuple(dp_tokens), dp_real_rows=real, dp_pad=pad)
+
+    def micro_batches(self) -> tuple["ForwardBatch", "ForwardBatch"]:
+        """The two micro-batches of `two_batches`: its first requests, and the rest. Each is a batch of its own
+        (token rows, request rows, logits rows re-based), with its own attention and indexer inputs; the split is at
+        a request boundary, so no token sees a request of the other micro-batch."""
+        if self.two_batches is None or self.dp_pad is not None:
+            raise ValueError("micro_batches: a batch split for two-batch overlap has every rank's rows alike")
+        r, t, n = self.two_batches
+        one = dict(two_batches=None)
+        first = dataclasses.replace(
+            self, input_ids=self.input_ids[:t], positions=self.positions[:t], out_cache_loc=self.out_cache_loc[:t],
+            req_pool_indices=self.req_pool_indices[:r], seq_lens=self.seq_lens[:r], extend_lens=self.extend_lens[:r],
+            token_req=self.token_req[:t], kv_lens=self.kv_lens[:t], logits_indices=self.logits_indices[:n],
+            tree_mask=None if self.tree_mask is None else self.tree_mask[:t], **one)
+        second = dataclasses.replace(
+            self, input_ids=self.input_ids[t:], positions=self.positions[t:], out_cache_loc=self.out_cache_loc[t:],
+            req_pool_indices=self.req_pool_indices[r:], seq_lens=self.seq_lens[r:], extend_lens=self.extend_lens[r:],
+            token_req=self.token_req[t:] - r, kv_lens=self.kv_lens[t:], logits_indices=self.logits_indices[n:] - t,
+            tree_mask=None if self.tree_mask is None else self.tree_mask[t:], **one)
+        return first, second
 
     @property
     def batch_size(self) -> int:

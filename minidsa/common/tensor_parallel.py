@@ -61,13 +61,23 @@ class TensorParallel:
 
     def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, n] on each rank (the same rows everywhere) -> [size * rows, n], rank-major."""
-        out = torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), self.size, self.group_name)
-        return torch.ops._c10d_functional.wait_tensor(out)
+        return self.wait(self.start_all_gather_rows(x))
 
     def reduce_scatter_rows(self, x: torch.Tensor) -> torch.Tensor:
         """[size * rows, n] on each rank -> [rows, n]: rank r gets the sum over the ranks of block r."""
-        out = torch.ops._c10d_functional.reduce_scatter_tensor(x.contiguous(), "sum", self.size, self.group_name)
-        return torch.ops._c10d_functional.wait_tensor(out)
+        return self.wait(self.start_reduce_scatter_rows(x))
+
+    # Issued now, waited for later (`wait`): what runs on the compute stream meanwhile overlaps the exchange (two-batch
+    # overlap, models/two_batch.py). The result must not be read before `wait` returns it.
+    def start_all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), self.size, self.group_name)
+
+    def start_reduce_scatter_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops._c10d_functional.reduce_scatter_tensor(x.contiguous(), "sum", self.size, self.group_name)
+
+    @staticmethod
+    def wait(started: torch.Tensor) -> torch.Tensor:
+        return torch.ops._c10d_functional.wait_tensor(started)
 
     @property
     def collectives(self) -> bool:

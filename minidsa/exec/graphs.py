@@ -28,6 +28,10 @@ a 4-layer model (the GPU idle 72% of it) against a 6 ms decode step. Only (token
 logits fit `EXTEND_GRAPH_MAX_LOGITS` are captured, so the memory a graph's working set needs stays bounded; larger
 steps run uncaptured, where the host time is a smaller share.
 
+Two-batch overlap (DP attention, `two_batch_min`): the static batch of a DECODE or VERIFY graph of enough requests
+says where it splits into two micro-batches (`ForwardBatch.two_batches`); the model interleaves their MoE layers
+(models/two_batch.py) inside the one graph.
+
 Without a GPU the same static-buffer path can run eagerly (`capture=False`), which is how CPU tests check the
 padding logic.
 """
@@ -111,8 +115,11 @@ class StepGraphs:
                  shapes: list[GraphShape], buckets: list[int], max_kv_len: int, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, capture: bool = True,
                  ctx_buckets: list[int] | None = None, extend_buckets: list[int] | None = None,
-                 max_requests: int = 0):
+                 max_requests: int = 0, two_batch_min: int = 0):
         self.run_main, self.run_mtp = run_main, run_mtp
+        # Two-batch overlap (DP attention): the main model's graphs of at least this many requests run their batch as
+        # two micro-batches (`ForwardBatch.two_batches`, models/two_batch.py); 0: off
+        self.two_batch_min = two_batch_min
         self.shapes = {s.kind: s for s in shapes}
         self.buckets = sorted(set(buckets))
         self.extend_buckets = sorted(set(extend_buckets or ()))
@@ -229,7 +236,8 @@ class StepGraphs:
             out_cache_loc=full.out_cache_loc[:t], req_pool_indices=full.req_pool_indices[:reqs],
             seq_lens=full.seq_lens[:reqs], extend_lens=full.extend_lens[:reqs], token_req=full.token_req[:t],
             kv_lens=full.kv_lens[:t], logits_indices=full.logits_indices[:n], max_kv_len=ctx,
-            tree_mask=None if full.tree_mask is None else full.tree_mask[:t])
+            tree_mask=None if full.tree_mask is None else full.tree_mask[:t],
+            two_batches=self._two_batches(shape, size))
         for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices"):
             getattr(batch, name).zero_()
         batch.seq_lens.fill_(1)
@@ -258,6 +266,14 @@ class StepGraphs:
             refreshed.append(("tree_mask", "tokens", 0))  # zero bytes: False
         views = {name: getattr(batch, name).view(-1).view(torch.uint8) for name, _, _ in refreshed}
         return _Graph(batch, hidden_in, refreshed=tuple(refreshed), bytes=views)
+
+    def _two_batches(self, shape: GraphShape, size: int) -> tuple[int, int, int] | None:
+        """The first micro-batch (requests, tokens, logits rows) of a graph of `size` requests, where two-batch
+        overlap splits it: the main model's fixed-shape kinds, from `two_batch_min` requests."""
+        if not self.two_batch_min or shape.mtp or not shape.tokens_per_req or size < max(2, self.two_batch_min):
+            return None
+        r = size // 2
+        return r, r * shape.tokens_per_req, shape.logit_rows(r)
 
     def _fill(self, value: int) -> int:
         """Makes `value`'s padding source once (at start-up or a graph's capture): int64 `value`s on the device,

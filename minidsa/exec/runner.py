@@ -35,6 +35,7 @@ from minidsa.exec.memory import MIN_KV_TOKENS, DoesNotFit, GiB, graph_buffer_byt
 from minidsa.exec.startup import StartupPhases
 from minidsa.kernels.deepgemm import LOGITS_ALIGN
 from minidsa.models.deepseek_v32 import ModelOutput, RunLayer, call_layer, deepgemm_experts
+from minidsa.models.two_batch import OverlapCalls, call_attend, call_routed
 from minidsa.models.layers.linear import deepgemm_weights
 from minidsa.models.loader import build_model
 from minidsa.sched.pages import KVCapacity, pages_needed
@@ -87,6 +88,21 @@ def decode_graph_shapes(spec_layout: SpecLayout | None) -> list[GraphShape]:
     if spec_layout.num_steps > 1:
         shapes.append(GraphShape(StepKind.DRAFT, k, 0 if chain else spec_layout.draft_width))
     return shapes
+
+
+def _compiled(fn: Callable, backend: str | Callable) -> Callable:
+    """`fn` (a layer or a layer's stage) through torch.compile, as `ModelRunner.compile_layer` says."""
+    # Dynamo keys its cache on the code object and guards on the layer's type and attributes: several
+    # engines in one process (tests, notebooks, the benchmark suite) outgrow the default limit of 8, a hard
+    # error with fullgraph.
+    dynamo_config = torch._dynamo.config
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
+    # No runtime autotuning of pointwise kernels (up to 6 configs each, timed at first launch, for every graph):
+    # it was the largest part of a cold start, and serving measured no slower without it
+    # (benchmarks/startup/NOTES.md); reductions keep theirs.
+    options = {"triton.autotune_pointwise": False} if backend == "inductor" else None
+    return torch.compile(fn, dynamic=True, fullgraph=True, backend=backend, options=options)
 
 
 def _weights_detail(model: torch.nn.Module, path: str | None) -> str:
@@ -168,12 +184,15 @@ class ModelRunner:
         # The engine's compiled decoder layer (a GPU, compile and graphs on). The activation profile below runs
         # it first, so torch.compile traces beside DeepGEMM's pool instead of after it, in the capture.
         self.layer: RunLayer | None = None
+        self.overlap: OverlapCalls | None = None  # two-batch overlap's stages, compiled (None: uncompiled)
         self.compiled = False
         if self.device.type == "cuda" and config.enable_compile and config.enable_cuda_graph:
             if self.compile_cache is not None:
                 with self.startup.phase("compile cache") as phase:
                     phase.detail = self.compile_cache.load()
             self.layer = self.compile_layer("inductor")
+            if config.enable_two_batch_overlap:
+                self.overlap = self.compile_overlap("inductor")
         num_layers = model_config.num_layers_with_mtp
         indexer_layers = list(layouts.indexer_layers)
         self._indexer_layers = indexer_layers
@@ -428,7 +447,7 @@ class ModelRunner:
             logger.info("CUDA graphs disabled (enable_cuda_graph=False): decode runs eagerly, uncompiled "
                         "(torch.compile serves the captured steps)")
             return
-        run_main, run_mtp = self.step_functions(self.layer)
+        run_main, run_mtp = self.step_functions(self.layer, self.overlap)
         # torch.compile traced the layer in the activation profile; what the capture and the warm-up still
         # compile (new guards, other kernels) their lines say.
         with self._compiling_phase("capture") as phase:
@@ -457,7 +476,8 @@ class ModelRunner:
             shapes.append(GraphShape(StepKind.EXTEND, 0, 0))
         return StepGraphs(run_main, run_mtp, shapes, buckets, self.table_width, self.model_config.hidden_size,
                           self.dtype, self.device, capture=self.device.type == "cuda", ctx_buckets=CTX_BUCKETS,
-                          extend_buckets=extend_buckets, max_requests=cfg.max_running_requests)
+                          extend_buckets=extend_buckets, max_requests=cfg.max_running_requests,
+                          two_batch_min=cfg.two_batch_overlap_min_requests if cfg.enable_two_batch_overlap else 0)
 
     def use_graphs(self, graphs: StepGraphs, warm_up_tokens: int) -> None:
         """Serve batches through `graphs` from now on. When their step functions are compiled, batches without a
@@ -501,22 +521,19 @@ class ModelRunner:
         are made inside the opaque custom ops, so they add no guards. fullgraph=True: a graph break is an error
         here, not a silent slowdown.
         """
-        # Dynamo keys its cache on the code object and guards on the layer's type and attributes: several
-        # engines in one process (tests, notebooks, the benchmark suite) outgrow the default limit of 8, a hard
-        # error with fullgraph.
-        dynamo_config = torch._dynamo.config
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
-        dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
-        # No runtime autotuning of pointwise kernels (up to 6 configs each, timed at first launch, for every graph):
-        # it was the largest part of a cold start, and serving measured no slower without it
-        # (benchmarks/startup/NOTES.md); reductions keep theirs.
-        options = {"triton.autotune_pointwise": False} if backend == "inductor" else None
         logger.info("torch.compile (%s): one decoder layer per layer kind, reused by every layer", backend)
-        return torch.compile(call_layer, dynamic=True, fullgraph=True, backend=backend, options=options)
+        return _compiled(call_layer, backend)
 
-    def step_functions(self, layer: RunLayer | None = None):
+    def compile_overlap(self, backend: str | Callable) -> OverlapCalls:
+        """Two-batch overlap's stages of a MoE layer through torch.compile, as `compile_layer` compiles the whole
+        layer (the collectives between them run eagerly: models/two_batch.py)."""
+        logger.info("torch.compile (%s): two-batch overlap's stages of a MoE layer", backend)
+        return OverlapCalls(_compiled(call_attend, backend), _compiled(call_routed, backend))
+
+    def step_functions(self, layer: RunLayer | None = None, overlap: OverlapCalls | None = None):
         """(run_main(batch), run_mtp(batch, hidden_prev, prev_topk=None)) through `layer` (a `compile_layer`),
-        or the plain modules (None)."""
+        or the plain modules (None); two-batch overlap's stages through `overlap` (`compile_overlap`; None: the
+        plain stages)."""
         if layer is None:
             return self.forward_eager, self.forward_mtp_eager
         self.compiled = True
@@ -524,7 +541,7 @@ class ModelRunner:
         @torch.no_grad()
         def run_main(batch: ForwardBatch, layers: list[int] | None = None) -> ModelOutput:
             with layer_tracing():
-                return self.model(batch, self.attn, layer, layers)
+                return self.model(batch, self.attn, layer, layers, overlap)
 
         @torch.no_grad()
         def run_mtp(batch: ForwardBatch, hidden_prev: torch.Tensor, prev_topk: torch.Tensor | None = None

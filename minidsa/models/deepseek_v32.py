@@ -52,6 +52,8 @@ from minidsa.models.layers.parallel import (
     VocabParallelEmbedding,
     checkpoint_shard,
 )
+from minidsa.models import two_batch
+from minidsa.models.two_batch import OverlapCalls
 
 importlib.import_module("minidsa.kernels.custom_ops")  # registers torch.ops.minidsa.* (fused_moe below)
 
@@ -612,14 +614,21 @@ class MoE(nn.Module):
         gathered = dp.all_gather_rows(padded)  # [size * most, H], rank-major
         if real is not None:  # only real rows reach the router and the experts
             gathered = gathered[real]
-        ids, weights = self.gate(gathered)
-        y = self.experts(gathered, ids, weights)  # this rank's experts' share of every row
+        y = self.routed(gathered)
         if real is not None:
             y = y.new_zeros(dp.size * most, y.shape[1]).index_copy_(0, real, y)
         y = dp.reduce_scatter_rows(y)[:rows]  # this rank's rows, summed over every rank's experts
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x, x_quantized)
-        return y
+        shared = self.shared(x, x_quantized)
+        return y if shared is None else y + shared
+
+    def routed(self, gathered: torch.Tensor) -> torch.Tensor:
+        """DP attention: this rank's experts' share of every gathered row (the router chooses for all of them)."""
+        ids, weights = self.gate(gathered)
+        return self.experts(gathered, ids, weights)
+
+    def shared(self, x: torch.Tensor, x_quantized: QuantizedInput | None) -> torch.Tensor | None:
+        """DP attention: the shared experts' output for this rank's own rows (None: the model has none)."""
+        return self.shared_experts(x, x_quantized) if self.shared_experts is not None else None
 
 
 class DecoderLayer(nn.Module):
@@ -636,15 +645,27 @@ class DecoderLayer(nn.Module):
         nothing to add). Returns (h, this layer's MLP / MoE output, top-k), the output unsummed too: the next
         layer's input norm adds it in its own launch (`add_normed`), so the add costs no launch of its own; after
         the last layer the model adds it."""
+        h, x, x_quantized, topk = self.attend(h, pending, ctx, prev_topk, caches)
+        if self.exchanges_rows:  # DP attention: the ranks' rows meet
+            return h, self.mlp(x, x_quantized, ctx.batch), topk
+        return h, self.mlp(x, x_quantized), topk
+
+    def attend(self, h: torch.Tensor, pending: torch.Tensor | None, ctx: LayerContext,
+               prev_topk: torch.Tensor | None, caches: LayerCaches
+               ) -> tuple[torch.Tensor, torch.Tensor, QuantizedInput | None, torch.Tensor]:
+        """The layer up to its MLP / MoE: (h, the MLP's input, its FP8 quantisation or None, top-k)."""
         if pending is None:
             x, x_quantized = self.input_layernorm.normed(h)
         else:
             h, x, x_quantized = self.input_layernorm.add_normed(pending, h)
         a, topk = self.self_attn(x, ctx, prev_topk, caches, x_quantized)
         h, x, x_quantized = self.post_attention_layernorm.add_normed(a, h)
-        if isinstance(self.mlp, MoE) and self.mlp.dp is not None:  # DP attention: the ranks' rows meet
-            return h, self.mlp(x, x_quantized, ctx.batch), topk
-        return h, self.mlp(x, x_quantized), topk
+        return h, x, x_quantized, topk
+
+    @property
+    def exchanges_rows(self) -> bool:
+        """A MoE layer under DP attention: the ranks' rows meet in it (`MoE._forward_dp`)."""
+        return isinstance(self.mlp, MoE) and self.mlp.dp is not None
 
     def norm_consumers(self) -> list[tuple[RMSNorm, list[nn.Module]]]:
         """Each norm whose output feeds linears directly, with those linears (or routed experts)."""
@@ -778,9 +799,11 @@ class DeepseekV32ForCausalLM(nn.Module):
         return self.tp.all_gather_last_dim(self.lm_head(h)).float()
 
     def forward(self, batch: ForwardBatch, attn: DSABackend, run_layer: "RunLayer | None" = None,
-                layers: list[int] | None = None) -> ModelOutput:
+                layers: list[int] | None = None, overlap: OverlapCalls | None = None) -> ModelOutput:
         """`run_layer`: how each decoder layer is called (the runner hands in a compiled `call_layer`). `layers`:
-        only these decoder layers, in order (the start-up warm-up's `one_layer_per_kind`; not the model's output)."""
+        only these decoder layers, in order (the start-up warm-up's `one_layer_per_kind`; not the model's output).
+        A batch split for two-batch overlap (`ForwardBatch.two_batches`) runs its MoE layers as two interleaved
+        micro-batches (models/two_batch.py) through `overlap`'s stages."""
         run_layer = run_layer or call_layer
         ctx = self._context(batch, attn)
         h = self.model.embed_tokens(batch.input_ids)
@@ -790,8 +813,18 @@ class DeepseekV32ForCausalLM(nn.Module):
         pending = torch.full_like(h, -0.0)
         topk = None
         main = self.main_layers
-        for i in range(len(main)) if layers is None else layers:
+        order = list(range(len(main))) if layers is None else layers
+        split = len(order)  # from here on two micro-batches (`two_batch.run_layers`)
+        if batch.two_batches is not None and layers is None:
+            split = next((i for i in order if main[i].exchanges_rows), split)
+        for i in order[:split]:
             h, pending, topk = run_layer(main[i], h, pending, ctx, topk, attn.layer_caches[i])
+        if split < len(order):
+            halves = batch.micro_batches()
+            h, pending, topk = two_batch.run_layers(
+                main[split:], attn.layer_caches[split:len(main)], halves,
+                (self._context(halves[0], attn), self._context(halves[1], attn)), h, pending, topk, run_layer,
+                overlap or OverlapCalls())
         h = h + pending  # the hidden state handed on (the MTP layer, speculative decoding) is the summed stream
         normed = self.model.norm.rows(h, batch.logits_indices)
         return ModelOutput(hidden=h, logits=self.logits(normed), topk=topk)

@@ -30,7 +30,9 @@ guard), whose MoE exchanges are bucket x N rows. Each step rank 0 decides for al
 `DPStepPlan.graph`): when every busy rank decodes, or every busy rank runs a speculative round, and the largest batch
 fits a bucket, every rank replays each forward's graph at that one bucket (an idle rank with padding rows only);
 otherwise every rank runs uncaptured (torch.compile's layer on a GPU), padded to the step's most rows. Prefill
-chunks and mixed steps never run as graphs under DP attention (no EXTEND graph is captured).
+chunks and mixed steps never run as graphs under DP attention (no EXTEND graph is captured). With two-batch overlap
+the main model's graphs of enough requests run their MoE layers as two micro-batches (models/two_batch.py): every
+rank captures the same graphs, so every rank splits alike.
 """
 
 from __future__ import annotations

@@ -109,6 +109,42 @@ def test_single_rank_group_with_graphs_leaves_at_once_and_another_engine_starts(
         gc.collect()
 
 
+@pytest.mark.timeout(300, method="thread")
+def test_two_batch_layer_loop_inside_a_cuda_graph_over_nccl():
+    """Two-batch overlap's layer loop (`two_batch.run_layers`: three MoE layers, real experts, a stand-in attention
+    stage) captured in a CUDA graph over an NCCL group of one: the all-gathers and reduce-scatters are issued on
+    NCCL's stream inside the capture and waited for later; replayed on new inputs, it gives what each micro-batch
+    gets through the MoE layer's own exchange, eagerly."""
+    from two_batch_check import experts_in_group, inputs, overlapped, reference
+
+    from minidsa.parallel.launch import single_rank_group
+
+    group = single_rank_group("cuda", expert_parallel=True)
+    try:
+        moes = experts_in_group(group.tp, 3, "cuda")
+        hidden = moes[0].gate.weight.shape[1]
+        static = inputs(8, hidden, "cuda", 0)
+        with torch.no_grad():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                overlapped(moes, *static, 4)  # warm-up outside the capture
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = overlapped(moes, *static, 4)
+            for seed in (1, 2):
+                fresh = inputs(8, hidden, "cuda", seed)
+                for buf, value in zip(static, fresh):
+                    buf.copy_(value)
+                graph.replay()
+                for got, want in zip(outs, reference(moes, *fresh, 4)):
+                    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        graph.reset()  # before the group is aborted (NCCL waits for the graphs that captured it)
+    finally:
+        group.shutdown()
+
+
 @TWO_GPUS
 @pytest.mark.timeout(900, method="thread")
 def test_two_gpus_equal_one_with_speculation(tmp_path):
@@ -138,18 +174,22 @@ def test_two_gpus_equal_one_with_expert_parallelism_on_the_fp8_bench_preset():
 
 @TWO_GPUS
 @pytest.mark.timeout(900, method="thread")
-@pytest.mark.parametrize("spec_steps", [0, 3], ids=["plain", "mtp"])
-def test_two_gpus_with_dp_attention_and_cuda_graphs_equal_one_on_the_bench_preset(spec_steps):
+@pytest.mark.parametrize("spec_steps,two_batch", [(0, False), (3, False), (0, True), (3, True)],
+                         ids=["plain", "mtp", "two_batch", "mtp_two_batch"])
+def test_two_gpus_with_dp_attention_and_cuda_graphs_equal_one_on_the_bench_preset(spec_steps, two_batch):
     """DP attention (each rank its own requests and KV cache, routed experts half per rank) with CUDA graphs and
     torch.compile: decode steps replay every rank's DECODE graph of one bucket (rank 0's choice; the MoE all-gather
     and reduce-scatter captured inside, bucket x 2 rows), prefill steps run the compiled layer uncaptured; the
     tokens are one GPU's. Four prompts of different lengths, two per rank. With MTP chains (3 steps): speculative
-    rounds replay their DRAFT, VERIFY and DRAFT_EXTEND graphs in lockstep, still one GPU's greedy tokens."""
+    rounds replay their DRAFT, VERIFY and DRAFT_EXTEND graphs in lockstep, still one GPU's greedy tokens. With
+    two-batch overlap from 2 requests (each rank's two prompts its own micro-batch), the DECODE / VERIFY graphs of 2
+    requests run the MoE layers as two micro-batches, their exchanges on NCCL's stream inside the graphs."""
     prompts = _prompts(4, 300, 120000)
     exact = dict(dtype="float32", indexer_cache_dtype="model", max_total_tokens=16384, max_model_len=2048)
     one, _, _, _ = _run("bench-dsv32:4", prompts, **exact)
+    overlap_args = dict(enable_two_batch_overlap=True, two_batch_overlap_min_requests=2) if two_batch else {}
     two, replays, worker, overlap = _run("bench-dsv32:4", prompts, tensor_parallel_size=2, enable_dp_attention=True,
-                                         speculative_num_steps=spec_steps, **exact)
+                                         speculative_num_steps=spec_steps, **overlap_args, **exact)
     assert worker == "DPAttentionWorker" and not overlap
     graphed = StepKind.VERIFY if spec_steps else StepKind.DECODE
     assert replays.get(graphed, 0) > 0 and replays.get(StepKind.EXTEND, 0) == 0, replays
