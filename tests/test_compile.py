@@ -286,10 +286,10 @@ def test_serving_after_start_up_compiles_nothing_and_matches_eager(compiled_llm,
     compiled_at_start_up = counter.frame_count
     model_forward = runner.model.forward
 
-    def compiled_only(batch, attn, run_layer=None, layers=None):
+    def compiled_only(batch, attn, run_layer=None, layers=None, overlap=None):
         assert run_layer is not None, "a batch ran the plain modules"
         assert layers is None, "a served batch ran only some layers"
-        return model_forward(batch, attn, run_layer)
+        return model_forward(batch, attn, run_layer, overlap=overlap)
 
     monkeypatch.setattr(runner.model, "forward", compiled_only)
     plans = []

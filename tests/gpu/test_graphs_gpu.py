@@ -165,10 +165,10 @@ def test_tiny_compiled_prefill_and_mixed_steps_equal_eager_without_recompiles(se
     assert runner.compiled
     model_forward, mtp_forward = runner.model.forward, runner.model.forward_mtp
 
-    def compiled_only(batch, attn, run_layer=None, layers=None):
+    def compiled_only(batch, attn, run_layer=None, layers=None, overlap=None):
         assert run_layer is not None, "a batch ran the plain modules"
         assert layers is None, "a served batch ran only some layers"
-        return model_forward(batch, attn, run_layer)
+        return model_forward(batch, attn, run_layer, overlap=overlap)
 
     def compiled_mtp_only(batch, attn, hidden_prev, prev_topk=None, run_layer=None):
         assert run_layer is not None, "an MTP batch ran the plain modules"
