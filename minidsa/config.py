@@ -594,6 +594,9 @@ class EngineConfig:
                     not isinstance(self.two_batch_overlap_min_requests, int) or self.two_batch_overlap_min_requests < 2:
                 raise ConfigError("two_batch_overlap_min_requests", "must be an integer >= 2 (two micro-batches of "
                                   f"at least one request), got {self.two_batch_overlap_min_requests!r}")
+            if self.two_batch_overlap_min_requests > self.cuda_graph_max_bs:
+                raise ConfigError("two_batch_overlap_min_requests", f"{self.two_batch_overlap_min_requests} is more "
+                                  f"than cuda_graph_max_bs ({self.cuda_graph_max_bs}): no graph would split")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ConfigError("distributed_executor_backend", f"uni (one process) cannot serve tensor_parallel_size "
                               f"{self.tensor_parallel_size}: use auto or mp")

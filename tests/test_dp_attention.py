@@ -491,6 +491,8 @@ BAD_DP = {  # bad input -> (arguments, what the one line says)
     "overlap-min": (["--enable-dp-attention", "--tp", "2", "--enable-two-batch-overlap",
                      "--two-batch-overlap-min-requests", "1"],
                     "'two_batch_overlap_min_requests': must be an integer >= 2"),
+    "overlap-past-graphs": (["--enable-dp-attention", "--tp", "2", "--enable-two-batch-overlap", "--cuda-graph-max-bs",
+                             "16"], "'two_batch_overlap_min_requests': 32 is more than cuda_graph_max_bs (16)"),
 }
 
 

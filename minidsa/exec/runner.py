@@ -474,6 +474,10 @@ class ModelRunner:
             [b for b in EXTEND_TOKEN_BUCKETS if b <= self.step_tokens]
         if extend_buckets:  # prefill chunks and mixed steps up to a bucket's tokens
             shapes.append(GraphShape(StepKind.EXTEND, 0, 0))
+        if cfg.enable_two_batch_overlap:
+            split = [b for b in buckets if b >= cfg.two_batch_overlap_min_requests]
+            logger.info("two-batch overlap: the %s graphs of %s requests run their MoE layers as two micro-batches",
+                        "/".join(s.kind.name.lower() for s in shapes if not s.mtp and s.tokens_per_req), split)
         return StepGraphs(run_main, run_mtp, shapes, buckets, self.table_width, self.model_config.hidden_size,
                           self.dtype, self.device, capture=self.device.type == "cuda", ctx_buckets=CTX_BUCKETS,
                           extend_buckets=extend_buckets, max_requests=cfg.max_running_requests,
