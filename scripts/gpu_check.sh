@@ -545,8 +545,8 @@ section_dp_attention() {   # issue 49 (4 GPUs; sized for one 10-minute call, DP_
     #             reduce-scatter (minidsa today) against all-to-all, DP_EXCHANGE_ROWS (default 1 16 64 128 256) rows
     #             per rank x 7168 bf16, DP_TP ranks, CUDA graphs; outputs checked equal
     #   tbo       not in the default parts (a second call: DP_PARTS="dp tbo"): the dp side with two-batch overlap
-    #             (--enable-two-batch-overlap, graphs of DP_TBO_MIN requests or more split, default 32), on / off
-    #             side by side: keep it only where it wins
+    #             (--enable-two-batch-overlap; forwards of DP_TBO_MIN tokens a rank or more split, default 64: the
+    #             decode at 64 per rank and every prefill), on / off side by side: keep it only where it wins
     # Seconds a part needs left to start / at most (not measured yet: from bench-dsv32's recorded start-ups and
     # `minidsa bench` runs): dp 150 / 210, tp 150 / 210, one 90 / 150, exchange 40 / 100.
     # DP_MODEL (default bench-dsv32:10), DP_TP (4), DP_ENGINE_ARGS (every side's engine flags, default
@@ -587,7 +587,7 @@ section_dp_attention() {   # issue 49 (4 GPUs; sized for one 10-minute call, DP_
                     $engine $cpu ${DP_SIDE_ARGS:-} ;;
             one) budget_part one 90 150 $side --out "$raw/sides" --label one --tp 1 $engine $cpu ${DP_SIDE_ARGS:-} ;;
             tbo) budget_part tbo 150 210 $side --out "$raw/sides" --label tbo --tp "$tp" --enable-dp-attention \
-                     --enable-two-batch-overlap --two-batch-overlap-min-requests "${DP_TBO_MIN:-32}" $engine $cpu \
+                     --enable-two-batch-overlap --two-batch-overlap-min-tokens "${DP_TBO_MIN:-64}" $engine $cpu \
                      ${DP_SIDE_ARGS:-} ;;
             exchange) budget_part exchange 40 100 $PY benchmarks/scripts/bench_moe_exchange.py --out "$raw/exchange" \
                           --ranks "$tp" --rows ${DP_EXCHANGE_ROWS:-1 16 64 128 256} $exchange_device \

@@ -63,6 +63,46 @@ def record_steps(engine) -> list[DPStepPlan]:
     return steps
 
 
+def count_two_batch_runs(monkeypatch) -> list[int]:
+    """From now on, every forward of this process that runs its MoE layers as two micro-batches appends its token
+    count (two-batch overlap, models/two_batch.py)."""
+    from minidsa.models import two_batch
+
+    runs: list[int] = []
+    run_layers = two_batch.run_layers
+
+    def counted(layers, caches, halves, *args):
+        runs.append(sum(h.num_tokens for h in halves))
+        return run_layers(layers, caches, halves, *args)
+
+    monkeypatch.setattr(two_batch, "run_layers", counted)
+    return runs
+
+
+# Two-batch overlap splits every main-model forward of 2 tokens or more on some rank: the bucket-2 graphs (one
+# request per micro-batch), and every uncaptured step's tokens in half on each rank
+OVERLAP = dict(enable_two_batch_overlap=True, two_batch_overlap_min_tokens=2)
+
+
+def check_splits(steps, split: list[int], graph_tokens: int, empty_half: bool) -> None:
+    """Rank 0 ran two micro-batches exactly in the graph steps of bucket 2 (`graph_tokens` tokens each) and the
+    uncaptured steps rank 0 split (every rank's first micro-batch half of its main-forward tokens); among those a
+    prefill cut inside a request, and (`empty_half`) a rank with one token (an idle rank's dummy, one decode) whose
+    first micro-batch was empty."""
+    expected = []
+    for s in steps:
+        if s.graph is not None:
+            assert s.two_batches is None
+            expected += [graph_tokens] if s.graph[0] == 2 else []
+            continue
+        main = next(n for kind, n in s.forwards if not kind.runs_mtp)
+        assert s.two_batches == (tuple(n // 2 for n in main) if max(main) >= 2 else None), (main, s.two_batches)
+        expected += [main[0]] if s.two_batches is not None else []
+    assert split == expected and expected
+    split_steps = [s for s in steps if s.two_batches is not None]
+    assert any(0 in s.two_batches for s in split_steps) == empty_half
+    assert any(p is not None and p.kind == StepKind.EXTEND and p.extend_lens[0] >= 2
+               for s in split_steps for p in s.plans)
 def _checkpoint(arch: str, tmp_path) -> str:
     """A tiny 3-layer checkpoint of `arch` (GLM: every other layer shares its top-k)."""
     over = dict(num_hidden_layers=3)
@@ -71,8 +111,11 @@ def _checkpoint(arch: str, tmp_path) -> str:
     return save_hf_with_mtp(arch, str(tmp_path / arch), seed=7, **over)
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
-def test_dp_attention_over_two_ranks_gives_one_process_tokens(arch, tmp_path):
+@pytest.mark.parametrize("arch,overlap", [("deepseek_v32", False), ("glm_moe_dsa", False), ("deepseek_v32", True)],
+                         ids=["deepseek_v32", "glm_moe_dsa", "dsv32_two_batch"])
+def test_dp_attention_over_two_ranks_gives_one_process_tokens(arch, overlap, tmp_path, monkeypatch):
+    """(Without graphs.) With two-batch overlap from 2 tokens every step runs its MoE layers as two micro-batches,
+    each rank's tokens in half: the same tokens, logprobs and prompt logprobs."""
     path = _checkpoint(arch, tmp_path)
     with LLM(path, **COMMON) as single:
         config = single.engine.model_config
@@ -81,7 +124,8 @@ def test_dp_attention_over_two_ranks_gives_one_process_tokens(arch, tmp_path):
         one_rank_kv = single.engine.metrics().kv_total_tokens
         ref_lp = single.generate(prompts[:3], LOGPROBS)
 
-    with LLM(path, tensor_parallel_size=2, enable_dp_attention=True, **COMMON) as dp:
+    split = count_two_batch_runs(monkeypatch)
+    with LLM(path, tensor_parallel_size=2, enable_dp_attention=True, **(OVERLAP if overlap else {}), **COMMON) as dp:
         engine = dp.engine
         assert len(engine.attention_ranks) == 2 and not engine.overlap
         model = engine.runner.model
@@ -116,6 +160,11 @@ def test_dp_attention_over_two_ranks_gives_one_process_tokens(arch, tmp_path):
         assert metrics.kv_total_tokens == 2 * one_rank_kv  # each rank its own KV cache
         assert metrics.prefix_cache_hit_tokens_total > 0
         engine.check_no_leaks()
+    assert bool(split) == overlap
+    if overlap:  # every step where some rank ran 2 tokens or more split, each rank's tokens in half
+        mains = [next(n for kind, n in s.forwards if not kind.runs_mtp) for s in steps]
+        assert all(s.two_batches == (tuple(n // 2 for n in m) if max(m) >= 2 else None) for s, m in zip(steps, mains))
+        assert any(s.two_batches is not None and 0 in s.two_batches for s in steps)
 
 
 def _run(engine, prompts, params, prefix: str) -> dict[int, list[int]]:
@@ -197,24 +246,6 @@ def test_structured_outputs_under_dp_attention_give_one_process_answers(spec_ste
     assert [True, True] in masked  # both ranks sampled constrained rows in one step, each with its own masks
 
 
-def count_two_batch_runs(monkeypatch) -> list[int]:
-    """From now on, every forward of this process that runs its MoE layers as two micro-batches appends its token
-    count (two-batch overlap, models/two_batch.py)."""
-    from minidsa.models import two_batch
-
-    runs: list[int] = []
-    run_layers = two_batch.run_layers
-
-    def counted(layers, caches, halves, *args):
-        runs.append(sum(h.num_tokens for h in halves))
-        return run_layers(layers, caches, halves, *args)
-
-    monkeypatch.setattr(two_batch, "run_layers", counted)
-    return runs
-
-
-# Two-batch overlap splits the bucket-2 graphs' batches (one request per micro-batch)
-OVERLAP = dict(enable_two_batch_overlap=True, two_batch_overlap_min_requests=2)
 ARCH_AND_OVERLAP = [("deepseek_v32", False), ("glm_moe_dsa", False), ("glm_moe_dsa", True)]
 
 
@@ -229,7 +260,8 @@ def test_dp_attention_decode_graphs_replay_in_lockstep_and_give_one_process_toke
     runs every rank uncaptured; the tokens are one process's. Each rank logs the graphs it replays: the same
     keys, in the same order, as rank 0 chose in the steps. With two-batch overlap (GLM: layers reusing the
     previous layer's top-k, each micro-batch its own) every bucket-2 replay runs as two micro-batches on both
-    ranks (their exchanges must match), with the same tokens."""
+    ranks (their exchanges must match), and so does every uncaptured step, each rank's tokens in half (a prompt
+    cut inside, an idle rank's first micro-batch empty), with the same tokens."""
     path = _checkpoint(arch, tmp_path)
     with LLM(path, **COMMON) as single:
         config = single.engine.model_config
@@ -263,9 +295,10 @@ def test_dp_attention_decode_graphs_replay_in_lockstep_and_give_one_process_toke
     rank1 = [json.loads(line) for line in log.read_text().splitlines()]
     chosen = [["DECODE", *s.graph] for s in steps if s.graph is not None]
     assert rank0 == rank1 == chosen  # both ranks replayed the graph rank 0 chose, every graph step, in lockstep
-    # every bucket-2 step ran as two micro-batches (nothing runs at a capture on CPU)
-    assert split == ([2] * sum(s.graph[0] == 2 for s in steps if s.graph is not None) if overlap else [])
-    assert not overlap or split
+    if overlap:  # (nothing runs at a capture on CPU)
+        check_splits(steps, split, 2, empty_half=True)
+    else:
+        assert not split and all(s.two_batches is None for s in steps)
 
     def kinds(step):
         return [None if p is None else p.kind for p in step.plans]
@@ -291,8 +324,9 @@ def test_dp_attention_speculative_rounds_replay_graphs_in_lockstep(arch, overlap
     ranks all run a speculative round replays each of its forwards' graphs (DRAFT twice, VERIFY, DRAFT_EXTEND) at the
     one pair of buckets rank 0 chose, on every rank (an idle rank with padding rows only); a step where a rank prefills
     runs uncaptured. The tokens are one process's; both ranks replay the same keys, in the order rank 0 laid out.
-    With two-batch overlap every bucket-2 VERIFY runs as two micro-batches of one request's 4 tokens each (the MTP
-    layer's forwards run whole)."""
+    With two-batch overlap every bucket-2 VERIFY runs as two micro-batches of one request's 4 tokens each, and every
+    uncaptured main forward (a prefill beside a round) as each rank's tokens in half (the MTP layer's forwards run
+    whole)."""
     path = _checkpoint(arch, tmp_path)
     with LLM(path, **COMMON) as single:
         config = single.engine.model_config
@@ -316,8 +350,10 @@ def test_dp_attention_speculative_rounds_replay_graphs_in_lockstep(arch, overlap
     rank1 = [json.loads(line) for line in log.read_text().splitlines()]
     chosen = [[kind.name, *s.graph] for s in steps if s.graph is not None for kind, _ in s.forwards]
     assert rank0 == rank1 == chosen
-    assert split == ([8] * sum(s.graph[0] == 2 for s in steps if s.graph is not None) if overlap else [])
-    assert not overlap or split
+    if overlap:
+        check_splits(steps, split, 8, empty_half=False)
+    else:
+        assert not split and all(s.two_batches is None for s in steps)
     graphed = [[p is not None for p in s.plans] for s in steps if s.graph is not None]
     assert [True, True] in graphed and ([True, False] in graphed or [False, True] in graphed)
     for s in steps:
@@ -422,12 +458,42 @@ def test_compiled_moe_exchange_does_not_compile_again_for_new_row_counts():
     assert not torch.distributed.is_initialized()
 
 
+def test_micro_batches_cut_a_request_and_carry_their_own_exchange_layout():
+    """An uncaptured DP forward of three requests (3, 4 and 2 tokens after prefixes of 0, 5 and 2) split after 5
+    tokens: the second request is cut (2 tokens in the first micro-batch, 2 in the second), each half's request
+    rows, lengths and token -> request index are its own, and each half's exchange pads to the ranks' most in it
+    (this rank 5 of (5, 2), then 4 of (4, 1))."""
+    from minidsa.common.batch import ForwardBatch
+
+    batch = ForwardBatch.build(StepKind.EXTEND, list(range(9)), [7, 8, 9], [0, 5, 2], [3, 4, 2],
+                               torch.arange(100, 109), "cpu")
+    batch = batch.for_dp_attention((9, 3), two_batches=(5, 1), rank=0)
+    first, second = batch.micro_batches()
+    assert first.input_ids.tolist() == [0, 1, 2, 3, 4] and second.out_cache_loc.tolist() == [105, 106, 107, 108]
+    assert first.req_pool_indices.tolist() == [7, 8] and second.req_pool_indices.tolist() == [8, 9]
+    assert first.extend_lens.tolist() == [3, 2] and second.extend_lens.tolist() == [2, 2]
+    assert first.seq_lens.tolist() == [3, 7] and second.seq_lens.tolist() == [9, 4]
+    assert first.token_req.tolist() == [0, 0, 0, 1, 1] and second.token_req.tolist() == [0, 0, 1, 1]
+    assert second.positions.tolist() == [7, 8, 2, 3] and second.kv_lens.tolist() == [8, 9, 3, 4]
+    assert batch.seq_lens.tolist() == [3, 9, 4] and batch.extend_lens.tolist() == [3, 4, 2]  # the whole untouched
+    assert (first.dp_tokens, second.dp_tokens) == ((5, 1), (4, 2))
+    assert first.dp_pad.numel() == 0 and first.dp_real_rows.tolist() == [0, 1, 2, 3, 4, 5]
+    assert second.dp_pad.numel() == 0 and second.dp_real_rows.tolist() == [0, 1, 2, 3, 4, 5]
+    assert first.two_batches is None and second.dp_two_batches is None
+    idle = ForwardBatch.build(StepKind.EXTEND, [0], [0], [0], [1], torch.zeros(1, dtype=torch.int64), "cpu")
+    empty, whole = idle.for_dp_attention((1, 9), two_batches=(0, 4), rank=0).micro_batches()
+    assert empty.num_tokens == 0 and empty.batch_size == 0 and empty.dp_pad.numel() == 4
+    assert whole.token_req.tolist() == [0] and whole.dp_pad.numel() == 4
+
+
 @pytest.mark.skipif(not triton_usable(torch.device("cpu"))[0], reason="needs Triton's interpreter on CPU")
 def test_two_batch_overlap_stages_compile_whole_once_for_every_batch():
     """Two-batch overlap's compiled stages (`ModelRunner.compile_overlap`: a MoE layer up to its exchange with the
-    shared experts, and the routed experts over the gathered rows) trace without a graph break, as the engine
-    compiles them (dynamic sizes, `layer_tracing`), once for every micro-batch size, and give the plain stages'
-    outputs. In one process, on a tiny engine's first MoE layer, its kernels Triton's (opaque ops, as on a GPU)."""
+    shared experts, and the routed experts over the gathered rows, with and without padding rows among them) trace
+    without a graph break, as the engine compiles them (dynamic sizes, `layer_tracing`), once for every micro-batch
+    size, and give the plain stages' outputs. Start-up's warm-up (`ModelRunner.warm_up_overlap`) traces every graph
+    they need: nothing compiles after it. In one process, on a tiny engine's first MoE layer, its kernels Triton's
+    (opaque ops, as on a GPU)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from minidsa.exec.runner import layer_tracing
@@ -439,22 +505,26 @@ def test_two_batch_overlap_stages_compile_whole_once_for_every_batch():
         i = next(i for i, layer in enumerate(model.main_layers) if not hasattr(layer.mlp, "gate_proj"))
         layer, caches = model.main_layers[i], runner.attn.layer_caches[i]
         counter = CompileCounterWithBackend("aot_eager")
-        stages = runner.compile_overlap(counter)
-        hidden, first = model.config.hidden_size, 0
+        stages = runner.overlap = runner.compile_overlap(counter)
+        runner.warm_up_overlap([([1, 1, 1], 3), ([4, 5], 8)])  # what start-up does, on two of its shapes
+        first = counter.frame_count
+        assert first > 0
+        hidden = model.config.hidden_size
         for rows in (2, 3, 1, 5):
             batch = runner._scratch_extend_batch([1] * rows, 1)  # the dummy slot: no request's cache
-            ctx = model._context(batch, runner.attn)
+            ctx = model.layer_context(batch, runner.attn)
             h, pending = torch.randn(rows, hidden), torch.randn(rows, hidden)
+            topk = torch.zeros(rows, model.config.index_topk, dtype=torch.int32)  # the dense layers' before it
             with torch.no_grad(), layer_tracing():
-                got, want = stages.attend(layer, h, pending, ctx, None, caches), call_attend(
-                    layer, h, pending, ctx, None, caches)
+                got, want = stages.attend(layer, h, pending, ctx, topk, caches), call_attend(
+                    layer, h, pending, ctx, topk, caches)
                 for g, w in zip(got, want):
                     torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
-                gathered = torch.randn(2 * rows, hidden)
-                torch.testing.assert_close(stages.routed(layer.mlp, gathered), call_routed(layer.mlp, gathered),
-                                           atol=1e-5, rtol=1e-5)
-            first = first or counter.frame_count
-            assert counter.frame_count == first  # the first size's graphs serve every other
+                gathered = torch.randn(2 * rows + 1, hidden)  # a padding row: the real ones are the others
+                for real in (None, torch.tensor([i for i in range(2 * rows + 1) if i != rows])):
+                    torch.testing.assert_close(stages.routed(layer.mlp, gathered, real),
+                                               call_routed(layer.mlp, gathered, real), atol=1e-5, rtol=1e-5)
+            assert counter.frame_count == first, "a stage compiled after the warm-up"
 
 
 def test_two_batch_layer_loop_gives_each_micro_batch_its_own_layers_output():
@@ -486,13 +556,8 @@ BAD_DP = {  # bad input -> (arguments, what the one line says)
                      "--speculative-num-draft-tokens", "4", "--page-size", "1"], "chains only"),
     # two-batch overlap (the flag is given without --enable-dp-attention in these: see the test)
     "overlap-alone": (["--enable-two-batch-overlap"], "'enable_two_batch_overlap': needs --enable-dp-attention"),
-    "overlap-no-graphs": (["--enable-dp-attention", "--tp", "2", "--enable-two-batch-overlap",
-                           "--disable-cuda-graph"], "'enable_two_batch_overlap': splits the CUDA graphs' batches"),
     "overlap-min": (["--enable-dp-attention", "--tp", "2", "--enable-two-batch-overlap",
-                     "--two-batch-overlap-min-requests", "1"],
-                    "'two_batch_overlap_min_requests': must be an integer >= 2"),
-    "overlap-past-graphs": (["--enable-dp-attention", "--tp", "2", "--enable-two-batch-overlap", "--cuda-graph-max-bs",
-                             "16"], "'two_batch_overlap_min_requests': 32 is more than cuda_graph_max_bs (16)"),
+                     "--two-batch-overlap-min-tokens", "1"], "'two_batch_overlap_min_tokens': must be an integer >= 2"),
 }
 
 

@@ -21,7 +21,7 @@ from minidsa.common.plan import StepKind
 def unfolded_forward(model, batch, attn, hidden_prev=None, prev_topk=None):
     """(hidden, logits, top-k) as the forward computed them when each layer ended with `h = h + mlp(...)`: the main
     model's, or with `hidden_prev` the MTP layer's over the same rows."""
-    ctx = model._context(batch, attn)
+    ctx = model.layer_context(batch, attn)
     caches = attn.layer_caches
 
     def layer_output(layer, h, topk, i):

@@ -61,8 +61,8 @@ def reference(moes: list[MoE], h: torch.Tensor, pending: torch.Tensor, topk: tor
 def overlapped(moes: list[MoE], h: torch.Tensor, pending: torch.Tensor, topk: torch.Tensor, split: int):
     """`run_layers` over the stand-in layers, two micro-batches of `split` and the rest."""
     layers = [SimpleNamespace(exchanges_rows=True, mlp=moe) for moe in moes]
-    halves = (SimpleNamespace(num_tokens=split), SimpleNamespace(num_tokens=h.shape[0] - split))
-    return run_layers(layers, [None] * len(layers), halves, (None, None), h, pending, topk, None,
+    halves = tuple(SimpleNamespace(num_tokens=n, dp_pad=None, dp_real_rows=None) for n in (split, h.shape[0] - split))
+    return run_layers(layers, [None] * len(layers), halves, ["context A", "context B"], h, pending, topk, None,
                       OverlapCalls(stand_in_attend, call_routed))
 
 

@@ -66,7 +66,7 @@ def run(args, write) -> dict:
     dp = config.enable_dp_attention
     two_batch = config.enable_two_batch_overlap
     result = {"label": args.label, "side": side_name(gpus, dp, two_batch), "gpus": gpus, "dp_attention": dp,
-              "two_batch_overlap": two_batch, "two_batch_overlap_min_requests": config.two_batch_overlap_min_requests,
+              "two_batch_overlap": two_batch, "two_batch_overlap_min_tokens": config.two_batch_overlap_min_tokens,
               "attention_ranks": gpus if dp else 1, "preset": args.model,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": offline.git_commit(),
               "command": "python3 benchmarks/scripts/bench_dp_attention.py " + " ".join(sys.argv[1:]),

@@ -14,6 +14,7 @@ Layout conventions (all tensors on the model's device):
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 from dataclasses import dataclass
@@ -63,14 +64,18 @@ class ForwardBatch:
     # DP attention: the (batch-size bucket, context bucket) of the graph every rank replays for this forward, chosen
     # by rank 0 for all ranks (`parallel.dp_attention.step_graph`); None: every rank runs uncaptured
     dp_graph: tuple[int, int] | None = None
-    # Two-batch overlap (a DP-attention graph's static batch, `exec.graphs.StepGraphs`): (requests, tokens, logits
-    # rows) of the first of the two micro-batches the MoE layers interleave (`micro_batches`); None: one batch
-    two_batches: tuple[int, int, int] | None = None
+    # Two-batch overlap (models/two_batch.py): the tokens of the first of the two micro-batches the MoE layers
+    # interleave (`micro_batches`; None: one batch), and in an uncaptured DP step every rank's (whose rows then
+    # differ; None in a graph's static batch: every rank splits the bucket alike)
+    two_batches: int | None = None
+    dp_two_batches: tuple[int, ...] | None = None
 
-    def for_dp_attention(self, dp_tokens: tuple[int, ...], graph: tuple[int, int] | None = None) -> "ForwardBatch":
+    def for_dp_attention(self, dp_tokens: tuple[int, ...], graph: tuple[int, int] | None = None,
+                         two_batches: tuple[int, ...] | None = None, rank: int = 0) -> "ForwardBatch":
         """This batch as one attention rank's part of a DP-attention step whose ranks run `dp_tokens` tokens (and,
         with `graph`, replay the graph of its kind at those buckets: every rank's rows are then the bucket's, all taken
-        as real inside the graph, the padding rows at the dummy slot)."""
+        as real inside the graph, the padding rows at the dummy slot). `two_batches`: every rank's first micro-batch
+        (tokens) of an uncaptured step split for two-batch overlap; this batch is rank `rank`'s."""
         if graph is not None:
             return dataclasses.replace(self, dp_tokens=tuple(dp_tokens), dp_graph=tuple(graph))
         most = max(dp_tokens)
@@ -79,26 +84,48 @@ class ForwardBatch:
             device = self.input_ids.device
             real = ints_to_device([r * most + i for r, n in enumerate(dp_tokens) for i in range(n)], device)
             pad = torch.empty(most - self.num_tokens, dtype=torch.int64, device=device)
-        return dataclasses.replace(self, dp_tokens=tuple(dp_tokens), dp_real_rows=real, dp_pad=pad)
+        split = {} if two_batches is None else dict(two_batches=two_batches[rank], dp_two_batches=tuple(two_batches))
+        return dataclasses.replace(self, dp_tokens=tuple(dp_tokens), dp_real_rows=real, dp_pad=pad, **split)
 
     def micro_batches(self) -> tuple["ForwardBatch", "ForwardBatch"]:
-        """The two micro-batches of `two_batches`: its first requests, and the rest. Each is a batch of its own
-        (token rows, request rows, logits rows re-based), with its own attention and indexer inputs; the split is at
-        a request boundary, so no token sees a request of the other micro-batch."""
-        if self.two_batches is None or self.dp_pad is not None:
-            raise ValueError("micro_batches: a batch split for two-batch overlap has every rank's rows alike")
-        r, t, n = self.two_batches
-        one = dict(two_batches=None)
+        """The two micro-batches of `two_batches`: its first tokens, and the rest, each a batch of its own (its
+        request rows, its tokens' request index re-based) with its own attention and indexer inputs, and in an
+        uncaptured DP step its own exchange layout (every rank's rows in it). A request may be cut in two: its later
+        tokens, in the second micro-batch, see the keys its earlier ones stored (the first micro-batch runs each
+        layer's attention first). Logits are the whole batch's (the model's head runs on the joined rows), so the
+        halves carry none. Either may be empty on a rank (an idle rank's one dummy token)."""
+        t = self.two_batches
+        if t is None:
+            raise ValueError("micro_batches: the batch is not split for two-batch overlap")
+        if self.dp_tokens is None:  # a graph's static batch: as many tokens per request (host sizes)
+            lens = [self.num_tokens // max(1, self.batch_size)] * self.batch_size
+        else:
+            lens = self.extend_lens.tolist()  # an uncaptured step: one small copy to the host
+        starts = list(itertools.accumulate(lens, initial=0))
+        b = bisect.bisect_right(starts, t) - 1 if t < starts[-1] else len(lens)  # the request holding token t
+        k = t - starts[b] if b < len(lens) else 0  # its tokens in the first micro-batch
+        seq_first, ext_first = self.seq_lens[:b + bool(k)], self.extend_lens[:b + bool(k)]
+        ext_second = self.extend_lens[b:]
+        if k:  # request b is cut: k tokens in the first micro-batch, the rest in the second
+            seq_first, ext_first, ext_second = seq_first.clone(), ext_first.clone(), ext_second.clone()
+            seq_first[-1] -= lens[b] - k
+            ext_first[-1] = k
+            ext_second[0] -= k
+        none = self.logits_indices[:0]
         first = dataclasses.replace(
             self, input_ids=self.input_ids[:t], positions=self.positions[:t], out_cache_loc=self.out_cache_loc[:t],
-            req_pool_indices=self.req_pool_indices[:r], seq_lens=self.seq_lens[:r], extend_lens=self.extend_lens[:r],
-            token_req=self.token_req[:t], kv_lens=self.kv_lens[:t], logits_indices=self.logits_indices[:n],
-            tree_mask=None if self.tree_mask is None else self.tree_mask[:t], **one)
+            req_pool_indices=self.req_pool_indices[:b + bool(k)], seq_lens=seq_first, extend_lens=ext_first,
+            token_req=self.token_req[:t], kv_lens=self.kv_lens[:t], logits_indices=none,
+            tree_mask=None if self.tree_mask is None else self.tree_mask[:t], two_batches=None, dp_two_batches=None)
         second = dataclasses.replace(
             self, input_ids=self.input_ids[t:], positions=self.positions[t:], out_cache_loc=self.out_cache_loc[t:],
-            req_pool_indices=self.req_pool_indices[r:], seq_lens=self.seq_lens[r:], extend_lens=self.extend_lens[r:],
-            token_req=self.token_req[t:] - r, kv_lens=self.kv_lens[t:], logits_indices=self.logits_indices[n:] - t,
-            tree_mask=None if self.tree_mask is None else self.tree_mask[t:], **one)
+            req_pool_indices=self.req_pool_indices[b:], seq_lens=self.seq_lens[b:], extend_lens=ext_second,
+            token_req=self.token_req[t:] - b, kv_lens=self.kv_lens[t:], logits_indices=none,
+            tree_mask=None if self.tree_mask is None else self.tree_mask[t:], two_batches=None, dp_two_batches=None)
+        if self.dp_two_batches is not None:  # each micro-batch's exchange: every rank's rows in it
+            firsts = self.dp_two_batches
+            first = first.for_dp_attention(firsts)
+            second = second.for_dp_attention(tuple(n - a for n, a in zip(self.dp_tokens, firsts)))
         return first, second
 
     @property

@@ -28,7 +28,7 @@ a 4-layer model (the GPU idle 72% of it) against a 6 ms decode step. Only (token
 logits fit `EXTEND_GRAPH_MAX_LOGITS` are captured, so the memory a graph's working set needs stays bounded; larger
 steps run uncaptured, where the host time is a smaller share.
 
-Two-batch overlap (DP attention, `two_batch_min`): the static batch of a DECODE or VERIFY graph of enough requests
+Two-batch overlap (DP attention, `two_batch_min`): the static batch of a DECODE or VERIFY graph of enough tokens
 says where it splits into two micro-batches (`ForwardBatch.two_batches`); the model interleaves their MoE layers
 (models/two_batch.py) inside the one graph.
 
@@ -117,7 +117,7 @@ class StepGraphs:
                  ctx_buckets: list[int] | None = None, extend_buckets: list[int] | None = None,
                  max_requests: int = 0, two_batch_min: int = 0):
         self.run_main, self.run_mtp = run_main, run_mtp
-        # Two-batch overlap (DP attention): the main model's graphs of at least this many requests run their batch as
+        # Two-batch overlap (DP attention): the main model's graphs of at least this many tokens run their batch as
         # two micro-batches (`ForwardBatch.two_batches`, models/two_batch.py); 0: off
         self.two_batch_min = two_batch_min
         self.shapes = {s.kind: s for s in shapes}
@@ -267,13 +267,13 @@ class StepGraphs:
         views = {name: getattr(batch, name).view(-1).view(torch.uint8) for name, _, _ in refreshed}
         return _Graph(batch, hidden_in, refreshed=tuple(refreshed), bytes=views)
 
-    def _two_batches(self, shape: GraphShape, size: int) -> tuple[int, int, int] | None:
-        """The first micro-batch (requests, tokens, logits rows) of a graph of `size` requests, where two-batch
-        overlap splits it: the main model's fixed-shape kinds, from `two_batch_min` requests."""
-        if not self.two_batch_min or shape.mtp or not shape.tokens_per_req or size < max(2, self.two_batch_min):
+    def _two_batches(self, shape: GraphShape, size: int) -> int | None:
+        """The first micro-batch's tokens (its first half of the requests) of a graph of `size` requests, where
+        two-batch overlap splits it: the main model's fixed-shape kinds, from `two_batch_min` tokens."""
+        if not self.two_batch_min or shape.mtp or not shape.tokens_per_req or size < 2 or \
+                size * shape.tokens_per_req < self.two_batch_min:
             return None
-        r = size // 2
-        return r, r * shape.tokens_per_req, shape.logit_rows(r)
+        return size // 2 * shape.tokens_per_req
 
     def _fill(self, value: int) -> int:
         """Makes `value`'s padding source once (at start-up or a graph's capture): int64 `value`s on the device,

@@ -34,7 +34,7 @@ from minidsa.exec.graphs import DEFAULT_BUCKETS, EXTEND_TOKEN_BUCKETS, GraphShap
 from minidsa.exec.memory import MIN_KV_TOKENS, DoesNotFit, GiB, graph_buffer_bytes, margin_bytes
 from minidsa.exec.startup import StartupPhases
 from minidsa.kernels.deepgemm import LOGITS_ALIGN
-from minidsa.models.deepseek_v32 import ModelOutput, RunLayer, call_layer, deepgemm_experts
+from minidsa.models.deepseek_v32 import MoE, ModelOutput, RunLayer, call_layer, deepgemm_experts
 from minidsa.models.two_batch import OverlapCalls, call_attend, call_routed
 from minidsa.models.layers.linear import deepgemm_weights
 from minidsa.models.loader import build_model
@@ -475,13 +475,15 @@ class ModelRunner:
         if extend_buckets:  # prefill chunks and mixed steps up to a bucket's tokens
             shapes.append(GraphShape(StepKind.EXTEND, 0, 0))
         if cfg.enable_two_batch_overlap:
-            split = [b for b in buckets if b >= cfg.two_batch_overlap_min_requests]
-            logger.info("two-batch overlap: the %s graphs of %s requests run their MoE layers as two micro-batches",
-                        "/".join(s.kind.name.lower() for s in shapes if not s.mtp and s.tokens_per_req), split)
+            least = cfg.two_batch_overlap_min_tokens
+            logger.info("two-batch overlap: main-model steps of %d tokens or more on a rank (graphs: %s) run their MoE "
+                        "layers as two micro-batches", least,
+                        ", ".join(f"{s.kind.name.lower()} from {max(2, -(-least // s.tokens_per_req))} requests"
+                                  for s in shapes if not s.mtp and s.tokens_per_req))
         return StepGraphs(run_main, run_mtp, shapes, buckets, self.table_width, self.model_config.hidden_size,
                           self.dtype, self.device, capture=self.device.type == "cuda", ctx_buckets=CTX_BUCKETS,
                           extend_buckets=extend_buckets, max_requests=cfg.max_running_requests,
-                          two_batch_min=cfg.two_batch_overlap_min_requests if cfg.enable_two_batch_overlap else 0)
+                          two_batch_min=cfg.two_batch_overlap_min_tokens if cfg.enable_two_batch_overlap else 0)
 
     def use_graphs(self, graphs: StepGraphs, warm_up_tokens: int) -> None:
         """Serve batches through `graphs` from now on. When their step functions are compiled, batches without a
@@ -605,11 +607,38 @@ class ModelRunner:
                     for dp_batch, handed in ((uneven, topk), (batch, None), (uneven, None)):
                         self._run_mtp_uncaptured(dataclasses.replace(dp_batch, kind=StepKind.DRAFT_EXTEND), hidden,
                                                  handed)
+        if self.overlap is not None:
+            self.warm_up_overlap(shapes)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         logger.debug("compiled prefill / mixed path warmed up in %.1f s (extends of %s tokens per request, with "
                      "contexts)", time.perf_counter() - start, shapes)
         return shapes
+
+    @torch.no_grad()
+    def warm_up_overlap(self, shapes: list[tuple[list[int], int]]) -> None:
+        """Two-batch overlap's compiled stages (`self.overlap`) over the warm-up's shapes, on the first MoE layer of
+        each kind, as a split step calls them: the routed experts with and without padding rows among the gathered
+        ones. They hold no collective (the exchange runs between them), so each rank warms its own up alone."""
+        model, stages = self.model, self.overlap
+        main = model.main_layers
+        for i in model.one_layer_per_kind():
+            layer = main[i]
+            if not isinstance(layer.mlp, MoE):  # (under DP attention every MoE layer exchanges rows)
+                continue
+            for lens, ctx in shapes:
+                batch = self._scratch_extend_batch(lens, ctx)
+                n = batch.num_tokens
+                h, pending = self.idle_hidden(n), self.idle_hidden(n)
+                # after the first layer a micro-batch carries the previous layer's top-k, as the served ones do
+                topk = None if i == 0 else torch.zeros(n, self.model_config.index_topk, dtype=torch.int32,
+                                                       device=self.device)
+                with layer_tracing():
+                    _, x, _, _ = stages.attend(layer, h, pending, model.layer_context(batch, self.attn), topk,
+                                               self.attn.layer_caches[i])
+                    gathered = torch.cat([x, x])  # two ranks' rows, one of them padding in the second call
+                    for real in (None, torch.arange(n, device=self.device)):
+                        stages.routed(layer.mlp, gathered, real)
 
     def idle_batch(self, kind: StepKind, in_graph: bool = False) -> ForwardBatch:
         """What a DP-attention rank with nothing to run in one of a step's forwards runs, so that its MoE layers still

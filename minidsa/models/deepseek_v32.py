@@ -606,25 +606,27 @@ class MoE(nn.Module):
         same bucket (their padding rows, at the dummy slot, go through the experts like real ones: each row's
         result is its own, and only reaches its own rank's padding row). Nothing here reads a per-step host int,
         so the compiled layer does not guard on the step's counts."""
-        dp, rows = self.dp, x.shape[0]
-        pad = batch.dp_pad if batch is not None else None
-        real = batch.dp_real_rows if batch is not None else None
-        padded = x if pad is None else torch.cat([x, x.new_zeros(pad.shape[0], x.shape[1])])
-        most = padded.shape[0]
-        gathered = dp.all_gather_rows(padded)  # [size * most, H], rank-major
-        if real is not None:  # only real rows reach the router and the experts
-            gathered = gathered[real]
-        y = self.routed(gathered)
-        if real is not None:
-            y = y.new_zeros(dp.size * most, y.shape[1]).index_copy_(0, real, y)
-        y = dp.reduce_scatter_rows(y)[:rows]  # this rank's rows, summed over every rank's experts
+        dp = self.dp
+        gathered = dp.all_gather_rows(self.rows_to_send(x, batch))  # [size * most, H], rank-major
+        y = self.routed(gathered, batch.dp_real_rows if batch is not None else None)
+        y = dp.reduce_scatter_rows(y)[:x.shape[0]]  # this rank's rows, summed over every rank's experts
         shared = self.shared(x, x_quantized)
         return y if shared is None else y + shared
 
-    def routed(self, gathered: torch.Tensor) -> torch.Tensor:
-        """DP attention: this rank's experts' share of every gathered row (the router chooses for all of them)."""
-        ids, weights = self.gate(gathered)
-        return self.experts(gathered, ids, weights)
+    @staticmethod
+    def rows_to_send(x: torch.Tensor, batch: ForwardBatch | None) -> torch.Tensor:
+        """DP attention: this rank's rows, padded to the step's most (`ForwardBatch.dp_pad`)."""
+        pad = batch.dp_pad if batch is not None else None
+        return x if pad is None else torch.cat([x, x.new_zeros(pad.shape[0], x.shape[1])])
+
+    def routed(self, gathered: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+        """DP attention: this rank's experts' share of every gathered row (the router chooses for all of them);
+        `real`: the gathered rows that are not padding (`ForwardBatch.dp_real_rows`), the only ones the router and
+        the experts see (the padding rows' outputs are zero)."""
+        rows = gathered if real is None else gathered[real]
+        ids, weights = self.gate(rows)
+        y = self.experts(rows, ids, weights)
+        return y if real is None else y.new_zeros(gathered.shape[0], y.shape[1]).index_copy_(0, real, y)
 
     def shared(self, x: torch.Tensor, x_quantized: QuantizedInput | None) -> torch.Tensor | None:
         """DP attention: the shared experts' output for this rank's own rows (None: the model has none)."""
@@ -791,7 +793,7 @@ class DeepseekV32ForCausalLM(nn.Module):
         n = self.config.num_hidden_layers
         return self.model.layers[n] if len(self.model.layers) > n else None
 
-    def _context(self, batch: ForwardBatch, attn: DSABackend) -> LayerContext:
+    def layer_context(self, batch: ForwardBatch, attn: DSABackend) -> LayerContext:
         cos, sin = self.rotary.cos_sin(batch.positions)
         return LayerContext(batch=batch, attn=attn, cos=cos, sin=sin, index_meta=attn.index_metadata(batch))
 
@@ -805,7 +807,7 @@ class DeepseekV32ForCausalLM(nn.Module):
         A batch split for two-batch overlap (`ForwardBatch.two_batches`) runs its MoE layers as two interleaved
         micro-batches (models/two_batch.py) through `overlap`'s stages."""
         run_layer = run_layer or call_layer
-        ctx = self._context(batch, attn)
+        ctx = self.layer_context(batch, attn)
         h = self.model.embed_tokens(batch.input_ids)
         # The first layer is handed a pending output as the later ones are: None would trace a second graph of its
         # kind, one the warm-up's `one_layer_per_kind` never meets. -0.0, not 0.0: x + -0.0 is x bit for bit, x =
@@ -821,10 +823,9 @@ class DeepseekV32ForCausalLM(nn.Module):
             h, pending, topk = run_layer(main[i], h, pending, ctx, topk, attn.layer_caches[i])
         if split < len(order):
             halves = batch.micro_batches()
-            h, pending, topk = two_batch.run_layers(
-                main[split:], attn.layer_caches[split:len(main)], halves,
-                (self._context(halves[0], attn), self._context(halves[1], attn)), h, pending, topk, run_layer,
-                overlap or OverlapCalls())
+            contexts = [self.layer_context(half, attn) if half.num_tokens else None for half in halves]
+            h, pending, topk = two_batch.run_layers(main[split:], attn.layer_caches[split:len(main)], halves, contexts,
+                                                    h, pending, topk, run_layer, overlap or OverlapCalls())
         h = h + pending  # the hidden state handed on (the MTP layer, speculative decoding) is the summed stream
         normed = self.model.norm.rows(h, batch.logits_indices)
         return ModelOutput(hidden=h, logits=self.logits(normed), topk=topk)
@@ -835,7 +836,7 @@ class DeepseekV32ForCausalLM(nn.Module):
         mtp = self.mtp_layer
         if mtp is None:
             raise RuntimeError("this checkpoint has no MTP (nextn) layer (num_nextn_predict_layers = 0)")
-        ctx = self._context(batch, attn)
+        ctx = self.layer_context(batch, attn)
         e = mtp.enorm(self.model.embed_tokens(batch.input_ids))
         h = mtp.eh_proj(torch.cat([e, mtp.hnorm(hidden_prev)], dim=-1))
         # None: the MTP layer is alone of its kind, so it traces one graph all the same, without a fill

@@ -17,10 +17,13 @@ and indexer inputs, and its own top-k, handed from layer to layer as it is witho
 reuse the previous layer's top-k (GLM-5's shared indexer, DSA's top-k sharing) read their own micro-batch's. Layers
 that exchange nothing (the dense layers before the first MoE layer) run on the whole batch, once.
 
-Where it applies: the batches of the main model's CUDA graphs (DECODE, VERIFY) under DP attention, at a batch
-bucket of at least `two_batch_overlap_min_requests` requests (`exec.graphs.StepGraphs`). There every rank runs the
-same bucket, so every rank splits alike and the exchanges match; the decision is made at capture, identically on
-every rank. Uncaptured steps (prefill, mixed) and the MTP layer run one batch.
+Where it applies: the main model's forwards under DP attention with at least `two_batch_overlap_min_tokens` tokens on
+a rank. A CUDA graph (DECODE, VERIFY) splits its bucket's requests in half, decided at capture, alike on every rank
+(`exec.graphs.StepGraphs`); an uncaptured step (prefill chunks, mixed steps) splits each rank's tokens in half,
+decided by rank 0 for every rank with the step's layout (`parallel.dp_attention.step_two_batches`), a request cut in
+two where the half falls inside it. Each micro-batch's exchange then pads its rows to the ranks' most, as the whole
+step's would (an idle rank's one dummy token leaves its first micro-batch empty: it sends padding only). The MTP
+layer's forwards run one batch.
 
 The stages two-batch overlap interleaves are compiled like the whole layer (`exec.runner.ModelRunner`:
 `OverlapCalls` of compiled `call_attend` / `call_routed`); the collectives run between them, in eager code.
@@ -40,8 +43,8 @@ if TYPE_CHECKING:  # the model imports this module
     from minidsa.models.deepseek_v32 import DecoderLayer, LayerContext, MoE, RunLayer
 
 
-def call_attend(layer: DecoderLayer, h: torch.Tensor, pending: torch.Tensor | None, ctx: LayerContext,
-                prev_topk: torch.Tensor | None, caches: LayerCaches
+def call_attend(layer: "DecoderLayer", h: torch.Tensor, pending: torch.Tensor | None, ctx: "LayerContext",
+                prev_topk: torch.Tensor | None, caches: "LayerCaches"
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A MoE layer up to its exchange: (h, the rows to send, the shared experts' output for them or None, top-k).
     The shared experts need no other rank's rows: they run here, before the all-gather is issued."""
@@ -49,9 +52,9 @@ def call_attend(layer: DecoderLayer, h: torch.Tensor, pending: torch.Tensor | No
     return h, x, layer.mlp.shared(x, x_quantized), topk
 
 
-def call_routed(moe: MoE, gathered: torch.Tensor) -> torch.Tensor:
-    """This rank's routed experts over every rank's gathered rows."""
-    return moe.routed(gathered)
+def call_routed(moe: "MoE", gathered: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    """This rank's routed experts over every rank's gathered rows (`real`: those that are not padding)."""
+    return moe.routed(gathered, real)
 
 
 @dataclass(frozen=True)
@@ -59,58 +62,71 @@ class OverlapCalls:
     """How two-batch overlap calls a MoE layer's two stages (the runner hands in compiled ones)."""
 
     attend: Callable[..., tuple] = call_attend
-    routed: Callable[["MoE", torch.Tensor], torch.Tensor] = call_routed
+    routed: Callable[..., torch.Tensor] = call_routed
 
 
 @dataclass
 class _MicroBatch:
     """One micro-batch's state between layers. `pending`: the last layer's output not yet added to `h` (a tensor),
     or the reduce-scatter of its routed rows still in flight with its shared experts' output (`scattering`,
-    `shared`): waited for where the next layer reads it."""
+    `shared`): waited for where the next layer reads it. A micro-batch with no rows on this rank (`ctx` None) runs
+    no attention, and joins every exchange with padding rows only."""
 
-    ctx: LayerContext
+    batch: "ForwardBatch"
+    ctx: "LayerContext | None"
     h: torch.Tensor
     pending: torch.Tensor | None
     topk: torch.Tensor | None
     scattering: torch.Tensor | None = None
     shared: torch.Tensor | None = None
 
-    def settle(self, moe: MoE) -> None:
+    def settle(self, moe: "MoE") -> None:
         if self.scattering is not None:
-            y = moe.dp.wait(self.scattering)
+            y = moe.dp.wait(self.scattering)[:self.h.shape[0]]
             self.pending = y if self.shared is None else y + self.shared  # MoE._forward_dp's sum, in its order
             self.scattering = self.shared = None
 
 
-def run_layers(layers: list[DecoderLayer], caches: list[LayerCaches], halves: tuple[ForwardBatch, ForwardBatch],
-               contexts: tuple[LayerContext, LayerContext], h: torch.Tensor, pending: torch.Tensor | None,
-               topk: torch.Tensor | None, run_layer: RunLayer, calls: OverlapCalls
+def run_layers(layers: list["DecoderLayer"], caches: list["LayerCaches"],
+               halves: tuple["ForwardBatch", "ForwardBatch"], contexts: list["LayerContext | None"], h: torch.Tensor,
+               pending: torch.Tensor | None, topk: torch.Tensor | None, run_layer: "RunLayer", calls: OverlapCalls
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`layers` over the two micro-batches `halves` (their contexts), from the whole batch's (h, pending, top-k);
-    returns the whole batch's again, the micro-batches' rows in order."""
+    """`layers` over the two micro-batches `halves` (their contexts; None for one with no rows here), from the whole
+    batch's (h, pending, top-k); returns the whole batch's again, the micro-batches' rows in order."""
     t = halves[0].num_tokens
-    mbs = [_MicroBatch(ctx, h[s], None if pending is None else pending[s], None if topk is None else topk[s])
-           for ctx, s in zip(contexts, (slice(0, t), slice(t, None)))]
-    moe: MoE | None = None  # the last exchanging layer's MoE (its group settles what is in flight)
+
+    def rows(x: torch.Tensor | None, first: bool) -> torch.Tensor | None:
+        # the second half copied, not a view at an offset: a compiled stage sees its inputs as the warm-up's
+        return None if x is None else x[:t] if first else x[t:].clone()
+
+    mbs = [_MicroBatch(half, ctx, rows(h, first), rows(pending, first), rows(topk, first))
+           for half, ctx, first in zip(halves, contexts, (True, False))]
+    moe: "MoE | None" = None  # the last exchanging layer's MoE (its group settles what is in flight)
     for layer, cache in zip(layers, caches):
         if not layer.exchanges_rows:
-            for mb in mbs:
+            for mb in (mb for mb in mbs if mb.ctx is not None):
                 if moe is not None:
                     mb.settle(moe)
                 mb.h, mb.pending, mb.topk = run_layer(layer, mb.h, mb.pending, mb.ctx, mb.topk, cache)
             continue
-        dp, sent = layer.mlp.dp, []
+        mlp, sent = layer.mlp, []
         for mb in mbs:
             if moe is not None:
                 mb.settle(moe)  # A's rows return under the last layer's experts of B; B's under this attend of A
-            mb.h, x, mb.shared, mb.topk = calls.attend(layer, mb.h, mb.pending, mb.ctx, mb.topk, cache)
-            sent.append(dp.start_all_gather_rows(x))
+            x = mb.h
+            if mb.ctx is not None:
+                mb.h, x, mb.shared, mb.topk = calls.attend(layer, mb.h, mb.pending, mb.ctx, mb.topk, cache)
+            sent.append(mlp.dp.start_all_gather_rows(mlp.rows_to_send(x, mb.batch)))
         for mb, gathering in zip(mbs, sent):
-            mb.scattering = dp.start_reduce_scatter_rows(calls.routed(layer.mlp, dp.wait(gathering)))
-        moe = layer.mlp
+            y = calls.routed(mlp, mlp.dp.wait(gathering), mb.batch.dp_real_rows)
+            mb.scattering = mlp.dp.start_reduce_scatter_rows(y)
+        moe = mlp
     if moe is not None:
         for mb in mbs:
             mb.settle(moe)
+    busy = [mb for mb in mbs if mb.ctx is not None] or mbs[:1]
+    if len(busy) == 1:
+        return busy[0].h, busy[0].pending, busy[0].topk
     cat = torch.cat
-    return (cat([mb.h for mb in mbs]), cat([mb.pending for mb in mbs]),
-            None if mbs[0].topk is None else cat([mb.topk for mb in mbs]))
+    return (cat([mb.h for mb in busy]), cat([mb.pending for mb in busy]),
+            None if busy[0].topk is None else cat([mb.topk for mb in busy]))

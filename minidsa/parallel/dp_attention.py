@@ -31,8 +31,9 @@ guard), whose MoE exchanges are bucket x N rows. Each step rank 0 decides for al
 fits a bucket, every rank replays each forward's graph at that one bucket (an idle rank with padding rows only);
 otherwise every rank runs uncaptured (torch.compile's layer on a GPU), padded to the step's most rows. Prefill
 chunks and mixed steps never run as graphs under DP attention (no EXTEND graph is captured). With two-batch overlap
-the main model's graphs of enough requests run their MoE layers as two micro-batches (models/two_batch.py): every
-rank captures the same graphs, so every rank splits alike.
+a main-model forward of enough tokens runs its MoE layers as two micro-batches (models/two_batch.py): a graph as it
+was captured (every rank captures the same graphs, so every rank splits alike), an uncaptured forward as rank 0 laid
+it out for every rank (`DPStepPlan.two_batches`).
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ class DPStepPlan:
     forwards: tuple[tuple[StepKind, tuple[int, ...]], ...] = ()
     # Per rank, the grammar bitmask of its plan's grammar rows (host int32, `Worker.mask_buffer`), or None
     masks: tuple[torch.Tensor | None, ...] | None = None
+    # Two-batch overlap of an uncaptured step: every rank's first micro-batch (tokens) of the step's main-model
+    # forward (`step_two_batches`); None: it runs whole (a graph splits as it was captured)
+    two_batches: tuple[int, ...] | None = None
 
 
 def rank_forwards(plan: StepPlan | None, spec: SpecOptions | None) -> list[tuple[StepKind, int]]:
@@ -158,6 +162,20 @@ def step_graph(plans: list[StepPlan | None], graphs: StepGraphs | None, spec: Sp
     return bucket, ctx
 
 
+def step_two_batches(forwards: tuple[tuple[StepKind, tuple[int, ...]], ...], graph: tuple[int, int] | None,
+                     min_tokens: int) -> tuple[int, ...] | None:
+    """Two-batch overlap of an uncaptured step (`min_tokens` 0: off): where some rank runs `min_tokens` tokens or
+    more in the main-model forward, every rank splits its tokens of it in half (the first micro-batch is the
+    smaller: a rank with one token sends padding only in it). A step replaying graphs splits as they were
+    captured (None here)."""
+    if not min_tokens or graph is not None:
+        return None
+    tokens = next((n for kind, n in forwards if not kind.runs_mtp), None)
+    if tokens is None or max(tokens) < max(2, min_tokens):
+        return None
+    return tuple(n // 2 for n in tokens)
+
+
 class _RankForwards:
     """One rank's walk through its step's forwards (`DPStepPlan.forwards`): each forward of its own takes the next
     slot of its kind, joined by every rank; a slot it skips, and any left once its work is launched, it joins with a
@@ -174,9 +192,12 @@ class _RankForwards:
         if self.at == len(forwards) or forwards[self.at][1][self.rank] != batch.num_tokens:
             raise RuntimeError(f"DP attention: rank {self.rank} runs a {batch.kind.name} forward of "
                                f"{batch.num_tokens} tokens that its step's layout {forwards} has no slot for")
-        tokens = forwards[self.at][1]
+        kind, tokens = forwards[self.at]
         self.at += 1
-        return batch.for_dp_attention(tokens, self.step.graph)
+        return batch.for_dp_attention(tokens, self.step.graph, self._split(kind), self.rank)
+
+    def _split(self, kind: StepKind) -> tuple[int, ...] | None:
+        return None if kind.runs_mtp else self.step.two_batches
 
     def finish(self) -> None:
         while self.at < len(self.step.forwards):
@@ -186,7 +207,7 @@ class _RankForwards:
         kind, tokens = self.step.forwards[self.at]
         self.at += 1
         graph, runner = self.step.graph, self.runner
-        batch = runner.idle_batch(kind, graph is not None).for_dp_attention(tokens, graph)
+        batch = runner.idle_batch(kind, graph is not None).for_dp_attention(tokens, graph, self._split(kind), self.rank)
         if kind.runs_mtp:
             runner.forward_mtp(batch, runner.idle_hidden(batch.num_tokens))
         else:
@@ -284,8 +305,12 @@ class DPAttentionWorker(_AttentionRank, TensorParallelWorker):
         """The step of every rank's plan (and grammar masks): its forwards, and the graphs' buckets all of them
         replay (if any)."""
         spec = self.speculator.opts if self.speculator is not None else None
-        return DPStepPlan(plans, step_graph(plans, self.runner.graphs, spec), step_forwards(plans, spec),
-                          tuple(masks) if masks is not None and any(m is not None for m in masks) else None)
+        graph, forwards = step_graph(plans, self.runner.graphs, spec), step_forwards(plans, spec)
+        config = self.runner.config
+        split = step_two_batches(forwards, graph, config.two_batch_overlap_min_tokens
+                                 if config.enable_two_batch_overlap else 0)
+        return DPStepPlan(plans, graph, forwards,
+                          tuple(masks) if masks is not None and any(m is not None for m in masks) else None, split)
 
     def launch_dp(self, step: DPStepPlan) -> DPPendingStep:
         with self.ranks.guard(step=True):

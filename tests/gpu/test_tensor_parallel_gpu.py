@@ -182,12 +182,13 @@ def test_two_gpus_with_dp_attention_and_cuda_graphs_equal_one_on_the_bench_prese
     and reduce-scatter captured inside, bucket x 2 rows), prefill steps run the compiled layer uncaptured; the
     tokens are one GPU's. Four prompts of different lengths, two per rank. With MTP chains (3 steps): speculative
     rounds replay their DRAFT, VERIFY and DRAFT_EXTEND graphs in lockstep, still one GPU's greedy tokens. With
-    two-batch overlap from 2 requests (each rank's two prompts its own micro-batch), the DECODE / VERIFY graphs of 2
-    requests run the MoE layers as two micro-batches, their exchanges on NCCL's stream inside the graphs."""
+    two-batch overlap from 2 tokens, every main-model forward runs the MoE layers as two micro-batches: the DECODE /
+    VERIFY graphs of 2+ requests (their exchanges on NCCL's stream inside the graphs), and the prefill steps (each
+    rank's tokens in half, a prompt cut inside)."""
     prompts = _prompts(4, 300, 120000)
     exact = dict(dtype="float32", indexer_cache_dtype="model", max_total_tokens=16384, max_model_len=2048)
     one, _, _, _ = _run("bench-dsv32:4", prompts, **exact)
-    overlap_args = dict(enable_two_batch_overlap=True, two_batch_overlap_min_requests=2) if two_batch else {}
+    overlap_args = dict(enable_two_batch_overlap=True, two_batch_overlap_min_tokens=2) if two_batch else {}
     two, replays, worker, overlap = _run("bench-dsv32:4", prompts, tensor_parallel_size=2, enable_dp_attention=True,
                                          speculative_num_steps=spec_steps, **overlap_args, **exact)
     assert worker == "DPAttentionWorker" and not overlap
