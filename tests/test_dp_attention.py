@@ -417,26 +417,15 @@ def test_compiled_moe_exchange_does_not_compile_again_for_new_row_counts():
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from minidsa.common.batch import ForwardBatch
-    from minidsa.common.presets import preset_config
-    from minidsa.common.tensor_parallel import building_with
-    from minidsa.config import ModelConfig
+    from two_batch_check import experts_in_group
+
     from minidsa.exec.runner import layer_tracing
-    from minidsa.models.deepseek_v32 import MoE
     from minidsa.parallel.launch import single_rank_group
 
     group = single_rank_group("cpu", expert_parallel=True)
     try:
-        raw = preset_config("tiny")
-        raw.pop("initializer_range", None)
-        cfg = ModelConfig.from_dict(raw)
-        torch.manual_seed(0)
-        with building_with(dataclasses.replace(group.tp, dp_attention=True)):
-            moe = MoE(cfg)
-        for p in moe.parameters():
-            if p.is_floating_point():
-                p.data.normal_(0, 0.05)
-        if moe.shared_experts is not None:
-            moe.shared_experts.fuse()
+        moe = experts_in_group(group.tp, 1, "cpu")[0]
+        hidden = moe.gate.weight.shape[1]
         counter = CompileCounterWithBackend("aot_eager")
         compiled = torch.compile(lambda x, b: moe(x, None, b), dynamic=True, fullgraph=True, backend=counter)
         # (this rank's rows, the step's most): a one-rank group stands for a rank of a larger step
@@ -449,7 +438,7 @@ def test_compiled_moe_exchange_does_not_compile_again_for_new_row_counts():
             elif most != rows:
                 batch = dataclasses.replace(batch, dp_pad=torch.empty(most - rows, dtype=torch.int64),
                                             dp_real_rows=torch.arange(rows))
-            x = torch.randn(rows, cfg.hidden_size)
+            x = torch.randn(rows, hidden)
             with torch.no_grad(), layer_tracing():
                 torch.testing.assert_close(compiled(x, batch), moe(x, None, batch), atol=1e-5, rtol=1e-5)
         assert counter.frame_count == 2

@@ -12,10 +12,10 @@ under B's attention, B's under A's experts, A's reduce-scatter under B's experts
 attention of A. The collectives are torch's functional ones: issued on the process group's stream, joined by
 `wait_tensor`, so a CUDA graph captures the two streams' branches and replays them side by side.
 
-Each micro-batch is a batch of its own (`ForwardBatch.micro_batches`, split at a request boundary): its attention
-and indexer inputs, and its own top-k, handed from layer to layer as it is without the split, so the layers that
-reuse the previous layer's top-k (GLM-5's shared indexer, DSA's top-k sharing) read their own micro-batch's. Layers
-that exchange nothing (the dense layers before the first MoE layer) run on the whole batch, once.
+Each micro-batch is a batch of its own (`ForwardBatch.micro_batches`): its attention and indexer inputs, and its own
+top-k, handed from layer to layer as it is without the split, so the layers that reuse the previous layer's top-k
+(GLM-5's shared indexer, DSA's top-k sharing) read their own micro-batch's. The layers before the first MoE layer
+(the dense ones) run on the whole batch, once.
 
 Where it applies: the main model's forwards under DP attention with at least `two_batch_overlap_min_tokens` tokens on
 a rank. A CUDA graph (DECODE, VERIFY) splits its bucket's requests in half, decided at capture, alike on every rank
