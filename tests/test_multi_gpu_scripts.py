@@ -133,15 +133,18 @@ def test_metrics_parsing():
 
 @pytest.mark.parametrize("dp", [False, True], ids=["tp", "dp-attention"])
 def test_serve_check_on_cpu(tmp_path, dp):
-    """Two gloo ranks serving the recipe (MTP 3/1/4) on the tiny preset, under tensor parallelism or DP attention:
-    every check passes, nothing is left."""
+    """Two gloo ranks serving the recipe (MTP 3/1/4) on the tiny preset, under tensor parallelism or DP attention
+    (with two-batch overlap from 2 tokens: every prefill and verify of two or more tokens splits): every check
+    passes, nothing is left."""
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "serve_check.py"), "--out", str(tmp_path),
                            "--model", "tiny", "--tp", "2", "--requests", "4", "--concurrency", "2",
                            "--bench-args=--input-len 16-32 --output-len 4-8", "--",
                            "--device", "cpu", "--dtype", "float32", "--max-total-tokens", "2048",
                            "--speculative-num-steps", "3", "--speculative-topk", "1",
-                           "--speculative-num-draft-tokens", "4", *(["--enable-dp-attention"] if dp else [])],
+                           "--speculative-num-draft-tokens", "4",
+                           *(["--enable-dp-attention", "--enable-two-batch-overlap", "--two-batch-overlap-min-tokens",
+                              "2"] if dp else [])],
                           env=env, capture_output=True, text=True, timeout=240)
     with open(tmp_path / "serve_check.json") as f:
         r = json.load(f)
