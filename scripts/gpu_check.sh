@@ -319,7 +319,7 @@ section_allreduce() {   # issue 48 part 2 (2+ GPUs): minidsa's one-shot peer-to-
 section_two_gpus() {   # issues 48 and 49 on 2 GPUs (nvidia-h200-x2), one 10-minute call (TWO_GPUS_BUDGET_S, default
     # 540), in order of value, each part with what is left: (1) every way a run ends over NCCL (with LLM, close, an
     # error in a step, a killed rank, the five `minidsa serve --tp 2` endings) and the graph release before the abort;
-    # (2) DP attention with graphs and compile, plain and with MTP, against one GPU; (3) the one-shot all-reduce's
+    # (2) DP attention with graphs and compile, plain and with MTP, with and without two-batch overlap, against one GPU; (3) the one-shot all-reduce's
     # GPU tests; (4) TP=2 equality with speculation and with expert parallelism. $OUT/two_gpus_raw/parts.txt says
     # what ran, with its exit status; pytest's lines go to the log.
     export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} \
@@ -330,7 +330,7 @@ section_two_gpus() {   # issues 48 and 49 on 2 GPUs (nvidia-h200-x2), one 10-min
     t0=$(date +%s)
     mkdir -p "$raw"
     budget_part endings 60 300 $tests $tp -k "leaves_at_once or llm_and_close or error_in_a_step or server_exits"
-    budget_part dp_attention 120 300 $tests $tp -k "dp_attention"
+    budget_part dp_attention 120 360 $tests $tp -k "dp_attention"
     budget_part allreduce 60 180 $tests tests/gpu/test_allreduce_gpu.py
     budget_part tp_equality 120 300 $tests $tp -k "equal_one_with"
     return $rc
