@@ -319,8 +319,8 @@ section_allreduce() {   # issue 48 part 2 (2+ GPUs): minidsa's one-shot peer-to-
 section_two_gpus() {   # issues 48 and 49 on 2 GPUs (nvidia-h200-x2), one 10-minute call (TWO_GPUS_BUDGET_S, default
     # 540), in order of value, each part with what is left: (1) every way a run ends over NCCL (with LLM, close, an
     # error in a step, a killed rank, the five `minidsa serve --tp 2` endings) and the graph release before the abort;
-    # (2) DP attention with graphs and compile, plain and with MTP, with and without two-batch overlap, against one GPU; (3) the one-shot all-reduce's
-    # GPU tests; (4) TP=2 equality with speculation and with expert parallelism. $OUT/two_gpus_raw/parts.txt says
+    # (2) DP attention with graphs and compile, plain and with MTP, with and without two-batch overlap, against one
+    # GPU; (3) the one-shot all-reduce's GPU tests; (4) TP=2 equality with speculation and with expert parallelism. $OUT/two_gpus_raw/parts.txt says
     # what ran, with its exit status; pytest's lines go to the log.
     export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} \
         NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
