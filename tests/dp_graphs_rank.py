@@ -36,7 +36,10 @@ def static_graphs(setattr, log, counter=None) -> None:
 
     def prepare_fast_paths(self, spec_layout) -> None:
         # at the point of start-up where every rank runs it: the warm-up's MoE exchanges must match the other ranks'
-        run_main, run_mtp = self.step_functions(call_layer if counter is None else self.compile_layer(counter))
+        if counter is not None and self.config.enable_two_batch_overlap:  # its stages compiled too, as on a GPU
+            self.overlap = self.compile_overlap(counter)
+        run_main, run_mtp = self.step_functions(call_layer if counter is None else self.compile_layer(counter),
+                                                self.overlap)
         self.use_graphs(self.build_graphs(spec_layout, run_main, run_mtp), warm_up_tokens=CPU_WARMUP_TOKENS)
 
     setattr(ModelRunner, "prepare_fast_paths", prepare_fast_paths)

@@ -369,7 +369,8 @@ def test_compiled_dp_attention_engine_compiles_nothing_after_start_up(spec_steps
     steps of every mix (both ranks decoding different batches through the graphs' buffers, one idle, one prefilling
     chunks beside the other's decode, batches past the largest bucket) compile nothing more on either rank, and the
     tokens are the plain one-process engine's. With MTP chains, the same for speculative rounds (draft, verify and
-    draft-extend forwards, a prefill's MTP catch-up beside another rank's round, dummy forwards of both layers)."""
+    draft-extend forwards, a prefill's MTP catch-up beside another rank's round, dummy forwards of both layers).
+    Plain, with two-batch overlap on the longer steps: its compiled stages too compile nothing after start-up."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     engine_args = dict(model=None, device="cpu", dtype="float32", max_total_tokens=1024, max_running_requests=4,
@@ -389,9 +390,12 @@ def test_compiled_dp_attention_engine_compiles_nothing_after_start_up(spec_steps
     ranks_run(monkeypatch, tmp_path, "dp_graphs_rank.py")
     monkeypatch.setenv(REPLAYS_ENV, str(tmp_path / "rank1_replays.jsonl"))
     monkeypatch.setenv(FRAMES_ENV, str(frames))
+    # plain: with two-batch overlap from 8 tokens (the 8-token prefill chunks split, shorter steps and the decode
+    # graphs run whole): its compiled stages are warmed up at start-up too
+    overlap = {} if spec_steps else dict(enable_two_batch_overlap=True, two_batch_overlap_min_tokens=8)
     with LLM(tensor_parallel_size=2, enable_dp_attention=True, speculative_num_steps=spec_steps,
-             **engine_args) as dp:
-        assert dp.engine.runner.compiled
+             **overlap, **engine_args) as dp:
+        assert dp.engine.runner.compiled and (dp.engine.runner.overlap is not None) == bool(overlap)
         at_start_up = counter.frame_count
         assert at_start_up > 0
         steps = record_steps(dp.engine)
@@ -405,6 +409,8 @@ def test_compiled_dp_attention_engine_compiles_nothing_after_start_up(spec_steps
     assert any(k == {StepKind.EXTEND, decode} for k in kinds)
     assert any(None in s.plans for s in steps)
     assert any(s.graph is None and k == {decode} for s, k in zip(steps, kinds))  # past the largest bucket
+    split = [s.two_batches is not None for s in steps]
+    assert (any(split) and not all(split)) if overlap else not any(split)
 
 
 def test_compiled_moe_exchange_does_not_compile_again_for_new_row_counts():
