@@ -278,6 +278,17 @@ def test_dp_attention_page_ratios_and_targets(tmp_path):
     text = page.page(s)
     assert "| KV capacity, DP attention / one GPU | >= 3.5x | - | not measured |" in text
     assert "| ITL p99, DP attention / TP | <= 1.5x | 1.62x | **FAIL** |" in text
+    # greedy agreement: DP attention against TP and one GPU, beside each side's batched-against-alone floor
+    assert "## Greedy agreement" not in text  # no side recorded greedy tokens
+    outputs = {"one": [[1, 2, 3, 4], [5, 6, 7, 8]], "tp": [[1, 2, 3, 4], [5, 6, 9, 9]],
+               "dp": [[1, 2, 3, 4], [5, 6, 7, 8]]}
+    for k, greedy in outputs.items():
+        s["sides"][k] = dict(s["sides"].get(k) or _side(k, 1, False, 1, 1.0, 1.0, 1.0), greedy=greedy,
+                             greedy_alone=[[1, 2, 3, 4], [5, 0, 0, 0]])
+    text = page.page(s)
+    assert "| DP attention 4 vs TP=4 | 1 / 2 | 3.0 | 75.0% |" in text
+    assert "| DP attention 4 vs one GPU | 2 / 2 | 4.0 | 100.0% |" in text
+    assert "| one GPU: batched vs one at a time (the floor) | 1 / 2 | 2.5 | 62.5% |" in text
     # a second call's two-batch overlap side (DP_PARTS="dp tbo"): its own column, over DP attention without it
     (raw / "sides" / "d.json").write_text(json.dumps(_side("tbo", 4, True, 400000, 3300.0, 12.0, 115.0,
                                                            two_batch=True, step_ms=16.0)))
@@ -299,7 +310,8 @@ def _section(tmp_path, **env) -> subprocess.CompletedProcess:
     shutil.copy(os.path.join(REPO, "scripts", "gpu_check.sh"), tree / "scripts")
     env = {**_env(), "OUT": str(tmp_path / "out"), "DP_CPU_SMOKE": "1", "DP_MODEL": "tiny", "DP_TP": "2",
            "DP_ENGINE_ARGS": "--device cpu --dtype float32 --max-total-tokens 2048", "DP_BATCHES": "1 2/gpu",
-           "DP_SIDE_ARGS": "--num-requests 2 --input-len 16-32 --output-len 4-8 --prompt-len 16 --decode-tokens 4",
+           "DP_SIDE_ARGS": "--num-requests 2 --input-len 16-32 --output-len 4-8 --prompt-len 16 --decode-tokens 4 "
+                           "--agreement 1",
            "DP_EXCHANGE_ROWS": "1", "DP_EXCHANGE_ARGS": "--hidden 64 --replays 2 --top-k 2", **env}
     return subprocess.run(["bash", str(tree / "scripts" / "gpu_check.sh"), "dp_attention"], env=env,
                           capture_output=True, text=True, timeout=240)
@@ -318,6 +330,9 @@ def test_dp_attention_section_on_cpu(tmp_path):
     assert dp["dp_attention"] and dp["gpus"] == 2 and dp["kv_total_tokens"] == 2 * 2048
     assert dp["bench"]["workload"]["num_requests"] == 4 and dp["bench"]["results"]["output_tokens"] > 0
     assert [(d["batch_asked"], d["batch"]) for d in dp["decode"]] == [("1", 1), ("2/gpu", 4)]
+    assert len(dp["greedy"]) == len(dp["greedy_alone"]) == 1 and len(dp["greedy"][0]) == 64
+    assert dp["greedy"] == dp["greedy_alone"]  # fp32 on a CPU: the batch shape changes nothing
+    assert "| DP attention 2: batched vs one at a time (the floor) | 1 / 1 |" in (out / "dp_attention.md").read_text()
     assert all(all(x["equal"].values()) for x in s["exchange"]["results"])
     assert s["parts"]["dp"]["rc"] == 0 and s["parts"]["exchange"]["rc"] == 0
     assert s["meta"]["model"] == "tiny" and s["meta"]["commit"] == "test"

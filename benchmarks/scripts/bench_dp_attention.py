@@ -8,7 +8,9 @@ that a side cut by its time limit keeps them):
 
 1. start-up: the Engine's construction, wall seconds (weights, KV cache, capture, warm-up; rank 0 starts the other
    ranks inside it), with rank 0's phases; the KV capacity (`metrics().kv_total_tokens`: under DP attention the
-   ranks' caches together);
+   ranks' caches together); then --agreement prompts' greedy tokens (bench_speculative.py `greedy_outputs`: 256
+   random tokens each, 64 out, seed 7 on every side), in one batch and one request at a time: the page compares the
+   sides' tokens (DP attention against TP=N, beside each side's own batched-against-alone floor);
 2. steady decode at each of --batches (benchmarks/scripts/bench_speculative.py `steady_decode`: B requests of
    --prompt-len random tokens, then the steps until each has --decode-tokens more): ms per step, output tok/s, ITL.
    A batch `N/gpu` is N times the side's GPU count: `64/gpu` is 256 requests at --tp 4 (64 per attention rank
@@ -38,7 +40,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_speculative import ForwardTimer, steady_decode  # noqa: E402
+from bench_speculative import ForwardTimer, greedy_outputs, steady_decode  # noqa: E402
 
 
 def parse_batch(text: str) -> tuple[int, bool]:
@@ -80,6 +82,10 @@ def run(args, write) -> dict:
                       kv_total_tokens=engine.metrics().kv_total_tokens,
                       startup_phases=[[p.name, p.seconds, p.detail] for p in engine.runner.startup.phases])
         write(result)
+        if args.agreement:
+            result["greedy"] = greedy_outputs(engine, args.agreement, 64)
+            result["greedy_alone"] = greedy_outputs(engine, args.agreement, 64, together=False)
+            write(result)
         timer = ForwardTimer(engine.runner)
         result["decode"] = []
         for n, per_gpu in args.batches:
@@ -121,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="steady-decode batches (default: 1 64/gpu)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=64, help="timed decode tokens per request")
+    p.add_argument("--agreement", type=int, default=16, metavar="N",
+                   help="greedy prompts compared across the sides (0: none)")
     p.add_argument("--allow-cpu", action="store_true", help="a smoke run without a GPU (the figures mean nothing)")
     add_engine_args(p)
     p.set_defaults(model="bench-dsv32:10")

@@ -24,6 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ab import _load  # noqa: E402
+from bench_speculative import agreement  # noqa: E402
 from multi_gpu_page import _f, _parts, parts_table, read_meta, run_page  # noqa: E402
 
 SIDES = ("one", "tp", "dp", "tbo")  # the table's column order (tbo: DP attention with two-batch overlap)
@@ -43,6 +44,29 @@ def side_key(r: dict) -> str:
     if r.get("dp_attention"):
         return "tbo" if r.get("two_batch_overlap") else "dp"
     return "tp" if (r.get("gpus") or 1) > 1 else "one"
+
+
+def agreement_table(sides: dict) -> list[str]:
+    """Greedy agreement between the sides (their batched outputs) beside each side's floor (its own outputs batched
+    against one request at a time: bf16 reductions change with the batch shape)."""
+    names = {k: r.get("side", k) for k, r in sides.items() if r.get("greedy")}
+    rows = [(f"{names[a]} vs {names[b]}", sides[a]["greedy"], sides[b]["greedy"])
+            for a, b in (("dp", "tp"), ("dp", "one"), ("tp", "one"), ("tbo", "dp")) if a in names and b in names]
+    rows += [(f"{names[k]}: batched vs one at a time (the floor)", sides[k]["greedy"], sides[k]["greedy_alone"])
+             for k in SIDES if k in names and sides[k].get("greedy_alone")]
+    if not rows:
+        return []
+    first = next(iter(names))
+    L = ["## Greedy agreement", "", f"{len(sides[first]['greedy'])} prompts of 256 random tokens, 64 greedy tokens "
+         "each, the same on every side (bench_speculative.py `greedy_outputs`, seed 7). Tokens agree bit for bit on a "
+         "CPU in fp32; in bf16 on GPUs a different batch shape or reduction order moves a logit, and a greedy "
+         "sequence parts at the first near-tie. The floor rows say how far that alone goes.", "",
+         "| compared | identical outputs | mean first difference | tokens equal |", "|---|---:|---:|---:|"]
+    for label, a, b in rows:
+        r = agreement(a, b)
+        L.append(f"| {label} | {r['identical']} / {r['requests']} | {r['mean_first_difference']:.1f} | "
+                 f"{r['token_agreement']:.1%} |")
+    return L + [""]
 
 
 def _slim(r: dict) -> dict:
@@ -208,7 +232,8 @@ def page(s: dict) -> str:
          f"{meta.get('date') or '?'}, commit {meta.get('commit') or '?'}; engine flags of every side: "
          f"`{meta.get('engine_args') or ''}`. Made by `scripts/gpu_check.sh dp_attention` and "
          "`benchmarks/scripts/dp_attention_page.py`.", ""]
-    L += sides_table(s) + targets_table(s) + exchange_table(s.get("exchange")) + parts_table(s)
+    L += sides_table(s) + targets_table(s) + agreement_table(s.get("sides") or {}) + \
+        exchange_table(s.get("exchange")) + parts_table(s)
     return "\n".join(L).rstrip() + "\n"
 
 
