@@ -653,16 +653,39 @@ def test_a_request_goes_where_its_prefix_is_cached_unless_that_rank_is_too_busy(
     assert place(ranks, prompt, load_gap=3) is ranks[1]
 
 
-def test_a_killed_rank_ends_a_dp_attention_run_with_its_name():
+def test_a_killed_rank_ends_a_dp_attention_run_with_its_name(tiny_llm):
+    """Also: a rank's result longer than the result channel's first message (prompt logprobs of a long prompt)
+    reaches rank 0 whole, its rest sent point to point; the answers are one process's."""
+    import pickle
     import signal
     import time
 
+    from minidsa.parallel.channel import FIRST_MESSAGE_BYTES
     from minidsa.parallel.launch import RankFailedError
 
     llm = LLM(tensor_parallel_size=2, enable_dp_attention=True, **COMMON)
     try:
         params = SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False)
         assert len(llm.generate([[5, 6, 7], [8, 9]], params)) == 2
+        long = SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False, prompt_logprobs=2)
+        prompts = [[5, 6, 7], [(7 * i) % 900 + 2 for i in range(600)]]  # the long one on rank 1 (rank 0 busier)
+        sizes: list[list[int]] = []
+        channel = llm.engine.worker.results
+        gather = channel.gather
+
+        def measured(own):
+            got = gather(own)
+            sizes.append([len(pickle.dumps(r)) for r in got])
+            return got
+
+        channel.gather = measured
+        got = llm.generate(prompts, long)
+        want = tiny_llm.generate(prompts, long)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        for a, b in zip(got, want):
+            assert a.prompt_logprobs[1:] == pytest.approx(b.prompt_logprobs[1:], abs=1e-4)
+        assert max(size[1] for size in sizes) > FIRST_MESSAGE_BYTES
+        del channel.gather
         child = llm.engine.worker.ranks.processes.procs[1]
         os.kill(child.pid, signal.SIGKILL)
         child.wait(30)

@@ -156,7 +156,7 @@ def test_serve_check_on_cpu(tmp_path, dp):
 
 @pytest.mark.parametrize("script", ["profile_tp.py", "serve_check.py", "multi_gpu_page.py", "bench_dp_attention.py",
                                     "bench_moe_exchange.py", "dp_attention_page.py",
-                                    "eight_gpu_page.py"])
+                                    "eight_gpu_page.py", "bench_result_channel.py"])
 def test_help(script):
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, script), "--help"], env=env, capture_output=True,

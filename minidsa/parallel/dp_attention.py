@@ -10,8 +10,9 @@ experts, reduce-scatter).
 A step is one `DPStepPlan`: a `StepPlan` per rank, None for a rank with nothing to run. Rank 0 broadcasts it over the
 control group (the same `PlanChannel` as TP's plans), every rank runs its own plan (an idle rank runs one token at
 the dummy slot 0, so its MoE layers join the others' collectives in the same order), and each rank's `StepResult`
-comes back to rank 0 through one gather over the control group. Every rank knows every rank's token count from the
-plan (`DPStepPlan.forwards`): each forward's batch carries them (`ForwardBatch.dp_tokens`) for the MoE exchange.
+comes back to rank 0 through one gather over the control group (`ResultChannel`). Every rank knows every rank's
+token count from the plan (`DPStepPlan.forwards`): each forward's batch carries them (`ForwardBatch.dp_tokens`) for
+the MoE exchange.
 
 Steps run in lockstep: no overlap scheduling (a rank's tokens reach rank 0 after its step; `config.resolve` turns it
 off), so rank 0 makes a rank's grammar masks with its plan and they travel in the step (`DPStepPlan.masks`).
@@ -39,12 +40,12 @@ it out for every rank (`DPStepPlan.two_batches`).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from minidsa.attention.select import KernelChoice
 from minidsa.common.batch import ForwardBatch
@@ -52,7 +53,7 @@ from minidsa.common.plan import StepKind, StepPlan, StepResult
 from minidsa.config import ResolvedConfig, SpecOptions
 from minidsa.exec.graphs import StepGraphs
 from minidsa.exec.worker import PendingStep, Worker
-from minidsa.parallel.channel import PlanChannel
+from minidsa.parallel.channel import PlanChannel, ResultChannel
 from minidsa.parallel.launch import RankGroup
 from minidsa.parallel.ranks import (RankModelRunner, RankWorker, TensorParallelWorker, build_rank_worker,
                                     serve_plans)
@@ -264,6 +265,11 @@ class _AttentionRank:
     def _share_mask(self, mask: torch.Tensor) -> None:
         """Each rank samples its own requests with its own masks: nothing to share."""
 
+    @functools.cached_property
+    def results(self) -> ResultChannel:
+        """Every rank's step results to rank 0."""
+        return ResultChannel(self.ranks)
+
 
 class DPRankWorker(_AttentionRank, RankWorker):
     """A rank > 0: runs its part of each step and sends its result to rank 0."""
@@ -274,17 +280,17 @@ class DPRankWorker(_AttentionRank, RankWorker):
 
     def execute_dp(self, step: DPStepPlan) -> None:
         pending = self.launch_own(step)
-        result = pending.result() if pending is not None else None
-        dist.gather_object(result, None, dst=0, group=self.ranks.control_group)
+        self.results.send(pending.result() if pending is not None else None)
 
 
 class DPPendingStep:
     """Rank 0's launched DP step: `results()` waits for its own tokens and gathers the other ranks'."""
 
-    def __init__(self, step: DPStepPlan, own: PendingStep | None, ranks: RankGroup):
+    def __init__(self, step: DPStepPlan, own: PendingStep | None, ranks: RankGroup, channel: ResultChannel):
         self.step = step
         self._own = own
         self._ranks = ranks
+        self._channel = channel
         self._results: list[StepResult | None] | None = None
 
     def results(self) -> list[StepResult | None]:
@@ -292,9 +298,7 @@ class DPPendingStep:
         if self._results is None:
             with self._ranks.guard(step=True):
                 mine = self._own.result() if self._own is not None else None
-                gathered: list[StepResult | None] = [None] * self._ranks.world_size
-                dist.gather_object(mine, gathered, dst=0, group=self._ranks.control_group)
-            self._results = gathered
+                self._results = self._channel.gather(mine)
         return self._results
 
 
@@ -316,7 +320,7 @@ class DPAttentionWorker(_AttentionRank, TensorParallelWorker):
         with self.ranks.guard(step=True):
             self.channel.send(step)
             own = self.launch_own(step)
-        return DPPendingStep(step, own, self.ranks)
+        return DPPendingStep(step, own, self.ranks, self.results)
 
     def launch(self, plan: StepPlan):  # the engine hands DP steps to `launch_dp`
         raise RuntimeError("under DP attention every step is a DPStepPlan (launch_dp)")
