@@ -167,6 +167,26 @@ def test_dp_attention_over_two_ranks_gives_one_process_tokens(arch, overlap, tmp
         assert any(s.two_batches is not None and 0 in s.two_batches for s in steps)
 
 
+def test_dp_attention_over_four_ranks_with_two_batch_overlap_gives_one_process_tokens(tiny_llm, monkeypatch):
+    """N = 4, the x4 machine's shape, on CPU: the tiny preset's 8 routed experts 2 per rank, six requests placed over
+    four attention ranks (some idle in a step, some with one token), every step of 2+ tokens on a rank split in two
+    micro-batches, each exchange padded to its ranks' most: one process's greedy tokens."""
+    config = tiny_llm.engine.model_config
+    prompts, params = workload(config.vocab_size, config.index_topk)
+    reference = [o.token_ids for o in tiny_llm.generate(prompts, params)]
+    split = count_two_batch_runs(monkeypatch)
+    with LLM(tensor_parallel_size=4, enable_dp_attention=True, **OVERLAP, **COMMON) as dp:
+        engine = dp.engine
+        assert len(engine.attention_ranks) == 4
+        experts = engine.runner.model.model.layers[1].mlp.experts
+        assert experts.num_local_experts * 4 == experts.n_experts
+        steps = record_steps(engine)
+        assert [o.token_ids for o in dp.generate(prompts, params)] == reference
+        engine.check_no_leaks()
+    assert split and any(s.two_batches is not None and 0 in s.two_batches for s in steps)
+    assert max(sum(p is not None for p in s.plans) for s in steps) >= 3  # three or more ranks busy in one step
+
+
 def _run(engine, prompts, params, prefix: str) -> dict[int, list[int]]:
     """Every prompt's tokens, by index, its request id `prefix` + index."""
     ids = {engine.add_request(p, sp, request_id=f"{prefix}{i}"): i for i, (p, sp) in enumerate(zip(prompts, params))}
