@@ -317,27 +317,31 @@ def _section(tmp_path, **env) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=240)
 
 
+def _summary(proc: subprocess.CompletedProcess, out, section: str) -> dict:
+    """A section that ran to the end (its log's tail otherwise) and the summary JSON it wrote."""
+    assert proc.returncode == 0, (out / f"{section}.log").read_text()[-4000:]
+    with open(out / f"{section}.json") as f:
+        return json.load(f)
+
+
 def test_dp_attention_section_on_cpu(tmp_path):
     """The section's DP-attention side and exchange parts on a CPU: the summary holds the side (KV capacity = both
     ranks' caches), the exchange's equal outputs and the parts' exit status; the raw outputs are tarred."""
     proc = _section(tmp_path, DP_PARTS="dp exchange")
     out = tmp_path / "out"
-    log = (out / "dp_attention.log").read_text()
-    assert proc.returncode == 0, log[-4000:]
-    with open(out / "dp_attention.json") as f:
-        s = json.load(f)
+    s = _summary(proc, out, "dp_attention")
     dp = s["sides"]["dp"]
     assert dp["dp_attention"] and dp["gpus"] == 2 and dp["kv_total_tokens"] == 2 * 2048
     assert dp["bench"]["workload"]["num_requests"] == 4 and dp["bench"]["results"]["output_tokens"] > 0
     assert [(d["batch_asked"], d["batch"]) for d in dp["decode"]] == [("1", 1), ("2/gpu", 4)]
     assert len(dp["greedy"]) == len(dp["greedy_alone"]) == 1 and len(dp["greedy"][0]) == 64
     assert dp["greedy"] == dp["greedy_alone"]  # fp32 on a CPU: the batch shape changes nothing
-    assert "| DP attention 2: batched vs one at a time (the floor) | 1 / 1 |" in (out / "dp_attention.md").read_text()
     assert all(all(x["equal"].values()) for x in s["exchange"]["results"])
     assert s["parts"]["dp"]["rc"] == 0 and s["parts"]["exchange"]["rc"] == 0
     assert s["meta"]["model"] == "tiny" and s["meta"]["commit"] == "test"
     text = (out / "dp_attention.md").read_text()
     assert "| KV capacity, tokens | 4096 |" in text and "## The MoE exchange" in text
+    assert "| DP attention 2: batched vs one at a time (the floor) | 1 / 1 |" in text
     assert (out / "dp_attention_raw.tgz").exists() and not (out / "dp_attention_raw").exists()
 
 
@@ -375,10 +379,7 @@ def test_eight_gpus_section_mtp_on_cpu(tmp_path):
     acceptance on the server's command line, KV capacity; the page and the raw tarball come back."""
     proc = _x8_section(tmp_path, X8_MODE="tp", X8_PARTS="mtp")
     out = tmp_path / "out"
-    log = (out / "eight_gpus.log").read_text()
-    assert proc.returncode == 0, log[-4000:]
-    with open(out / "eight_gpus.json") as f:
-        s = json.load(f)
+    s = _summary(proc, out, "eight_gpus")
     mtp = s["servers"]["mtp"]
     assert mtp["ok"] and list(mtp["series"]) == ["itl_c1", "itl_c2", "2k", "default"]
     assert [mtp["series"][n]["results"]["completed"] for n in mtp["series"]] == [4, 4, 2, 2]
@@ -399,10 +400,7 @@ def test_eight_gpus_section_plain_under_dp_attention_on_cpu(tmp_path):
     """The plain part under DP attention: no MTP flags, the ITL workloads alone (X8_PLAIN_SERIES), both ranks'
     caches; an unknown mode stops the section before any server starts."""
     proc = _x8_section(tmp_path, X8_MODE="dp", X8_PARTS="plain", X8_PLAIN_SERIES="itl", X8_CONCURRENCIES="2")
-    out = tmp_path / "out"
-    assert proc.returncode == 0, (out / "eight_gpus.log").read_text()[-4000:]
-    with open(out / "eight_gpus.json") as f:
-        plain = json.load(f)["servers"]["plain"]
+    plain = _summary(proc, tmp_path / "out", "eight_gpus")["servers"]["plain"]
     assert plain["ok"] and list(plain["series"]) == ["itl_c2"] and plain["series"]["itl_c2"]["results"]["failed"] == 0
     assert "--enable-dp-attention" in plain["command"] and "--speculative" not in plain["command"]
     assert plain["kv_total_tokens"] == 2 * 2048

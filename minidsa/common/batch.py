@@ -111,17 +111,17 @@ class ForwardBatch:
             seq_first[-1] -= lens[b] - k
             ext_first[-1] = k
             ext_second[0] -= k
-        none = self.logits_indices[:0]
-        first = dataclasses.replace(
-            self, input_ids=self.input_ids[:t], positions=self.positions[:t], out_cache_loc=self.out_cache_loc[:t],
-            req_pool_indices=self.req_pool_indices[:b + bool(k)], seq_lens=seq_first, extend_lens=ext_first,
-            token_req=self.token_req[:t], kv_lens=self.kv_lens[:t], logits_indices=none,
-            tree_mask=None if self.tree_mask is None else self.tree_mask[:t], two_batches=None, dp_two_batches=None)
-        second = dataclasses.replace(
-            self, input_ids=self.input_ids[t:], positions=self.positions[t:], out_cache_loc=self.out_cache_loc[t:],
-            req_pool_indices=self.req_pool_indices[b:], seq_lens=self.seq_lens[b:], extend_lens=ext_second,
-            token_req=self.token_req[t:] - b, kv_lens=self.kv_lens[t:], logits_indices=none,
-            tree_mask=None if self.tree_mask is None else self.tree_mask[t:], two_batches=None, dp_two_batches=None)
+
+        def part(tokens: slice, requests: slice, seq_lens, extend_lens, token_req) -> "ForwardBatch":
+            return dataclasses.replace(
+                self, input_ids=self.input_ids[tokens], positions=self.positions[tokens],
+                out_cache_loc=self.out_cache_loc[tokens], req_pool_indices=self.req_pool_indices[requests],
+                seq_lens=seq_lens, extend_lens=extend_lens, token_req=token_req, kv_lens=self.kv_lens[tokens],
+                logits_indices=self.logits_indices[:0], two_batches=None, dp_two_batches=None,
+                tree_mask=None if self.tree_mask is None else self.tree_mask[tokens])
+
+        first = part(slice(None, t), slice(None, b + bool(k)), seq_first, ext_first, self.token_req[:t])
+        second = part(slice(t, None), slice(b, None), self.seq_lens[b:], ext_second, self.token_req[t:] - b)
         if self.dp_two_batches is not None:  # each micro-batch's exchange: every rank's rows in it
             firsts = self.dp_two_batches
             first = first.for_dp_attention(firsts)

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from minidsa.common.tensor_parallel import TensorParallel
+
 if TYPE_CHECKING:  # the model imports this module
     from minidsa.attention.backend import LayerCaches
     from minidsa.common.batch import ForwardBatch
@@ -80,9 +82,9 @@ class _MicroBatch:
     scattering: torch.Tensor | None = None
     shared: torch.Tensor | None = None
 
-    def settle(self, moe: "MoE") -> None:
+    def settle(self) -> None:
         if self.scattering is not None:
-            y = moe.dp.wait(self.scattering)[:self.h.shape[0]]
+            y = TensorParallel.wait(self.scattering)[:self.h.shape[0]]
             self.pending = y if self.shared is None else y + self.shared  # MoE._forward_dp's sum, in its order
             self.scattering = self.shared = None
 
@@ -101,18 +103,15 @@ def run_layers(layers: list["DecoderLayer"], caches: list["LayerCaches"],
 
     mbs = [_MicroBatch(half, ctx, rows(h, first), rows(pending, first), rows(topk, first))
            for half, ctx, first in zip(halves, contexts, (True, False))]
-    moe: "MoE | None" = None  # the last exchanging layer's MoE (its group settles what is in flight)
     for layer, cache in zip(layers, caches):
         if not layer.exchanges_rows:
             for mb in (mb for mb in mbs if mb.ctx is not None):
-                if moe is not None:
-                    mb.settle(moe)
+                mb.settle()
                 mb.h, mb.pending, mb.topk = run_layer(layer, mb.h, mb.pending, mb.ctx, mb.topk, cache)
             continue
         mlp, sent = layer.mlp, []
         for mb in mbs:
-            if moe is not None:
-                mb.settle(moe)  # A's rows return under the last layer's experts of B; B's under this attend of A
+            mb.settle()  # A's rows return under the last layer's experts of B; B's under this attend of A
             x = mb.h
             if mb.ctx is not None:
                 mb.h, x, mb.shared, mb.topk = calls.attend(layer, mb.h, mb.pending, mb.ctx, mb.topk, cache)
@@ -120,10 +119,8 @@ def run_layers(layers: list["DecoderLayer"], caches: list["LayerCaches"],
         for mb, gathering in zip(mbs, sent):
             y = calls.routed(mlp, mlp.dp.wait(gathering), mb.batch.dp_real_rows)
             mb.scattering = mlp.dp.start_reduce_scatter_rows(y)
-        moe = mlp
-    if moe is not None:
-        for mb in mbs:
-            mb.settle(moe)
+    for mb in mbs:
+        mb.settle()
     busy = [mb for mb in mbs if mb.ctx is not None] or mbs[:1]
     if len(busy) == 1:
         return busy[0].h, busy[0].pending, busy[0].topk

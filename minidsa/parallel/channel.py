@@ -98,7 +98,7 @@ class ResultChannel:
         """Rank 0: every rank's result of the step, in rank order (`own`: rank 0's)."""
         if self.group.world_size == 1:
             return [own]
-        _encode(None, self._first)  # rank 0's own needs no trip: a placeholder in the gather
+        # rank 0's own result needs no trip: its slot of the gather is sent as it is, and never read
         dist.gather(self._first, self._firsts, dst=0, group=self.group.control_group)
         results: list[object] = [own]
         for r in range(1, self.group.world_size):
