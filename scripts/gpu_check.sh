@@ -379,6 +379,14 @@ section_spec_bench() {   # issue 31: only plain vs MTP at simulated acceptance l
     timeout "$TIMEOUT" $PY benchmarks/scripts/bench_speculative.py --out "$OUT" ${SPEC_BENCH_ARGS:-}
 }
 
+section_rank_shapes() {   # issues 48 / 49 on ONE GPU: rank 0 of RANK_SIZE (default 4) ranks built alone, no process
+    # group (benchmarks/scripts/bench_rank_shapes.py): its decode step under --tp, expert parallelism and DP attention
+    # against the whole model, per MoE layer (two depths), kernels by category. RANK_ARGS: more flags (e.g. "--modes one
+    # tp"); RANK_BUDGET_S (default 480): no build starts past it
+    timeout "$TIMEOUT" $PY benchmarks/scripts/bench_rank_shapes.py --out "$OUT" --size "${RANK_SIZE:-4}" \
+        --budget-s "${RANK_BUDGET_S:-480}" ${RANK_ARGS:-}
+}
+
 section_serving_matrix() {   # issue 31: one server per speculative combination, minidsa bench over HTTP (MATRIX_ARGS,
     # e.g. "--only guide_dsv32 guide_glm5"); server logs and per-combination JSON stay in $OUT/matrix
     timeout "$TIMEOUT" $PY benchmarks/scripts/serving_matrix.py --out "$OUT/matrix" ${MATRIX_ARGS:-}

@@ -35,6 +35,7 @@ from minidsa.common.batch import ForwardBatch
 from minidsa.common.kv_cache import CacheLayouts
 from minidsa.common.plan import StepKind
 from minidsa.common.presets import preset_config
+from minidsa.common.tensor_parallel import TensorParallel, building_with
 from minidsa.config import EngineConfig, ModelConfig, resolve
 from minidsa.exec.build import choose_kernels
 from minidsa.exec.memory import DoesNotFit, check_fit
@@ -153,14 +154,18 @@ def decode_bytes(cfg: ModelConfig, bs: int, ctx: int, dtype_bytes: int = 2, with
 class Bench:
     def __init__(self, preset: str, max_context: int, max_batch_tokens: int, max_bs: int, index_topk: int | None = None,
                  spec_steps: int = 0, compile: bool = True, kv_cache_dtype: str = "auto",
-                 distributed_executor_backend: str = "uni", use_flash_mla: bool = True):
+                 distributed_executor_backend: str = "uni", use_flash_mla: bool = True,
+                 rank: TensorParallel | None = None, device: str = "cuda"):
+        """`rank`: build one rank's share of a tensor-parallel (or DP-attention) model of `rank.size` ranks in this
+        one process, its kernels chosen for that rank's shapes; its collectives are whatever `rank` does without a
+        process group (benchmarks/scripts/bench_rank_shapes.py: skipped, or stood in for by local rows)."""
         raw = preset_config(preset)
         init_std = raw.pop("initializer_range", 0.02)
         if index_topk is not None:
             raw["index_topk"] = index_topk
         self.model_config = ModelConfig.from_dict(raw)
         self.spec_nd = spec_steps + 1 if spec_steps else 0
-        cfg = EngineConfig(model=None, dtype="bfloat16", device="cuda", page_size=64,
+        cfg = EngineConfig(model=None, dtype="bfloat16", device=device, page_size=64,
                            max_running_requests=max_bs, max_total_tokens=max_batch_tokens + 64 * (max_bs + 2),
                            max_model_len=max_context + 64, indexer_cache_dtype="fp8", kernel_backend="auto",
                            kv_cache_dtype=kv_cache_dtype, use_flash_mla=use_flash_mla,
@@ -177,8 +182,17 @@ class Bench:
         except DoesNotFit as e:
             raise DoesNotFit(f"{e} (here max_total_tokens is --kv-tokens {max_batch_tokens} plus "
                              f"{cfg.max_total_tokens - max_batch_tokens} tokens of room)") from None
+        if rank is not None:  # the kernels a rank of that group would choose (e.g. FlashMLA for its heads per rank)
+            resolved = dataclasses.replace(resolved, args=dataclasses.replace(
+                resolved.args, tensor_parallel_size=rank.size, distributed_executor_backend="mp",
+                enable_expert_parallel=rank.expert_parallel, enable_dp_attention=rank.dp_attention))
         kernels = choose_kernels(resolved)
-        if distributed_executor_backend == "mp":
+        if rank is not None:
+            from minidsa.exec.runner import ModelRunner
+
+            with building_with(rank):
+                self.runner = ModelRunner(resolved, kernels, progress=False)
+        elif distributed_executor_backend == "mp":
             from minidsa.parallel.launch import single_rank_group
             from minidsa.parallel.ranks import RankModelRunner
 
