@@ -84,14 +84,17 @@ def test_per_moe_layer_is_the_depths_difference_and_the_page_shows_the_ratios(sc
         return {"mode": mode, "depth": depth, "rows": rows}
 
     cats = {c: 0.0 for c in script.CATEGORY_NAMES}
-    builds = [build("one", 4, {1: 3.0, 16: 6.0, 64: 10.0}, {1: cats | {"MoE": 100.0, "kernels": 200}}),
-              build("one", 8, {1: 5.0, 16: 10.0, 64: 18.0}, {1: cats | {"MoE": 500.0, "kernels": 400}}),
+    builds = [build("one", 4, {1: 3.0, 16: 6.0, 64: 10.0},
+                    {1: cats | {"MoE": 100.0, "kernels": 200, "by_name": {"_expert_gemm_kernel": 60.0}}}),
+              build("one", 8, {1: 5.0, 16: 10.0, 64: 18.0},
+                    {1: cats | {"MoE": 500.0, "kernels": 400, "by_name": {"_expert_gemm_kernel": 300.0, "x": 4.0}}}),
               build("tp", 4, {1: 2.0, 16: 4.0}), build("tp", 8, {1: 3.0, 16: 5.0}),
               build("dp", 4, {16: 3.0}), build("dp", 8, {16: 4.0})]
     layers = script.per_layer(builds, (4, 8))
     assert layers["one"][1]["layer_ms"] == pytest.approx(0.5)
     assert layers["one"][1]["layer_us"]["MoE"] == pytest.approx(100.0)
     assert layers["one"][1]["layer_us"]["kernels"] == pytest.approx(50.0)
+    assert layers["one"][1]["layer_kernels_us"] == pytest.approx({"_expert_gemm_kernel": 60.0, "x": 1.0})
     assert layers["tp"][16]["layer_ms"] == pytest.approx(0.25)
     md = script.to_markdown({"size": 4, "depths": [4, 8], "preset": "bench-dsv32", "device": "d", "date": "t",
                              "commit": "c", "context": 1024, "kv_cache_dtype": "fp8", "command": "x",
@@ -101,3 +104,4 @@ def test_per_moe_layer_is_the_depths_difference_and_the_page_shows_the_ratios(sc
     assert "| dp | 16 | 4.000 | 0.2500 |" in md and "| 8.00x |" in md  # 64 requests: one GPU's 2.0 ms over 0.25
     assert "ep:4" in md
     assert "| MoE | 100.0 |" in md
+    assert "| `_expert_gemm_kernel` | MoE | 60.0 |" in md

@@ -49,6 +49,7 @@ from profile_tp import CATEGORY_NAMES, category  # noqa: E402
 from minidsa.common.tensor_parallel import TensorParallel  # noqa: E402
 
 MODES = ("one", "tp", "ep", "dp")
+TOP_KERNELS = 14  # kernels listed per (mode, batch) on the page
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,20 +79,25 @@ def rank_of(mode: str, size: int) -> TensorParallel | None:
 
 
 def kernel_profile(replay, iters: int) -> dict[str, float]:
-    """us per replay by category (CUDA kernels, inside the graph replays), and the kernel count."""
+    """us per replay by category (CUDA kernels, inside the graph replays), the kernel count, and each kernel name's
+    us per replay (under "by_name")."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             replay()
         torch.cuda.synchronize()
-    cats = dict.fromkeys(CATEGORY_NAMES, 0.0)
+    cats: dict = dict.fromkeys(CATEGORY_NAMES, 0.0)
+    names: dict[str, float] = {}
     count = 0
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            cats[category(ev.name)] += ev.time_range.elapsed_us() / iters
+            us = ev.time_range.elapsed_us() / iters
+            cats[category(ev.name)] += us
+            names[ev.name[:200]] = names.get(ev.name[:200], 0.0) + us
             count += 1
     cats["kernels"] = count / iters
+    cats["by_name"] = names
     return cats
 
 
@@ -140,8 +146,12 @@ def per_layer(builds: list[dict], depths: tuple[int, int]) -> dict:
             a, b = rows_lo[bs], rows_hi[bs]
             entry = {"layer_ms": (b["step_ms"] - a["step_ms"]) / (hi - lo), "step_ms": b["step_ms"]}
             if "profile_us" in a and "profile_us" in b:
-                entry["layer_us"] = {c: (b["profile_us"][c] - a["profile_us"][c]) / (hi - lo)
-                                     for c in b["profile_us"]}
+                pa, pb = a["profile_us"], b["profile_us"]
+                entry["layer_us"] = {c: (pb[c] - pa[c]) / (hi - lo) for c in pb if c != "by_name"}
+                if "by_name" in pb:
+                    names_a, names_b = pa.get("by_name", {}), pb["by_name"]
+                    entry["layer_kernels_us"] = {n: (names_b.get(n, 0.0) - names_a.get(n, 0.0)) / (hi - lo)
+                                                 for n in set(names_a) | set(names_b)}
             out[mode][bs] = entry
     return out
 
@@ -177,6 +187,14 @@ def to_markdown(result: dict) -> str:
             vals = [prof[k].get(c, 0.0) for k in keys]
             if any(abs(v) >= 0.5 for v in vals):
                 lines.append(f"| {c} | " + " | ".join(f"{v:.1f}" for v in vals) + " |")
+    for mode, bs in prof:
+        e = layers[mode][bs]
+        kernels = e.get("layer_kernels_us")
+        if kernels and (mode, bs) in (("one", 1), ("tp", 1), ("one", 16), ("tp", 16)):
+            top = sorted(kernels.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
+            lines += ["", f"{mode}, batch {bs}: the kernels of one MoE layer, us (largest {len(top)})", "",
+                      "| kernel | category | us |", "|---|---|---:|"]
+            lines += [f"| `{n[:110]}` | {category(n)} | {us:.1f} |" for n, us in top]
     skipped = result.get("skipped")
     if skipped:
         lines += ["", "Not measured (the time budget): " + ", ".join(skipped)]
