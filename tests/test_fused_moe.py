@@ -153,6 +153,12 @@ TRITON_CASES = [
     (4, torch.float32, torch.float32, 96, 48, fm.TileConfig(16, 32, 64, 4, 4, 2, split_gate_up=True)),
     (6, torch.bfloat16, fp8.FP8_DTYPE, 256, 128, fm.TileConfig(16, 128, 128, 4, 4, 2, split_gate_up=True)),
     (2, torch.float32, fp8.FP8_DTYPE, 200, 72, fm.TileConfig(16, 64, 128, 1, 4, 2, split_gate_up=True)),
+    # gate/up split along K (fp32 partials summed by the pass that quantises the down GEMM's input): even ranges,
+    # an uneven last range with a partial K group, and bf16 activations (the product rounded to bf16 first)
+    (3, torch.float32, fp8.FP8_DTYPE, 512, 128, fm.TileConfig(16, 128, 128, 1, 4, 2, gate_up_split_k=2)),
+    (2, torch.float32, fp8.FP8_DTYPE, 456, 72, fm.TileConfig(16, 64, 128, 1, 4, 2, gate_up_split_k=3)),
+    (5, torch.bfloat16, fp8.FP8_DTYPE, 384, 128, fm.TileConfig(16, 64, 128, 4, 4, 2, gate_up_split_k=3)),
+    (4, torch.float32, torch.float32, 96, 48, fm.TileConfig(16, 32, 32, 4, 4, 2, gate_up_split_k=2)),
 ]
 
 _real_empty = torch.empty
@@ -170,7 +176,9 @@ def poisoned_outputs(monkeypatch):
 @in_this_process
 @pytest.mark.parametrize("case", range(len(TRITON_CASES)),
                          ids=[f"T{c[0]}-{str(c[2]).split('.')[-1]}-{str(c[1]).split('.')[-1]}"
-                              + ("-split" if c[5].split_gate_up else "") for c in TRITON_CASES])
+                              + ("-split" if c[5].split_gate_up else "")
+                              + (f"-splitk{c[5].gate_up_split_k}" if c[5].gate_up_split_k else "")
+                              for c in TRITON_CASES])
 def test_triton_matches_per_token(case, poisoned_outputs):
     num_tokens, act_dtype, weight_dtype, hidden, inter, tiles = TRITON_CASES[case]
     x, ids, weights = route(num_tokens, hidden, seed=100 + case)
@@ -215,6 +223,33 @@ def test_triton_chunks_and_chosen_tiles_agree(poisoned_outputs):
     with torch_rounded_casts():
         default_tiles = fm.fused_moe_triton(x, ids, weights, *params)
     assert rel_err(default_tiles, per_token_reference(x, ids, weights, *params)) < 1e-2
+
+
+def test_gate_up_splits_along_k_only_where_the_programs_leave_sms_idle():
+    """V3.2's gate/up at decode on an H200 (132 SMs, K = 7168: 56 steps): one GPU at batch 1 (8 experts x 32 N-blocks)
+    is not split; under --tp 4 (I = 512: 8 N-blocks) it is, to about two programs per SM; a short K keeps 4 steps a
+    range; bf16 weights are never split."""
+    assert fm.gate_up_splits(8 * 32, 56, 132, True) == 1
+    assert fm.gate_up_splits(8 * 8, 56, 132, True) == 5
+    assert fm.gate_up_splits(16 * 8, 56, 132, True) == 3
+    assert fm.gate_up_splits(2, 12, 132, True) == 3
+    assert fm.gate_up_splits(8 * 8, 56, 132, False) == 1
+
+
+@in_this_process
+def test_triton_splits_gate_up_by_itself_where_few_programs_run(poisoned_outputs, monkeypatch):
+    """On 16 SMs (a stand-in), one token's 8 experts in one N-block each are 8 programs of a 1024-deep K: split in
+    two; the result is the unsplit one's up to fp32 summation order."""
+    monkeypatch.setattr(fm, "num_sms", lambda device: 16)
+    x, ids, weights = route(1, 1024, seed=41)
+    params = make_weights(1024, 128, seed=41, dtype=fp8.FP8_DTYPE)
+    assert fm.gate_up_splits(8, 8, 16, True) == 2
+    with torch_rounded_casts():
+        auto = fm.fused_moe_triton(x, ids.int(), weights, *params, config=fm.TileConfig(16, 128, 128, 1, 4, 2))
+        whole = fm.fused_moe_triton(x, ids.int(), weights, *params,
+                                    config=fm.TileConfig(16, 128, 128, 1, 4, 2, gate_up_split_k=1))
+    assert rel_err(auto, whole) < 1e-5
+    assert rel_err(auto, per_token_reference(x, ids, weights, *params)) < tolerance(torch.float32, fp8.FP8_DTYPE)
 
 
 def one_rounding_residual(routed: torch.Tensor, fused) -> torch.Tensor:

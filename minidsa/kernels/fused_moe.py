@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minidsa.kernels import fp8
+from minidsa.kernels import fp8, num_sms
 from minidsa.kernels.fp8_gemm import EMULATE_CAST, _quant_tile, quant_act
 from minidsa.kernels.fp8_gemm import mn_major_scales as mn_major_scales_of
 from minidsa.kernels.moe_layout import expert_rows, max_padded_rows
@@ -75,6 +75,22 @@ class TileConfig:
     # needs a third, per K step), at the cost of writing and reading [T*k, 2I] once. For the sweep
     # (benchmarks/scripts/bench_moe.py --sweep); not a default until measured faster.
     split_gate_up: bool = False
+    # K ranges the gate/up GEMM is split into (0: decided per launch, `gate_up_splits`). Split, gate and up go to an
+    # fp32 [splits, pairs, 2I] buffer, and the pass that quantises the down GEMM's input sums them first (`silu_mul`).
+    gate_up_split_k: int = 0
+
+
+def gate_up_splits(programs: int, k_blocks: int, sms: int, fp8_weights: bool) -> int:
+    """K ranges for a gate/up GEMM of `programs` (M-block x N-block) programs over `k_blocks` 128-deep K steps.
+
+    At decode sizes the gate/up GEMM's programs are M-blocks (one per chosen expert, about T x k of them) times
+    I / BLOCK_N N-blocks. One GPU at batch 1 has 8 x 32 = 256 for 132 SMs; under --tp 4 each expert's I is 512, so
+    8 x 8 = 64 programs each stream a whole 7168-deep K: half the SMs idle and the step waits on the longest. Split
+    along K to about two programs per SM (each K range at least 4 steps), as the dense FP8 GEMM does
+    (`fp8_gemm.pick_tiles`). FP8 weights only: the served decode path."""
+    if not fp8_weights or programs >= sms:
+        return 1
+    return max(1, min(-(-2 * sms // programs), k_blocks // 4))
 
 
 def tile_config(num_tokens: int, top_k: int, n_experts: int, weight_dtype: torch.dtype,
@@ -235,11 +251,11 @@ def align_for(num_pairs: int):
 def _expert_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, route_w_ptr,
     sorted_pair_ptr, block_expert_ptr, num_padded_ptr,
-    N, K, num_pairs, pairs_per_a_row, num_m_blocks,
+    N, K, num_pairs, pairs_per_a_row, num_m_blocks, k_per_split, stride_split,
     stride_am, stride_asm, stride_be, stride_bn, stride_cm, stride_se, stride_sn, stride_sk,
     GATED: tl.constexpr, APPLY_ROUTE_W: tl.constexpr, FP8: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, PDL: tl.constexpr = False,
+    EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """C[pair, n] = sum_k A[pair // pairs_per_a_row, k] * B[expert, n, k] for the pairs of one M-block.
 
@@ -247,6 +263,8 @@ def _expert_gemm_kernel(
     APPLY_ROUTE_W: C is multiplied by the pair's routing weight. FP8: B is e4m3 with per-128x128
     block scales; A is e4m3 too, quantised beforehand per row per 128 channels (scales [rows, K/128];
     BLOCK_K == 128 == the quantisation group).
+    SPLIT_K (GATED only): program axis 1 takes the K range [axis1 * k_per_split, + k_per_split) and stores its fp32
+    gate sums at C[axis1, pair, n] and up sums at C[axis1, pair, N + n] (split stride `stride_split`), unactivated.
     """
     wait_for_producers(PDL)
     pid = tl.program_id(0)
@@ -275,10 +293,14 @@ def _expert_gemm_kernel(
     s_rows = b_scale_ptr + expert * stride_se + (n_row // 128) * stride_sn
     s_up_rows = b_scale_ptr + expert * stride_se + ((n_row + N) // 128) * stride_sn
     kk = tl.arange(0, BLOCK_K)
+    k_lo, k_hi = 0, K
+    if SPLIT_K:
+        k_lo = tl.program_id(1) * k_per_split
+        k_hi = tl.minimum(K, k_lo + k_per_split)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + kk
         if EVEN_K:
             a = tl.load(a_rows[:, None] + k[None, :], mask=row_ok[:, None], other=0.0)
@@ -304,6 +326,12 @@ def _expert_gemm_kernel(
             else:
                 acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
 
+    if SPLIT_K:
+        part = c_ptr + tl.program_id(1).to(tl.int64) * stride_split + pair.to(tl.int64)[:, None] * stride_cm
+        store_ok = row_ok[:, None] & n_ok[None, :]
+        tl.store(part + offs_n[None, :], acc, mask=store_ok)
+        tl.store(part + N + offs_n[None, :], acc_up, mask=store_ok)
+        return
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
     if APPLY_ROUTE_W:
@@ -391,13 +419,19 @@ def fused_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     return (routed if addend is None else routed + addend.float()).to(x.dtype)
 
 
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, scale_ptr, row_expert_ptr, rows, inter, stride_g, stride_o, stride_s_row,
-                     stride_s_group, ROWS: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr,
-                     SKIP_PADDING: tl.constexpr, EMULATE_CAST: tl.constexpr, PDL: tl.constexpr = False):
-    """out[r, c] = silu(gu[r, c]) * gu[r, inter + c] for one [ROWS, GROUP] tile, rounded to gu's dtype (as the
-    fused epilogue stores it); QUANT: then e4m3 per row per GROUP channels, one fp32 scale each. SKIP_PADDING: rows
-    whose row_expert is negative (padding of a grouped GEMM's layout) are neither read nor written."""
+                     stride_s_group, stride_split, ROWS: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr,
+                     SKIP_PADDING: tl.constexpr, EMULATE_CAST: tl.constexpr, SPLITS: tl.constexpr = 1,
+                     MID_DTYPE: tl.constexpr = None, PDL: tl.constexpr = False):
+    """out[r, c] = silu(gu[r, c]) * gu[r, inter + c] for one [ROWS, GROUP] tile, rounded to MID_DTYPE (None: gu's
+    dtype; as the fused epilogue stores it); QUANT: then e4m3 per row per GROUP channels, one fp32 scale each.
+    SPLITS > 1: gu is the split gate/up GEMM's fp32 partials, SPLITS of them `stride_split` apart, summed in split
+    order first. SKIP_PADDING: rows whose row_expert is negative (padding of a grouped GEMM's layout) are neither
+    read nor written."""
     wait_for_producers(PDL)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
@@ -409,7 +443,13 @@ def _silu_mul_kernel(gu_ptr, out_ptr, scale_ptr, row_expert_ptr, rows, inter, st
     row = gu_ptr + r.to(tl.int64)[:, None] * stride_g
     gate = tl.load(row + c[None, :], mask=mask, other=0.0).to(tl.float32)
     up = tl.load(row + inter + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    mid = (gate * tl.sigmoid(gate) * up).to(gu_ptr.dtype.element_ty).to(tl.float32)
+    for i in tl.static_range(1, SPLITS):
+        gate += tl.load(row + i * stride_split + c[None, :], mask=mask, other=0.0)
+        up += tl.load(row + i * stride_split + inter + c[None, :], mask=mask, other=0.0)
+    if MID_DTYPE is None:
+        mid = (gate * tl.sigmoid(gate) * up).to(gu_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        mid = (gate * tl.sigmoid(gate) * up).to(MID_DTYPE).to(tl.float32)
     out = out_ptr + r.to(tl.int64)[:, None] * stride_o + c[None, :]
     if QUANT:
         q, scale = _quant_tile(mid, EMULATE_CAST)
@@ -420,17 +460,23 @@ def _silu_mul_kernel(gu_ptr, out_ptr, scale_ptr, row_expert_ptr, rows, inter, st
 
 
 def silu_mul(gate_up: torch.Tensor, quantise: bool, row_expert: torch.Tensor | None = None,
-             mn_major_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+             mn_major_scales: bool = False, mid_dtype: torch.dtype | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[R, 2I] (gate columns, then up) -> silu(gate) * up [R, I] in gate_up's dtype, or with `quantise` e4m3
     [R, I] + fp32 scales [R, ceil(I/128)] (`fp8.quant_act_per_token_group` of that product).
+
+    gate_up [S, R, 2I] fp32: a split gate/up GEMM's partial sums, added in split order first; the product is rounded
+    to `mid_dtype` (the activations' dtype, as the unsplit GEMM's epilogue stores it) and is of that dtype unquantised.
 
     `row_expert` [R]: rows where it is negative are padding (a grouped GEMM's layout, `moe_layout.ExpertRows`): left
     unwritten, and their inputs unread (a fifth of the rows at 8192 tokens, V3.2 routing, 128-row alignment).
     `mn_major_scales`: scales laid out as DeepGEMM's grouped GEMM reads them (`fp8_gemm.mn_major_scales`)."""
-    rows, two_i = gate_up.shape
+    splits = gate_up.shape[0] if gate_up.dim() == 3 else 1
+    rows, two_i = gate_up.shape[-2:]
     inter = two_i // 2
     groups = triton.cdiv(inter, fp8.FP8_BLOCK)
-    out = torch.empty(rows, inter, dtype=fp8.FP8_DTYPE if quantise else gate_up.dtype, device=gate_up.device)
+    mid_dtype = mid_dtype or gate_up.dtype
+    out = torch.empty(rows, inter, dtype=fp8.FP8_DTYPE if quantise else mid_dtype, device=gate_up.device)
     scales = None
     if quantise:
         scales = (mn_major_scales_of(rows, groups, gate_up.device) if mn_major_scales
@@ -439,10 +485,11 @@ def silu_mul(gate_up: torch.Tensor, quantise: bool, row_expert: torch.Tensor | N
         rows_per_program = 16
         s = scales if quantise else out
         _silu_mul_kernel[(triton.cdiv(rows, rows_per_program), groups)](
-            gate_up, out, s, row_expert if row_expert is not None else out, rows, inter, gate_up.stride(0),
-            out.stride(0), s.stride(0), s.stride(1) if quantise else 0,
+            gate_up, out, s, row_expert if row_expert is not None else out, rows, inter, gate_up.stride(-2),
+            out.stride(0), s.stride(0), s.stride(1) if quantise else 0, gate_up.stride(0) if splits > 1 else 0,
             ROWS=rows_per_program, GROUP=fp8.FP8_BLOCK, QUANT=quantise, SKIP_PADDING=row_expert is not None,
-            EMULATE_CAST=EMULATE_CAST, **pdl_launch(gate_up.device))
+            EMULATE_CAST=EMULATE_CAST, SPLITS=splits,
+            MID_DTYPE=None if mid_dtype == gate_up.dtype else _TL_DTYPES[mid_dtype], **pdl_launch(gate_up.device))
     return out, scales
 
 
@@ -551,7 +598,13 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     blocks = align_for(topk_ids.numel())(topk_ids, n_experts, cfg.block_m)
     num_m_blocks = blocks.block_expert.numel()
     route_w = topk_weights.reshape(-1).float().contiguous()
-    mid = None if cfg.split_gate_up else torch.empty(blocks.num_pairs, inter, dtype=x.dtype, device=x.device)
+    num_kb = triton.cdiv(hidden, cfg.block_k)
+    splits = 1 if cfg.split_gate_up else (cfg.gate_up_split_k or gate_up_splits(
+        num_m_blocks * triton.cdiv(inter, cfg.block_n), num_kb, num_sms(x.device), is_fp8))
+    k_per_split = triton.cdiv(num_kb, splits) * cfg.block_k
+    splits = triton.cdiv(num_kb * cfg.block_k, k_per_split)  # no empty K range
+    mid = None if cfg.split_gate_up or splits > 1 else torch.empty(blocks.num_pairs, inter, dtype=x.dtype,
+                                                                   device=x.device)
     # FP8: each GEMM's input quantised once, per row per 128 channels (fp8.quant_act_per_token_group's values),
     # not in every N-block's program: at prefill sizes that re-quantisation cost 20x the GEMM.
     if is_fp8 and act is not None:
@@ -570,21 +623,27 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         return (s, s.stride(0), s.stride(1), s.stride(2)) if s is not None else (route_w, 0, 0, 0)
 
     gu_scale, gu_se, gu_sn, gu_sk = scale_args(gate_up_scale_inv)
-    # split_gate_up: the 2I gate and up rows as one plain GEMM (N = 2I), silu * up after it.
-    gu_out = torch.empty(blocks.num_pairs, two_i, dtype=x.dtype, device=x.device) if cfg.split_gate_up else mid
+    # split_gate_up: the 2I gate and up rows as one plain GEMM (N = 2I), silu * up after it. Split along K: fp32
+    # partial gate and up sums [splits, pairs, 2I], summed by that same pass.
+    if splits > 1:
+        gu_out = torch.empty(splits, blocks.num_pairs, two_i, dtype=torch.float32, device=x.device)
+    elif cfg.split_gate_up:
+        gu_out = torch.empty(blocks.num_pairs, two_i, dtype=x.dtype, device=x.device)
+    else:
+        gu_out = mid
     gu_n = two_i if cfg.split_gate_up else inter
-    _expert_gemm_kernel[(num_m_blocks * triton.cdiv(gu_n, cfg.block_n),)](
+    _expert_gemm_kernel[(num_m_blocks * triton.cdiv(gu_n, cfg.block_n), splits)](
         a, a_scale, gate_up_proj, gu_scale, gu_out, route_w,
         blocks.sorted_pair_ids, blocks.block_expert, blocks.num_padded,
-        gu_n, hidden, blocks.num_pairs, top_k, num_m_blocks,
-        a.stride(0), a_scale.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gu_out.stride(0),
+        gu_n, hidden, blocks.num_pairs, top_k, num_m_blocks, k_per_split, gu_out.stride(0) if splits > 1 else 0,
+        a.stride(0), a_scale.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), gu_out.stride(-2),
         gu_se, gu_sn, gu_sk,
-        GATED=not cfg.split_gate_up, APPLY_ROUTE_W=False, EVEN_K=hidden % cfg.block_k == 0, **launch,
-        **pdl_launch(a.device),
+        GATED=not cfg.split_gate_up, APPLY_ROUTE_W=False, EVEN_K=hidden % cfg.block_k == 0, SPLIT_K=splits > 1,
+        **launch, **pdl_launch(a.device),
     )
     dn_scale, dn_se, dn_sn, dn_sk = scale_args(down_scale_inv)
-    if cfg.split_gate_up:
-        a, a_scale = silu_mul(gu_out, quantise=is_fp8)
+    if cfg.split_gate_up or splits > 1:
+        a, a_scale = silu_mul(gu_out, quantise=is_fp8, mid_dtype=x.dtype)
         del gu_out
         a_scale = a_scale if is_fp8 else route_w
     else:
@@ -592,7 +651,7 @@ def fused_moe_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     _expert_gemm_kernel[(num_m_blocks * triton.cdiv(hidden, cfg.block_n),)](
         a, a_scale, down_proj, dn_scale, per_pair, route_w,
         blocks.sorted_pair_ids, blocks.block_expert, blocks.num_padded,
-        hidden, inter, blocks.num_pairs, 1, num_m_blocks,
+        hidden, inter, blocks.num_pairs, 1, num_m_blocks, 0, 0,
         a.stride(0), a_scale.stride(0), down_proj.stride(0), down_proj.stride(1), per_pair.stride(0),
         dn_se, dn_sn, dn_sk,
         GATED=False, APPLY_ROUTE_W=True, EVEN_K=inter % cfg.block_k == 0, **launch, **pdl_launch(a.device),

@@ -107,6 +107,39 @@ def test_matches_reference_and_is_deterministic(router, bf16_weights, fp8_weight
         assert torch.equal(fm.fused_moe_triton(x, ids, weights, *params), got)
 
 
+def tp_shard(params: tuple, ranks: int) -> tuple:
+    """Rank 0's FP8 experts under --tp `ranks`: the first I / ranks gate rows, up rows and down columns."""
+    gate_up, down, gate_up_s, down_s = params
+    i, b = I // ranks, I // ranks // fp8.FP8_BLOCK
+    blocks = I // fp8.FP8_BLOCK
+    return (torch.cat([gate_up[:, :i], gate_up[:, I:I + i]], 1).contiguous(), down[:, :, :i].contiguous(),
+            torch.cat([gate_up_s[:, :b], gate_up_s[:, blocks:blocks + b]], 1).contiguous(),
+            down_s[:, :, :b].contiguous())
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2])
+def test_tp_rank_shapes_split_gate_up_along_k(router, fp8_weights, num_tokens):
+    """Under --tp 4 a rank's experts have I = 512: at 1 and 2 tokens the gate/up GEMM has fewer programs than SMs and
+    is split along K (`gate_up_splits`); against the reference, and against the same op unsplit; in a CUDA graph."""
+    params = tp_shard(fp8_weights, 4)
+    x, ids, weights = inputs(router, num_tokens, seed=50 + num_tokens)
+    cfg = fm.tile_config(num_tokens, K, E, fp8.FP8_DTYPE, x.dtype)
+    blocks = fm.align_for(num_tokens * K)(ids.int(), E, cfg.block_m).block_expert.numel()
+    splits = fm.gate_up_splits(blocks * (I // 4 // cfg.block_n), H // fp8.FP8_BLOCK, fm.num_sms(DEV), True)
+    assert splits > 1
+    got = fm.fused_moe_triton(x, ids, weights, *params)
+    whole = fm.fused_moe_triton(x, ids, weights, *params,
+                                config=fm.TileConfig(**{**cfg.__dict__, "gate_up_split_k": 1}))
+    want = fm.fused_moe_reference(x, ids, weights, *params)
+    print(f"\nTP4 T={num_tokens}: {splits} K ranges, rel err vs reference {rel_err(got, want):.2e}, vs unsplit "
+          f"{rel_err(got, whole):.2e}")
+    assert rel_err(got, want) < 1e-2 and rel_err(got, whole) < 1e-2
+    graph, out = captured(lambda: fm.fused_moe_triton(x, ids, weights, *params))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got)
+
+
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
 def test_split_gate_up_tiles_match_reference(router, bf16_weights, fp8_weights, kind):
     """The sweep's split gate/up variant (one GEMM over 2I, silu * up in its own pass) at a prefill size."""
