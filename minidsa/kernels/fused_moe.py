@@ -29,6 +29,8 @@ How (the `moe_align_block_size` idea of vLLM / SGLang, written here; nothing syn
    pair // k; gate and up accumulated side by side and silu(gate) * up stored per pair [T*k, I].
    (`TileConfig.split_gate_up`, for the tile sweep: gate and up as one plain GEMM over the 2I rows, stored
    [T*k, 2I], then silu(gate) * up in the pass that quantises the down GEMM's input.)
+   Where its programs are fewer than the SMs (a tensor-parallel rank's narrow experts at batch 1-2:
+   `gate_up_splits`), split along K: fp32 gate and up partials [splits, T*k, 2I], summed by that same pass.
 3. The same kernel (down) over that intermediate, times the routing weight, stored per pair [T*k, H].
 4. `combine_rows` sums each token's k pair rows in one pass (fp32 accumulation, deterministic: no atomics), the
    addend after them, then rounds.
