@@ -20,7 +20,6 @@ What only runs on GPUs (NCCL, CUDA graphs, nvidia-smi's process list, the timing
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -29,22 +28,11 @@ import subprocess
 import sys
 
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(REPO, "benchmarks", "scripts")
-
-
-def _module(name: str):
-    if SCRIPTS not in sys.path:
-        sys.path.insert(0, SCRIPTS)
-    spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from bench_scripts import REPO, SCRIPTS, load
 
 
 def _profile(preset: str, tp: int, steps: dict[int, float], collectives_us: float) -> dict:
-    names = _module("profile_tp").CATEGORY_NAMES
+    names = load("profile_tp").CATEGORY_NAMES
     batches = []
     for bs, step in steps.items():
         cats = {n: {"count_per_step": 1.0, "us_per_step": 100.0, "share": 0.1, "share_of_step": 0.05, "kernels": 1}
@@ -66,7 +54,7 @@ def _profile(preset: str, tp: int, steps: dict[int, float], collectives_us: floa
 
 
 def test_page_from_a_synthetic_summary():
-    page = _module("multi_gpu_page")
+    page = load("multi_gpu_page")
     deep = _profile("bench-dsv32:16", 4, {1: 8.0, 16: 12.0}, 500.0)
     shallow = _profile("bench-dsv32:4", 4, {1: 2.0}, 200.0)
     one4, one6 = _profile("bench-dsv32:4", 1, {1: 2.5}, 0.0), _profile("bench-dsv32:6", 1, {1: 3.3}, 0.0)
@@ -103,7 +91,7 @@ def test_page_from_a_synthetic_summary():
 
 
 def test_collect_reads_the_parts(tmp_path):
-    page = _module("multi_gpu_page")
+    page = load("multi_gpu_page")
     raw = tmp_path / "raw"
     (raw / "profile").mkdir(parents=True)
     (raw / "meta.txt").write_text("model=bench-glm5:16 tp=4 engine=--kv-cache-dtype fp8 date=2026-12-01T10:00:00Z "
@@ -123,7 +111,7 @@ def test_collect_reads_the_parts(tmp_path):
 
 
 def test_metrics_parsing():
-    sc = _module("serve_check")
+    sc = load("serve_check")
     text = ('# HELP minidsa_kv_cache_used_tokens KV\nminidsa_kv_cache_used_tokens{model_name="m"} 0\n'
             'minidsa_kv_cache_usage_ratio{model_name="m"} 0.25\n'
             'minidsa_request_finish_total{model_name="m",reason="stop"} 3\n'
@@ -206,7 +194,7 @@ def test_moe_exchange_methods_agree_on_two_gloo_ranks(tmp_path):
 def test_moe_exchange_shares_follow_the_routing():
     """Per token, the ranks' shares add up to its experts' weights, and a rank holds a share only where one of the
     token's experts lives on it (experts placed in order, 256 / 4 per rank)."""
-    ex = _module("bench_moe_exchange")
+    ex = load("bench_moe_exchange")
     shares = ex.expert_shares(world=4, rows=16, experts=256, top_k=8, seed=3)
     assert shares.shape == (64, 4) and int(shares.sum(1).min()) >= 8 and int(shares.sum(1).max()) <= 16
     import torch
@@ -221,7 +209,7 @@ def test_moe_exchange_shares_follow_the_routing():
 def _side(label: str, gpus: int, dp: bool, kv: int, tok_s: float, itl_p99_ms: float, startup: float,
           two_batch: bool = False, step_ms: float = 20.0) -> dict:
     bs = 64 * gpus
-    return {"label": label, "side": _module("bench_dp_attention").side_name(gpus, dp, two_batch), "gpus": gpus,
+    return {"label": label, "side": load("bench_dp_attention").side_name(gpus, dp, two_batch), "gpus": gpus,
             "dp_attention": dp, "two_batch_overlap": two_batch, "attention_ranks": gpus if dp else 1,
             "preset": "bench-dsv32:10",
             "device": "NVIDIA H200", "date": "2026-12-02 10:00 UTC", "commit": "abc1234",
@@ -238,7 +226,7 @@ def _side(label: str, gpus: int, dp: bool, kv: int, tok_s: float, itl_p99_ms: fl
 def test_dp_attention_page_ratios_and_targets(tmp_path):
     """The sides' ratios and the issue's targets: KV 4.0x passes 3.5x, tok/s 3.0x fails 3.2x but beats TP (1.2x),
     ITL p99 1.625x of TP's fails 1.5x; a side not measured leaves its targets 'not measured'."""
-    page = _module("dp_attention_page")
+    page = load("dp_attention_page")
     raw = tmp_path / "raw"
     (raw / "sides").mkdir(parents=True)
     (raw / "exchange").mkdir()
@@ -428,7 +416,7 @@ def test_eight_gpu_page_tables_and_published_figures(tmp_path):
     """GLM-5 under TP: ITL rows with MTP / plain ratios and the published 118 tok/s at concurrency 1, the published
     row at 100 marked not measured, cold / warm start-up and the highest GPU's peak; V3.2 under DP attention: the
     2k / 100 total against the published 27.7k; a rehearsal on 4 GPUs says it is not comparable."""
-    page = _module("eight_gpu_page")
+    page = load("eight_gpu_page")
     raw = tmp_path / "raw"
     for part in ("mtp", "warm", "plain"):
         (raw / part).mkdir(parents=True)
@@ -481,7 +469,7 @@ def test_eight_gpu_page_tables_and_published_figures(tmp_path):
 
 def test_gpu_memory_peak_per_gpu():
     """nvidia-smi's CSV parsed per GPU; the peak keeps each GPU's highest sample; without nvidia-smi nothing."""
-    sc = _module("serve_check")
+    sc = load("serve_check")
     assert sc.parse_gpu_memory("0, 1000, 143771\n1, 2000, 143771\nbad line\n") == {
         "0": (1000.0, 143771.0), "1": (2000.0, 143771.0)}
     peak = sc.GpuMemoryPeak(0)  # interval 0: no thread, no samples

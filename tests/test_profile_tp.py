@@ -7,26 +7,17 @@ thread), not kernels: what runs on the GPU (CUDA kernels, NCCL, CUDA graphs) is 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+from bench_scripts import REPO, load, script_path
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, "benchmarks", "scripts", "profile_tp.py")
+SCRIPT = script_path("profile_tp")
 ARGS = ["--allow-cpu", "--model", "tiny", "--device", "cpu", "--dtype", "float32", "--tp", "2", "--batches", "1", "3",
         "--steps", "3", "--prompt-len", "16", "--max-total-tokens", "2048", "--max-running-requests", "4"]
-
-
-def _module():
-    sys.path.insert(0, os.path.dirname(SCRIPT))
-    spec = importlib.util.spec_from_file_location("profile_tp", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _run(tmp_path, *extra: str) -> dict:
@@ -55,7 +46,7 @@ def _check_profile(p: dict, names: list[str]) -> None:
 
 
 def test_profile_tp_rank0_on_cpu(tmp_path):
-    mod = _module()
+    mod = load("profile_tp")
     r = _run(tmp_path)
     assert r["tp"] == 2 and r["device"] == "cpu" and r["commit"] == "test" and "--tp 2" in r["command"]
     assert r["kv_total_tokens"] > 0 and r["startup_s"] > 0
@@ -70,7 +61,7 @@ def test_profile_tp_rank0_on_cpu(tmp_path):
 
 def test_profile_tp_all_ranks_on_cpu(tmp_path):
     """--all-ranks: one process per rank (the engine's torchrun launch), rank 1's tables merged into rank 0's."""
-    mod = _module()
+    mod = load("profile_tp")
     r = _run(tmp_path, "--all-ranks")
     assert set(r["ranks"]) == {"1"} and set(r["ranks"]["1"]) == {"1", "3"}
     for per in r["ranks"]["1"].values():
@@ -105,7 +96,7 @@ def test_profile_tp_all_ranks_on_cpu(tmp_path):
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, ...>", "other"),
 ])
 def test_kernel_categories(name, want):
-    assert _module().category(name) == want
+    assert load("profile_tp").category(name) == want
 
 
 def test_kernel_table_from_device_events():
@@ -122,7 +113,7 @@ def test_kernel_table_from_device_events():
               Ev("_race_kernel", 140, 160),  # overlaps the all-reduce by 10 us
               Ev("_w8a8_gemm_kernel", 1000, 1100), Ev("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 1100, 1150),
               Ev("_race_kernel", 1140, 1160), Ev("aten::mm", 0, 5000, torch.autograd.DeviceType.CPU)]
-    p = _module().summarise(events, steps=2, wall_ms=1.0, on_cuda=True)
+    p = load("profile_tp").summarise(events, steps=2, wall_ms=1.0, on_cuda=True)
     assert p["kernels_per_step"] == 3 and p["kernel_ms"] == pytest.approx(0.17)
     assert p["busy_ms"] == pytest.approx(0.16) and p["gap_ms"] == pytest.approx(0.84)
     c = p["categories"]

@@ -5,26 +5,16 @@ themselves need a GPU (scripts/gpu_check.sh rank_shapes)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
 import torch
+from bench_scripts import load
 
 from minidsa.models.deepseek_v32 import MoE
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, "benchmarks", "scripts", "bench_rank_shapes.py")
 
 
 @pytest.fixture(scope="module")
 def script():
-    sys.path.insert(0, os.path.dirname(SCRIPT))
-    spec = importlib.util.spec_from_file_location("bench_rank_shapes", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("bench_rank_shapes")
 
 
 def _bench(script, mode: str, size: int = 2):
