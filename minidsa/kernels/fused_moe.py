@@ -421,7 +421,9 @@ def fused_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
     return (routed if addend is None else routed + addend.float()).to(x.dtype)
 
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+def _tl_dtype(dtype: torch.dtype):
+    """Triton's name for a float dtype the activations come in."""
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
 
 
 @triton.jit
@@ -491,7 +493,7 @@ def silu_mul(gate_up: torch.Tensor, quantise: bool, row_expert: torch.Tensor | N
             out.stride(0), s.stride(0), s.stride(1) if quantise else 0, gate_up.stride(0) if splits > 1 else 0,
             ROWS=rows_per_program, GROUP=fp8.FP8_BLOCK, QUANT=quantise, SKIP_PADDING=row_expert is not None,
             EMULATE_CAST=EMULATE_CAST, SPLITS=splits,
-            MID_DTYPE=None if mid_dtype == gate_up.dtype else _TL_DTYPES[mid_dtype], **pdl_launch(gate_up.device))
+            MID_DTYPE=None if mid_dtype == gate_up.dtype else _tl_dtype(mid_dtype), **pdl_launch(gate_up.device))
     return out, scales
 
 
