@@ -126,7 +126,7 @@ def test_activation_profile_traces_the_layer_the_engine_serves_with():
     MTP layer computing its own top-k), which the profile never runs. Tokens equal eager."""
     kw = dict(kernel_backend="triton", speculative_num_steps=1, max_prefill_tokens=48, chunked_prefill_size=48)
     reference_llm = _llm(**kw)
-    prompts = _prompts(reference_llm.engine.model_config.vocab_size, 3)
+    prompts = _prompts(reference_llm.engine.model_config.vocab_size, 2)  # 79 tokens: over a 48-token prefill step
     reference = [o.token_ids for o in reference_llm.generate(prompts, GREEDY)]
 
     llm = _llm(**kw)

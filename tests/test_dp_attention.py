@@ -382,9 +382,28 @@ def test_dp_attention_speculative_rounds_replay_graphs_in_lockstep(arch, overlap
         assert (s.graph is not None) == (kinds == {StepKind.SPEC} and fits), (kinds, s.graph)
 
 
+COMPILED_ENGINE_ARGS = dict(model=None, device="cpu", dtype="float32", max_total_tokens=1024, max_running_requests=4,
+                            cuda_graph_max_bs=2, progress=False, kernel_backend="triton", chunked_prefill_size=8,
+                            max_prefill_tokens=12)
+COMPILED_PARAMS = SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False)
+
+
+@pytest.fixture(scope="module")
+def compiled_waves() -> tuple[list, list]:
+    """Two waves of prompts for the compiled DP engine test, and one plain process's greedy tokens for them (MTP is
+    lossless: both variants of the test expect these)."""
+    rng = random.Random(7)
+    with LLM(**COMPILED_ENGINE_ARGS) as single:
+        vocab = single.engine.model_config.vocab_size
+        waves = [[[rng.randint(2, vocab - 1) for _ in range(n)] for n in (9, 34, 11, 2, 5, 20)],
+                 [[rng.randint(2, vocab - 1) for _ in range(n)] for n in (3,)]]
+        return waves, [[o.token_ids for o in single.generate(wave, COMPILED_PARAMS)] for wave in waves]
+
+
 @pytest.mark.skipif(not triton_usable(torch.device("cpu"))[0], reason="needs Triton's interpreter on CPU")
 @pytest.mark.parametrize("spec_steps", [0, 3], ids=["plain", "mtp"])
-def test_compiled_dp_attention_engine_compiles_nothing_after_start_up(spec_steps, tmp_path, monkeypatch):
+def test_compiled_dp_attention_engine_compiles_nothing_after_start_up(spec_steps, tmp_path, monkeypatch,
+                                                                      compiled_waves):
     """Both ranks compile their decoder layers (aot_eager, counted) and warm them up at start-up, as on a GPU; then
     steps of every mix (both ranks decoding different batches through the graphs' buffers, one idle, one prefilling
     chunks beside the other's decode, batches past the largest bucket) compile nothing more on either rank, and the
@@ -393,17 +412,8 @@ def test_compiled_dp_attention_engine_compiles_nothing_after_start_up(spec_steps
     Plain, with two-batch overlap on the longer steps: its compiled stages too compile nothing after start-up."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    engine_args = dict(model=None, device="cpu", dtype="float32", max_total_tokens=1024, max_running_requests=4,
-                       cuda_graph_max_bs=2, progress=False, kernel_backend="triton", chunked_prefill_size=8,
-                       max_prefill_tokens=12)
-    params = SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False)
-    rng = random.Random(7)
-    with LLM(**engine_args) as single:
-        vocab = single.engine.model_config.vocab_size
-        waves = [[[rng.randint(2, vocab - 1) for _ in range(n)] for n in (9, 34, 11, 2, 5, 20)],
-                 [[rng.randint(2, vocab - 1) for _ in range(n)] for n in (3,)]]
-        want = [[o.token_ids for o in single.generate(wave, params)] for wave in waves]
-
+    engine_args, params = COMPILED_ENGINE_ARGS, COMPILED_PARAMS
+    waves, want = compiled_waves
     counter = CompileCounterWithBackend("aot_eager")
     frames = tmp_path / "rank1_frames.txt"
     static_graphs(monkeypatch.setattr, lambda key: None, counter)
