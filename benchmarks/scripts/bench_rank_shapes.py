@@ -44,7 +44,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_tp import CATEGORY_NAMES, category  # noqa: E402
+from profile_tp import CATEGORY_NAMES, category, summarise  # noqa: E402
 
 from minidsa.common.tensor_parallel import TensorParallel  # noqa: E402
 
@@ -78,27 +78,22 @@ def rank_of(mode: str, size: int) -> TensorParallel | None:
     return RankAlone(rank=0, size=size, expert_parallel=mode in ("ep", "dp"), dp_attention=mode == "dp")
 
 
-def kernel_profile(replay, iters: int) -> dict[str, float]:
-    """us per replay by category (CUDA kernels, inside the graph replays), the kernel count, and each kernel name's
-    us per replay (under "by_name")."""
+def kernel_profile(replay, iters: int) -> dict:
+    """us per replay by category (CUDA kernels, inside the graph replays: profile_tp's `summarise`), the kernel count,
+    and each kernel name's us per replay (under "by_name")."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             replay()
         torch.cuda.synchronize()
-    cats: dict = dict.fromkeys(CATEGORY_NAMES, 0.0)
-    names: dict[str, float] = {}
-    count = 0
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            us = ev.time_range.elapsed_us() / iters
-            cats[category(ev.name)] += us
-            names[ev.name[:200]] = names.get(ev.name[:200], 0.0) + us
-            count += 1
-    cats["kernels"] = count / iters
-    cats["by_name"] = names
-    return cats
+    summary = summarise(prof.events(), iters, 0.0, on_cuda=True)
+    out: dict = {c: v["us_per_step"] for c, v in summary["categories"].items()}
+    out["kernels"] = summary["kernels_per_step"]
+    out["by_name"] = {}
+    for k in summary["all"]:  # names cut to 160 characters: ones that agree that far are summed
+        out["by_name"][k["name"]] = out["by_name"].get(k["name"], 0.0) + k["us_per_step"]
+    return out
 
 
 def measure(mode: str, depth: int, args) -> dict:

@@ -429,10 +429,10 @@ def _tl_dtype(dtype: torch.dtype):
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, scale_ptr, row_expert_ptr, rows, inter, stride_g, stride_o, stride_s_row,
                      stride_s_group, stride_split, ROWS: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr,
-                     SKIP_PADDING: tl.constexpr, EMULATE_CAST: tl.constexpr, SPLITS: tl.constexpr = 1,
-                     MID_DTYPE: tl.constexpr = None, PDL: tl.constexpr = False):
-    """out[r, c] = silu(gu[r, c]) * gu[r, inter + c] for one [ROWS, GROUP] tile, rounded to MID_DTYPE (None: gu's
-    dtype; as the fused epilogue stores it); QUANT: then e4m3 per row per GROUP channels, one fp32 scale each.
+                     SKIP_PADDING: tl.constexpr, EMULATE_CAST: tl.constexpr, SPLITS: tl.constexpr,
+                     MID_DTYPE: tl.constexpr, PDL: tl.constexpr = False):
+    """out[r, c] = silu(gu[r, c]) * gu[r, inter + c] for one [ROWS, GROUP] tile, rounded to MID_DTYPE (as the fused
+    epilogue stores it); QUANT: then e4m3 per row per GROUP channels, one fp32 scale each.
     SPLITS > 1: gu is the split gate/up GEMM's fp32 partials, SPLITS of them `stride_split` apart, summed in split
     order first. SKIP_PADDING: rows whose row_expert is negative (padding of a grouped GEMM's layout) are neither
     read nor written."""
@@ -450,10 +450,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, scale_ptr, row_expert_ptr, rows, inter, st
     for i in tl.static_range(1, SPLITS):
         gate += tl.load(row + i * stride_split + c[None, :], mask=mask, other=0.0)
         up += tl.load(row + i * stride_split + inter + c[None, :], mask=mask, other=0.0)
-    if MID_DTYPE is None:
-        mid = (gate * tl.sigmoid(gate) * up).to(gu_ptr.dtype.element_ty).to(tl.float32)
-    else:
-        mid = (gate * tl.sigmoid(gate) * up).to(MID_DTYPE).to(tl.float32)
+    mid = (gate * tl.sigmoid(gate) * up).to(MID_DTYPE).to(tl.float32)
     out = out_ptr + r.to(tl.int64)[:, None] * stride_o + c[None, :]
     if QUANT:
         q, scale = _quant_tile(mid, EMULATE_CAST)
@@ -493,7 +490,7 @@ def silu_mul(gate_up: torch.Tensor, quantise: bool, row_expert: torch.Tensor | N
             out.stride(0), s.stride(0), s.stride(1) if quantise else 0, gate_up.stride(0) if splits > 1 else 0,
             ROWS=rows_per_program, GROUP=fp8.FP8_BLOCK, QUANT=quantise, SKIP_PADDING=row_expert is not None,
             EMULATE_CAST=EMULATE_CAST, SPLITS=splits,
-            MID_DTYPE=None if mid_dtype == gate_up.dtype else _tl_dtype(mid_dtype), **pdl_launch(gate_up.device))
+            MID_DTYPE=_tl_dtype(mid_dtype), **pdl_launch(gate_up.device))
     return out, scales
 
 
